@@ -1,0 +1,3 @@
+from pddgw.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m pddgw.bench.<name> [--json]`, ratios measured side by side."""
