@@ -73,6 +73,84 @@ class EngineConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """The router's decision knobs (pddgw/pipeline/policy.py explains each rule).
+
+    Loads are dimensionless: max(queued+running seqs / max_num_seqs,
+    KV blocks in use / total), so 1.0 means full.
+    """
+
+    # "auto" = decide per request; a fixed value forces every request onto one
+    # pipeline (e.g. "P-MD" is the naive cross-DC PD baseline).
+    pipeline: Literal["auto", "P-MD", "P-RLD-MD", "P-RLD"] = "auto"
+    # P-MD only if MD's missing KV crosses the WAN (half an RTT + bytes/bandwidth)
+    # within this many ms; otherwise RLD covers the wait (P-RLD-MD).
+    p_md_max_transfer_ms: float = 200.0
+    # MD at or above this load starts decoding late, so even a request whose KV
+    # fits the budget goes through RLD for its first tokens.
+    md_busy_load: float = 0.9
+    # RLD at or above this load takes no new request (P-MD, however slow).
+    rld_max_load: float = 0.9
+    # Singular traffic (finished on RLD, "P-RLD"): at least this many prompt
+    # tokens missing on MD and at most this many output tokens requested.
+    singular_min_uncached_tokens: int = 2048
+    singular_max_output_tokens: int = 16
+    # Token bucket on singular admissions: every request adds `singular_max_share`
+    # credit (capped at `singular_burst`), a singular request spends 1, so over
+    # any run of N requests at most max_share * N + burst go P-RLD (max_share 0
+    # turns singular routing off).  Overusing P-RLD lets MD's prefix cache fall
+    # behind P's (the oscillating pipeline).
+    singular_max_share: float = 0.05
+    singular_burst: float = 2.0
+    # Handoff mode: "auto" = by load (loaded RLD -> one-shot, loaded MD -> catch-up).
+    handoff_mode: Literal["auto", "one-shot", "catch-up"] = "auto"
+    # Loads at or above which a role counts as loaded for the handoff choice.
+    handoff_rld_loaded: float = 0.75
+    handoff_md_loaded: float = 0.75
+    # Catch-up: rounds continue while at least this many generated tokens are
+    # still unsent; below it the remainder goes as the final one-shot.
+    catchup_threshold: int = 64
+    # The threshold when MD is loaded: smaller extends keep its batches smooth.
+    catchup_threshold_md_loaded: int = 32
+    # Largest non-final catch-up chunk (tokens extended in one MD step).
+    catchup_max_chunk: int = 256
+    # After this many non-final rounds the next round is final whatever is left,
+    # so a handoff ends even if MD extends slower than RLD decodes.
+    catchup_max_rounds: int = 8
+    # Prior of the WAN link estimator until transfers are observed.
+    link_prior_mbps: float = 10_000.0
+    link_prior_rtt_ms: float = 30.0
+    # Estimator: EWMA weight of each new sample, median window against outliers,
+    # and the smallest transfer that counts as a bandwidth sample (smaller ones
+    # measure latency, not bandwidth).
+    link_ewma_alpha: float = 0.2
+    link_median_window: int = 5
+    link_min_sample_bytes: int = 65_536
+
+    def __post_init__(self) -> None:
+        _check(self.p_md_max_transfer_ms >= 0, "p_md_max_transfer_ms must be >= 0")
+        _check(self.md_busy_load > 0, "md_busy_load must be > 0")
+        _check(self.rld_max_load > 0, "rld_max_load must be > 0")
+        _check(self.singular_min_uncached_tokens >= 1, "singular_min_uncached_tokens must be >= 1")
+        _check(self.singular_max_output_tokens >= 0, "singular_max_output_tokens must be >= 0")
+        _check(0.0 <= self.singular_max_share <= 1.0, "singular_max_share must be in [0, 1]")
+        _check(self.singular_burst >= 1, "singular_burst must be >= 1")
+        _check(self.handoff_rld_loaded > 0, "handoff_rld_loaded must be > 0")
+        _check(self.handoff_md_loaded > 0, "handoff_md_loaded must be > 0")
+        _check(self.catchup_threshold >= 1, "catchup_threshold must be >= 1")
+        _check(1 <= self.catchup_threshold_md_loaded <= self.catchup_threshold,
+               "catchup_threshold_md_loaded must be in [1, catchup_threshold]")
+        _check(self.catchup_max_chunk >= self.catchup_threshold,
+               "catchup_max_chunk must be >= catchup_threshold")
+        _check(self.catchup_max_rounds >= 1, "catchup_max_rounds must be >= 1")
+        _check(self.link_prior_mbps > 0, "link_prior_mbps must be > 0")
+        _check(self.link_prior_rtt_ms >= 0, "link_prior_rtt_ms must be >= 0")
+        _check(0.0 < self.link_ewma_alpha <= 1.0, "link_ewma_alpha must be in (0, 1]")
+        _check(self.link_median_window >= 1, "link_median_window must be >= 1")
+        _check(self.link_min_sample_bytes >= 1, "link_min_sample_bytes must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     json: bool = False
@@ -83,6 +161,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 # --------------------------------------------------------------------------

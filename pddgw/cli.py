@@ -1,0 +1,104 @@
+"""pddgw command line: generate (one request on a local engine), serve."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import orjson
+
+from pddgw.config import Config, ConfigError, load_config
+
+
+def _parse_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _config_with_overrides(args: argparse.Namespace) -> Config:
+    import dataclasses
+
+    cfg = load_config(args.config)
+    if args.model:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=args.model))
+    if args.dtype:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=args.dtype))
+    return cfg
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from pddgw.engines.kv_pool import DTYPES
+    from pddgw.engines.torch_engine import TorchEngine
+    from pddgw.engines.types import EngineRequest, RequestError, SamplingParams
+    from pddgw.engines.weights import load_model
+
+    cfg = _config_with_overrides(args)
+    model, tokenizer = load_model(cfg.model.path or None, DTYPES[cfg.model.dtype], cfg.engine.device,
+                                  tiny_seed=cfg.model.tiny_seed)
+    engine = TorchEngine(model, model.spec, cfg.engine, DTYPES[cfg.model.dtype], cfg.model.max_model_len)
+    ids = args.prompt_ids if args.prompt_ids is not None else tuple(tokenizer.encode(args.prompt))
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
+        engine.add_request(EngineRequest("cli", ids, params))
+    except RequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out: list[int] = []
+    with torch.inference_mode():
+        while engine.has_work():
+            for o in engine.step():
+                out += o.new_token_ids
+                if not args.json and o.new_token_ids:
+                    print(tokenizer.decode(list(o.new_token_ids)), end="", flush=True)
+    text = tokenizer.decode(out)
+    if args.json:
+        sys.stdout.write(orjson.dumps({"token_ids": out, "text": text}).decode() + "\n")
+    else:
+        print()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pddgw", description=__doc__)
+    p.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="run one request on a local engine and print the output")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
+    g.add_argument("--config", help="config.toml (model and engine sections are used)")
+    g.add_argument("--model", help="Hugging Face model directory (default: built-in tiny model)")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print {token_ids, text} as JSON")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pddgw.logs import setup_logging
+
+    setup_logging(json=args.log_json)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

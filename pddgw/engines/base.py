@@ -1,0 +1,139 @@
+"""The Engine contract, and a registry to pick an implementation by name.
+
+Every role (P, RLD, MD) drives the same contract.  The control surface takes
+and returns the tensor-free values of `pddgw.engines.types`, so an engine that
+only models time (a cost model for cluster-scale simulation) fits it as well
+as the torch engine.  An engine is single-threaded: callers serialise every
+call (the async wrapper runs all of them on one worker thread).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pddgw.engines.types import AddResult, EngineRequest, EngineStats, KVChunk, KVLayout, RequestOutput
+
+
+class Engine(ABC):
+    """A continuous-batching engine over a paged, prefix-cached KV pool.
+
+    Request lifecycle, as the engine sees it:
+      1. `add_request` validates (RequestError for what can never be served),
+         matches the prompt against the prefix cache and queues the request.
+         An "import" request gets all its prompt blocks at once (CapacityError
+         if the pool cannot hold them even after eviction).
+      2. "import" requests wait until `finish_import`; `import_kv` writes
+         chunks into their blocks meanwhile.  Imported blocks are published to
+         the prefix cache only when the import is confirmed complete.
+      3. `step` runs one forward over a token budget mixing prefill chunks,
+         extends (output tokens given by `output_token_ids` or
+         `append_tokens`, computed in one forward) and decodes, samples where
+         a sequence is fully computed and not on hold, and returns one
+         RequestOutput per request it advanced.
+      4. A request finishes on a stop token, max_tokens or the model's
+         context length, or by `abort`.  Its blocks are freed at once (full
+         ones stay in the prefix cache, evictable) unless `retain_kv`, in
+         which case they stay until `release`.
+    Under block pressure the engine never crashes: it queues (back-pressure)
+    or preempts a running request and recomputes it later.
+    """
+
+    @property
+    @abstractmethod
+    def kv_layout(self) -> KVLayout:
+        """Shape of this engine's KV: layers, kv heads, head dim, dtype, block size."""
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) this engine serves."""
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest) -> AddResult:
+        """Queue a request; raise RequestError / CapacityError without side effects."""
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return what changed, finished requests included."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """True while some request can make progress in `step`."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks; False if unknown."""
+
+    @abstractmethod
+    def release(self, request_id: str) -> bool:
+        """Free the blocks a finished `retain_kv` request still holds; False if unknown."""
+
+    @abstractmethod
+    def append_tokens(self, request_id: str, token_ids: Sequence[int], final: bool) -> None:
+        """Append handed-off output tokens; they are extended in one forward.
+
+        With final=False the request stays on hold (compute, do not sample);
+        with final=True it samples from the next position on.
+        """
+
+    @abstractmethod
+    def match_prefix(self, block_hashes: Sequence[int], pin_key: str | None = None) -> int:
+        """How many leading blocks of these chained hashes this engine holds.
+
+        With a pin_key the matched blocks are pinned (never evicted) until
+        `unpin(pin_key)`; the answer is then authoritative for a transfer.
+        """
+
+    @abstractmethod
+    def unpin(self, pin_key: str) -> bool:
+        """Release blocks pinned by `match_prefix`; False if unknown."""
+
+    @abstractmethod
+    def export_kv(self, request_id: str, token_start: int, token_end: int,
+                  layer_start: int = 0, layer_end: int | None = None) -> KVChunk:
+        """KV of a token range of a (running or retained) request, layout independent."""
+
+    @abstractmethod
+    def import_kv(self, chunk: KVChunk) -> None:
+        """Write a chunk into an importing request's blocks (any dtype, any source block size).
+
+        Tokens that already came from this engine's prefix cache are skipped.
+        """
+
+    @abstractmethod
+    def finish_import(self, request_id: str) -> None:
+        """Every prompt token past the cached prefix has arrived: make the request runnable."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """Block and queue counts."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless free + cached + used == total and ref counts agree."""
+
+
+_REGISTRY: dict[str, Callable[..., Engine]] = {}
+
+
+def register_engine(name: str) -> Callable[[Any], Any]:
+    def deco(factory: Any) -> Any:
+        if name in _REGISTRY:
+            raise ValueError(f"engine {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def create_engine(name: str, *args: Any, **kwargs: Any) -> Engine:
+    if name not in _REGISTRY:
+        # Importing the implementations registers them.
+        import pddgw.engines.torch_engine  # noqa: F401
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r} (known: {', '.join(sorted(_REGISTRY))})") from None
+    return factory(*args, **kwargs)

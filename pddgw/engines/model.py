@@ -1,0 +1,245 @@
+"""Llama-family decoder in plain torch (Llama, Qwen2, Qwen3, Mistral, tiny).
+
+One decoder layer: RMSNorm -> fused qkv projection (+bias) -> optional per-head
+q/k RMSNorm (Qwen3) -> RoPE -> attention -> o_proj -> residual; RMSNorm ->
+fused gate_up projection -> SiLU(gate) * up -> down -> residual.
+
+Numerics follow `transformers` so logits match it: RMSNorm is computed in
+float32 (float64 for a float64 model) and cast back before the weight
+multiply; RoPE uses the "rotate half" pairing of HF checkpoints, with cos/sin
+computed once in float64 and stored in the model dtype.
+
+Two entry points share the layer code and differ only in attention:
+`forward` runs a packed batch against the paged KV cache (the engine),
+`forward_dense` recomputes one whole sequence with dense causal attention and
+no cache (the naive reference generator in `naive.py`).
+
+Weights live in fused tensors (qkv, gate_up); `hf_tensors` exposes them as
+views under their Hugging Face names, which is the only naming map: loading
+copies into those views and saving reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pddgw.engines.attention import AttnMetadata, paged_attention
+from pddgw.engines.model_spec import ModelSpec, RopeScaling
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation / logits dtype for a model dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N] normalized over the last dim in float32 (HF order: cast back, then scale)."""
+    xf = x.to(acc_dtype(x.dtype))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float64, with Llama-3 scaling if given."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    # Long wavelengths (beyond the pretraining context) are stretched by
+    # `factor`, short ones kept, the band between blended linearly.
+    scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated at the positions whose cos/sin [T, D/2] are given."""
+    x1, x2 = x.chunk(2, dim=-1)                                # [T, H, D/2] each
+    c, s = cos[:, None, :], sin[:, None, :]                    # [T, 1, D/2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [L, H, D], k/v [L, KVH, D] of one whole sequence -> [L, H, D].
+
+    Accumulates like the reference paged kernels (float32, float64 for float64)."""
+    acc = acc_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    kf = k.to(acc).repeat_interleave(group, dim=1)             # [L, H, D]
+    vf = v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(acc), kf) * scale   # [H, L, L]
+    n = q.shape[0]
+    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)   # [L, L]
+    scores = scores.masked_fill(future[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device, fill: float | None = None
+           ) -> nn.Parameter:
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    if fill is not None:
+        t.fill_(fill)
+    return nn.Parameter(t, requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """Weights of one layer, in the fused layout the forward uses."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        p = dict(dtype=dtype, device=device)
+        h, qkv = spec.hidden_size, spec.q_size + 2 * spec.kv_size
+        self.input_norm = _param(h, fill=1.0, **p)
+        self.qkv_w = _param(qkv, h, **p)                        # rows: q | k | v
+        self.qkv_b = _param(qkv, **p) if spec.attention_bias else None
+        self.q_norm = _param(spec.head_dim, fill=1.0, **p) if spec.qk_norm else None
+        self.k_norm = _param(spec.head_dim, fill=1.0, **p) if spec.qk_norm else None
+        self.o_w = _param(h, spec.q_size, **p)
+        self.o_b = _param(h, **p) if spec.o_proj_bias else None
+        self.post_norm = _param(h, fill=1.0, **p)
+        self.gate_up_w = _param(2 * spec.intermediate_size, h, **p)   # rows: gate | up
+        self.down_w = _param(h, spec.intermediate_size, **p)
+
+
+# attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LlamaModel(nn.Module):
+    """A Llama-family decoder whose weights are filled by `weights.py`.
+
+    The constructor allocates uninitialised weights (norms are ones); use
+    `weights.load_model` / `weights.build_tiny` to get a usable model.
+    Positions must be < `spec.max_position_embeddings` (the RoPE table size);
+    the engine caps context length accordingly.
+    """
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: str | torch.device) -> None:
+        super().__init__()
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            raise ValueError(f"unsupported model dtype {dtype}")
+        self.spec = spec
+        self.dtype = dtype
+        self.device = torch.device(device)
+        p = dict(dtype=dtype, device=self.device)
+        self.embed = _param(spec.vocab_size, spec.hidden_size, **p)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, self.device)
+                                    for _ in range(spec.num_layers))
+        self.norm = _param(spec.hidden_size, fill=1.0, **p)
+        self.lm_head_w = None if spec.tie_word_embeddings else _param(
+            spec.vocab_size, spec.hidden_size, **p)
+        self.scale = spec.head_dim ** -0.5
+        inv = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)   # [D/2]
+        ang = torch.arange(spec.max_position_embeddings, dtype=torch.float64)[:, None] * inv
+        # [P, D/2]; stored in the model dtype, as HF casts cos/sin to the activations' dtype.
+        self.register_buffer("rope_cos", ang.cos().to(device=self.device, dtype=dtype),
+                             persistent=False)
+        self.register_buffer("rope_sin", ang.sin().to(device=self.device, dtype=dtype),
+                             persistent=False)
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.embed if self.lm_head_w is None else self.lm_head_w
+
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """Views of every weight under its Hugging Face name (copy into them to load)."""
+        s = self.spec
+        q, kv, inter = s.q_size, s.kv_size, s.intermediate_size
+        out = {"model.embed_tokens.weight": self.embed}
+        for i, L in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            out[pre + "input_layernorm.weight"] = L.input_norm
+            out[pre + "self_attn.q_proj.weight"] = L.qkv_w[:q]
+            out[pre + "self_attn.k_proj.weight"] = L.qkv_w[q:q + kv]
+            out[pre + "self_attn.v_proj.weight"] = L.qkv_w[q + kv:]
+            if L.qkv_b is not None:
+                out[pre + "self_attn.q_proj.bias"] = L.qkv_b[:q]
+                out[pre + "self_attn.k_proj.bias"] = L.qkv_b[q:q + kv]
+                out[pre + "self_attn.v_proj.bias"] = L.qkv_b[q + kv:]
+            if L.q_norm is not None:
+                out[pre + "self_attn.q_norm.weight"] = L.q_norm
+                out[pre + "self_attn.k_norm.weight"] = L.k_norm
+            out[pre + "self_attn.o_proj.weight"] = L.o_w
+            if L.o_b is not None:
+                out[pre + "self_attn.o_proj.bias"] = L.o_b
+            out[pre + "post_attention_layernorm.weight"] = L.post_norm
+            out[pre + "mlp.gate_proj.weight"] = L.gate_up_w[:inter]
+            out[pre + "mlp.up_proj.weight"] = L.gate_up_w[inter:]
+            out[pre + "mlp.down_proj.weight"] = L.down_w
+        out["model.norm.weight"] = self.norm
+        if self.lm_head_w is not None:
+            out["lm_head.weight"] = self.lm_head_w
+        return out
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """h [T, hidden] embeddings at positions [T] -> final hidden states [T, hidden]."""
+        s = self.spec
+        T = h.shape[0]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]   # [T, D/2]
+        for i, L in enumerate(self.layers):
+            x = rms_norm(h, L.input_norm, s.rms_norm_eps)
+            qkv = F.linear(x, L.qkv_w, L.qkv_b)                 # [T, q + 2 kv]
+            q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+            q = q.view(T, s.num_heads, s.head_dim)              # [T, H, D]
+            k = k.view(T, s.num_kv_heads, s.head_dim)           # [T, KVH, D]
+            v = v.reshape(T, s.num_kv_heads, s.head_dim).contiguous()
+            if L.q_norm is not None:
+                q = rms_norm(q, L.q_norm, s.rms_norm_eps)
+                k = rms_norm(k, L.k_norm, s.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = attend(i, q, k, v)                               # [T, H, D]
+            h = h + F.linear(o.reshape(T, s.q_size), L.o_w, L.o_b)
+            x = rms_norm(h, L.post_norm, s.rms_norm_eps)
+            gate, up = F.linear(x, L.gate_up_w).chunk(2, dim=-1)   # [T, I] each
+            h = h + F.linear(F.silu(gate) * up, L.down_w)
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [S, hidden] -> logits [S, vocab] in float32 (float64 for a float64 model)."""
+        x = rms_norm(h, self.norm, self.spec.rms_norm_eps)
+        return F.linear(x, self.lm_head).to(acc_dtype(self.dtype))
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """One engine step over a packed batch.
+
+        input_ids [T] int64, positions [T] int64 (absolute), meta describes where
+        the T rows live in the paged cache, kv_caches[layer] = (k, v) each
+        [num_blocks, block_size, KVH, D]; returns logits [S, vocab] of the rows
+        logits_indices [S].
+        """
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = kv_caches[i]
+            return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+
+        h = self._layers(self.embed[input_ids], positions, attend)   # [T, hidden]
+        return self._logits(h[logits_indices])                       # [S, vocab]
+
+    @torch.no_grad()
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [L] of one sequence from position 0 -> logits [L, vocab]; no cache."""
+        n = input_ids.shape[0]
+        if n > self.spec.max_position_embeddings:
+            raise ValueError(f"sequence of {n} tokens exceeds max_position_embeddings "
+                             f"{self.spec.max_position_embeddings}")
+        positions = torch.arange(n, device=self.device)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return dense_causal_attention(q, k, v, self.scale)
+
+        return self._logits(self._layers(self.embed[input_ids], positions, attend))

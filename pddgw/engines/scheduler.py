@@ -1,0 +1,133 @@
+"""Continuous batching: which tokens of which sequences the next forward computes.
+
+Each step has a token budget (max_num_batched_tokens).  Running sequences
+come first, in admission order: a decode costs one token, an extend
+(handed-off output tokens) or a prefill chunk as many as the budget allows.
+Then waiting sequences are admitted in arrival order, each starting from its
+longest prefix-cache hit (never the last prompt token: its logits are
+needed).  When a running sequence needs a block and none is left, the most
+recently admitted running sequence is preempted (its blocks freed, recomputed
+later from its tokens); waiting sequences simply wait (back-pressure).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pddgw.engines.block_manager import BlockManager, OutOfBlocks
+from pddgw.engines.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class Chunk:
+    seq: Sequence
+    num_tokens: int      # tokens [seq.num_computed, seq.num_computed + num_tokens) are computed
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.blocks.block_size)
+
+    def schedule(self) -> list[Chunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[Chunk] = []
+        preempted = False
+        scheduled: set[str] = set()
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != SeqStatus.RUNNING or seq.num_pending == 0:
+                continue   # preempted in this loop, or on hold with nothing to compute
+            n = min(seq.num_pending, budget)
+            if not self._reserve(seq, seq.num_computed + n, scheduled):
+                preempted = True
+                if seq.status != SeqStatus.RUNNING:
+                    continue
+            chunks.append(Chunk(seq, n))
+            scheduled.add(seq.request_id)
+            budget -= n
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(Chunk(seq, n))
+            budget -= n
+        return chunks
+
+    def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[str]) -> bool:
+        """Make seq hold blocks for num_tokens, preempting unscheduled sequences if needed.
+
+        Returns False if anything was preempted (seq itself possibly).
+        """
+        need = self.blocks_for(num_tokens) - len(seq.block_ids)
+        clean = True
+        while need > self.blocks.num_allocatable:
+            victim = self._victim(seq, scheduled)
+            self.preempt(victim)
+            clean = False
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_ids += self.blocks.allocate(need)
+        return clean
+
+    def _victim(self, seq: Sequence, scheduled: set[str]) -> Sequence:
+        """The most recently admitted running sequence not already in this step's batch."""
+        for cand in reversed(self.running):
+            if cand is not seq and cand.request_id not in scheduled:
+                return cand
+        return seq
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and queue it first in line; it recomputes from its tokens."""
+        self.blocks.release(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        seq.num_published = 0
+        seq.kv_source = "compute"
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Give a waiting seq its cached prefix and blocks for its first chunk; 0 if no room."""
+        bs = self.blocks.block_size
+        # Never serve the last token from cache: its forward yields the next logits.
+        hashes = seq.block_hashes((len(seq.tokens) - 1) // bs, bs)
+        cached = self.blocks.match(hashes)
+        self.blocks.acquire(cached)
+        n_cached = len(cached) * bs
+        n = min(len(seq.tokens) - n_cached, budget)
+        try:
+            fresh = self.blocks.allocate(self.blocks_for(n_cached + n) - len(cached))
+        except OutOfBlocks:
+            self.blocks.release(cached)
+            return 0
+        seq.block_ids = cached + fresh
+        seq.num_computed = seq.num_cached_tokens = n_cached
+        seq.num_published = len(cached)
+        self.prefix_hit_tokens += n_cached
+        self.prefix_query_tokens += len(seq.tokens)
+        return n
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,68 @@
+"""One request's state inside an engine.
+
+Lifecycle (SeqStatus, ordered):
+  1. WAITING    queued without blocks ("compute" requests, and preempted ones,
+                which recompute from their tokens).
+  2. IMPORTING  "import" requests: every prompt block allocated at add time,
+                KV arriving through import_kv until finish_import.
+  3. RUNNING    holds blocks; each step computes some of its pending tokens
+                (prefill chunk, extend or decode) and, once all are computed
+                and it is not on hold, samples the next token.
+  4. RETAINED   finished, blocks kept for export until release (P nodes).
+  5. FINISHED   blocks released; only the final RequestOutput remains.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
+from pddgw.engines.types import EngineRequest, FinishReason, KVSource, SamplingParams
+
+
+class SeqStatus(IntEnum):
+    WAITING = 1
+    IMPORTING = 2
+    RUNNING = 3
+    RETAINED = 4
+    FINISHED = 5
+
+
+class Sequence:
+    __slots__ = ("request_id", "sampling", "tokens", "num_prompt", "block_ids", "num_computed",
+                 "num_cached_tokens", "kv_source", "hold", "retain", "status", "finish_reason",
+                 "_hashes", "num_published", "imported", "last_reported")
+
+    def __init__(self, req: EngineRequest):
+        self.request_id = req.request_id
+        self.sampling: SamplingParams = req.sampling
+        self.tokens: list[int] = list(req.prompt_token_ids) + list(req.output_token_ids)
+        self.num_prompt = len(req.prompt_token_ids)
+        self.block_ids: list[int] = []
+        self.num_computed = 0          # tokens whose KV is in block_ids
+        self.num_cached_tokens = 0     # of those, how many came from the prefix cache at admission
+        self.kv_source: KVSource = req.kv_source
+        self.hold = req.hold
+        self.retain = req.retain_kv
+        self.status = SeqStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self._hashes: list[int] = []   # chained hashes of full blocks, grown lazily
+        self.num_published = 0         # leading blocks published to the prefix cache
+        self.imported: bytearray | None = None   # per prompt token: arrived via import_kv
+        self.last_reported = 0         # num_computed last reported in a RequestOutput
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    def block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
+        """Chained hashes of the first num_blocks full blocks of self.tokens."""
+        if len(self._hashes) < num_blocks:
+            parent = self._hashes[-1] if self._hashes else ROOT_HASH
+            self._hashes += chain_hashes(self.tokens[: num_blocks * block_size], block_size,
+                                         parent, start_block=len(self._hashes))
+        return self._hashes[:num_blocks]

@@ -1,0 +1,166 @@
+"""Typed values that cross the Engine contract.
+
+None of these hold tensors: a KV chunk carries its payload as a read-only
+buffer (memoryview) plus a layout-independent description, so a cost-model
+engine and the network layer can handle them without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+KVSource = Literal["compute", "import"]
+DTYPE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+class RequestError(ValueError):
+    """A request can never be served as given (too long, bad params, unknown id)."""
+
+
+class CapacityError(RuntimeError):
+    """Not enough KV blocks right now for a request that cannot wait (an import)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How output tokens are chosen.
+
+    Sampling is position-keyed: the random draw for output position i depends
+    only on (seed, i), so any node sampling position i draws the same token
+    from the same logits.  temperature == 0 is greedy.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0          # 0 = no top-k filter
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**63:
+            raise RequestError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One sequence for an engine.
+
+    prompt_token_ids   the prompt.
+    output_token_ids   output tokens already generated elsewhere (positions
+                       0..k-1): a P-computed first token, or a token-ID handoff.
+                       Their KV is computed here in one extend.
+    kv_source          "compute": the engine prefills the prompt itself (with
+                       prefix-cache hits); "import": the prompt KV past the
+                       cached prefix arrives through `import_kv`, and the
+                       request waits until `finish_import`.
+    retain_kv          keep the blocks after the request finishes, until
+                       `release` (a P node holds them until they are sent).
+    hold               compute KV but do not sample until `append_tokens(...,
+                       final=True)` (MD during a catch-up handoff).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    output_token_ids: tuple[int, ...] = ()
+    kv_source: KVSource = "compute"
+    retain_kv: bool = False
+    hold: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AddResult:
+    """What `add_request` found: how many prompt tokens came from the prefix cache."""
+
+    request_id: str
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one engine step did for one request.
+
+    new_token_ids are the tokens sampled this step, the first at output
+    position `position`.  num_computed_tokens counts the tokens whose KV is
+    in the cache (a P node streams KV out as it grows).
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    position: int
+    num_computed_tokens: int
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str              # a key of DTYPE_ITEMSIZE
+    block_size: int
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class KVChunk:
+    """KV of tokens [token_start, token_end) of layers [layer_start, layer_end).
+
+    Layout independent: `data` is [layers, 2 (K, V), tokens, kv_heads,
+    head_dim] contiguous in `dtype`, whatever block size or pool layout
+    produced it.
+    """
+
+    request_id: str
+    token_start: int
+    token_end: int
+    layer_start: int
+    layer_end: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    data: memoryview
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    def expected_nbytes(self) -> int:
+        per_value = DTYPE_ITEMSIZE[self.dtype]
+        return ((self.layer_end - self.layer_start) * 2 * self.num_tokens
+                * self.num_kv_heads * self.head_dim * per_value)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int          # unreferenced, hashed, evictable
+    used_blocks: int            # referenced by requests or pins
+    running: int
+    waiting: int
+    importing: int
+    retained: int
+    pins: int
+    prefix_hit_tokens: int      # cumulative
+    prefix_query_tokens: int    # cumulative
+    preemptions: int

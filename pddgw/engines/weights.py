@@ -1,0 +1,208 @@
+"""Getting weights into a `LlamaModel`: the built-in tiny model, Hugging Face
+checkpoints (safetensors, one file or shards), and writing a checkpoint back.
+
+Name mapping is strict: every tensor the model needs must be in the
+checkpoint and every tensor in the checkpoint must be one the model uses
+(except RoPE `inv_freq` buffers some old checkpoints carry, and an
+`lm_head.weight` equal to the embeddings in a tied checkpoint); anything else
+is a `WeightsError` naming the tensors.
+
+The tiny model ("tiny", `load_model(None, ...)`) is a plain Llama generated
+from a seed with a CPU `torch.Generator` in float32, so every process and
+machine builds bit-identical weights, and a float64 copy holds exactly the
+same values.  Its output projection is scaled so the top logits are far apart
+(greedy decoding does not flip between dtypes or batchings) and its rows are zero
+except for printable ASCII and newline, so the only ids it emits are those
+(readable demo output, no partial UTF-8, and no eos: it never ends by itself;
+stop it with max_tokens or stop ids).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pddgw.engines.model import LlamaModel
+from pddgw.engines.model_spec import ModelSpec
+from pddgw.engines.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
+# Logit standard deviation of the tiny model over byte tokens (see module doc).
+TINY_LOGIT_STD = 8.0
+# config.json marker: the checkpoint uses `ByteTokenizer` (a saved tiny model).
+BYTE_TOKENIZER_KEY = "pddgw_tokenizer"
+
+
+class WeightsError(ValueError):
+    """A checkpoint does not match the model its config describes."""
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPES)})") from None
+
+
+def tiny_spec() -> ModelSpec:
+    return ModelSpec(
+        arch="tiny", vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rope_scaling=None, tie_word_embeddings=False, attention_bias=False, qk_norm=False,
+        max_position_embeddings=4096, bos_token_id=ByteTokenizer.BOS,
+        eos_token_ids=(ByteTokenizer.EOS, ByteTokenizer.IM_END_ID))
+
+
+def tiny_output_mask(vocab_size: int) -> torch.Tensor:
+    """[vocab] bool: the ids the tiny model emits (printable ASCII and newline)."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[32:127] = True
+    mask[ord("\n")] = True
+    return mask
+
+
+def _tiny_tensor(name: str, shape: torch.Size, spec: ModelSpec, g: torch.Generator) -> torch.Tensor:
+    """Values of one tiny-model weight, float32 on CPU, drawn from `g`."""
+    h = spec.hidden_size
+    randn = torch.randn(shape, generator=g, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * randn
+    if name == "model.embed_tokens.weight":
+        return randn
+    if name == "lm_head.weight":
+        w = randn * (TINY_LOGIT_STD / h ** 0.5)
+        w[~tiny_output_mask(spec.vocab_size)] = 0.0   # these ids never win (module doc)
+        return w
+    if name.endswith("o_proj.weight"):
+        return randn / spec.q_size ** 0.5
+    if name.endswith("down_proj.weight"):
+        return randn / spec.intermediate_size ** 0.5
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+        # Sharper attention than 1/sqrt(h) so context matters for the next token.
+        return randn * (2.0 / h ** 0.5)
+    return randn / h ** 0.5     # v, gate, up
+
+
+def build_tiny(seed: int, dtype: torch.dtype | str, device: str | torch.device) -> LlamaModel:
+    """The built-in tiny model; identical for a given seed on every machine and process."""
+    spec = tiny_spec()
+    model = LlamaModel(spec, resolve_dtype(dtype), device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, view in model.hf_tensors().items():   # fixed insertion order
+            view.copy_(_tiny_tensor(name, view.shape, spec, g))
+    return model
+
+
+def _checkpoint_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [d / f for f in sorted(set(weight_map.values()))]
+    if (d / "model.safetensors").exists():
+        return [d / "model.safetensors"]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{d}: no *.safetensors files")
+    return files
+
+
+def _ignorable(name: str) -> bool:
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def load_hf_weights(model: LlamaModel, directory: str | Path) -> None:
+    """Copy a safetensors checkpoint into `model`, cast to its dtype, strictly by name."""
+    from safetensors import safe_open
+
+    d = Path(directory)
+    targets = model.hf_tensors()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    tied_head: torch.Tensor | None = None
+    with torch.no_grad():
+        for path in _checkpoint_files(d):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if _ignorable(name):
+                        continue
+                    if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+                        tied_head = f.get_tensor(name)
+                        continue
+                    view = targets.get(name)
+                    if view is None:
+                        unexpected.append(name)
+                        continue
+                    if name in loaded:
+                        raise WeightsError(f"{d}: tensor {name!r} appears in two files")
+                    t = f.get_tensor(name)
+                    if tuple(t.shape) != tuple(view.shape):
+                        raise WeightsError(f"{d}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                           f"config implies {tuple(view.shape)}")
+                    view.copy_(t)
+                    loaded.add(name)
+    if unexpected:
+        raise WeightsError(f"{d}: unexpected tensors {_names(unexpected)} "
+                           f"(not used by a {model.spec.arch} model with this config)")
+    missing = [n for n in targets if n not in loaded]
+    if missing:
+        raise WeightsError(f"{d}: missing tensors {_names(missing)}")
+    if tied_head is not None and not torch.equal(tied_head.to(model.dtype).to(model.device),
+                                                 model.embed):
+        raise WeightsError(f"{d}: tie_word_embeddings is true but lm_head.weight differs "
+                           "from model.embed_tokens.weight")
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def load_model(path: str | None, dtype: torch.dtype | str, device: str | torch.device,
+               tiny_seed: int = 0) -> tuple[LlamaModel, Tokenizer]:
+    """A model and its tokenizer: `path` None/"" = the built-in tiny model with a
+    `ByteTokenizer`; else a Hugging Face checkpoint directory (config.json,
+    *.safetensors, tokenizer.json; eos ids from generation_config.json when present)."""
+    dt = resolve_dtype(dtype)
+    if not path:
+        model = build_tiny(tiny_seed, dt, device)
+        return model, ByteTokenizer(model.spec.vocab_size)
+    d = Path(path)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise WeightsError(f"{d}: no config.json (expected a Hugging Face model directory)")
+    cfg = json.loads(cfg_path.read_text())
+    spec = ModelSpec.from_hf_config(cfg)
+    model = LlamaModel(spec, dt, device)
+    load_hf_weights(model, d)
+    if (d / "tokenizer.json").is_file():
+        tok: Tokenizer = HFTokenizer.from_dir(d, spec.vocab_size)
+    elif cfg.get(BYTE_TOKENIZER_KEY) == "byte":
+        tok = ByteTokenizer(spec.vocab_size)
+    else:
+        raise WeightsError(f"{d}: no tokenizer.json")
+    return model, tok
+
+
+def save_hf_checkpoint(model: LlamaModel, directory: str | Path) -> None:
+    """Write config.json + model.safetensors with Hugging Face names (loadable by
+    `transformers` and by `load_model`); a tiny model also records that it uses
+    the byte tokenizer."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = model.spec.to_hf_config()
+    cfg["dtype"] = next(k for k, v in DTYPES.items() if v == model.dtype)
+    if model.spec.arch == "tiny":
+        cfg[BYTE_TOKENIZER_KEY] = "byte"
+    # Clones: the fused layout makes q/k/v (and gate/up) views of one storage,
+    # and safetensors refuses tensors that share memory.
+    tensors = {n: t.detach().to("cpu").clone() for n, t in model.hf_tensors().items()}
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
