@@ -3,14 +3,16 @@
 Every engine call (steps and control calls alike) runs on one dedicated
 worker thread, in submission order, so the engine itself needs no locks and
 a control call never races a step.  A background task steps while there is
-work and fans the outputs out to per-request streams.  Leaving a stream early
-(break, cancellation, client gone) aborts the request and frees its blocks.
+work and fans the outputs out to per-request streams.  Closing a stream
+early (`contextlib.aclosing` around it, or cancelling the task reading it)
+aborts the request and frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -96,8 +98,9 @@ class AsyncEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         await self.add(request)
-        async for out in self.stream(request.request_id):
-            yield out
+        async with contextlib.aclosing(self.stream(request.request_id)) as outputs:
+            async for out in outputs:
+                yield out
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(self.engine.abort, request_id)

@@ -84,10 +84,11 @@ class ByteTokenizer(Tokenizer):
 
     SPECIALS = ("<bos>", "<eos>", IM_START, IM_END, "<pad>")
     BOS, EOS, IM_START_ID, IM_END_ID, PAD = range(256, 256 + len(SPECIALS))
+    MIN_VOCAB = 256 + len(SPECIALS)
 
     def __init__(self, vocab_size: int = 384) -> None:
-        if vocab_size < 256 + len(self.SPECIALS):
-            raise ValueError(f"ByteTokenizer needs vocab_size >= {256 + len(self.SPECIALS)}")
+        if vocab_size < self.MIN_VOCAB:
+            raise ValueError(f"ByteTokenizer needs vocab_size >= {self.MIN_VOCAB}")
         self._vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
@@ -140,15 +141,17 @@ class HFTokenizer(Tokenizer):
     def from_dir(cls, directory: str | Path, vocab_size: int | None = None) -> HFTokenizer:
         """tokenizer.json of a checkpoint directory; eos from generation_config.json
         if present, else config.json; bos from config.json."""
-        import orjson
+        import json
 
         d = Path(directory)
-        cfg = orjson.loads((d / "config.json").read_bytes()) if (d / "config.json").exists() else {}
-        gen_path = d / "generation_config.json"
-        gen = orjson.loads(gen_path.read_bytes()) if gen_path.exists() else {}
-        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        merged: dict = {}
+        for name in ("config.json", "generation_config.json"):     # later wins
+            if (d / name).is_file():
+                merged.update({k: v for k, v in json.loads((d / name).read_text()).items()
+                               if k in ("bos_token_id", "eos_token_id") and v is not None})
+        eos = merged.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        bos = merged.get("bos_token_id")
         return cls(d / "tokenizer.json", None if bos is None else int(bos), eos_ids, vocab_size)
 
     def encode(self, text: str) -> list[int]:

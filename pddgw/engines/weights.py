@@ -19,6 +19,7 @@ stop it with max_tokens or stop ids).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -32,8 +33,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64}
 # Logit standard deviation of the tiny model over byte tokens (see module doc).
 TINY_LOGIT_STD = 8.0
-# config.json marker: the checkpoint uses `ByteTokenizer` (a saved tiny model).
-BYTE_TOKENIZER_KEY = "pddgw_tokenizer"
 
 
 class WeightsError(ValueError):
@@ -163,11 +162,24 @@ def _names(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def read_generation_eos(directory: Path) -> tuple[int, ...] | None:
+    """eos ids from generation_config.json, or None when it has none."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return None
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return None
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
 def load_model(path: str | None, dtype: torch.dtype | str, device: str | torch.device,
                tiny_seed: int = 0) -> tuple[LlamaModel, Tokenizer]:
     """A model and its tokenizer: `path` None/"" = the built-in tiny model with a
     `ByteTokenizer`; else a Hugging Face checkpoint directory (config.json,
-    *.safetensors, tokenizer.json; eos ids from generation_config.json when present)."""
+    *.safetensors, optional tokenizer.json).  eos ids: generation_config.json's when it
+    has them, else config.json's, in both `model.spec` and the tokenizer.  Without
+    tokenizer.json the tokenizer is a `ByteTokenizer` (with its own bos/eos ids)."""
     dt = resolve_dtype(dtype)
     if not path:
         model = build_tiny(tiny_seed, dt, device)
@@ -178,29 +190,35 @@ def load_model(path: str | None, dtype: torch.dtype | str, device: str | torch.d
         raise WeightsError(f"{d}: no config.json (expected a Hugging Face model directory)")
     cfg = json.loads(cfg_path.read_text())
     spec = ModelSpec.from_hf_config(cfg)
-    model = LlamaModel(spec, dt, device)
-    load_hf_weights(model, d)
+    gen_eos = read_generation_eos(d)
+    if gen_eos is not None:
+        # generation_config.json names the ids that end a turn (Llama-3
+        # instruct lists several); config.json often has only one.
+        spec = dataclasses.replace(spec, eos_token_ids=gen_eos)
+    # Tokenizer first: a bad directory fails before gigabytes are read.
+    tok: Tokenizer
     if (d / "tokenizer.json").is_file():
-        tok: Tokenizer = HFTokenizer.from_dir(d, spec.vocab_size)
-    elif cfg.get(BYTE_TOKENIZER_KEY) == "byte":
+        tok = HFTokenizer.from_dir(d, spec.vocab_size)
+    elif spec.vocab_size >= ByteTokenizer.MIN_VOCAB:
+        # No tokenizer.json (a saved tiny model, a random test checkpoint): bytes.
         tok = ByteTokenizer(spec.vocab_size)
     else:
-        raise WeightsError(f"{d}: no tokenizer.json")
+        raise WeightsError(f"{d}: no tokenizer.json, and vocab_size {spec.vocab_size} is too "
+                           f"small for the byte tokenizer (needs {ByteTokenizer.MIN_VOCAB})")
+    model = LlamaModel(spec, dt, device)
+    load_hf_weights(model, d)
     return model, tok
 
 
 def save_hf_checkpoint(model: LlamaModel, directory: str | Path) -> None:
     """Write config.json + model.safetensors with Hugging Face names (loadable by
-    `transformers` and by `load_model`); a tiny model also records that it uses
-    the byte tokenizer."""
+    `transformers` and by `load_model`, which pairs it with a `ByteTokenizer`)."""
     from safetensors.torch import save_file
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     cfg = model.spec.to_hf_config()
     cfg["dtype"] = next(k for k, v in DTYPES.items() if v == model.dtype)
-    if model.spec.arch == "tiny":
-        cfg[BYTE_TOKENIZER_KEY] = "byte"
     # Clones: the fused layout makes q/k/v (and gate/up) views of one storage,
     # and safetensors refuses tensors that share memory.
     tensors = {n: t.detach().to("cpu").clone() for n, t in model.hf_tensors().items()}
