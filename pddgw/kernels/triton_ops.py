@@ -359,6 +359,23 @@ def plan_attention(*, num_tokens: int, num_seqs: int, q_heads: int, kv_heads: in
 # --------------------------------------------------------------------------- entry points
 
 
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One kernel launch, fully decided: what `__call__` runs and what the offline
+    sm_90 compile check (tests/kernels/sm90_compile.py) compiles."""
+
+    kernel: object                 # a @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple                    # runtime arguments, in the kernel's order
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps,
+                               num_stages=self.num_stages)
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
         raise TypeError(f"triton attention takes float32/float16/bfloat16 caches of one dtype, "
@@ -374,27 +391,36 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter k, v [T, kv_heads, head_dim] into the caches at flat slots [T] (-1 = skip)."""
+def store_kv_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> Launch | None:
     _check_cache(k_cache, v_cache)
-    t, kv_heads, head_dim = k.shape
-    if t == 0:
-        return
+    num_tokens, kv_heads, head_dim = k.shape
+    if (kv_heads, head_dim) != tuple(k_cache.shape[2:]) or v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit caches "
+                         f"{tuple(k_cache.shape)}")
+    if num_tokens == 0:
+        return None
     k, v = _last_contiguous(k), _last_contiguous(v)
     slots = slot_mapping.to(torch.int64)
-    _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slots,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        KV_HEADS=kv_heads, HEAD_DIM=head_dim, H_P2=_pow2(kv_heads), D_P2=_pow2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4)
+    return Launch(
+        _store_kv_kernel, (num_tokens,),
+        (k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
+        dict(KV_HEADS=kv_heads, HEAD_DIM=head_dim, H_P2=_pow2(kv_heads), D_P2=_pow2(head_dim),
+             BLOCK_SIZE=k_cache.shape[1]),
+        num_warps=4, num_stages=1)
 
 
-def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q_lens: torch.Tensor | None,
-               scale: float, **overrides) -> torch.Tensor:
+def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       cu_q_lens: torch.Tensor | None, scale: float, *, num_sms: int,
+                       interpret: bool, **overrides) -> tuple[torch.Tensor, list[Launch]]:
+    """Allocate out [T, q_heads, head_dim] and decide the launches that fill it.
+
+    cu_q_lens None = decode (one query per sequence).  `overrides` go to
+    `plan_attention` (tests force splits and tile sizes with them).
+    """
     _check_cache(k_cache, v_cache)
     num_tokens, q_heads, head_dim = q.shape
     _, block_size, kv_heads, cache_dim = k_cache.shape
@@ -404,14 +430,14 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     is_decode = cu_q_lens is None
     out = torch.empty((num_tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
-        return out
+        return out, []
     q = _last_contiguous(q)
     seq_lens = seq_lens.to(torch.int32)
     plan = plan_attention(num_tokens=num_tokens, num_seqs=num_seqs, q_heads=q_heads,
                           kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                           max_blocks=block_tables.shape[1], dtype=k_cache.dtype,
-                          is_decode=is_decode, num_sms=_num_sms(str(q.device)),
-                          interpret=_interpreting(), **overrides)
+                          is_decode=is_decode, num_sms=num_sms, interpret=interpret,
+                          **overrides)
     group = q_heads // kv_heads
     if is_decode:
         cu_q = cu_tiles = seq_lens                               # unused by the decode kernel
@@ -429,26 +455,45 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out                                    # unused without a split
-    d_p2 = max(16, _pow2(head_dim))
-    grid = (plan.num_tiles, kv_heads, plan.num_splits)
-    _attn_fwd_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, cu_q, cu_tiles, out, mid_o, mid_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1),
-        num_seqs, plan.num_splits, plan.part_size, scale * _LOG2E,
-        GROUP=group, NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim, D_P2=d_p2,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_SIZE=block_size,
-        IS_DECODE=is_decode, SPLIT=split, DOT_F32=plan.dot_f32, LOG_B=plan.log_b,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    launches = [Launch(
+        _attn_fwd_kernel, (plan.num_tiles, kv_heads, plan.num_splits),
+        (q, k_cache, v_cache, block_tables, seq_lens, cu_q, cu_tiles, out, mid_o, mid_lse,
+         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+         block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1),
+         num_seqs, plan.num_splits, plan.part_size, scale * _LOG2E),
+        dict(GROUP=group, NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim, D_P2=max(16, _pow2(head_dim)),
+             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_SIZE=block_size,
+             IS_DECODE=is_decode, SPLIT=split, DOT_F32=plan.dot_f32, LOG_B=plan.log_b),
+        num_warps=plan.num_warps, num_stages=plan.num_stages)]
     if split:
         heads_per_prog = min(_pow2(q_heads), plan.merge_heads)
-        _merge_splits_kernel[(num_tokens, _cdiv(q_heads, heads_per_prog))](
-            mid_o, mid_lse, out, seq_lens, cu_q, out.stride(0), out.stride(1),
-            num_seqs, plan.num_splits, plan.part_size,
-            NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim, D_P2=_pow2(head_dim),
-            HEADS_PER_PROG=heads_per_prog, IS_DECODE=is_decode, LOG_B=plan.log_b, num_warps=4)
+        launches.append(Launch(
+            _merge_splits_kernel, (num_tokens, _cdiv(q_heads, heads_per_prog)),
+            (mid_o, mid_lse, out, seq_lens, cu_q, out.stride(0), out.stride(1),
+             num_seqs, plan.num_splits, plan.part_size),
+            dict(NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim, D_P2=_pow2(head_dim),
+                 HEADS_PER_PROG=heads_per_prog, IS_DECODE=is_decode, LOG_B=plan.log_b),
+            num_warps=4, num_stages=1))
+    return out, launches
+
+
+def _attention(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
+               **overrides) -> torch.Tensor:
+    out, launches = attention_launches(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens,
+                                       scale, num_sms=_num_sms(str(q.device)),
+                                       interpret=_interpreting(), **overrides)
+    for launch in launches:
+        launch()
     return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter k, v [T, kv_heads, head_dim] into the caches at flat slots [T] (-1 = skip)."""
+    launch = store_kv_launch(k, v, k_cache, v_cache, slot_mapping)
+    if launch is not None:
+        launch()
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

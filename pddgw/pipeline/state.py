@@ -25,8 +25,8 @@ Lifecycle (the numbers are the steps, the names the states entered):
       made meanwhile until the remainder is under the threshold;
    b. the final round (one-shot, or the end of catch-up): RLD stops at
       position `end`, MD extends the remainder -> HANDING_OFF.  The
-      user-visible handoff stall runs from the last token emitted before
-      `end` to the first token emitted at `end`.
+      user-visible handoff stall is the longest gap between emissions from
+      the last one before this round to the first token emitted at `end`.
 7. MD_DECODING - MD decodes to the end (`advance(MD_DECODING)`).
 8. FINISHED (`finish`), or FAILED (`fail`, with the reason the client's
    `error` event carries), or CANCELLED (`cancel`).  Terminal.
@@ -224,6 +224,10 @@ class RequestTracker:
 
     Every method that changes state validates it against `TRANSITIONS` and
     raises `IllegalTransition` without changing anything when it is not legal.
+    Prefer the named steps (`route`, `md_ready`, `handoff_round`,
+    `fall_back_to_rld`, `redrive`, `finish`, `fail`, `cancel`): they also
+    record what the timeline reports; `advance` records only the stamp (use
+    it for PREFILLING, RLD_DECODING and MD_DECODING).
     """
 
     def __init__(self, request_id: str, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -364,18 +368,26 @@ class RequestTracker:
 
     # ---------------------------------------------------------------- record
 
-    def _handoff_stall(self, position: int) -> float | None:
-        """Gap between the emission before `position` and the one covering it."""
-        prev: Emission | None = None
-        for e in self._emissions:
-            if e.position <= position < e.position + e.count:
-                # The covering emission started exactly at `position` unless a
-                # source emitted past it in one piece (then no stall happened).
-                if prev is None or e.position != position:
-                    return None
-                return _ms(e.t - prev.t)
-            prev = e
-        return None
+    def _handoff_stall(self, final: HandoffRound) -> float | None:
+        """The longest wait the client saw across the final handoff.
+
+        The window runs from the last emission made before the final round
+        was recorded to the first emission at the handoff position; RLD's
+        last tokens may land inside it (they race the handoff message), so
+        the stall is the largest gap between consecutive emissions there.
+        """
+        em = self._emissions
+        cover = next((i for i, e in enumerate(em)
+                      if e.position <= final.end < e.position + e.count), None)
+        # No token at the handoff position yet, or one source emitted across
+        # it in one piece (no handoff gap exists).
+        if cover is None or em[cover].position != final.end or cover == 0:
+            return None
+        first = 0
+        for i in range(cover):
+            if em[i].t <= final.t:
+                first = i
+        return _ms(max(em[i + 1].t - em[i].t for i in range(first, cover)))
 
     def record(self) -> RequestRecord:
         t0 = self._t0
@@ -403,7 +415,7 @@ class RequestTracker:
             ttft_ms=_ms(self._emissions[0].t - t0) if self._emissions else None,
             total_ms=_ms(end_t - t0),
             wan_kv_bytes=self._wan_kv_bytes,
-            handoff_stall_ms=self._handoff_stall(position) if position is not None else None,
+            handoff_stall_ms=self._handoff_stall(final_rounds[-1]) if final_rounds else None,
             output_tokens=self._emitted,
             tokens_by_role=tuple(sorted(by_role.items())),
             fallback_reason=self._fallback,

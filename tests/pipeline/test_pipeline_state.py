@@ -61,8 +61,8 @@ PATHS = {
 }
 
 
-def tracker_in(state: S) -> RequestTracker:
-    tr = RequestTracker("r1", clock=FakeClock())
+def tracker_in(state: S, clock: FakeClock | None = None) -> RequestTracker:
+    tr = RequestTracker("r1", clock=clock or FakeClock())
     for s in PATHS[state]:
         tr.advance(s)
     assert tr.state is state
@@ -354,3 +354,37 @@ def test_total_ms_runs_until_terminal():
     tr.cancel("client went away")
     clk.tick(100)
     assert tr.record().total_ms == 5.0
+
+
+def test_stall_counts_rld_tokens_racing_the_handoff():
+    """RLD's last piece lands after the final round was recorded."""
+    clk = FakeClock()
+    tr = tracker_in(S.HANDOFF_PENDING, clk)
+    clk.tick(1)
+    tr.tokens_emitted(0, 30, "rld")      # t = 1
+    clk.tick(4)
+    tr.handoff_round(0, 40, final=True)  # t = 5: RLD stopped at 40, [30, 40) still in flight
+    clk.tick(9)
+    tr.tokens_emitted(30, 10, "rld")     # t = 14: 13 ms after the previous token
+    clk.tick(6)
+    tr.advance(S.MD_DECODING)
+    tr.tokens_emitted(40, 1, "md")       # t = 20: 6 ms later
+    assert tr.record().handoff_stall_ms == 13.0
+    # Had the late piece arrived with MD's first token, the stall is the whole wait.
+    clk2 = FakeClock()
+    tr2 = tracker_in(S.HANDOFF_PENDING, clk2)
+    tr2.tokens_emitted(0, 30, "rld")
+    tr2.handoff_round(0, 40, final=True)
+    clk2.tick(21)
+    tr2.tokens_emitted(30, 10, "rld")
+    tr2.advance(S.MD_DECODING)
+    tr2.tokens_emitted(40, 1, "md")
+    assert tr2.record().handoff_stall_ms == 21.0
+
+
+def test_stall_none_when_one_piece_crosses_the_handoff():
+    tr = tracker_in(S.HANDOFF_PENDING)
+    tr.tokens_emitted(0, 5, "rld")
+    tr.handoff_round(0, 10, final=True)
+    tr.tokens_emitted(5, 10, "rld")  # cannot happen with a correct RLD; no gap to report
+    assert tr.record().handoff_stall_ms is None

@@ -1,0 +1,222 @@
+"""OpenAI Responses API (WebSocket mode) events, decoded and validated at the edge.
+
+Client events: `response.create` (the POST /v1/responses body fields at top
+level; `prompt_token_ids` may replace `input`; an optional `stream_id` is
+echoed on every server event of that response so several responses can be
+multiplexed on one socket) and `response.cancel` (`response_id`).
+
+Server events: `response.created`, `response.output_text.delta` (with the
+`pddgw` extension: position, token_ids, role), `response.completed` (with
+`usage` and the `pddgw` timeline) and `error`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_LEN = 64
+MAX_METADATA_VALUE_LEN = 512
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(ValueError):
+    """A client event is invalid; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class CreateResponse:
+    type: Literal["response.create"]
+    messages: tuple[tuple[str, str], ...]        # (role, text); empty when prompt_token_ids
+    prompt_token_ids: tuple[int, ...] | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    metadata: dict[str, str] = field(default_factory=dict)
+    stream_id: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResponse:
+    type: Literal["response.cancel"]
+    response_id: str
+
+
+ClientEvent = CreateResponse | CancelResponse
+
+_CREATE_KEYS = {"type", "model", "input", "instructions", "prompt_token_ids", "max_output_tokens",
+                "temperature", "top_p", "seed", "metadata", "stream_id", "store", "stream"}
+
+
+def _number(d: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise ApiError(f"'{key}' must be a number in [{lo}, {hi}], got {v!r}", key)
+    return float(v)
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+                raise ApiError(f"{where}[{i}] must be a text part (input_text or output_text)", where)
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ApiError(f"{where}[{i}].text must be a string", where)
+            parts.append(text)
+        return "".join(parts)
+    raise ApiError(f"{where} must be a string or a list of text parts", where)
+
+
+def _messages(d: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    out: list[tuple[str, str]] = []
+    instructions = d.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise ApiError("'instructions' must be a string", "instructions")
+        out.append(("system", instructions))
+    inp = d.get("input")
+    if isinstance(inp, str):
+        out.append(("user", inp))
+    elif isinstance(inp, list):
+        for i, item in enumerate(inp):
+            where = f"input[{i}]"
+            if not isinstance(item, dict) or item.get("type", "message") != "message":
+                raise ApiError(f"{where} must be a message item", where)
+            role = item.get("role")
+            if role not in _ROLES:
+                raise ApiError(f"{where}.role must be one of {', '.join(_ROLES)}", where)
+            out.append(("system" if role == "developer" else role, _text_of(item.get("content"), f"{where}.content")))
+    else:
+        raise ApiError("'input' must be a string or a list of message items", "input")
+    return tuple(out)
+
+
+def _metadata(d: dict[str, Any]) -> dict[str, str]:
+    md = d.get("metadata") or {}
+    if not isinstance(md, dict) or len(md) > MAX_METADATA_KEYS:
+        raise ApiError(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string pairs", "metadata")
+    for k, v in md.items():
+        if not isinstance(v, str) or len(k) > MAX_METADATA_KEY_LEN or len(v) > MAX_METADATA_VALUE_LEN:
+            raise ApiError(f"metadata[{k!r}]: keys up to {MAX_METADATA_KEY_LEN} chars, string values up "
+                           f"to {MAX_METADATA_VALUE_LEN}", "metadata")
+    return dict(md)
+
+
+def parse_client_event(raw: str | bytes, max_prompt_tokens: int) -> ClientEvent:
+    """Decode one client frame; ApiError names the problem (and the field)."""
+    try:
+        d = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(f"event is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ApiError("event must be a JSON object")
+    kind = d.get("type")
+    if kind == "response.cancel":
+        rid = d.get("response_id")
+        if not isinstance(rid, str) or not rid:
+            raise ApiError("'response_id' must be a non-empty string", "response_id")
+        return CancelResponse("response.cancel", rid)
+    if kind != "response.create":
+        raise ApiError(f"unknown event type {kind!r} (expected response.create or response.cancel)", "type")
+    unknown = set(d) - _CREATE_KEYS
+    if unknown:
+        raise ApiError(f"unsupported field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
+    if d.get("stream") is not None or d.get("background"):
+        raise ApiError("'stream' is implicit over WebSocket and must not be sent", "stream")
+    ids = d.get("prompt_token_ids")
+    if ids is not None:
+        if "input" in d:
+            raise ApiError("give either 'input' or 'prompt_token_ids', not both", "prompt_token_ids")
+        if (not isinstance(ids, list) or not ids or len(ids) > max_prompt_tokens
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            raise ApiError(f"'prompt_token_ids' must be 1..{max_prompt_tokens} non-negative integers",
+                           "prompt_token_ids")
+        messages: tuple[tuple[str, str], ...] = ()
+        ids = tuple(ids)
+    else:
+        messages = _messages(d)
+    max_out = d.get("max_output_tokens")
+    if max_out is not None and (isinstance(max_out, bool) or not isinstance(max_out, int) or max_out < 1):
+        raise ApiError("'max_output_tokens' must be a positive integer", "max_output_tokens")
+    seed = d.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ApiError("'seed' must be an integer in [0, 2**63)", "seed")
+    stream_id = d.get("stream_id")
+    if stream_id is not None and (not isinstance(stream_id, str) or len(stream_id) > 128):
+        raise ApiError("'stream_id' must be a string of at most 128 characters", "stream_id")
+    model = d.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError("'model' must be a string", "model")
+    return CreateResponse(
+        type="response.create", messages=messages, prompt_token_ids=ids,
+        max_output_tokens=max_out, temperature=_number(d, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(d, "top_p", 1.0, 1e-9, 1.0), seed=seed, metadata=_metadata(d),
+        stream_id=stream_id, model=model)
+
+
+# ---- server events -------------------------------------------------------------
+
+
+def _envelope(kind: str, seq: int, stream_id: str | None, **fields: Any) -> bytes:
+    ev = {"type": kind, "sequence_number": seq, **fields}
+    if stream_id is not None:
+        ev["stream_id"] = stream_id
+    return orjson.dumps(ev)
+
+
+def response_object(rid: str, status: str, created_at: int, model: str, req: CreateResponse,
+                    text: str = "", usage: dict[str, Any] | None = None,
+                    pddgw: dict[str, Any] | None = None) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "id": rid, "object": "response", "created_at": created_at, "status": status, "model": model,
+        "output": [], "metadata": req.metadata, "temperature": req.temperature, "top_p": req.top_p,
+        "max_output_tokens": req.max_output_tokens,
+    }
+    if status == "completed":
+        obj["output"] = [{"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": "completed",
+                          "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+    if usage is not None:
+        obj["usage"] = usage
+    if pddgw is not None:
+        obj["pddgw"] = pddgw
+    return obj
+
+
+def created_event(seq: int, stream_id: str | None, response: dict[str, Any]) -> bytes:
+    return _envelope("response.created", seq, stream_id, response=response)
+
+
+def delta_event(seq: int, stream_id: str | None, rid: str, text: str, position: int,
+                token_ids: list[int], role: str) -> bytes:
+    return _envelope("response.output_text.delta", seq, stream_id, response_id=rid,
+                     item_id=f"msg_{rid}", output_index=0, content_index=0, delta=text,
+                     pddgw={"position": position, "token_ids": token_ids, "role": role})
+
+
+def completed_event(seq: int, stream_id: str | None, response: dict[str, Any]) -> bytes:
+    return _envelope("response.completed", seq, stream_id, response=response)
+
+
+def error_event(seq: int, stream_id: str | None, message: str, code: str = "invalid_request_error",
+                param: str | None = None, response_id: str | None = None) -> bytes:
+    err: dict[str, Any] = {"type": code, "code": code, "message": message, "param": param}
+    fields: dict[str, Any] = {"error": err}
+    if response_id is not None:
+        fields["response_id"] = response_id
+    return _envelope("error", seq, stream_id, **fields)
