@@ -32,15 +32,10 @@ def _config_with_overrides(args: argparse.Namespace) -> Config:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from pddgw.engines.kv_pool import DTYPES
     from pddgw.engines.torch_engine import TorchEngine
     from pddgw.engines.types import EngineRequest, RequestError, SamplingParams
-    from pddgw.engines.weights import load_model
 
-    cfg = _config_with_overrides(args)
-    model, tokenizer = load_model(cfg.model.path or None, DTYPES[cfg.model.dtype], cfg.engine.device,
-                                  tiny_seed=cfg.model.tiny_seed)
-    engine = TorchEngine(model, model.spec, cfg.engine, DTYPES[cfg.model.dtype], cfg.model.max_model_len)
+    engine, tokenizer = TorchEngine.from_config(_config_with_overrides(args))
     ids = args.prompt_ids if args.prompt_ids is not None else tuple(tokenizer.encode(args.prompt))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

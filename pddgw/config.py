@@ -62,6 +62,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    # torch intra-op threads for a CPU engine (process-wide). 1 by default: on
+    # a small shared machine, spinning OpenMP workers of several engines and
+    # processes slow each other down by an order of magnitude.  0 = torch's default.
+    cpu_threads: int = 1
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -70,6 +74,7 @@ class EngineConfig:
         _check(self.max_num_seqs > 0, "max_num_seqs must be > 0")
         _check(self.max_num_batched_tokens >= self.max_num_seqs,
                "max_num_batched_tokens must be >= max_num_seqs")
+        _check(self.cpu_threads >= 0, "cpu_threads must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

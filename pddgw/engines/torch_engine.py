@@ -19,8 +19,10 @@ from pddgw.engines.kv_pool import DTYPE_NAMES, DTYPES, KVPool, buffer_to_tensor,
 from pddgw.engines.sampler import sample
 from pddgw.engines.scheduler import Chunk, Scheduler
 from pddgw.engines.sequence import Sequence, SeqStatus
+from pddgw.engines.tokenizer import Tokenizer
 from pddgw.engines.types import (AddResult, CapacityError, EngineRequest, EngineStats, KVChunk,
                                  KVLayout, RequestError, RequestOutput)
+from pddgw.engines.weights import load_model
 from pddgw.kernels import get_ops
 
 
@@ -47,13 +49,15 @@ class TorchEngine(Engine):
         self._events: list[RequestOutput] = []   # outputs produced outside step (aborts)
 
     @classmethod
-    def from_config(cls, config: Config) -> "TorchEngine":
-        from pddgw.engines.weights import load_model
-
+    def from_config(cls, config: Config, engine: EngineConfig | None = None) -> tuple["TorchEngine", Tokenizer]:
+        """Load the configured model; `engine` overrides config.engine (per-node settings)."""
+        ecfg = engine or config.engine
+        if ecfg.device == "cpu" and ecfg.cpu_threads:
+            torch.set_num_threads(ecfg.cpu_threads)
         dtype = DTYPES[config.model.dtype]
-        model, _tokenizer = load_model(config.model.path or None, dtype, config.engine.device,
-                                       tiny_seed=config.model.tiny_seed)
-        return cls(model, model.spec, config.engine, dtype, config.model.max_model_len)
+        model, tokenizer = load_model(config.model.path or None, dtype, ecfg.device,
+                                      tiny_seed=config.model.tiny_seed)
+        return cls(model, model.spec, ecfg, dtype, config.model.max_model_len), tokenizer
 
     # ---- contract: properties -------------------------------------------------
     @property

@@ -12,9 +12,9 @@ from a seed with a CPU `torch.Generator` in float32, so every process and
 machine builds bit-identical weights, and a float64 copy holds exactly the
 same values.  Its output projection is scaled so the top logits are far apart
 (greedy decoding does not flip between dtypes or batchings) and its rows are zero
-except for printable ASCII and newline, so the only ids it emits are those
-(readable demo output, no partial UTF-8, and no eos: it never ends by itself;
-stop it with max_tokens or stop ids).
+except for printable ASCII and newline: their logit 0 is ~20 below the top, so
+greedy decoding emits only those ids and sampling practically so (readable demo
+output, no partial UTF-8, no eos: it runs to max_tokens or a stop id).
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 
+from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.model import LlamaModel
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float64": torch.float64}
 # Logit standard deviation of the tiny model over byte tokens (see module doc).
 TINY_LOGIT_STD = 8.0
 

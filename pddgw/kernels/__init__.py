@@ -2,21 +2,36 @@
 
 `get_ops(backend, device)` returns the module (Triton or torch reference) whose
 `store_kv`, `paged_decode_attention` and `extend_attention` the engine calls.
-"auto" is Triton on CUDA and the torch reference elsewhere.
+"auto" is Triton on CUDA and the torch reference elsewhere (and on CUDA when
+Triton is not installed).  Triton is imported only when it is selected.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from types import ModuleType
 
 from pddgw.kernels import reference
 
+BACKENDS = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
 
 def get_ops(backend: str = "auto", device: str = "cpu") -> ModuleType:
-    if backend == "torch" or (backend == "auto" and not str(device).startswith("cuda")):
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (expected auto, triton or torch)")
+    on_cuda = str(device).startswith("cuda")
+    if backend == "torch" or (backend == "auto" and not (on_cuda and triton_available())):
         return reference
-    if backend in ("triton", "auto"):
-        from pddgw.kernels import triton_ops
+    if not triton_available():
+        raise RuntimeError("attention_backend 'triton' needs the triton package")
+    if not on_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError(f"attention_backend 'triton' runs on CUDA devices, not {device!r} "
+                           "(or under TRITON_INTERPRET=1)")
+    from pddgw.kernels import triton_ops
 
-        return triton_ops
-    raise ValueError(f"unknown attention backend {backend!r} (expected auto, triton or torch)")
+    return triton_ops

@@ -1,70 +1,92 @@
 """Torch reference implementations of the attention kernels.
 
-Clear, obviously-correct code: gather the pages of each sequence, masked
-attention with float32 (or float64) accumulation.  The Triton kernels in
-`triton_ops` have the same names and signatures and are tested against these.
+These are the oracle the Triton kernels in `triton_ops` are tested against
+(same names and signatures) and the engine's production path on CPU, so they
+are batched but kept plain: gather each sequence's pages into a padded
+[B, L, kv_heads, head_dim] view, mask by length and causality, one softmax.
+GQA is a reshape of the query heads into [kv_heads, group], never a copy of K/V.
+Accumulation is float32, or float64 when q or the caches are float64.
 
 Shapes:
   caches        [num_blocks, block_size, kv_heads, head_dim]
-  block_tables  [B, max_blocks] int32 (entries past a sequence's length unused)
-  seq_lens      [B] int32, tokens in cache for each sequence, new ones included
+  block_tables  [B, max_blocks] int32 (entries past a sequence's length are never read)
+  seq_lens      [B] int32, tokens in cache for each sequence, new ones included (>= 1)
+  cu_q_lens     [B+1] int32, row ranges of each sequence's new tokens in the packed q
 """
 
 from __future__ import annotations
 
 import torch
 
+# Bound on the score matrix of one extend chunk (elements), so a long prefill
+# does not materialize [heads, q_len, seq_len] at once.
+_MAX_SCORE_ELEMS = 1 << 25
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+
+def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter k, v [T, kv_heads, head_dim] into the caches at flat slots [T] (-1 = skip)."""
     keep = slot_mapping >= 0                                  # [T]
-    slots = slot_mapping[keep]                                # [T']
+    slots = slot_mapping[keep].long()                         # [T']
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-    """Pages of one sequence -> [n, kv_heads, head_dim]."""
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            length: int) -> torch.Tensor:
+    """Pages of B sequences -> [B, length, kv_heads, head_dim], zero-page padded.
+
+    Table entries past a sequence's last block are replaced by block 0 before
+    indexing, so padding in the table (stale ids, -1) is never dereferenced.
+    """
     block_size = cache.shape[1]
-    nblk = (n + block_size - 1) // block_size
-    pages = cache[table[:nblk].long()]                        # [nblk, bs, kvh, hd]
-    return pages.reshape(-1, *cache.shape[2:])[:n]
+    nblk = -(-length // block_size)
+    tables = block_tables[:, :nblk].long()                    # [B, nblk]
+    used = -(-seq_lens.long() // block_size)                  # [B] blocks each sequence fills
+    live = torch.arange(nblk, device=tables.device)[None, :] < used[:, None]
+    pages = cache[torch.where(live, tables, 0)]               # [B, nblk, bs, kvh, hd]
+    return pages.flatten(1, 2)[:, :length]                    # [B, length, kvh, hd]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """q [Tq, H, D] at absolute positions q_pos [Tq]; k, v [S, KVH, D] -> [Tq, H, D]."""
-    acc = _acc_dtype(q.dtype)
-    group = q.shape[1] // k.shape[1]
-    k = k.to(acc).repeat_interleave(group, dim=1)             # [S, H, D]
-    v = v.to(acc).repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,shd->hqs", q.to(acc), k) * scale   # [H, Tq, S]
-    kv_pos = torch.arange(k.shape[0], device=q.device)
-    mask = kv_pos[None, :] > q_pos[:, None]                   # [Tq, S]
-    scores = scores.masked_fill(mask[None], float("-inf"))
+            scale: float, acc: torch.dtype) -> torch.Tensor:
+    """Batched causal attention.
+
+    q [B, Tq, H, D] at absolute positions q_pos [B, Tq]; k, v [B, L, KVH, D].
+    Key j is visible to a query at p iff j <= p (every p is below its sequence's
+    length, so padding past it is never visible).  -> [B, Tq, H, D] in `acc`.
+    """
+    b, tq, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.to(acc).view(b, tq, kvh, h // kvh, d)              # [B, Tq, KVH, G, D]
+    scores = torch.einsum("bqkgd,blkd->bkgql", qg, k.to(acc)) * scale   # [B, KVH, G, Tq, L]
+    j = torch.arange(k.shape[1], device=q.device)
+    hidden = j[None, None, :] > q_pos[:, :, None]                          # [B, Tq, L]
+    scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqs,shd->qhd", probs, v)
+    out = torch.einsum("bkgql,blkd->bqkgd", probs, v.to(acc))           # [B, Tq, KVH, G, D]
+    return out.reshape(b, tq, h, d)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """One query per sequence: q [B, q_heads, head_dim] -> out [B, q_heads, head_dim]."""
-    out = torch.empty_like(q)
-    for b in range(q.shape[0]):
-        n = int(seq_lens[b])
-        k = _gather(k_cache, block_tables[b], n)
-        v = _gather(v_cache, block_tables[b], n)
-        pos = torch.tensor([n - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1], k, v, pos, scale)[0].to(q.dtype)
-    return out
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    acc = _acc_dtype(q.dtype, k_cache.dtype)
+    length = int(seq_lens.max())
+    k = _gather(k_cache, block_tables, seq_lens, length)      # [B, L, KVH, D]
+    v = _gather(v_cache, block_tables, seq_lens, length)
+    pos = (seq_lens.long() - 1)[:, None]                      # [B, 1] the query is the last token
+    out = _attend(q[:, None], k, v, pos, scale, acc)   # [B, 1, H, D]
+    return out[:, 0].to(q.dtype)
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -74,15 +96,32 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Their K/V are already in the cache.  Query i of sequence b sits at absolute
     position seq_lens[b] - q_len_b + i and attends causally up to itself.
+
+    Sequences with one new token (the decodes of a mixed batch) go through the
+    batched decode path together; each longer extend is computed on its own,
+    in query chunks that bound the score matrix.
     """
     out = torch.empty_like(q)
-    for b in range(seq_lens.shape[0]):
-        s, e = int(cu_q_lens[b]), int(cu_q_lens[b + 1])
-        if e == s:
+    cu = [int(x) for x in cu_q_lens.tolist()]
+    lens = [int(x) for x in seq_lens.tolist()]
+    q_lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    singles = [b for b, n in enumerate(q_lens) if n == 1]
+    if singles:
+        idx = torch.tensor(singles, device=q.device)
+        rows = cu_q_lens[:-1].long()[idx]                     # [B1] packed row of each
+        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, block_tables[idx],
+                                           seq_lens[idx], scale)
+    acc = _acc_dtype(q.dtype, k_cache.dtype)
+    for b, n in enumerate(q_lens):
+        if n <= 1:
             continue
-        n = int(seq_lens[b])
-        k = _gather(k_cache, block_tables[b], n)
-        v = _gather(v_cache, block_tables[b], n)
-        pos = torch.arange(n - (e - s), n, device=q.device)
-        out[s:e] = _attend(q[s:e], k, v, pos, scale).to(q.dtype)
+        total = lens[b]
+        k = _gather(k_cache, block_tables[b : b + 1], seq_lens[b : b + 1], total)   # [1, S, KVH, D]
+        v = _gather(v_cache, block_tables[b : b + 1], seq_lens[b : b + 1], total)
+        chunk = max(1, _MAX_SCORE_ELEMS // (q.shape[1] * total))
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            pos = torch.arange(total - n + c0, total - n + c1, device=q.device)[None]   # [1, c]
+            rows = slice(cu[b] + c0, cu[b] + c1)
+            out[rows] = _attend(q[None, rows], k, v, pos, scale, acc)[0].to(q.dtype)
     return out

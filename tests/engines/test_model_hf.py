@@ -32,6 +32,7 @@ from pddgw.engines.weights import (  # noqa: E402
     save_hf_checkpoint,
 )
 from pddgw.kernels import reference  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 
 VOCAB = 320
 TOL = 1e-4
@@ -152,8 +153,6 @@ def test_case_features_are_exercised(tmp_path):
         d = tmp_path / case
         _hf_model(kind, cfg).save_pretrained(d)
         specs[case] = load_model(str(d), torch.float32, "cpu")[0].spec
-        names = set()
-        from safetensors import safe_open
         with safe_open(str(d / "model.safetensors"), "pt") as f:
             names = set(f.keys())
         assert ("lm_head.weight" in names) == (not specs[case].tie_word_embeddings)

@@ -112,9 +112,10 @@ class PagedRunner:
     def __init__(self, model: LlamaModel, block_size: int = 4, num_blocks: int = 64,
                  seed: int = 0) -> None:
         s = model.spec
-        self.model, self.bs = model, block_size
+        self.model, self.bs, self.dev = model, block_size, model.device
         shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
-        self.caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        self.caches = [(torch.zeros(shape, dtype=model.dtype, device=self.dev),
+                        torch.zeros(shape, dtype=model.dtype, device=self.dev))
                        for _ in range(s.num_layers)]
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)
                                    ).tolist()
@@ -139,14 +140,15 @@ class PagedRunner:
             seq_lens.append(self.lens[name])
             last.append(cu[-1] - 1)
         width = max(len(self.tables[n]) for n, _ in work)
-        tables = torch.tensor([self.tables[n] + [0] * (width - len(self.tables[n]))
-                               for n, _ in work], dtype=torch.int32)
-        meta = AttnMetadata(slot_mapping=torch.tensor(slots), block_tables=tables,
-                            cu_q_lens=torch.tensor(cu, dtype=torch.int32),
-                            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        def t(x, dtype=torch.int64):
+            return torch.tensor(x, dtype=dtype, device=self.dev)
+
+        tables = t([self.tables[n] + [0] * (width - len(self.tables[n])) for n, _ in work],
+                   torch.int32)
+        meta = AttnMetadata(slot_mapping=t(slots), block_tables=tables,
+                            cu_q_lens=t(cu, torch.int32), seq_lens=t(seq_lens, torch.int32),
                             is_decode=all(len(new) == 1 for _, new in work), ops=reference)
-        return self.model(torch.tensor(ids), torch.tensor(pos), meta, self.caches,
-                          torch.tensor(last))
+        return self.model(t(ids), t(pos), meta, self.caches, t(last))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
@@ -205,3 +207,18 @@ def test_naive_greedy_stop_ids(tiny64):
     assert naive_greedy(tiny64, ids, 0) == []
     with pytest.raises(ValueError):
         naive_greedy(tiny64, [], 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_on_cuda_matches_cpu(tiny32):
+    cuda = build_tiny(0, torch.float32, "cuda")
+    ids = ByteTokenizer().encode(PROMPTS[4])
+    ref = tiny32.forward_dense(torch.tensor(ids))
+    dense = cuda.forward_dense(torch.tensor(ids, device="cuda")).cpu()
+    assert (dense - ref).abs().max().item() <= 1e-3
+    runner = PagedRunner(cuda)
+    runner.step([("s", ids[:-3])])
+    paged = runner.step([("s", ids[-3:])]).cpu()[0]
+    assert (paged - ref[-1]).abs().max().item() <= 1e-3
+    assert naive_greedy(cuda, ids, 16) == naive_greedy(tiny32, ids, 16)

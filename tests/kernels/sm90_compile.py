@@ -1,7 +1,14 @@
-"""Compile every kernel variant a launch plan picks for an H200 (sm_90), without a GPU.
+"""Compile the launches the Triton wrappers decide for H200-sized calls, for sm_90, offline.
 
-Run as a script (the kernels must be decorated without TRITON_INTERPRET); prints one
-JSON line per variant: name, shared memory bytes, registers, spill (local) bytes.
+No GPU needed: Triton lowers to PTX and runs its bundled ptxas.  Each launch is
+specialized exactly as the runtime would specialize it (argument types, 16-byte
+alignment, ints equal to 1), so what compiles here is what the GPU will compile.
+Run as a script, because the kernels must be decorated without TRITON_INTERPRET:
+
+    python tests/kernels/sm90_compile.py [--full]
+
+prints one JSON line per distinct compiled kernel: shared memory bytes,
+registers, local (spill) bytes, and whether the main loop uses tensor-core ops.
 """
 
 from __future__ import annotations
@@ -17,100 +24,110 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from pddgw.kernels import triton_ops as T  # noqa: E402
 
-_TY = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+H200_SMS = 132
 _TARGET = GPUTarget("cuda", 90, 32)
-_H200_SMS = 132
 
 
-def _compile(fn, pointers: dict[str, str], floats: set[str], constexprs: dict, num_warps: int,
-             num_stages: int):
-    sig, attrs = {}, {}
+def compile_launch(launch: T.Launch):
+    fn = launch.kernel
+    sig: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list] = {}
+    constexprs: dict[str, object] = dict(launch.constexprs)
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = pointers[name]
+            continue
+        ty, attr = native_specialize_impl(BaseBackend, launch.args[i], False, True, True)
+        if ty == "constexpr":                    # the runtime folds ints equal to 1
+            constexprs[name] = attr
+            sig[name] = "constexpr"
+            continue
+        sig[name] = ty
+        if attr == "D":
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in floats:
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=_TARGET,
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(src, target=_TARGET, options={"num_warps": launch.num_warps,
+                                                        "num_stages": launch.num_stages})
 
 
-def _usage(kernel) -> tuple[int, int]:
-    """(registers, local spill bytes) from the cubin."""
+def resource_usage(kernel) -> dict[str, int]:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
                               check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", text).group(1))
-    local = int(re.search(r"LOCAL:(\d+)", text).group(1))
-    return regs, local
+    return {"regs": int(re.search(r"REG:(\d+)", text).group(1)),
+            "local": int(re.search(r"LOCAL:(\d+)", text).group(1)),
+            "shared": kernel.metadata.shared}
 
 
-def shapes():
-    """(name, q_heads, kv_heads, head_dim, dtype, is_decode, tokens, seqs, max_blocks)."""
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for hq, hkv, d in ((32, 8, 128), (32, 32, 128), (32, 4, 64)):
-            yield ("decode", hq, hkv, d, dtype, True, 1, 1, 4096)       # split
-            yield ("decode", hq, hkv, d, dtype, True, 256, 256, 64)     # no split
-            yield ("extend-k16", hq, hkv, d, dtype, False, 16, 1, 4096)
-            yield ("extend-k512", hq, hkv, d, dtype, False, 512, 1, 4096)
-    yield ("extend-d256", 16, 8, 256, torch.bfloat16, False, 512, 1, 1024)
+def h200_cases(full: bool):
+    """(label, q_heads, kv_heads, head_dim, dtype, q_lens or None for decode, context)."""
+    dtypes = (torch.bfloat16, torch.float16, torch.float32) if full else (torch.bfloat16,
+                                                                          torch.float32)
+    models = ((32, 8, 128), (32, 32, 128), (32, 4, 64)) if full else ((32, 8, 128),)
+    for dtype in dtypes:
+        for hq, hkv, d in models:
+            yield "decode-b1-64k", hq, hkv, d, dtype, None, [65536]
+            yield "decode-b256-1k", hq, hkv, d, dtype, None, [1024] * 256
+            yield "extend-k16-64k", hq, hkv, d, dtype, [16], [65536]
+            yield "extend-k512-8k", hq, hkv, d, dtype, [512], [8192]
+    if full:
+        yield "extend-d256", 16, 8, 256, torch.bfloat16, [512], [4096]
 
 
-def main() -> None:
-    seen = set()
-    for name, hq, hkv, d, dtype, is_decode, tokens, seqs, max_blocks in shapes():
-        plan = T.plan_attention(num_tokens=tokens, num_seqs=seqs, q_heads=hq, kv_heads=hkv,
-                                head_dim=d, block_size=16, max_blocks=max_blocks, dtype=dtype,
-                                is_decode=is_decode, num_sms=_H200_SMS, interpret=False)
-        const = dict(GROUP=hq // hkv, NUM_Q_HEADS=hq, HEAD_DIM=d, D_P2=max(16, T._pow2(d)),
-                     BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_SIZE=16,
-                     IS_DECODE=is_decode, SPLIT=plan.num_splits > 1, DOT_F32=plan.dot_f32,
-                     LOG_B=plan.log_b)
-        key = tuple(sorted(const.items())) + (plan.num_warps, plan.num_stages, dtype)
+def case_launches(hq, hkv, d, dtype, q_lens, ctx, block_size=16):
+    b = len(ctx)
+    max_blocks = -(-max(ctx) // block_size)
+    cache = torch.zeros(4, block_size, hkv, d, dtype=dtype)
+    tables = torch.zeros(b, max_blocks, dtype=torch.int32)
+    seq_lens = torch.tensor(ctx, dtype=torch.int32)
+    t = b if q_lens is None else sum(q_lens)
+    q = torch.zeros(t, hq, d, dtype=dtype)
+    cu = None
+    if q_lens is not None:
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    _, launches = T.attention_launches(q, cache, cache, tables, seq_lens, cu, d ** -0.5,
+                                       num_sms=H200_SMS, interpret=False)
+    return launches
+
+
+def main(argv: list[str]) -> int:
+    full = "--full" in argv
+    seen: set = set()
+    todo: list[tuple[str, T.Launch]] = []
+    for label, hq, hkv, d, dtype, q_lens, ctx in h200_cases(full):
+        for launch in case_launches(hq, hkv, d, dtype, q_lens, ctx):
+            todo.append((f"{label}/{hq}x{hkv}x{d}/{str(dtype)[6:]}", launch))
+    for dtype in (torch.bfloat16, torch.float32):
+        kv = torch.zeros(8, 8, 128, dtype=dtype)
+        cache = torch.zeros(4, 16, 8, 128, dtype=dtype)
+        todo.append((f"store_kv/{str(dtype)[6:]}",
+                     T.store_kv_launch(kv, kv, cache, cache, torch.zeros(8, dtype=torch.int64))))
+    for label, launch in todo:
+        key = (launch.kernel.__name__, tuple(sorted(launch.constexprs.items())), launch.num_warps,
+               tuple(str(a.dtype) for a in launch.args if isinstance(a, torch.Tensor)))
         if key in seen:
             continue
         seen.add(key)
-        ty = _TY[dtype]
-        ptrs = dict(Q=f"*{ty}", K=f"*{ty}", V=f"*{ty}", BLOCK_TABLES="*i32", SEQ_LENS="*i32",
-                    CU_Q="*i32", CU_TILES="*i32", OUT=f"*{ty}", MID_O="*fp32", MID_LSE="*fp32")
-        k = _compile(T._attn_fwd_kernel, ptrs, {"qk_scale"}, const, plan.num_warps,
-                     plan.num_stages)
-        regs, local = _usage(k)
-        print(json.dumps(dict(kernel="attn_fwd", shape=name, hq=hq, hkv=hkv, d=d, dtype=ty,
-                              block_m=plan.block_m, block_n=plan.block_n,
-                              warps=plan.num_warps, splits=plan.num_splits,
-                              shared=k.metadata.shared, regs=regs, local=local)), flush=True)
-        if plan.num_splits > 1:
-            hb = min(T._pow2(hq), plan.merge_heads)
-            ptrs = dict(MID_O="*fp32", MID_LSE="*fp32", OUT=f"*{ty}", SEQ_LENS="*i32",
-                        CU_Q="*i32")
-            const = dict(NUM_Q_HEADS=hq, HEAD_DIM=d, D_P2=T._pow2(d), HEADS_PER_PROG=hb,
-                         IS_DECODE=is_decode, LOG_B=plan.log_b)
-            k = _compile(T._merge_splits_kernel, ptrs, set(), const, 4, 2)
-            regs, local = _usage(k)
-            print(json.dumps(dict(kernel="merge", hq=hq, d=d, dtype=ty, shared=k.metadata.shared,
-                                  regs=regs, local=local)), flush=True)
-    for ty in ("bf16", "fp32"):
-        ptrs = dict(K=f"*{ty}", V=f"*{ty}", K_CACHE=f"*{ty}", V_CACHE=f"*{ty}", SLOTS="*i64")
-        const = dict(KV_HEADS=8, HEAD_DIM=128, H_P2=8, D_P2=128, BLOCK_SIZE=16)
-        k = _compile(T._store_kv_kernel, ptrs, set(), const, 4, 2)
-        regs, local = _usage(k)
-        print(json.dumps(dict(kernel="store_kv", dtype=ty, shared=k.metadata.shared, regs=regs,
-                              local=local)), flush=True)
+        kernel = compile_launch(launch)
+        ttgir = kernel.asm["ttgir"]
+        row = {"case": label, "kernel": launch.kernel.__name__, "warps": launch.num_warps,
+               "stages": launch.num_stages, "grid": launch.grid,
+               **{k: launch.constexprs[k] for k in ("BLOCK_M", "BLOCK_N") if k in launch.constexprs},
+               **resource_usage(kernel),
+               "mma": ("warp_group_dot" in ttgir) or ("ttg.mma" in ttgir) or ("nvidia_mma" in ttgir),
+               "async_copy": "async_copy_global_to_local" in ttgir}
+        print(json.dumps(row), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

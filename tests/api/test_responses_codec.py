@@ -1,0 +1,78 @@
+"""Responses API event decoding: every bad field is named, good events are typed."""
+
+import orjson
+import pytest
+
+from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, completed_event,
+                                 delta_event, error_event, parse_client_event, response_object)
+
+
+def ev(**d):
+    return orjson.dumps({"type": "response.create", **d})
+
+
+def test_create_with_text_input():
+    e = parse_client_event(ev(input="hi", instructions="be brief", max_output_tokens=5, seed=7,
+                              temperature=0.5, metadata={"k": "v"}, stream_id="s1"), 100)
+    assert isinstance(e, CreateResponse)
+    assert e.messages == (("system", "be brief"), ("user", "hi"))
+    assert (e.max_output_tokens, e.seed, e.temperature, e.top_p) == (5, 7, 0.5, 1.0)
+    assert e.metadata == {"k": "v"} and e.stream_id == "s1" and e.prompt_token_ids is None
+
+
+def test_create_with_message_items_and_token_ids():
+    items = [{"type": "message", "role": "developer", "content": "sys"},
+             {"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                          {"type": "input_text", "text": "b"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "c"}]}]
+    e = parse_client_event(ev(input=items), 100)
+    assert e.messages == (("system", "sys"), ("user", "ab"), ("assistant", "c"))
+    e = parse_client_event(ev(prompt_token_ids=[1, 2, 3]), 100)
+    assert e.prompt_token_ids == (1, 2, 3) and e.messages == ()
+
+
+@pytest.mark.parametrize("raw,param,msg", [
+    (b"{not json", None, "not valid JSON"),
+    (b"[1]", None, "JSON object"),
+    (orjson.dumps({"type": "bogus"}), "type", "unknown event type 'bogus'"),
+    (ev(input="x", frobnicate=1), "frobnicate", "unsupported field"),
+    (ev(input=3), "input", "'input' must be"),
+    (ev(input=[{"role": "robot", "content": "x"}]), "input[0]", "role must be"),
+    (ev(prompt_token_ids=[1, -2]), "prompt_token_ids", "non-negative"),
+    (ev(prompt_token_ids=list(range(11))), "prompt_token_ids", "1..10"),
+    (ev(prompt_token_ids=[1], input="x"), "prompt_token_ids", "not both"),
+    (ev(input="x", max_output_tokens=0), "max_output_tokens", "positive integer"),
+    (ev(input="x", temperature=3), "temperature", "[0.0, 2.0]"),
+    (ev(input="x", seed=-1), "seed", "seed"),
+    (ev(input="x", metadata={"a": 1}), "metadata", "metadata"),
+    (ev(input="x", stream=True), "stream", "implicit"),
+    (orjson.dumps({"type": "response.cancel"}), "response_id", "response_id"),
+])
+def test_bad_events_name_the_problem(raw, param, msg):
+    with pytest.raises(ApiError, match=None) as ei:
+        parse_client_event(raw, 10)
+    assert msg in str(ei.value)
+    assert ei.value.param == param
+
+
+def test_cancel():
+    e = parse_client_event(orjson.dumps({"type": "response.cancel", "response_id": "resp_1"}), 10)
+    assert e == CancelResponse("response.cancel", "resp_1")
+
+
+def test_server_events_shape():
+    req = parse_client_event(ev(input="hi", metadata={"m": "1"}), 10)
+    d = orjson.loads(delta_event(3, "s", "resp_1", "ab", 4, [97, 98], "rld"))
+    assert d == {"type": "response.output_text.delta", "sequence_number": 3, "stream_id": "s",
+                 "response_id": "resp_1", "item_id": "msg_resp_1", "output_index": 0,
+                 "content_index": 0, "delta": "ab",
+                 "pddgw": {"position": 4, "token_ids": [97, 98], "role": "rld"}}
+    obj = response_object("resp_1", "completed", 1, "tiny", req, text="ab",
+                          usage={"input_tokens": 2}, pddgw={"pipeline": "P-MD"})
+    c = orjson.loads(completed_event(9, None, obj))
+    assert c["type"] == "response.completed" and "stream_id" not in c
+    assert c["response"]["output"][0]["content"][0]["text"] == "ab"
+    assert c["response"]["metadata"] == {"m": "1"} and c["response"]["pddgw"] == {"pipeline": "P-MD"}
+    e = orjson.loads(error_event(1, None, "bad", param="seed", response_id="r"))
+    assert e["error"] == {"type": "invalid_request_error", "code": "invalid_request_error",
+                          "message": "bad", "param": "seed"} and e["response_id"] == "r"

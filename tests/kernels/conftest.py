@@ -1,0 +1,25 @@
+"""Kernel tests run the Triton kernels in the interpreter when there is no CUDA.
+
+TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before
+any test module imports pddgw.kernels.triton_ops.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The tiny tensors here gain nothing from intra-op threads, and on a shared
+    2-core machine spinning thread pools make them 100x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
