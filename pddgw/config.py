@@ -155,6 +155,55 @@ class PolicyConfig:
         _check(self.link_min_sample_bytes >= 1, "link_min_sample_bytes must be >= 1")
 
 
+Role = Literal["router", "prefill", "rld", "md"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """One node of a multi-node deployment (`pddgw serve --node NAME`)."""
+
+    name: str
+    role: Role
+    # Nodes in different clusters talk over the shaped WAN link, within a
+    # cluster over the fabric link.
+    cluster: str = "A"
+    host: str = "127.0.0.1"
+    # Node-link port (the router's is its front door, see [server]).
+    port: int = 0
+    # Relative hardware cost, for SLA goodput per cost (BCR) reports.
+    cost: float = 1.0
+    # Overrides [engine] on this node (heterogeneous hardware); absent = [engine].
+    engine: EngineConfig | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name) and self.name.replace("-", "").replace("_", "").isalnum(),
+               f"node name {self.name!r} must be letters, digits, '-' or '_'")
+        _check(0 <= self.port < 65536, "port must be in [0, 65535]")
+        _check(self.cost > 0, "cost must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The router's front door (WebSocket chat, health, debug)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Accepted API keys (Authorization: Bearer KEY); empty = no key required.
+    api_keys: tuple[str, ...] = ()
+    max_message_bytes: int = 1 << 20
+    max_concurrent_requests: int = 256
+    max_streams_per_connection: int = 64
+    # A request that has not completed by then ends with an error event.
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "port must be in [0, 65535]")
+        _check(self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024")
+        _check(self.max_concurrent_requests > 0, "max_concurrent_requests must be > 0")
+        _check(self.max_streams_per_connection > 0, "max_streams_per_connection must be > 0")
+        _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
+
+
 @dataclass(frozen=True, slots=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -167,6 +216,28 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     log: LogConfig = field(default_factory=LogConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    # Empty: the embedded deployment, every role in one process.
+    nodes: tuple[NodeConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [n.name for n in self.nodes]
+        dup = {n for n in names if names.count(n) > 1}
+        _check(not dup, f"duplicate node name(s): {', '.join(sorted(dup))}")
+        if self.nodes:
+            roles = {n.role for n in self.nodes}
+            _check("prefill" in roles, "nodes: no prefill node")
+            _check("rld" in roles or "md" in roles, "nodes: need at least one rld or md node")
+            _check([n.role for n in self.nodes].count("router") == 1, "nodes: exactly one router")
+
+    def node(self, name: str) -> NodeConfig:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise ConfigError(f"nodes: no node named {name!r} (have: {', '.join(n.name for n in self.nodes)})")
+
+    def engine_for(self, node: NodeConfig | None) -> EngineConfig:
+        return node.engine if node is not None and node.engine is not None else self.engine
 
 
 # --------------------------------------------------------------------------

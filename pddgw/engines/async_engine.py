@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import structlog
 
 from pddgw.engines.base import Engine
-from pddgw.engines.types import EngineRequest, RequestOutput
+from pddgw.engines.types import AddResult, EngineRequest, RequestOutput
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -67,15 +67,16 @@ class AsyncEngine:
         self._fail_all(EngineStopped(f"{self.name} stopped"))
         self._executor.shutdown(wait=True)
 
-    async def add(self, request: EngineRequest) -> None:
+    async def add(self, request: EngineRequest) -> AddResult:
         """Register a request (its outputs queue up until `stream` reads them)."""
         self._queues[request.request_id] = asyncio.Queue()
         try:
-            await self.call(self.engine.add_request, request)
+            result = await self.call(self.engine.add_request, request)
         except BaseException:
             self._queues.pop(request.request_id, None)
             raise
         self.start()
+        return result
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of an added request until it finishes; leaving early aborts it."""

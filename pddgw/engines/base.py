@@ -75,7 +75,9 @@ class Engine(ABC):
         """Append handed-off output tokens; they are extended in one forward.
 
         With final=False the request stays on hold (compute, do not sample);
-        with final=True it samples from the next position on.
+        with final=True it samples from the next position on, or finishes at
+        once if the last appended token is a stop token or reaches max_tokens
+        or the context length.
         """
 
     @abstractmethod

@@ -154,12 +154,18 @@ class TorchEngine(Engine):
         vocab = self.spec.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise RequestError(f"request {request_id!r}: handed-off token id outside [0, {vocab})")
-        if len(seq.tokens) + len(token_ids) >= self._max_model_len:
+        if len(seq.tokens) + len(token_ids) > self._max_model_len:
             raise RequestError(f"request {request_id!r}: handoff exceeds the context length")
-        if seq.num_outputs + len(token_ids) >= seq.sampling.max_tokens:
-            raise RequestError(f"request {request_id!r}: handoff reaches max_tokens, nothing left to sample")
+        if seq.num_outputs + len(token_ids) > seq.sampling.max_tokens:
+            raise RequestError(f"request {request_id!r}: handoff exceeds max_tokens")
         seq.tokens += token_ids
         seq.hold = not final
+        reason = self._finish_reason(seq, token_ids[-1]) if final and token_ids else None
+        if reason is not None:
+            # The handed-off tokens already complete the request: nothing to sample.
+            self._events.append(RequestOutput(request_id, (), seq.num_outputs, seq.num_computed,
+                                              True, reason))
+            self._finish(seq, reason)
 
     def has_work(self) -> bool:
         if self._events or self.scheduler.waiting:

@@ -275,3 +275,25 @@ def test_async_task_cancellation_aborts(tiny64):
     st = asyncio.run(main())
     assert (st.used_blocks, st.running) == (0, 0)
     engine.check_integrity()
+
+
+def test_handed_off_tokens_that_complete_the_request_finish_it(tiny64):
+    prompt = list(range(60, 80))
+    full = naive_greedy(tiny64, prompt, 6)
+    engine = make_engine(tiny64)
+    # max_tokens reached by the handoff itself: finishes without sampling.
+    engine.add_request(req("a", prompt, max_tokens=3, output_token_ids=(full[0],), hold=True))
+    engine.append_tokens("a", full[1:3], final=True)
+    outs = engine.step()
+    assert [(o.request_id, o.new_token_ids, o.position, o.finished, o.finish_reason) for o in outs] == [
+        ("a", (), 3, True, "length")]
+    # A stop token as the last handed-off token.
+    engine.add_request(req("b", prompt, max_tokens=10, hold=True, stop_token_ids=(full[1],)))
+    engine.append_tokens("b", full[:2], final=True)
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [("b", "stop")]
+    with pytest.raises(RequestError, match="exceeds max_tokens"):
+        engine.add_request(req("c", prompt, max_tokens=2, hold=True))
+        engine.append_tokens("c", full[:3], final=True)
+    engine.abort("c")
+    assert engine.stats().used_blocks == 0
+    engine.check_integrity()

@@ -1,0 +1,229 @@
+"""The decode side of a node (RLD and MD run the same worker).
+
+Lifecycle of one request here (DecodeState, ordered):
+  1. IMPORTING  `open`: an import request on top of this node's cached prefix;
+                P's KV chunks land through `import_kv`.
+  2. HOLDING    `kv_done(decode=False)`: the prompt KV is complete and the
+                first token (computed by P) is extended, but nothing is
+                sampled: MD waits for RLD's token-ID handoff (`extend`).
+  3. DECODING   `kv_done(decode=True)`, the final `extend`, or `redrive`:
+                tokens are sampled and emitted in order.
+  4. HANDING_OFF RLD only (`hand_off`): catch-up chunks go to MD while RLD
+                keeps decoding; at the final round RLD stops, freezes its
+                output and sends the rest.
+  5. DONE       finished, handed off, failed or cancelled; blocks freed.
+
+Position-keyed sampling makes the positions a node emits identical to what
+any other node would emit for the same request, so the router may merge
+overlapping streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import IntEnum
+
+import structlog
+
+from pddgw.engines.async_engine import AsyncEngine
+from pddgw.engines.types import EngineRequest, KVChunk, RequestError, RequestOutput, SamplingParams
+from pddgw.pipeline.policy import HandoffChunk
+
+log = structlog.get_logger(__name__)
+
+
+class DecodeState(IntEnum):
+    IMPORTING = 1
+    HOLDING = 2
+    DECODING = 3
+    HANDING_OFF = 4
+    DONE = 5
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Tokens at output positions [position, position + len(token_ids)) of a request."""
+
+    request_id: str
+    position: int
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None     # "stop" | "length" | "handoff" | "error" | "cancelled"
+    error: str | None = None
+
+
+Emit = Callable[[TokenEvent], Awaitable[None]]
+# (start position, token ids, final) -> awaited until the receiver has them.
+SendHandoff = Callable[[int, tuple[int, ...], bool], Awaitable[None]]
+# (generated, sent, rounds_done) -> the next round.
+PlanRound = Callable[[int, int, int], HandoffChunk]
+
+
+class _Session:
+    __slots__ = ("rid", "state", "tokens", "task", "emitted", "frozen")
+
+    def __init__(self, rid: str):
+        self.rid = rid
+        self.state = DecodeState.IMPORTING
+        self.tokens: list[int] = []      # output positions 0.. known here
+        self.task: asyncio.Task[None] | None = None
+        self.emitted = 0                 # positions already passed to emit
+        self.frozen = False              # RLD stopped for the final handoff round
+
+
+class DecodeWorker:
+    def __init__(self, aeng: AsyncEngine, emit: Emit):
+        self.aeng = aeng
+        self.engine = aeng.engine
+        self._emit = emit
+        self.sessions: dict[str, _Session] = {}
+
+    def _get(self, rid: str) -> _Session:
+        s = self.sessions.get(rid)
+        if s is None:
+            raise RequestError(f"unknown request {rid!r} on this decode node")
+        return s
+
+    # ---- P -> decoder: KV import -------------------------------------------------
+    async def open(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams) -> int:
+        """Prepare to import the prompt KV; returns how many prompt tokens are cached here."""
+        if rid in self.sessions:
+            raise RequestError(f"request {rid!r} already open here")
+        req = EngineRequest(rid, prompt, sampling, kv_source="import", hold=True)
+        res = await self.aeng.add(req)
+        self.sessions[rid] = _Session(rid)
+        return res.num_cached_tokens
+
+    async def import_kv(self, chunk: KVChunk) -> None:
+        s = self._get(chunk.request_id)
+        if s.state != DecodeState.IMPORTING:
+            raise RequestError(f"request {s.rid!r} is {s.state.name}, not importing")
+        await self.aeng.call(self.engine.import_kv, chunk)
+
+    async def kv_done(self, rid: str, first_token: int, decode: bool) -> None:
+        """All prompt KV sent; the first output token (P's) is extended here.
+
+        decode=True (RLD, or MD in P-MD): emit it and decode on.  decode=False
+        (MD in P-RLD-MD): hold until the handoff.
+        """
+        s = self._get(rid)
+        if s.state != DecodeState.IMPORTING:
+            raise RequestError(f"request {rid!r} is {s.state.name}, not importing")
+
+        def finish() -> None:
+            self.engine.finish_import(rid)
+            self.engine.append_tokens(rid, (first_token,), final=decode)
+
+        await self.aeng.call(finish)
+        s.tokens.append(first_token)
+        s.state = DecodeState.DECODING if decode else DecodeState.HOLDING
+        s.task = asyncio.create_task(self._consume(s), name=f"decode-{rid}")
+        if decode:
+            await self._emit_new(s)
+
+    # ---- RLD -> MD: token-ID handoff (MD side) ------------------------------------
+    async def extend(self, rid: str, start: int, token_ids: tuple[int, ...], final: bool) -> None:
+        """Append handed-off tokens at output positions [start, start + k)."""
+        s = self._get(rid)
+        if s.state != DecodeState.HOLDING:
+            raise RequestError(f"request {rid!r} is {s.state.name}, not waiting for a handoff")
+        if start != len(s.tokens):
+            raise RequestError(f"request {rid!r}: handoff starts at {start}, expected {len(s.tokens)}")
+        await self.aeng.call(self.engine.append_tokens, rid, token_ids, final)
+        s.tokens += token_ids
+        s.emitted = len(s.tokens)          # RLD emitted these; MD emits from here on
+        if final:
+            s.state = DecodeState.DECODING
+
+    # ---- RLD side of the handoff ----------------------------------------------------
+    async def hand_off(self, rid: str, plan: PlanRound, send: SendHandoff) -> int:
+        """Run the handoff rounds; returns the position MD continues from.
+
+        Output position 0 (P's token) is already on MD, so rounds start at 1.
+        """
+        s = self._get(rid)
+        if s.state != DecodeState.DECODING:
+            raise RequestError(f"request {rid!r} is {s.state.name}, cannot hand off")
+        s.state = DecodeState.HANDING_OFF
+        sent, rounds = 1, 0
+        while True:
+            chunk = plan(len(s.tokens), sent, rounds)
+            if chunk.final:
+                s.frozen = True                # no more emission from here
+                await self.aeng.call(self.engine.abort, rid)
+                end = len(s.tokens)
+                await send(sent, tuple(s.tokens[sent:end]), True)
+                await self._close(s, None)
+                return end
+            await send(sent, tuple(s.tokens[sent : chunk.end]), False)
+            sent, rounds = chunk.end, rounds + 1
+
+    # ---- re-drive and cancel -----------------------------------------------------------
+    async def redrive(self, rid: str, prompt: tuple[int, ...], outputs: tuple[int, ...],
+                      sampling: SamplingParams) -> None:
+        """Continue a request from tokens already emitted, recomputing their KV here."""
+        if rid in self.sessions:
+            await self.cancel(rid)
+        req = EngineRequest(rid, prompt, sampling, output_token_ids=outputs)
+        await self.aeng.add(req)
+        s = _Session(rid)
+        s.tokens, s.emitted, s.state = list(outputs), len(outputs), DecodeState.DECODING
+        self.sessions[rid] = s
+        s.task = asyncio.create_task(self._consume(s), name=f"decode-{rid}")
+
+    async def cancel(self, rid: str) -> bool:
+        s = self.sessions.get(rid)
+        if s is None:
+            return False
+        s.frozen = True
+        await self.aeng.call(self.engine.abort, rid)
+        await self._close(s, None)
+        return True
+
+    # ---- internals ------------------------------------------------------------------------
+    async def _consume(self, s: _Session) -> None:
+        """Forward engine outputs of one request, in order, until it ends."""
+        try:
+            async with contextlib.aclosing(self.aeng.stream(s.rid)) as outputs:
+                async for out in outputs:
+                    if s.frozen or not await self._on_output(s, out):
+                        return
+        except Exception as e:   # engine stopped or crashed: the router re-drives
+            if not s.frozen:
+                log.warning("decode_stream_failed", request_id=s.rid, error=repr(e))
+                await self._emit(TokenEvent(s.rid, len(s.tokens), (), True, "error", str(e)))
+            self.sessions.pop(s.rid, None)
+
+    async def _on_output(self, s: _Session, out: RequestOutput) -> bool:
+        """Record and emit one engine output; False once the request has ended here."""
+        if out.new_token_ids:
+            assert out.position == len(s.tokens), (out.position, len(s.tokens))
+            s.tokens += out.new_token_ids
+        if out.finished:
+            if out.finish_reason != "abort":
+                s.state = DecodeState.DONE
+                await self._emit_new(s, finished=True, reason=out.finish_reason)
+                self.sessions.pop(s.rid, None)
+            return False
+        if s.state in (DecodeState.DECODING, DecodeState.HANDING_OFF):
+            await self._emit_new(s)
+        return True
+
+    async def _emit_new(self, s: _Session, finished: bool = False, reason: str | None = None) -> None:
+        new = tuple(s.tokens[s.emitted :])
+        if not new and not finished:
+            return
+        pos, s.emitted = s.emitted, len(s.tokens)
+        await self._emit(TokenEvent(s.rid, pos, new, finished, reason))
+
+    async def _close(self, s: _Session, reason: str | None) -> None:
+        s.state = DecodeState.DONE
+        self.sessions.pop(s.rid, None)
+        task, s.task = s.task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

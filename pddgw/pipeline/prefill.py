@@ -1,0 +1,133 @@
+"""The prefill side: compute the prompt KV and stream it on every path at once.
+
+Lifecycle of one request on P:
+  1. The prompt is added as a one-token request that keeps its KV after it
+     finishes (`retain_kv`); P's own prefix cache serves what it can.
+  2. As each step extends the computed range, every target's sender exports
+     the newly computed tokens from its start position on (RLD: everything
+     it does not cache; MD: only its missing tail) and sends them in chunks
+     of about `chunk_bytes`; the targets run in parallel, so a slow WAN never
+     holds back the local fabric.
+  3. When the first output token is sampled and every range is sent, each
+     target gets `done(first_token)`; the KV is released only then (it is
+     pinned while in flight).  A target that fails is reported; the others
+     go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from pddgw.engines.async_engine import AsyncEngine
+from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class KVTarget:
+    """One destination of a request's KV."""
+
+    name: str
+    start_token: int                                   # first prompt token it needs
+    send: Callable[[KVChunk], Awaitable[None]]         # awaits back-pressure
+    done: Callable[[int], Awaitable[None]]             # all sent; the first output token
+    sent_bytes: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    first_token: int
+    cached_tokens: int                                 # P's own prefix-cache hit
+    targets: dict[str, KVTarget] = field(default_factory=dict)
+
+
+class _Progress:
+    """Computed-token watermark shared by the target senders."""
+
+    def __init__(self) -> None:
+        self.computed = 0
+        self.finished = False
+        self.cond = asyncio.Condition()
+
+    async def update(self, computed: int, finished: bool) -> None:
+        async with self.cond:
+            self.computed, self.finished = computed, finished or self.finished
+            self.cond.notify_all()
+
+
+class PrefillWorker:
+    def __init__(self, aeng: AsyncEngine, chunk_bytes: int = 512 * 1024):
+        self.aeng = aeng
+        self.engine = aeng.engine
+        self.tokens_per_chunk = max(1, chunk_bytes // self.engine.kv_layout.bytes_per_token())
+        self.inflight: set[str] = set()
+
+    async def prefill(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams,
+                      targets: list[KVTarget]) -> PrefillResult:
+        if rid in self.inflight:
+            raise RequestError(f"request {rid!r} is already prefilling here")
+        n = len(prompt)
+        for t in targets:
+            if not 0 <= t.start_token <= n:
+                raise RequestError(f"target {t.name}: start token {t.start_token} outside [0, {n}]")
+        req = EngineRequest(rid, prompt, SamplingParams(
+            max_tokens=1, temperature=sampling.temperature, top_k=sampling.top_k,
+            top_p=sampling.top_p, seed=sampling.seed), retain_kv=True)
+        self.inflight.add(rid)
+        progress = _Progress()
+        senders: list[asyncio.Task[None]] = []
+        first_token: int | None = None
+        try:
+            result = await self.aeng.add(req)
+            senders = [asyncio.create_task(self._send_all(rid, n, t, progress), name=f"kv-{rid}-{t.name}")
+                       for t in targets]
+            async with contextlib.aclosing(self.aeng.stream(rid)) as outputs:
+                async for out in outputs:
+                    if out.new_token_ids:
+                        first_token = out.new_token_ids[0]
+                    await progress.update(min(out.num_computed_tokens, n), out.finished)
+            if first_token is None:
+                raise RequestError(f"request {rid!r} ended on P without a first token")
+            await asyncio.gather(*senders)
+            for t in targets:
+                if t.error is None:
+                    try:
+                        await t.done(first_token)
+                    except Exception as e:
+                        t.error = f"{type(e).__name__}: {e}"
+            return PrefillResult(first_token, result.num_cached_tokens, {t.name: t for t in targets})
+        finally:
+            for task in senders:
+                task.cancel()
+            for task in senders:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            # Retained KV is released (or the request aborted) whatever happened.
+            await self.aeng.call(self.engine.abort, rid)
+            self.inflight.discard(rid)
+
+    async def _send_all(self, rid: str, n: int, target: KVTarget, progress: _Progress) -> None:
+        sent = target.start_token
+        try:
+            while sent < n:
+                async with progress.cond:
+                    await progress.cond.wait_for(lambda: progress.computed > sent or progress.finished)
+                    upto = progress.computed
+                while sent < upto:
+                    end = min(upto, sent + self.tokens_per_chunk)
+                    chunk = await self.aeng.call(self.engine.export_kv, rid, sent, end)
+                    await target.send(chunk)
+                    target.sent_bytes += len(chunk.data)
+                    sent = end
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            target.error = f"{type(e).__name__}: {e}"
+            log.warning("kv_target_failed", request_id=rid, target=target.name, error=target.error)
