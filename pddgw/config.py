@@ -211,10 +211,129 @@ class LogConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ShapingConfig:
+    """WAN / fabric emulation of one named link (`[[net.links]]`), applied per direction.
+
+    Bandwidth is either constant (`gbps`) or a step trace `[[t_seconds, gbps], ...]`
+    starting at t = 0 (time since the link opened); `trace_period_s > 0` repeats it.
+    A frame is delivered one serialization time plus `latency_ms` (one way)
+    +- uniform `jitter_ms` after the previous one left, never out of order.
+    """
+
+    # Which link this shapes; the wiring code asks `NetConfig.shaping(name)`.
+    name: str = "wan"
+    gbps: float = 0.0                                 # 0 = unlimited (unless `trace`)
+    latency_ms: float = 0.0
+    jitter_ms: float = 0.0
+    trace: tuple[tuple[float, float], ...] = ()
+    trace_period_s: float = 0.0
+    seed: int = 0                                     # jitter draws are reproducible
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "name must not be empty")
+        _check(self.gbps >= 0, "gbps must be >= 0")
+        _check(self.latency_ms >= 0, "latency_ms must be >= 0")
+        _check(0 <= self.jitter_ms <= self.latency_ms, "jitter_ms must be in [0, latency_ms]")
+        _check(not (self.trace and self.gbps), "set either gbps or trace, not both")
+        for i, step in enumerate(self.trace):
+            _check(len(step) == 2, f"trace[{i}] must be [t_seconds, gbps]")
+            _check(step[1] >= 0, f"trace[{i}]: gbps must be >= 0")
+            _check(step[0] == 0 if i == 0 else step[0] > self.trace[i - 1][0],
+                   "trace times must start at 0 and increase")
+        _check(self.trace_period_s == 0 or (self.trace and self.trace_period_s > self.trace[-1][0]),
+               "trace_period_s must be 0 or exceed the last trace time")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.gbps or self.trace or self.latency_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """TLS for node links (`wss://`); PEM files."""
+
+    enabled: bool = False
+    cert_file: str = ""        # this node's certificate chain
+    key_file: str = ""
+    ca_file: str = ""          # CA that signed the peers' certificates ("" = system store)
+    mutual: bool = False       # servers demand and verify client certificates
+    server_name: str = ""      # name to verify in the server certificate ("" = URL host)
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            _check(bool(self.cert_file) == bool(self.key_file), "cert_file and key_file go together")
+        if self.mutual:
+            _check(self.enabled and bool(self.cert_file) and bool(self.ca_file),
+                   "mutual TLS needs enabled, cert_file, key_file and ca_file")
+
+
+@dataclass(frozen=True, slots=True)
+class NetConfig:
+    """Node links (pddgw.net): auth, limits, timeouts, striping, shaping."""
+
+    # Shared deployment secret (>= 16 characters); WebSocket links refuse to run without one.
+    secret: str = ""
+    secret_file: str = ""      # read the secret from this file instead
+    # Parallel connections per WebSocket link; bulk KV frames are striped over them.
+    stripes: int = 1
+    kv_frame_bytes: int = 1 << 20               # preferred KV chunk size for senders
+    max_frame_bytes: int = 8 << 20              # largest frame accepted (KV chunks)
+    max_control_bytes: int = 1 << 20            # largest frame of any other kind
+    inbound_buffer_bytes: int = 64 << 20        # unread inbound bytes before reading pauses
+    connect_timeout_s: float = 5.0
+    auth_timeout_s: float = 5.0
+    request_timeout_s: float = 30.0
+    send_timeout_s: float = 30.0
+    heartbeat_s: float = 2.0                    # 0 = no heartbeats
+    dead_after_s: float = 10.0                  # silence after which a peer counts as dead
+    reconnect_max_s: float = 2.0                # cap of the reconnect back-off
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    # The embedded deployment emulates cluster A <-> cluster B: 10 Gbps, 30 ms RTT.
+    links: tuple[ShapingConfig, ...] = (ShapingConfig(name="wan", gbps=10.0, latency_ms=15.0),)
+
+    def __post_init__(self) -> None:
+        _check(not (self.secret and self.secret_file), "set secret or secret_file, not both")
+        _check(not self.secret or len(self.secret) >= 16, "secret must have >= 16 characters")
+        _check(1 <= self.stripes <= 16, "stripes must be in [1, 16]")
+        _check(0 < self.kv_frame_bytes <= self.max_frame_bytes, "kv_frame_bytes must be in (0, max_frame_bytes]")
+        _check(self.max_frame_bytes < 1 << 32, "max_frame_bytes must be < 4 GiB")
+        _check(4096 <= self.max_control_bytes <= self.max_frame_bytes,
+               "max_control_bytes must be in [4096, max_frame_bytes]")
+        _check(self.inbound_buffer_bytes >= self.max_frame_bytes, "inbound_buffer_bytes must be >= max_frame_bytes")
+        for name in ("connect_timeout_s", "auth_timeout_s", "request_timeout_s", "send_timeout_s",
+                     "dead_after_s", "reconnect_max_s"):
+            _check(getattr(self, name) > 0, f"{name} must be > 0")
+        _check(self.heartbeat_s >= 0, "heartbeat_s must be >= 0")
+        _check(self.heartbeat_s == 0 or self.dead_after_s > self.heartbeat_s, "dead_after_s must exceed heartbeat_s")
+        names = [s.name for s in self.links]
+        _check(len(names) == len(set(names)), "links: duplicate name")
+
+    def shaping(self, name: str) -> ShapingConfig | None:
+        """The shaping of link `name`, or None when it is not shaped."""
+        for s in self.links:
+            if s.name == name and s.enabled:
+                return s
+        return None
+
+    def load_secret(self) -> str:
+        """The deployment secret (reading `secret_file` if set); '' when none is configured."""
+        if not self.secret_file:
+            return self.secret
+        try:
+            secret = Path(self.secret_file).read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"net.secret_file: cannot read {self.secret_file}: {e.strerror}") from None
+        if len(secret) < 16:
+            raise ConfigError("net.secret_file: secret must have >= 16 characters")
+        return secret
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    net: NetConfig = field(default_factory=NetConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     # Empty: the embedded deployment, every role in one process.

@@ -26,7 +26,9 @@ Procedure:
      greedy tokens were identical on both sides (`tokens_match`).
 
 Prompts have equal lengths, so transformers' left padding is a no-op and
-neither side computes wasted tokens.
+neither side computes wasted tokens.  `tokens_match` is expected in float32;
+in bfloat16 the two round differently (pddgw's attention accumulates in
+float32), so greedy picks may diverge there.
 """
 
 from __future__ import annotations
@@ -226,9 +228,12 @@ class PddgwSide:
             if t_first is None and all(out.values()):
                 t_first = time.perf_counter()
         t_end = time.perf_counter()
-        assert t_first is not None
         engine.check_integrity()
-        return Run(t_first - t0, t_end - t0, tuple(tuple(out[f"r{i}"]) for i in range(batch)))
+        tokens = tuple(tuple(out[f"r{i}"]) for i in range(batch))
+        if t_first is None or any(len(t) != output_len for t in tokens):
+            raise RuntimeError(f"pddgw generated {sorted({len(t) for t in tokens})} tokens per "
+                               f"request, expected {output_len}")
+        return Run(t_first - t0, t_end - t0, tokens)
 
 
 class TransformersSide:

@@ -74,7 +74,8 @@ class Engine(ABC):
     def append_tokens(self, request_id: str, token_ids: Sequence[int], final: bool) -> None:
         """Append handed-off output tokens; they are extended in one forward.
 
-        With final=False the request stays on hold (compute, do not sample);
+        With final=False the request stays on hold (compute all but the last
+        token, do not sample);
         with final=True it samples from the next position on, or finishes at
         once if the last appended token is a stop token or reaches max_tokens
         or the context length.

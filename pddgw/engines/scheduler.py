@@ -60,13 +60,14 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = self._admit(seq, budget)
-            if n == 0:
+            if n is None:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            chunks.append(Chunk(seq, n))
-            budget -= n
+            if n:
+                chunks.append(Chunk(seq, n))
+                budget -= n
         return chunks
 
     def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[str]) -> bool:
@@ -105,20 +106,20 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        """Give a waiting seq its cached prefix and blocks for its first chunk; 0 if no room."""
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Give a waiting seq its cached prefix and blocks for its first chunk; None if no room."""
         bs = self.blocks.block_size
         # Never serve the last token from cache: its forward yields the next logits.
         hashes = seq.block_hashes((len(seq.tokens) - 1) // bs, bs)
         cached = self.blocks.match(hashes)
         self.blocks.acquire(cached)
         n_cached = len(cached) * bs
-        n = min(len(seq.tokens) - n_cached, budget)
+        n = min(len(seq.tokens) - n_cached - (1 if seq.hold else 0), budget)
         try:
             fresh = self.blocks.allocate(self.blocks_for(n_cached + n) - len(cached))
         except OutOfBlocks:
             self.blocks.release(cached)
-            return 0
+            return None
         seq.block_ids = cached + fresh
         seq.num_computed = seq.num_cached_tokens = n_cached
         seq.num_published = len(cached)

@@ -57,7 +57,12 @@ class Sequence:
 
     @property
     def num_pending(self) -> int:
-        return len(self.tokens) - self.num_computed
+        """Tokens the next steps may compute.
+
+        On hold the last token stays pending: computing it is what yields the
+        logits to sample from once the hold is lifted.
+        """
+        return len(self.tokens) - self.num_computed - (1 if self.hold else 0)
 
     def block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
         """Chained hashes of the first num_blocks full blocks of self.tokens."""

@@ -170,7 +170,7 @@ class TorchEngine(Engine):
     def has_work(self) -> bool:
         if self._events or self.scheduler.waiting:
             return True
-        return any(s.num_pending > 0 or not s.hold for s in self.scheduler.running)
+        return any(s.num_pending > 0 for s in self.scheduler.running)
 
     # ---- contract: prefix cache -----------------------------------------------
     def match_prefix(self, block_hashes: Seq[int], pin_key: str | None = None) -> int:

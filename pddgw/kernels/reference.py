@@ -64,14 +64,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     """
     b, tq, h, d = q.shape
     kvh = k.shape[2]
-    qg = q.to(acc).view(b, tq, kvh, h // kvh, d)              # [B, Tq, KVH, G, D]
-    scores = torch.einsum("bqkgd,blkd->bkgql", qg, k.to(acc)) * scale   # [B, KVH, G, Tq, L]
+    g = h // kvh
+    # Rows (query token, head in group) of each KV head: [B, KVH, Tq*G, D].
+    qg = q.to(acc).view(b, tq, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, tq * g, d)
+    scores = torch.matmul(qg, k.to(acc).permute(0, 2, 3, 1)) * scale   # [B, KVH, Tq*G, L]
     j = torch.arange(k.shape[1], device=q.device)
-    hidden = j[None, None, :] > q_pos[:, :, None]                          # [B, Tq, L]
-    scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgql,blkd->bqkgd", probs, v.to(acc))           # [B, Tq, KVH, G, D]
-    return out.reshape(b, tq, h, d)
+    hidden = j[None, None, :] > q_pos[:, :, None]                      # [B, Tq, L]
+    scores = scores.view(b, kvh, tq, g, -1).masked_fill(hidden[:, None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, kvh, tq * g, -1)
+    out = torch.matmul(probs, v.to(acc).permute(0, 2, 1, 3))          # [B, KVH, Tq*G, D]
+    return out.view(b, kvh, tq, g, d).permute(0, 2, 1, 3, 4).reshape(b, tq, h, d)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -21,9 +21,12 @@ log-sum-exp, and a second kernel merges the partitions of every (row, head).
 A row only ever needs partitions s with s * part_size <= its position, so
 partitions that lie wholly after a row are neither written nor read.
 
-Nothing syncs with the host: grid sizes come from tensor shapes alone (the
-KV bound is block_tables' width), extends find their sequence by a binary
-search over per-sequence tile offsets computed on the device.
+Nothing syncs with the host: grid sizes come from tensor shapes alone, and
+extends find their sequence by a binary search over per-sequence tile
+offsets computed on the device.  The bound on any sequence's length is
+block_tables' width x block_size, so callers should pass tables no wider than
+the batch's longest sequence needs (wider only wastes empty partitions).  The
+split count aims at about 4 programs per SM with partitions of 256+ keys.
 
 Dtypes: float32 caches compute every dot in IEEE float32.  float16/bfloat16
 caches feed the tensor cores in the cache dtype (q and the probabilities are
@@ -35,7 +38,6 @@ bfloat16 arithmetic is wrong).  Addresses are computed in int64.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 
@@ -135,7 +137,9 @@ def _attend_tile(acc, l_i, m_i, q, K, V, bt_row, kv_start, kv_hi, pos, k_head, v
     return acc, l_i, m_new
 
 
-@triton.jit
+# Runtime ints that change from call to call are not specialized (no recompiles
+# when the batch, the table width or the split changes).
+@triton.jit(do_not_specialize=["stride_btb", "num_seqs", "num_splits", "part_size"])
 def _attn_fwd_kernel(Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, CU_TILES, OUT, MID_O, MID_LSE,
                      stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh, stride_btb, stride_btn,
@@ -231,7 +235,7 @@ def _attn_fwd_kernel(Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, CU_TILES, OUT, MID_O
         tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "part_size"])
 def _merge_splits_kernel(MID_O, MID_LSE, OUT, SEQ_LENS, CU_Q, stride_ot, stride_oh,
                          num_seqs, num_splits, part_size,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
@@ -344,6 +348,7 @@ def plan_attention(*, num_tokens: int, num_seqs: int, q_heads: int, kv_heads: in
         want = _cdiv(4 * num_sms, max(1, num_tiles * kv_heads))
         cap = max(1, _MAX_PARTIAL_ELEMS // max(1, num_tokens * q_heads * head_dim))
         num_splits = max(1, min(want, ctx // min_part, cap))
+    num_splits = min(num_splits, 65535)                           # grid axis 2 limit
     if num_splits > 1:
         part_size = _cdiv(_cdiv(ctx, num_splits), block_n) * block_n
         num_splits = _cdiv(ctx, part_size)
@@ -352,7 +357,8 @@ def plan_attention(*, num_tokens: int, num_seqs: int, q_heads: int, kv_heads: in
     num_warps = 4 if block_m <= 64 else 8
     return AttnPlan(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=2,
                     dot_f32=dot_f32, num_tiles=num_tiles, num_splits=num_splits,
-                    part_size=part_size, log_b=max(0, num_seqs - 1).bit_length(),
+                    part_size=part_size,
+                    log_b=0 if is_decode else max(0, num_seqs - 1).bit_length(),
                     merge_heads=1 << 30 if interpret else 8)
 
 

@@ -152,9 +152,10 @@ class DecodeWorker:
         while True:
             chunk = plan(len(s.tokens), sent, rounds)
             if chunk.final:
-                s.frozen = True                # no more emission from here
+                s.frozen = True                # RLD's output ends here...
                 await self.aeng.call(self.engine.abort, rid)
                 end = len(s.tokens)
+                await self._emit_new(s)        # ...and every token up to it is emitted
                 await send(sent, tuple(s.tokens[sent:end]), True)
                 await self._close(s, None)
                 return end

@@ -106,9 +106,10 @@ def test_catch_up_handoff_on_hold(tiny64):
     engine = make_engine(tiny64)
     engine.add_request(req("md", prompt, max_tokens=30, output_token_ids=(full[0],), hold=True))
     assert run_to_end(engine) == {"md": []}               # computes (progress), samples nothing
-    assert engine.seqs["md"].num_computed == len(prompt) + 1
+    assert engine.seqs["md"].num_computed == len(prompt)     # the held last token stays pending
     engine.append_tokens("md", full[1:9], final=False)
     assert run_to_end(engine) == {"md": []}
+    assert engine.seqs["md"].num_computed == len(prompt) + 8
     engine.append_tokens("md", full[9:12], final=True)
     assert run_to_end(engine)["md"] == full[12:]
     with pytest.raises(RequestError, match="unknown request"):

@@ -39,11 +39,14 @@ def compile_launch(launch: T.Launch):
     sig: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list] = {}
     constexprs: dict[str, object] = dict(launch.constexprs)
+    plain = set(fn.do_not_specialize)
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
             continue
-        ty, attr = native_specialize_impl(BaseBackend, launch.args[i], False, True, True)
+        specialize = name not in plain and i not in plain
+        ty, attr = native_specialize_impl(BaseBackend, launch.args[i], False, specialize,
+                                          specialize)
         if ty == "constexpr":                    # the runtime folds ints equal to 1
             constexprs[name] = attr
             sig[name] = "constexpr"
@@ -79,6 +82,7 @@ def h200_cases(full: bool):
             yield "decode-b256-1k", hq, hkv, d, dtype, None, [1024] * 256
             yield "extend-k16-64k", hq, hkv, d, dtype, [16], [65536]
             yield "extend-k512-8k", hq, hkv, d, dtype, [512], [8192]
+            yield "extend-mixed", hq, hkv, d, dtype, [1] * 40 + [7, 216], [3000] * 42
     if full:
         yield "extend-d256", 16, 8, 256, torch.bfloat16, [512], [4096]
 
@@ -119,11 +123,11 @@ def main(argv: list[str]) -> int:
         seen.add(key)
         kernel = compile_launch(launch)
         ttgir = kernel.asm["ttgir"]
+        tiles = {k: v for k, v in launch.constexprs.items() if k in ("BLOCK_M", "BLOCK_N")}
         row = {"case": label, "kernel": launch.kernel.__name__, "warps": launch.num_warps,
-               "stages": launch.num_stages, "grid": launch.grid,
-               **{k: launch.constexprs[k] for k in ("BLOCK_M", "BLOCK_N") if k in launch.constexprs},
+               "stages": launch.num_stages, "grid": launch.grid, **tiles,
                **resource_usage(kernel),
-               "mma": ("warp_group_dot" in ttgir) or ("ttg.mma" in ttgir) or ("nvidia_mma" in ttgir),
+               "mma": any(op in ttgir for op in ("warp_group_dot", "nvidia_mma")),
                "async_copy": "async_copy_global_to_local" in ttgir}
         print(json.dumps(row), flush=True)
     return 0

@@ -86,8 +86,8 @@ def test_decode_flash_decoding_splits(group, dtype):
         assert_close(out, want, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("group,dtype", [(1, torch.float32), (8, torch.float16),
+                                         (8, torch.bfloat16)], ids=str)
 def test_extend_splits_and_small_tiles(group, dtype):
     """Several tiles per sequence (binary search over tile offsets) and KV partitions
     that start after some rows of a tile (those rows skip the partition)."""
@@ -112,6 +112,30 @@ def test_tensor_core_path_in_float16():
     out = T._attention(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, cu, 0.125,
                        dot_f32=False, num_splits=2)
     assert_close(out, want, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_h200_launch_plans(dtype):
+    """The exact plans an H200 gets (132 SMs: 256+ key partitions, GPU tile sizes,
+    tensor-core operand rounding for float16), run here in the interpreter."""
+    scale = 64 ** -0.5
+    p = make_paged([1000, 37], kv_heads=2, head_dim=64, block_size=16, dtype=dtype, device=DEV)
+    q = make_q(2, 8, 64, dtype, device=DEV)
+    out, launches = T.attention_launches(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
+                                         None, scale, num_sms=132, interpret=False)
+    assert launches[0].grid[2] > 1 and launches[0].constexprs["DOT_F32"] == (dtype != torch.float16)
+    for launch in launches:
+        launch()
+    want = R.paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale)
+    assert_close(out, want, dtype)
+    p, cu, q = _extend_case(4, 64, 16, dtype, pairs=[(600, 64), (300, 7), (0, 1)])
+    out, launches = T.attention_launches(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
+                                         cu, scale, num_sms=132, interpret=False)
+    assert launches[0].grid[2] > 1
+    for launch in launches:
+        launch()
+    want = R.extend_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, p.seq_lens, scale)
+    assert_close(out, want, dtype)
 
 
 def test_odd_group_and_head_dim():

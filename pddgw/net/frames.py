@@ -1,0 +1,227 @@
+"""Binary frames: fixed header + orjson metadata + raw payload.
+
+Layout (little-endian), one frame per WebSocket binary message::
+
+    0  2s  magic  b"PD"
+    2  B   version (1)
+    3  B   kind (messages.KINDS)
+    4  B   flags (bit 0: reply to the request `corr`)
+    5  B   reserved, 0
+    6  H   meta_len
+    8  I   corr     request/reply correlation id (0: neither)
+    12 I   seq      per-link sending order (links striped over connections reorder by it)
+    16 I   payload_len
+    20 ... meta (orjson object of the message's scalar fields), then payload
+
+Payloads: `KvChunk.payload` raw; token IDs packed int32; prefix hashes packed
+uint64.  `decode` turns any byte string into a `Frame` or raises `FrameError`
+(never another exception): sizes, field names, field types and field values are
+all checked, nothing is evaluated.  No pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import sys
+import typing
+from array import array
+from dataclasses import dataclass
+
+import orjson
+
+from pddgw.net import messages as m
+from pddgw.net.errors import FrameError, FrameTooLarge
+
+MAGIC = b"PD"
+VERSION = 1
+HEADER = struct.Struct("<2sBBBBHIII")
+HEADER_SIZE = HEADER.size  # 20
+FLAG_REPLY = 0x01
+_KNOWN_FLAGS = FLAG_REPLY
+MAX_META = 0xFFFF
+MAX_U32 = 0xFFFF_FFFF
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHead:
+    kind: int
+    flags: int
+    meta_len: int
+    corr: int
+    seq: int
+    payload_len: int
+
+    @property
+    def size(self) -> int:
+        return HEADER_SIZE + self.meta_len + self.payload_len
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self.flags & FLAG_REPLY)
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    head: FrameHead
+    msg: m.Message
+
+
+@dataclass(frozen=True, slots=True)
+class _Schema:
+    cls: type
+    meta_order: tuple[str, ...]      # encoding order (deterministic bytes)
+    meta_fields: frozenset[str]
+    packed: str        # "" none, "raw" KV payload, "i" int32 array, "Q" uint64 array
+    packed_field: str  # message field carried as the payload
+
+
+def _schema(cls: type) -> _Schema:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "tag"]
+    if cls is m.KvChunk:
+        order = tuple(f.name for f in dataclasses.fields(m.KvSpan)) + ("seq", "last")
+        return _Schema(cls, order, frozenset(order), "raw", "payload")
+    packed, packed_field = "", ""
+    if cls in (m.TokenIds, m.TokenItem):
+        packed, packed_field = "i", "ids"
+    elif cls is m.PrefixQuery:
+        packed, packed_field = "Q", "hashes"
+    assert not packed or typing.get_origin(hints[packed_field]) is tuple
+    order = tuple(n for n in names if n != packed_field)
+    return _Schema(cls, order, frozenset(order), packed, packed_field)
+
+
+_SCHEMAS: dict[int, _Schema] = {kind: _schema(cls) for kind, cls in m.KINDS.items()}
+_ITEM_SIZE = {"i": 4, "Q": 8}
+
+
+# ---------------------------------------------------------------------------
+# Encoding
+
+
+def encode(msg: m.Message, *, corr: int = 0, seq: int = 0, flags: int = 0) -> tuple[bytes, memoryview]:
+    """-> (header + metadata, payload view).  The payload of a KvChunk is not copied."""
+    kind = m.KIND_OF[type(msg)]
+    schema = _SCHEMAS[kind]
+    if schema.packed == "raw":
+        span = msg.span  # type: ignore[union-attr]
+        meta = orjson.dumps({
+            "request_id": span.request_id, "layer_start": span.layer_start, "layer_end": span.layer_end,
+            "token_start": span.token_start, "token_end": span.token_end, "dtype": span.dtype,
+            "shape": span.shape, "seq": msg.seq, "last": msg.last,  # type: ignore[union-attr]
+        })
+        payload = memoryview(msg.payload).cast("B")  # type: ignore[union-attr]
+    else:
+        meta = orjson.dumps({name: getattr(msg, name) for name in schema.meta_order})
+        if schema.packed:
+            arr = array(schema.packed, getattr(msg, schema.packed_field))
+            if _BIG_ENDIAN:
+                arr.byteswap()
+            payload = memoryview(arr).cast("B")
+        else:
+            payload = memoryview(b"")
+    if len(meta) > MAX_META:
+        raise FrameTooLarge(f"metadata of {len(meta)} bytes exceeds {MAX_META}")
+    if payload.nbytes > MAX_U32:
+        raise FrameTooLarge(f"payload of {payload.nbytes} bytes exceeds 4 GiB")
+    head = HEADER.pack(MAGIC, VERSION, kind, flags, 0, len(meta), corr, seq, payload.nbytes)
+    return head + meta, payload
+
+
+def encode_bytes(msg: m.Message, *, corr: int = 0, seq: int = 0, flags: int = 0) -> bytes:
+    """The whole frame as one bytes object (copies; for small frames and tests)."""
+    head, payload = encode(msg, corr=corr, seq=seq, flags=flags)
+    return head + payload.tobytes() if payload.nbytes else head
+
+
+# ---------------------------------------------------------------------------
+# Decoding
+
+
+def parse_head(buf: m.Buffer, *, max_frame: int = MAX_U32, max_control: int = MAX_U32) -> FrameHead:
+    """Parse and check the 20-byte header (`buf` may be longer)."""
+    if len(buf) < HEADER_SIZE:
+        raise FrameError(f"frame of {len(buf)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    magic, version, kind, flags, reserved, meta_len, corr, seq, payload_len = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise FrameError(f"unsupported protocol version {version}")
+    schema = _SCHEMAS.get(kind)
+    if schema is None:
+        raise FrameError(f"unknown frame kind {kind}")
+    if flags & ~_KNOWN_FLAGS or reserved:
+        raise FrameError(f"unknown flags {flags:#x} / reserved byte {reserved}")
+    head = FrameHead(kind, flags, meta_len, corr, seq, payload_len)
+    limit = max_frame if schema.packed == "raw" else max_control
+    if head.size > limit:
+        raise FrameTooLarge(f"{schema.cls.__name__} frame of {head.size} bytes exceeds the limit of {limit}")
+    if not schema.packed and payload_len:
+        raise FrameError(f"{schema.cls.__name__} carries no payload, got {payload_len} bytes")
+    if schema.packed in _ITEM_SIZE and payload_len % _ITEM_SIZE[schema.packed]:
+        raise FrameError(f"{schema.cls.__name__} payload of {payload_len} bytes is not whole items")
+    return head
+
+
+def parse_meta(head: FrameHead, meta: m.Buffer) -> dict:
+    """orjson metadata -> dict with exactly the message's field names (values checked later)."""
+    try:
+        obj = orjson.loads(meta)
+    except orjson.JSONDecodeError as e:
+        raise FrameError(f"metadata is not valid JSON: {e}") from None
+    if type(obj) is not dict:
+        raise FrameError("metadata must be a JSON object")
+    schema = _SCHEMAS[head.kind]
+    if obj.keys() != schema.meta_fields:
+        missing = sorted(schema.meta_fields - obj.keys())
+        extra = sorted(obj.keys() - schema.meta_fields)
+        raise FrameError(f"{schema.cls.__name__} metadata: missing {missing}, unknown {extra}")
+    return obj
+
+
+def kv_span(meta: dict) -> m.KvSpan:
+    """The KvSpan of a KV chunk's metadata (validated), before its payload is read."""
+    try:
+        return m.KvSpan(meta["request_id"], meta["layer_start"], meta["layer_end"], meta["token_start"],
+                        meta["token_end"], meta["dtype"], meta["shape"])
+    except (ValueError, TypeError, OverflowError) as e:
+        raise FrameError(f"KvChunk: {e}") from None
+
+
+def build(head: FrameHead, meta: dict, payload: m.Buffer, span: m.KvSpan | None = None) -> m.Message:
+    """Construct and validate the message of a frame whose metadata and payload are read."""
+    schema = _SCHEMAS[head.kind]
+    try:
+        if schema.packed == "raw":
+            span = span or kv_span(meta)
+            if len(payload) != span.nbytes:
+                raise FrameError(f"KvChunk payload has {len(payload)} bytes, span needs {span.nbytes}")
+            return m.KvChunk(span, payload, meta["seq"], meta["last"])
+        if schema.packed:
+            arr = array(schema.packed)
+            arr.frombytes(payload)
+            if _BIG_ENDIAN:
+                arr.byteswap()
+            return schema.cls(**meta, **{schema.packed_field: tuple(arr)})
+        return schema.cls(**meta)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise FrameError(f"{schema.cls.__name__}: {e}") from None
+
+
+def decode(buf: m.Buffer, *, max_frame: int = MAX_U32, max_control: int = MAX_U32) -> Frame:
+    """One whole frame -> Frame; raises FrameError for anything malformed.
+
+    A KvChunk's payload is a memoryview into `buf` (no copy).
+    """
+    try:
+        view = memoryview(buf).cast("B")
+    except (TypeError, ValueError) as e:
+        raise FrameError(f"not a byte buffer: {e}") from None
+    head = parse_head(view, max_frame=max_frame, max_control=max_control)
+    if len(view) != head.size:
+        raise FrameError(f"frame has {len(view)} bytes, header says {head.size}")
+    meta_end = HEADER_SIZE + head.meta_len
+    meta = parse_meta(head, view[HEADER_SIZE:meta_end])
+    return Frame(head, build(head, meta, view[meta_end:]))

@@ -1,0 +1,168 @@
+"""In-process links: the embedded all-in-one deployment and tests.
+
+Same semantics as the WebSocket transport (typed messages validated at
+construction, requests, streams, back-pressure, KV sinks, shaping, close
+codes), without sockets: a frame is handed to the peer link object.  Payloads
+are copied once into the receiver's memory (its KV sink or a fresh buffer), so
+the sender may reuse its buffer when `send` returns, exactly as over a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from pddgw.config import NetConfig, ShapingConfig
+from pddgw.net import frames
+from pddgw.net import messages as m
+from pddgw.net.errors import CloseCode, LinkClosed
+from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, sink_buffer, wait_until
+from pddgw.net.shaping import ShapedPipe
+from pddgw.net.wsproto import ws_header_size
+
+_Item = tuple[m.Message, int, int, int]  # message, corr, flags, wire bytes
+
+
+def wire_size(msg: m.Message) -> int:
+    """Bytes the message would take on a WebSocket link (server -> client framing)."""
+    head, payload = frames.encode(msg)
+    n = len(head) + payload.nbytes
+    return ws_header_size(n, masked=False) + n
+
+
+class InProcLink(LinkBase):
+    """One end of an in-process link; see `InProcNetwork.connect` or `inproc_pair`."""
+
+    def __init__(self, local: str, peer: str, cfg: NetConfig, shaping: ShapingConfig | None) -> None:
+        super().__init__(local, peer, cfg)
+        self._other: InProcLink | None = None
+        self._accepting = asyncio.Event()    # our inbound is open (the peer's back-pressure)
+        self._accepting.set()
+        self._pipe = ShapedPipe(shaping, self._deliver) if shaping is not None and shaping.enabled else None
+
+    # -- outbound --------------------------------------------------------------
+
+    def _prepare(self, msg: m.Message, corr: int, flags: int) -> _Item:
+        if self._pipe is not None and isinstance(msg, m.KvChunk):
+            # Delivery is deferred: snapshot the payload so the caller may reuse it.
+            msg = m.KvChunk(msg.span, bytes(memoryview(msg.payload).cast("B")), msg.seq, msg.last)
+        n = wire_size(msg)
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += n
+        if isinstance(msg, m.KvChunk):
+            self.stats.kv_bytes_sent += msg.span.nbytes
+        return msg, corr, flags, n
+
+    async def _transmit(self, msg: m.Message, corr: int, flags: int) -> None:
+        other = self._other
+        if other is None or other._state == LinkState.CLOSED:
+            raise self._closed_error()
+        if not await wait_until(other._accepting, self._dead):
+            raise self._closed_error()
+        item = self._prepare(msg, corr, flags)
+        if self._pipe is not None:
+            await self._pipe.put(item, item[3])
+        else:
+            other._receive(item)
+
+    def _transmit_nowait(self, msg: m.Message, corr: int = 0, flags: int = 0) -> None:
+        other = self._other
+        if self._state != LinkState.OPEN or other is None or other._state != LinkState.OPEN:
+            return
+        item = self._prepare(msg, corr, flags)
+        if self._pipe is not None:
+            self._pipe.put_nowait(item, item[3])
+        else:
+            other._receive(item)
+
+    def _deliver(self, item: _Item) -> None:
+        """Shaped arrival at the peer."""
+        other = self._other
+        if other is not None:
+            other._receive(item)
+
+    # -- inbound ---------------------------------------------------------------
+
+    def _receive(self, item: _Item) -> None:
+        if self._state != LinkState.OPEN:
+            return
+        msg, corr, flags, nbytes = item
+        owned = 0
+        if isinstance(msg, m.KvChunk):
+            dest, owned = sink_buffer(self._kv_sink, msg.span, self.peer)
+            dest[:] = memoryview(msg.payload).cast("B")
+            msg = m.KvChunk(msg.span, dest, msg.seq, msg.last)
+            self.stats.kv_bytes_received += msg.span.nbytes
+        self.stats.frames_received += 1
+        self.stats.bytes_received += nbytes
+        self._on_message(msg, corr, bool(flags & frames.FLAG_REPLY), owned)
+
+    def _set_reading(self, on: bool) -> None:
+        if on:
+            self._accepting.set()
+        else:
+            self._accepting.clear()
+
+    # -- close -----------------------------------------------------------------
+
+    async def _shutdown_transport(self, code: int, reason: str) -> None:
+        if self._pipe is not None:
+            self._pipe.close()
+            await self._pipe.wait_closed()
+        other = self._other
+        if other is not None and other._state != LinkState.CLOSED:
+            other._lost(LinkClosed(f"peer {self.local} closed: {reason}", code))
+
+
+def inproc_pair(a: str, b: str, cfg: NetConfig | None = None, shaping: ShapingConfig | None = None,
+                ) -> tuple[InProcLink, InProcLink]:
+    """Two connected, open links a->b and b->a (both directions shaped alike)."""
+    cfg = cfg or NetConfig()
+    la, lb = InProcLink(a, b, cfg, shaping), InProcLink(b, a, cfg, shaping)
+    la._other, lb._other = lb, la
+    la._set_open()
+    lb._set_open()
+    return la, lb
+
+
+class InProcNetwork:
+    """The nodes of one process: `listen` registers a node, `connect` links to it."""
+
+    def __init__(self, cfg: NetConfig | None = None) -> None:
+        self.cfg = cfg or NetConfig()
+        self._listeners: dict[str, tuple[Handler | None, Callable[[InProcLink], None] | None, KvSink | None]] = {}
+        self.links: list[InProcLink] = []
+
+    def listen(self, node: str, handler: Handler | None = None, *,
+               on_link: Callable[[InProcLink], None] | None = None, kv_sink: KvSink | None = None) -> None:
+        """Accept links to `node`; each accepted link gets `handler` / `kv_sink`, then `on_link(link)`."""
+        if node in self._listeners:
+            raise ValueError(f"node {node!r} is already listening")
+        self._listeners[node] = (handler, on_link, kv_sink)
+
+    def unlisten(self, node: str) -> None:
+        self._listeners.pop(node, None)
+
+    async def connect(self, local: str, remote: str, *, handler: Handler | None = None,
+                      shaping: str | ShapingConfig | None = None, kv_sink: KvSink | None = None) -> InProcLink:
+        """Open a link local -> remote; `shaping` names a `[[net.links]]` entry or is one."""
+        if remote not in self._listeners:
+            raise LinkClosed(f"no node {remote!r} is listening", CloseCode.ABNORMAL)
+        shape = self.cfg.shaping(shaping) if isinstance(shaping, str) else shaping
+        if isinstance(shaping, str) and shape is None and not any(s.name == shaping for s in self.cfg.links):
+            raise ValueError(f"no [[net.links]] entry named {shaping!r}")
+        srv_handler, on_link, srv_sink = self._listeners[remote]
+        client, server = inproc_pair(local, remote, self.cfg, shape)
+        client.set_handler(handler)
+        client.set_kv_sink(kv_sink)
+        server.set_handler(srv_handler)
+        server.set_kv_sink(srv_sink)
+        self.links += [client, server]
+        if on_link is not None:
+            on_link(server)
+        return client
+
+    async def close(self) -> None:
+        links, self.links = self.links, []
+        for link in links:
+            await link.close(CloseCode.GOING_AWAY, "network closed")

@@ -1,0 +1,526 @@
+"""The `Link` contract and the transport-independent multiplexer behind it.
+
+A link connects this node to one peer.  Over it travel one-way messages,
+requests with replies (matched by a correlation id in the frame header, so any
+number may be in flight) and per-request streams (matched by the message's
+`request_id`).  Two transports implement it with the same semantics:
+`InProcLink` (asyncio, one process) and `WsLink` (WebSocket, striped over
+parallel connections).
+
+Link lifecycle (`LinkState`):
+
+1. CONNECTING: the transport is being set up (dial, TLS, challenge/response).
+2. OPEN: frames flow; operations proceed.  Inbound frames are dispatched in
+   order: a reply resolves its request; a request runs the handler in its own
+   task and its return value is sent back; a message whose request_id has an
+   open stream goes to that stream; anything else goes to the handler, one at
+   a time, in arrival order.  Heartbeats run; silence beyond `dead_after_s`
+   counts as a lost connection.
+3. RECONNECTING (dialing side only): the connection was lost.  Requests and
+   streams that were in flight fail with `LinkClosed`; new operations wait for
+   the link to come back (within their own timeout).
+4. CLOSED: final.  Everything in flight and every later operation fails with
+   `LinkClosed`; no task of the link is left running.
+
+Every operation takes a timeout and fails with `LinkTimeout` when it expires,
+so a dead peer always surfaces as a typed error within the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+
+import structlog
+
+from pddgw.config import NetConfig
+from pddgw.net import messages as m
+from pddgw.net.errors import CloseCode, LinkClosed, LinkError, LinkTimeout, RemoteError
+
+log = structlog.get_logger("pddgw.net")
+
+Handler = Callable[["Link", m.Message], Awaitable[m.Message | None]]
+"""Called with each inbound message that is not a reply and not for an open stream.
+For a request its return value is the reply (None -> `Ack(request_id)`; an
+exception -> `Error`); for a one-way message the return value is ignored."""
+
+KvSink = Callable[[m.KvSpan], memoryview | None]
+"""Called when a KV chunk's metadata has arrived, before its payload: return a
+writable, C-contiguous memoryview of exactly `span.nbytes` bytes and the
+payload is received straight into it (the delivered `KvChunk.payload` is that
+view), or None to let the link allocate."""
+
+
+class LinkState(IntEnum):
+    CONNECTING = 0
+    OPEN = 1
+    RECONNECTING = 2
+    CLOSED = 3
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """Counters of one link (wire bytes include every header)."""
+
+    frames_sent: int = 0
+    bytes_sent: int = 0
+    kv_bytes_sent: int = 0            # KV payload bytes only
+    frames_received: int = 0
+    bytes_received: int = 0
+    kv_bytes_received: int = 0
+    reconnects: int = 0
+    rtt_s: float = 0.0                # last heartbeat round trip
+
+
+class Link(ABC):
+    """A message link to one peer node.
+
+    Contract:
+    * `send(msg)` queues one message and returns when its bytes are handed to
+      the transport (a KvChunk payload may be reused from then on).  Messages
+      sent by one task arrive in the order sent.
+    * `send_all(msgs)` sends many (KV chunks) as fast as the transport allows,
+      striped over parallel connections where the link has them; arrival
+      order is still the order of `msgs`.
+    * `request(msg)` sends and waits for the peer handler's reply; an `Error`
+      reply raises `RemoteError`.
+    * `stream(request_id)` registers (at once, so open it before triggering the
+      peer) an async iterator over the messages of that request id; it ends
+      after a message that `messages.ends_stream` (`TokenItem.done`,
+      `KvChunk.last`, `Cancel`), raises `RemoteError` on an `Error`, and raises
+      `LinkTimeout` when nothing arrives within its timeout.
+    * Failures are `LinkError`s: `LinkTimeout`, `LinkClosed` (with a close
+      code), `RemoteError`, `AuthError`.  A stream that is never read holds
+      inbound data and eventually pauses the whole link (back-pressure).
+    """
+
+    local: str
+    peer: str
+    stats: LinkStats
+
+    @property
+    @abstractmethod
+    def state(self) -> LinkState: ...
+
+    @abstractmethod
+    async def send(self, msg: m.Message, *, timeout: float | None = None) -> None: ...
+
+    @abstractmethod
+    async def send_all(self, msgs: Iterable[m.Message], *, timeout: float | None = None) -> None: ...
+
+    @abstractmethod
+    async def request(self, msg: m.Message, *, timeout: float | None = None) -> m.Message: ...
+
+    @abstractmethod
+    def stream(self, request_id: str, *, timeout: float | None = None) -> LinkStream: ...
+
+    @abstractmethod
+    def set_handler(self, handler: Handler | None) -> None: ...
+
+    @abstractmethod
+    def set_kv_sink(self, sink: KvSink | None) -> None: ...
+
+    @abstractmethod
+    async def close(self, code: int = CloseCode.NORMAL, reason: str = "closed") -> None:
+        """Close for good: in-flight operations fail with LinkClosed, all tasks end."""
+
+    @abstractmethod
+    async def wait_closed(self) -> None: ...
+
+
+class LinkStream:
+    """Messages of one request id, in arrival order (see `Link.stream`).
+
+    Use as `async with link.stream(rid) as s: async for msg in s: ...`; leaving
+    the block unregisters it.
+    """
+
+    def __init__(self, link: LinkBase, request_id: str, timeout: float) -> None:
+        self._link = link
+        self.request_id = request_id
+        self._timeout = timeout
+        self._items: deque[tuple[m.Message | LinkError, int]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False
+        self._registered = True
+
+    def _put(self, item: m.Message | LinkError, nbytes: int) -> None:
+        self._items.append((item, nbytes))
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def __aenter__(self) -> LinkStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __aiter__(self) -> LinkStream:
+        return self
+
+    async def __anext__(self) -> m.Message:
+        if self._ended:
+            raise StopAsyncIteration
+        if not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout(self._timeout):
+                    await self._waiter
+            except TimeoutError:
+                raise LinkTimeout(f"stream {self.request_id!r}: nothing within {self._timeout}s") from None
+            finally:
+                self._waiter = None
+        item, nbytes = self._items.popleft()
+        self._link._consumed(nbytes)
+        if isinstance(item, LinkError):
+            self._ended = True
+            raise item
+        if isinstance(item, m.Error):
+            self._ended = True
+            raise RemoteError(item.code, item.message, item.request_id)
+        if m.ends_stream(item):
+            self._ended = True
+        return item
+
+    def close(self) -> None:
+        if self._registered:
+            self._registered = False
+            self._link._streams.pop(self.request_id, None)
+            while self._items:
+                self._link._consumed(self._items.popleft()[1])
+        self._ended = True
+
+
+class LinkBase(Link):
+    """Multiplexing, dispatch, heartbeats and timeouts shared by both transports.
+
+    A transport implements `_transmit` / `_transmit_nowait` (one frame out),
+    `_set_reading` (inbound back-pressure) and `_shutdown_transport`, and feeds
+    inbound messages, in order, to `_on_message`.
+    """
+
+    def __init__(self, local: str, peer: str, cfg: NetConfig) -> None:
+        self.local = local
+        self.peer = peer
+        self.cfg = cfg
+        self.stats = LinkStats()
+        self._loop = asyncio.get_running_loop()
+        self._state = LinkState.CONNECTING
+        self._opened = asyncio.Event()
+        self._closed = asyncio.Event()          # set once every task of the link has ended
+        self._dead = asyncio.Event()            # set when the state becomes CLOSED
+        self._close_error: LinkClosed | None = None
+        self._handler: Handler | None = None
+        self._kv_sink: KvSink | None = None
+        self._pending: dict[int, asyncio.Future[m.Message]] = {}
+        self._next_corr = 0
+        self._streams: dict[str, LinkStream] = {}
+        self._inbox: deque[tuple[m.Message, int]] = deque()
+        self._inbox_wake = asyncio.Event()
+        self._inbound_bytes = 0
+        self._reading = True
+        self._tasks: set[asyncio.Task] = set()
+        self._last_rx = self._loop.time()
+        self._dispatcher = self._spawn(self._dispatch_loop(), "dispatch")
+        self._heartbeat = self._spawn(self._heartbeat_loop(), "heartbeat") if cfg.heartbeat_s else None
+
+    # -- transport hooks ---------------------------------------------------
+
+    @abstractmethod
+    async def _transmit(self, msg: m.Message, corr: int, flags: int) -> None:
+        """Send one frame; wait for transport back-pressure; raise LinkClosed if the connection is gone."""
+
+    @abstractmethod
+    def _transmit_nowait(self, msg: m.Message, corr: int = 0, flags: int = 0) -> None:
+        """Send one small frame without waiting (heartbeats); silently dropped if not open."""
+
+    @abstractmethod
+    def _set_reading(self, on: bool) -> None:
+        """Pause / resume taking inbound frames from the peer."""
+
+    @abstractmethod
+    async def _shutdown_transport(self, code: int, reason: str) -> None:
+        """Close every connection of the link (final close)."""
+
+    # -- public API ----------------------------------------------------------
+
+    @property
+    def state(self) -> LinkState:
+        return self._state
+
+    def set_handler(self, handler: Handler | None) -> None:
+        self._handler = handler
+
+    def set_kv_sink(self, sink: KvSink | None) -> None:
+        self._kv_sink = sink
+
+    async def send(self, msg: m.Message, *, timeout: float | None = None) -> None:
+        t = self.cfg.send_timeout_s if timeout is None else timeout
+        await self._timed(self._send_frame(msg, 0, 0), t, f"send {type(msg).__name__}")
+
+    async def send_all(self, msgs: Iterable[m.Message], *, timeout: float | None = None) -> None:
+        t = self.cfg.send_timeout_s if timeout is None else timeout
+
+        async def run() -> None:
+            for msg in msgs:
+                await self._send_frame(msg, 0, 0)
+
+        await self._timed(run(), t, "send_all")
+
+    async def request(self, msg: m.Message, *, timeout: float | None = None) -> m.Message:
+        t = self.cfg.request_timeout_s if timeout is None else timeout
+        self._next_corr = self._next_corr % 0xFFFF_FFFF + 1
+        corr = self._next_corr
+        fut: asyncio.Future[m.Message] = self._loop.create_future()
+        self._pending[corr] = fut
+
+        async def run() -> m.Message:
+            await self._send_frame(msg, corr, 0)
+            return await fut
+
+        try:
+            reply = await self._timed(run(), t, f"request {type(msg).__name__}")
+        finally:
+            self._pending.pop(corr, None)
+        if isinstance(reply, m.Error):
+            raise RemoteError(reply.code, reply.message, reply.request_id)
+        return reply
+
+    def stream(self, request_id: str, *, timeout: float | None = None) -> LinkStream:
+        if self._state == LinkState.CLOSED:
+            raise self._closed_error()
+        if request_id in self._streams:
+            raise ValueError(f"a stream for {request_id!r} is already open on this link")
+        st = LinkStream(self, request_id, self.cfg.request_timeout_s if timeout is None else timeout)
+        self._streams[request_id] = st
+        return st
+
+    async def close(self, code: int = CloseCode.NORMAL, reason: str = "closed") -> None:
+        if self._state != LinkState.CLOSED:
+            self._finish(LinkClosed(f"link to {self.peer} {reason}", code))
+            try:
+                await self._shutdown_transport(code, reason)
+            finally:
+                await self._cancel_tasks()
+        await self._closed.wait()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    # -- internals -------------------------------------------------------------
+
+    def _spawn(self, coro: Awaitable, name: str) -> asyncio.Task:
+        task = self._loop.create_task(coro, name=f"link {self.local}->{self.peer} {name}")  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _cancel_tasks(self) -> None:
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not current]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        self._closed.set()
+
+    def _closed_error(self) -> LinkClosed:
+        return self._close_error or LinkClosed(f"link to {self.peer} is closed", CloseCode.NORMAL)
+
+    async def _timed(self, coro: Awaitable, timeout: float, what: str):  # type: ignore[no-untyped-def]
+        try:
+            async with asyncio.timeout(timeout) as cm:
+                return await coro
+        except TimeoutError:
+            if cm.expired():
+                raise LinkTimeout(f"{what} to {self.peer}: no completion within {timeout}s") from None
+            raise
+
+    async def _wait_open(self) -> None:
+        while self._state != LinkState.OPEN:
+            if self._state == LinkState.CLOSED:
+                raise self._closed_error()
+            await wait_until(self._opened, self._dead)
+
+    async def _send_frame(self, msg: m.Message, corr: int, flags: int) -> None:
+        if self._state != LinkState.OPEN:
+            await self._wait_open()
+        await self._transmit(msg, corr, flags)
+
+    def _set_open(self) -> None:
+        self._state = LinkState.OPEN
+        self._last_rx = self._loop.time()
+        self._opened.set()
+
+    def _fail_inflight(self, err: LinkError) -> None:
+        """The connection is gone: every request and stream in flight fails with `err`."""
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()  # mark retrieved: the waiter may already have timed out
+        for st in list(self._streams.values()):
+            st._put(err, 0)
+
+    def _lost(self, err: LinkError) -> None:
+        """Connection lost (transport callback): reconnecting transports override."""
+        if self._state == LinkState.CLOSED:
+            return
+        closed = err if isinstance(err, LinkClosed) else LinkClosed(str(err))
+        self._finish(closed)
+        self._spawn(self._after_lost(closed), "teardown")
+
+    async def _after_lost(self, err: LinkClosed) -> None:
+        await self._shutdown_transport(err.code, err.reason)
+        await self._cancel_tasks()
+
+    def _finish(self, err: LinkClosed) -> None:
+        if self._state == LinkState.CLOSED:
+            return
+        self._state = LinkState.CLOSED
+        self._close_error = err
+        self._opened.clear()
+        self._dead.set()
+        self._fail_inflight(err)
+        self._inbox_wake.set()
+        log.info("link closed", local=self.local, peer=self.peer, code=err.code, reason=err.reason)
+
+    # -- inbound ---------------------------------------------------------------
+
+    def _on_message(self, msg: m.Message, corr: int, is_reply: bool, owned_bytes: int) -> None:
+        """One inbound message, in order.  `owned_bytes`: payload memory the link holds for it."""
+        self._last_rx = self._loop.time()
+        if is_reply:
+            fut = self._pending.pop(corr, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            else:
+                log.debug("late reply dropped", peer=self.peer, corr=corr, kind=type(msg).__name__)
+            return
+        if corr:
+            self._spawn(self._serve_request(msg, corr), "request")
+            return
+        if isinstance(msg, m.Ping):
+            self._transmit_nowait(m.Pong(msg.sent_ns))
+            return
+        if isinstance(msg, m.Pong):
+            self.stats.rtt_s = max(0.0, (time.monotonic_ns() - msg.sent_ns) / 1e9)
+            return
+        rid = getattr(msg, "request_id", None)
+        st = self._streams.get(rid) if rid is not None else None
+        self._inbound_bytes += owned_bytes
+        if st is not None:
+            st._put(msg, owned_bytes)
+        else:
+            self._inbox.append((msg, owned_bytes))
+            self._inbox_wake.set()
+        if self._reading and self._inbound_bytes > self.cfg.inbound_buffer_bytes:
+            self._reading = False
+            self._set_reading(False)
+
+    def _consumed(self, nbytes: int) -> None:
+        self._inbound_bytes -= nbytes
+        if not self._reading and self._inbound_bytes <= self.cfg.inbound_buffer_bytes // 2:
+            self._reading = True
+            self._set_reading(True)
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            while not self._inbox:
+                if self._state == LinkState.CLOSED:
+                    return
+                self._inbox_wake.clear()
+                await self._inbox_wake.wait()
+            msg, nbytes = self._inbox.popleft()
+            try:
+                if self._handler is None:
+                    log.debug("no handler; message dropped", peer=self.peer, kind=type(msg).__name__)
+                else:
+                    await self._handler(self, msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("link handler failed", peer=self.peer, kind=type(msg).__name__, error=repr(e))
+            finally:
+                self._consumed(nbytes)
+
+    async def _serve_request(self, msg: m.Message, corr: int) -> None:
+        rid = getattr(msg, "request_id", "")
+        try:
+            if self._handler is None:
+                reply: m.Message | None = m.Error(rid, "no_handler", f"{self.local} has no handler")
+            else:
+                reply = await self._handler(self, msg)
+            if reply is None:
+                reply = m.Ack(rid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            code = e.code if isinstance(e, RemoteError) else type(e).__name__
+            reply = m.Error(rid, code, str(e)[: m.MAX_TEXT_CHARS])
+        try:
+            await self._timed(self._send_frame(reply, corr, _FLAG_REPLY), self.cfg.send_timeout_s, "reply")
+        except LinkError as e:
+            log.debug("reply not sent", peer=self.peer, error=str(e))
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.cfg.heartbeat_s
+        while True:
+            await asyncio.sleep(interval)
+            if self._state != LinkState.OPEN:
+                continue
+            if self._loop.time() - self._last_rx > self.cfg.dead_after_s:
+                log.warning("peer silent; dropping connection", local=self.local, peer=self.peer,
+                            silent_s=round(self._loop.time() - self._last_rx, 3))
+                self._peer_silent()
+                continue
+            self._transmit_nowait(m.Ping(time.monotonic_ns()))
+
+    def _peer_silent(self) -> None:
+        self._lost(LinkClosed(f"no frame from {self.peer} within {self.cfg.dead_after_s}s", CloseCode.PEER_SILENT))
+
+
+_FLAG_REPLY = 0x01  # frames.FLAG_REPLY; duplicated to keep this module free of the codec
+
+
+def sink_buffer(sink: KvSink | None, span: m.KvSpan, peer: str) -> tuple[memoryview, int]:
+    """Destination of a KV payload -> (writable byte view, bytes the link owns).
+
+    A sink that fails or returns an unusable buffer is logged and replaced by a
+    link-owned bytearray: a bad sink must not take the link down.
+    """
+    n = span.nbytes
+    if sink is not None:
+        try:
+            buf = sink(span)
+            if buf is not None:
+                view = memoryview(buf)
+                if view.readonly or not view.c_contiguous or view.nbytes != n:
+                    raise ValueError(f"needs a writable contiguous buffer of {n} bytes, got {view.nbytes} "
+                                     f"(readonly={view.readonly})")
+                return view.cast("B"), 0
+        except Exception as e:
+            log.error("KV sink failed; using a link buffer", peer=peer, request_id=span.request_id, error=repr(e))
+    return memoryview(bytearray(n)), n
+
+
+async def wait_until(event: asyncio.Event, closed: asyncio.Event) -> bool:
+    """Wait for `event` or `closed`; -> True when `event` is set."""
+    if event.is_set():
+        return True
+    if closed.is_set():
+        return False
+    loop = asyncio.get_running_loop()
+    a = loop.create_task(event.wait())
+    b = loop.create_task(closed.wait())
+    try:
+        await asyncio.wait([a, b], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        a.cancel()
+        b.cancel()
+    return event.is_set()

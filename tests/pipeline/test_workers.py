@@ -1,0 +1,199 @@
+"""P, RLD and MD workers wired directly (no transport): the PDD data paths.
+
+Three engines on the tiny float64 model (clear margins, so extends and single
+decodes agree exactly); MD uses another block size than P and RLD.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+import torch
+
+from pddgw.config import EngineConfig
+from pddgw.engines.async_engine import AsyncEngine
+from pddgw.engines.block_manager import chain_hashes
+from pddgw.engines.torch_engine import TorchEngine
+from pddgw.engines.types import SamplingParams
+from pddgw.engines.weights import build_tiny
+from pddgw.pipeline.decode import DecodeWorker, TokenEvent
+from pddgw.pipeline.ordering import StreamMerger
+from pddgw.pipeline.policy import plan_handoff_round
+from pddgw.pipeline.prefill import KVTarget, PrefillWorker
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny(0, torch.float64, "cpu")
+
+
+def engine(model, block_size):
+    cfg = EngineConfig(num_blocks=256, block_size=block_size, max_num_batched_tokens=64)
+    return TorchEngine(model, model.spec, cfg, torch.float64)
+
+
+def reference(model, prompt, sp):
+    e = engine(model, 16)
+    from pddgw.engines.types import EngineRequest
+    e.add_request(EngineRequest("ref", tuple(prompt), sp))
+    out = []
+    while e.has_work():
+        for o in e.step():
+            out += o.new_token_ids
+    return out
+
+
+class Cluster:
+    """P + RLD (block 16) and MD (block 8), each engine on its own worker thread."""
+
+    def __init__(self, model):
+        self.p_eng, self.rld_eng, self.md_eng = engine(model, 16), engine(model, 16), engine(model, 8)
+        self.events: dict[str, list[TokenEvent]] = {"rld": [], "md": []}
+        self.p = PrefillWorker(AsyncEngine(self.p_eng, "p"), chunk_bytes=8 * 1024)
+        self.rld = DecodeWorker(AsyncEngine(self.rld_eng, "rld"), functools.partial(self._emit, "rld"))
+        self.md = DecodeWorker(AsyncEngine(self.md_eng, "md"), functools.partial(self._emit, "md"))
+        self.finished = asyncio.Event()
+
+    async def _emit(self, role, ev: TokenEvent):
+        self.events[role].append(ev)
+        if ev.finished:
+            self.finished.set()
+
+    def target(self, name, worker: DecodeWorker, start, decode):
+        return KVTarget(name, start, worker.import_kv,
+                        lambda t0: worker.kv_done(self.rid, t0, decode))
+
+    def merged(self):
+        m = StreamMerger(self.rid)
+        evs = sorted(((e, r) for r in ("rld", "md") for e in self.events[r]), key=lambda x: x[0].position)
+        for ev, role in evs:
+            m.push(ev.position, list(ev.token_ids), role)
+        return [t for run in m.emitted_runs for t in run.token_ids] if hasattr(m, "emitted_runs") else m
+
+    async def stop(self):
+        for w in (self.p, self.rld, self.md):
+            await w.aeng.stop()
+        for e in (self.p_eng, self.rld_eng, self.md_eng):
+            e.check_integrity()
+            assert e.stats().used_blocks == 0
+
+
+def tokens_of(events):
+    out, pos = [], None
+    for ev in events:
+        if pos is not None:
+            assert ev.position == pos, "gap or overlap within one node's stream"
+        out += ev.token_ids
+        pos = ev.position + len(ev.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("mode,threshold", [("one-shot", 64), ("catch-up", 3)])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_p_rld_md_handoff(model, mode, threshold, temperature):
+    prompt = tuple(range(40, 40 + 70))
+    sp = SamplingParams(max_tokens=30, temperature=temperature, seed=99)
+    expected = reference(model, prompt, sp)
+
+    async def main():
+        c = Cluster(model)
+        c.rid = "r1"
+        rld_cached = await c.rld.open("r1", prompt, sp)
+        md_cached = await c.md.open("r1", prompt, sp)
+        assert (rld_cached, md_cached) == (0, 0)
+        res = await c.p.prefill("r1", prompt, sp, [c.target("rld", c.rld, rld_cached, True),
+                                                   c.target("md", c.md, md_cached, False)])
+        assert res.first_token == expected[0]
+        assert res.targets["md"].sent_bytes == len(prompt) * c.p_eng.kv_layout.bytes_per_token()
+        # Let RLD make some eager tokens, then hand off by token IDs.
+        while sum(len(e.token_ids) for e in c.events["rld"]) < 8:
+            await asyncio.sleep(0.001)
+        rounds = []
+
+        def plan(generated, sent, done):
+            chunk = plan_handoff_round(generated=generated, sent=sent, rounds_done=done, mode=mode,
+                                       threshold=threshold, max_chunk=max(4, threshold), max_rounds=8)
+            rounds.append(chunk)
+            return chunk
+
+        at = await asyncio.wait_for(
+            c.rld.hand_off("r1", plan, lambda s, ids, final: c.md.extend("r1", s, ids, final)), 30)
+        await asyncio.wait_for(c.finished.wait(), 30)
+        rld = tokens_of(c.events["rld"])
+        md = tokens_of(c.events["md"])
+        assert c.events["md"][0].position == at and len(rld) >= at
+        assert rld[:at] + md == expected
+        assert rounds[-1].final and (len(rounds) > 1) == (mode == "catch-up")
+        await c.stop()
+
+    asyncio.run(main())
+
+
+def test_p_md_only_missing_blocks_cross(model):
+    """MD already holds the conversation's first turn: only the new tail is sent."""
+    turn1 = tuple(range(50, 50 + 40))
+    prompt = turn1 + tuple(range(60, 60 + 21))
+    sp = SamplingParams(max_tokens=12)
+    expected = reference(model, prompt, sp)
+
+    async def main():
+        c = Cluster(model)
+        # Warm MD's prefix cache with turn 1 (a finished sequence stays cached).
+        c.rid = "warm"
+        await c.md.open("warm", turn1, sp)
+        await c.p.prefill("warm", turn1, sp, [c.target("md", c.md, 0, True)])
+        await asyncio.wait_for(c.finished.wait(), 30)
+        c.finished.clear()
+        c.events["md"].clear()
+        hit = await c.md.aeng.call(c.md_eng.match_prefix, chain_hashes(prompt, 8), "q1")
+        assert hit == 5                                    # 40 tokens of turn 1, in blocks of 8
+        c.rid = "r2"
+        md_cached = await c.md.open("r2", prompt, sp)
+        assert md_cached == 40
+        await c.md.aeng.call(c.md_eng.unpin, "q1")
+        res = await c.p.prefill("r2", prompt, sp, [c.target("md", c.md, md_cached, True)])
+        assert res.targets["md"].sent_bytes == (len(prompt) - 40) * c.p_eng.kv_layout.bytes_per_token()
+        await asyncio.wait_for(c.finished.wait(), 30)
+        assert tokens_of(c.events["md"]) == expected
+        await c.stop()
+
+    asyncio.run(main())
+
+
+def test_rld_finishes_locally_without_handoff(model):
+    prompt = tuple(range(70, 100))
+    sp = SamplingParams(max_tokens=15, temperature=0.7, seed=5)
+    expected = reference(model, prompt, sp)
+
+    async def main():
+        c = Cluster(model)
+        c.rid = "s"
+        await c.rld.open("s", prompt, sp)
+        await c.md.open("s", prompt, sp)
+        await c.p.prefill("s", prompt, sp, [c.target("rld", c.rld, 0, True), c.target("md", c.md, 0, False)])
+        await asyncio.wait_for(c.finished.wait(), 30)
+        assert tokens_of(c.events["rld"]) == expected
+        assert c.events["rld"][-1].finish_reason == "length"
+        assert await c.md.cancel("s")                      # MD never got the handoff: freed
+        await c.stop()
+
+    asyncio.run(main())
+
+
+def test_redrive_from_emitted_tokens(model):
+    prompt = tuple(range(33, 63))
+    sp = SamplingParams(max_tokens=20, temperature=0.8, seed=3)
+    expected = reference(model, prompt, sp)
+
+    async def main():
+        c = Cluster(model)
+        c.rid = "d"
+        await c.md.redrive("d", prompt, tuple(expected[:7]), sp)
+        await asyncio.wait_for(c.finished.wait(), 30)
+        assert c.events["md"][0].position == 7
+        assert tokens_of(c.events["md"]) == expected[7:]
+        await c.stop()
+
+    asyncio.run(main())
