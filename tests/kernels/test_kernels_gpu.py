@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import assert_close, cu_lens, make_paged, make_q
+from .kernel_cases import assert_close, cu_lens, make_paged, make_q
 
 from pddgw.kernels import reference as R
 

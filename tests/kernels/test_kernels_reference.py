@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import assert_close, cu_lens, loop_decode, loop_extend, make_paged, make_q
+from .kernel_cases import assert_close, cu_lens, loop_decode, loop_extend, make_paged, make_q
 
 from pddgw.kernels import reference as R
 

@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from kernel_cases import TOL, assert_close, cu_lens, make_paged, make_q
+from .kernel_cases import TOL, assert_close, cu_lens, make_paged, make_q
 
 from pddgw.engines.attention import AttnMetadata, paged_attention
 from pddgw.kernels import reference as R
