@@ -60,6 +60,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+
+    from pddgw.pipeline import deploy
+
+    cfg = _config_with_overrides(args)
+    if args.api_key:
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_keys=tuple(args.api_key)))
+    if args.role == "all":
+        if args.node:
+            raise ConfigError("--node names one node of a multi-node config; --role all runs them all")
+        main = deploy.run_embedded(cfg, args.host, args.port)
+    else:
+        if not cfg.nodes:
+            raise ConfigError(f"--role {args.role} needs a config with [[nodes]] (or use --role all)")
+        candidates = [n for n in cfg.nodes if n.role == args.role and (not args.node or n.name == args.node)]
+        if len(candidates) != 1:
+            names = ", ".join(n.name for n in cfg.nodes if n.role == args.role) or "none"
+            raise ConfigError(f"--role {args.role}: pick one node with --node (nodes of that role: {names})")
+        me = candidates[0]
+        runner = deploy.run_router if me.role == "router" else deploy.run_worker
+        main = runner(cfg, me, args.host, args.port)
+    try:
+        import uvloop
+
+        uvloop.run(main)
+    except ImportError:
+        asyncio.run(main)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pddgw", description=__doc__)
     p.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
@@ -80,6 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print {token_ids, text} as JSON")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="run a node (or, with --role all, the whole deployment)")
+    s.add_argument("--role", choices=["router", "prefill", "rld", "md", "all"], default="all")
+    s.add_argument("--config", help="config.toml (default: the embedded deployment)")
+    s.add_argument("--node", help="which node of the config this process is")
+    s.add_argument("--host", help="listen address (default: the config's)")
+    s.add_argument("--port", type=int, help="listen port (default: the config's; 8000 for the front door)")
+    s.add_argument("--model", help="Hugging Face model directory for every role (default: tiny)")
+    s.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
+    s.add_argument("--api-key", action="append", help="accept this API key (repeatable)")
+    s.set_defaults(func=cmd_serve)
     return p
 
 

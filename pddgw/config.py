@@ -288,8 +288,12 @@ class NetConfig:
     dead_after_s: float = 10.0                  # silence after which a peer counts as dead
     reconnect_max_s: float = 2.0                # cap of the reconnect back-off
     tls: TlsConfig = field(default_factory=TlsConfig)
-    # The embedded deployment emulates cluster A <-> cluster B: 10 Gbps, 30 ms RTT.
-    links: tuple[ShapingConfig, ...] = (ShapingConfig(name="wan", gbps=10.0, latency_ms=15.0),)
+    # The embedded deployment emulates cluster A <-> cluster B with a 30 ms RTT
+    # WAN whose bandwidth is scaled to the tiny model's KV (512 B/token, ~10^-4
+    # of a real model's): 4 Mbps makes a few hundred uncached tokens as slow to
+    # move as a long prompt over 10-100 Gbps, so first turns take P-RLD-MD and
+    # follow-up turns (a small missing tail) take P-MD, as in a real deployment.
+    links: tuple[ShapingConfig, ...] = (ShapingConfig(name="wan", gbps=0.004, latency_ms=15.0),)
 
     def __post_init__(self) -> None:
         _check(not (self.secret and self.secret_file), "set secret or secret_file, not both")

@@ -172,40 +172,47 @@ def read_generation_eos(directory: Path) -> tuple[int, ...] | None:
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
 
-def load_model(path: str | None, dtype: torch.dtype | str, device: str | torch.device,
-               tiny_seed: int = 0) -> tuple[LlamaModel, Tokenizer]:
-    """A model and its tokenizer: `path` None/"" = the built-in tiny model with a
-    `ByteTokenizer`; else a Hugging Face checkpoint directory (config.json,
-    *.safetensors, optional tokenizer.json).  eos ids: generation_config.json's when it
-    has them, else config.json's, in both `model.spec` and the tokenizer.  Without
-    tokenizer.json the tokenizer is a `ByteTokenizer` (with its own bos/eos ids)."""
-    dt = resolve_dtype(dtype)
+def load_spec(path: str | None) -> tuple[ModelSpec, Tokenizer]:
+    """A model's spec and tokenizer without its weights (what a router needs).
+
+    `path` None/"" = the built-in tiny model with a `ByteTokenizer`; else a
+    Hugging Face checkpoint directory.  eos ids: generation_config.json's when
+    it has them, else config.json's, in both the spec and the tokenizer.
+    Without tokenizer.json the tokenizer is a `ByteTokenizer`.
+    """
     if not path:
-        model = build_tiny(tiny_seed, dt, device)
-        return model, ByteTokenizer(model.spec.vocab_size)
+        spec = tiny_spec()
+        return spec, ByteTokenizer(spec.vocab_size)
     d = Path(path)
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise WeightsError(f"{d}: no config.json (expected a Hugging Face model directory)")
-    cfg = json.loads(cfg_path.read_text())
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = ModelSpec.from_hf_config(json.loads(cfg_path.read_text()))
     gen_eos = read_generation_eos(d)
     if gen_eos is not None:
         # generation_config.json names the ids that end a turn (Llama-3
         # instruct lists several); config.json often has only one.
         spec = dataclasses.replace(spec, eos_token_ids=gen_eos)
-    # Tokenizer first: a bad directory fails before gigabytes are read.
-    tok: Tokenizer
     if (d / "tokenizer.json").is_file():
-        tok = HFTokenizer.from_dir(d, spec.vocab_size)
-    elif spec.vocab_size >= ByteTokenizer.MIN_VOCAB:
+        return spec, HFTokenizer.from_dir(d, spec.vocab_size)
+    if spec.vocab_size >= ByteTokenizer.MIN_VOCAB:
         # No tokenizer.json (a saved tiny model, a random test checkpoint): bytes.
-        tok = ByteTokenizer(spec.vocab_size)
-    else:
-        raise WeightsError(f"{d}: no tokenizer.json, and vocab_size {spec.vocab_size} is too "
-                           f"small for the byte tokenizer (needs {ByteTokenizer.MIN_VOCAB})")
+        return spec, ByteTokenizer(spec.vocab_size)
+    raise WeightsError(f"{d}: no tokenizer.json, and vocab_size {spec.vocab_size} is too "
+                       f"small for the byte tokenizer (needs {ByteTokenizer.MIN_VOCAB})")
+
+
+def load_model(path: str | None, dtype: torch.dtype | str, device: str | torch.device,
+               tiny_seed: int = 0) -> tuple[LlamaModel, Tokenizer]:
+    """A model and its tokenizer (see `load_spec`); the tokenizer is read before
+    gigabytes of weights, so a bad directory fails early."""
+    dt = resolve_dtype(dtype)
+    if not path:
+        model = build_tiny(tiny_seed, dt, device)
+        return model, ByteTokenizer(model.spec.vocab_size)
+    spec, tok = load_spec(path)
     model = LlamaModel(spec, dt, device)
-    load_hf_weights(model, d)
+    load_hf_weights(model, Path(path))
     return model, tok
 
 

@@ -94,6 +94,29 @@ def _schema(cls: type) -> _Schema:
 
 
 _SCHEMAS: dict[int, _Schema] = {kind: _schema(cls) for kind, cls in m.KINDS.items()}
+
+
+def register(kind: int, cls: type, packed_field: str = "") -> None:
+    """Carry a message type defined above the net layer (the pipeline's vocabulary).
+
+    Like the built-in messages: a frozen dataclass validated in `__post_init__`,
+    scalar fields in the orjson metadata, `packed_field` (a tuple of ints) as the
+    int32 payload.  Kinds are protocol numbers; registering one twice is an error.
+    """
+    if kind in m.KINDS or cls in m.KIND_OF:
+        if m.KINDS.get(kind) is cls:
+            return
+        raise ValueError(f"frame kind {kind} or class {cls.__name__} is already registered")
+    if not 0 < kind < 256:
+        raise ValueError(f"frame kind {kind} outside 1..255")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "tag"]
+    if packed_field and typing.get_origin(hints[packed_field]) is not tuple:
+        raise ValueError(f"{cls.__name__}.{packed_field} must be a tuple of ints to be packed")
+    order = tuple(n for n in names if n != packed_field)
+    _SCHEMAS[kind] = _Schema(cls, order, frozenset(order), "i" if packed_field else "", packed_field)
+    m.KINDS[kind] = cls
+    m.KIND_OF[cls] = kind
 _ITEM_SIZE = {"i": 4, "Q": 8}
 
 

@@ -53,7 +53,9 @@ KvSink = Callable[[m.KvSpan], memoryview | None]
 """Called when a KV chunk's metadata has arrived, before its payload: return a
 writable, C-contiguous memoryview of exactly `span.nbytes` bytes and the
 payload is received straight into it (the delivered `KvChunk.payload` is that
-view), or None to let the link allocate."""
+view), or None to let the link allocate.  Only a delivered KvChunk means the
+memory holds the chunk: if the connection drops mid-frame the memory is
+partly written (and, from a client, still masked)."""
 
 
 class LinkState(IntEnum):
@@ -187,12 +189,17 @@ class LinkStream:
             self._ended = True
         return item
 
-    def close(self) -> None:
+    def _unregister(self) -> None:
         if self._registered:
             self._registered = False
-            self._link._streams.pop(self.request_id, None)
-            while self._items:
-                self._link._consumed(self._items.popleft()[1])
+            if self._link._streams.get(self.request_id) is self:
+                del self._link._streams[self.request_id]
+
+    def close(self) -> None:
+        """Unregister and drop what was not read."""
+        self._unregister()
+        while self._items:
+            self._link._consumed(self._items.popleft()[1])
         self._ended = True
 
 
@@ -366,6 +373,7 @@ class LinkBase(Link):
                 fut.exception()  # mark retrieved: the waiter may already have timed out
         for st in list(self._streams.values()):
             st._put(err, 0)
+            st._unregister()
 
     def _lost(self, err: LinkError) -> None:
         """Connection lost (transport callback): reconnecting transports override."""
@@ -416,6 +424,8 @@ class LinkBase(Link):
         self._inbound_bytes += owned_bytes
         if st is not None:
             st._put(msg, owned_bytes)
+            if m.ends_stream(msg) or isinstance(msg, m.Error):
+                st._unregister()        # what follows for this id goes to the handler again
         else:
             self._inbox.append((msg, owned_bytes))
             self._inbox_wake.set()

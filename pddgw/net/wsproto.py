@@ -21,10 +21,11 @@ a log line; the process carries on.
 Connection lifecycle (`ConnState`):
 
 1. HANDSHAKE: frames are queued for the auth handshake (`next_handshake`).
-2. OPEN: frames go to `on_frame` (the link).
-3. CLOSING: a close frame was sent; inbound data is discarded until the peer
+2. READY: authenticated; frames are held until the link has every stripe.
+3. OPEN (`open`): held frames, then every new one, go to `on_frame` (the link).
+4. CLOSING: a close frame was sent; inbound data is discarded until the peer
    closes, or `CLOSE_GRACE_S` passes and the connection is aborted.
-4. CLOSED: `connection_lost` ran; `on_lost` was called once with the reason.
+5. CLOSED: `connection_lost` ran; `on_lost` was called once with the reason.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ _SCRATCH_BYTES = 256 << 10
 _DIRECT_MIN = 16 << 10        # payload reads at least this large go straight to the destination
 _COPY_BELOW = 16 << 10        # smaller payloads are joined with their header into one write
 CLOSE_GRACE_S = 2.0
+_SOFT_LIMIT = 1 << 20         # bytes a transport may buffer before senders wait
+_MAX_EARLY = 4096             # frames held between authentication and link attach
 
 _PACK_LEN2 = struct.Struct("!BBH").pack
 _PACK_LEN8 = struct.Struct("!BBQ").pack
@@ -63,9 +66,10 @@ _WS_HEAD, _FRAME_HEAD, _META, _PAYLOAD, _CONTROL, _DISCARD = range(6)
 
 class ConnState(IntEnum):
     HANDSHAKE = 0
-    OPEN = 1
-    CLOSING = 2
-    CLOSED = 3
+    READY = 1
+    OPEN = 2
+    CLOSING = 3
+    CLOSED = 4
 
 
 def ws_header(n: int, masked: bool, opcode: int = OP_BINARY) -> bytes:
@@ -121,6 +125,7 @@ class WsConnection(asyncio.BufferedProtocol):
         self._filled = 0
         self._direct = False
         self._hs_frames: deque[m.Message] = deque()
+        self._early: deque[tuple[frames.FrameHead, m.Message, int, int]] = deque()
         self._hs_waiter: asyncio.Future[None] | None = None
         # writer
         self._drain_waiters: list[asyncio.Future[None]] = []
@@ -155,12 +160,16 @@ class WsConnection(asyncio.BufferedProtocol):
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._direct:
-            self._filled += nbytes
-            if self._filled == len(self._dest):
-                self._payload_done()
-            return
-        self._feed(self._scratch[:nbytes])
+        try:
+            if self._direct:
+                self._filled += nbytes
+                if self._filled == len(self._dest):
+                    self._payload_done()
+                return
+            self._feed(self._scratch[:nbytes])
+        except Exception as e:  # a bug of ours or of a callback: lose this connection, not the process
+            log.error("link connection failed while reading", peer=self.peer, error=repr(e))
+            self.close(CloseCode.INTERNAL_ERROR, "internal error")
 
     def _feed(self, data: memoryview) -> None:
         pos, end = 0, len(data)
@@ -214,7 +223,7 @@ class WsConnection(asyncio.BufferedProtocol):
             assert head is not None
             self._unmask_acc(frames.HEADER_SIZE)
             try:
-                self._meta = frames.parse_meta(head, memoryview(self._acc)[frames.HEADER_SIZE:])
+                self._meta = frames.parse_meta(head, bytes(self._acc[frames.HEADER_SIZE:]))
                 if head.kind == m.KV_KIND:
                     self._span = frames.kv_span(self._meta)
             except FrameError as e:
@@ -311,6 +320,10 @@ class WsConnection(asyncio.BufferedProtocol):
         self._reset()
         if self.state == ConnState.OPEN and self.on_frame is not None:
             self.on_frame(self, head, msg, wire, owned)
+        elif self.state == ConnState.READY:
+            if len(self._early) >= _MAX_EARLY:
+                return self._violation(CloseCode.PROTOCOL_ERROR, "too many frames before the link opened")
+            self._early.append((head, msg, wire, owned))
         elif self.state == ConnState.HANDSHAKE:
             if len(self._hs_frames) > 4:
                 return self._violation(CloseCode.PROTOCOL_ERROR, "frames before authentication")
@@ -325,6 +338,21 @@ class WsConnection(asyncio.BufferedProtocol):
         self.close(code, reason)
 
     # -- handshake -------------------------------------------------------------
+
+    def open(self, on_frame: FrameCallback) -> None:
+        """Hand frames to `on_frame` from now on, starting with those held since READY."""
+        self.on_frame = on_frame
+        if self.state != ConnState.READY:
+            return
+        self.state = ConnState.OPEN
+        while self._early and self.state == ConnState.OPEN:
+            head, msg, wire, owned = self._early.popleft()
+            on_frame(self, head, msg, wire, owned)
+
+    def send_message(self, msg: m.Message) -> None:
+        """Write one small frame now (handshake messages)."""
+        head, payload = frames.encode(msg)
+        self.write(self.frame_buffers(head, payload, copy=True)[0])
 
     async def next_handshake(self, timeout: float) -> m.Message:
         """The next frame during the handshake; AuthError if the peer closes with AUTH_FAILED."""
@@ -374,10 +402,11 @@ class WsConnection(asyncio.BufferedProtocol):
             self.transport.writelines(bufs)
 
     async def drain(self, empty: bool) -> None:
-        """Wait for the transport: until its buffer is empty (`empty`, zero-copy payload
-        written) or merely until it stops pushing back."""
+        """Wait for the transport: until its buffer is empty (`empty`: a zero-copy
+        payload is in the kernel and may be reused) or below a soft limit."""
         t = self.transport
-        limit = 0 if empty and not self._tls else t.get_write_buffer_limits()[0]
+        # TLS copies (encrypts) at write time, so only back-pressure matters there.
+        limit = 0 if empty and not self._tls else _SOFT_LIMIT
         while t.get_write_buffer_size() > limit:
             if self.state == ConnState.CLOSED or t.is_closing():
                 raise self._lost_error()
@@ -428,10 +457,6 @@ class WsConnection(asyncio.BufferedProtocol):
         # Keep reading (and discarding) so the peer's unread data cannot turn our
         # close into a reset that would lose the close frame.
         self._grace = self._loop.call_later(CLOSE_GRACE_S, self.transport.abort)
-        try:
-            self.transport.write_eof() if not self._tls and self.transport.can_write_eof() else None
-        except (OSError, RuntimeError):
-            pass
 
     def abort(self) -> None:
         self.state = ConnState.CLOSING

@@ -2,11 +2,13 @@
 
 Lifecycle of one request here (DecodeState, ordered):
   1. IMPORTING  `open`: an import request on top of this node's cached prefix;
-                P's KV chunks land through `import_kv`.
+                P's KV chunks land through `import_kv`.  (A re-drive,
+                `open_compute`, skips to HOLDING or DECODING and computes
+                the prompt here.)
   2. HOLDING    `kv_done(decode=False)`: the prompt KV is complete and the
                 first token (computed by P) is extended, but nothing is
                 sampled: MD waits for RLD's token-ID handoff (`extend`).
-  3. DECODING   `kv_done(decode=True)`, the final `extend`, or `redrive`:
+  3. DECODING   `kv_done(decode=True)`, the final `extend`, or `open_compute`:
                 tokens are sampled and emitted in order.
   4. HANDING_OFF RLD only (`hand_off`): catch-up chunks go to MD while RLD
                 keeps decoding; at the final round RLD stops, freezes its
@@ -163,17 +165,16 @@ class DecodeWorker:
             sent, rounds = chunk.end, rounds + 1
 
     # ---- re-drive and cancel -----------------------------------------------------------
-    async def redrive(self, rid: str, prompt: tuple[int, ...], outputs: tuple[int, ...],
-                      sampling: SamplingParams) -> None:
-        """Continue a request from tokens already emitted, recomputing their KV here."""
+    async def open_compute(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams,
+                           hold: bool) -> int:
+        """Compute the prompt here (a re-drive); with hold, wait for the emitted tokens (`extend`)."""
         if rid in self.sessions:
-            await self.cancel(rid)
-        req = EngineRequest(rid, prompt, sampling, output_token_ids=outputs)
-        await self.aeng.add(req)
-        s = _Session(rid)
-        s.tokens, s.emitted, s.state = list(outputs), len(outputs), DecodeState.DECODING
-        self.sessions[rid] = s
+            raise RequestError(f"request {rid!r} already open here")
+        await self.aeng.add(EngineRequest(rid, prompt, sampling, hold=hold))
+        s = self.sessions[rid] = _Session(rid)
+        s.state = DecodeState.HOLDING if hold else DecodeState.DECODING
         s.task = asyncio.create_task(self._consume(s), name=f"decode-{rid}")
+        return 0
 
     async def cancel(self, rid: str) -> bool:
         s = self.sessions.get(rid)

@@ -8,10 +8,10 @@ Lifecycle of one request on P:
      it does not cache; MD: only its missing tail) and sends them in chunks
      of about `chunk_bytes`; the targets run in parallel, so a slow WAN never
      holds back the local fabric.
-  3. When the first output token is sampled and every range is sent, each
-     target gets `done(first_token)`; the KV is released only then (it is
-     pinned while in flight).  A target that fails is reported; the others
-     go on.
+  3. As soon as a target has its whole range and the first output token is
+     sampled, it gets `done(first_token)` (RLD does not wait for the WAN).
+     The KV is released only when every target is served (it is pinned while
+     in flight).  A target that fails is reported; the others go on.
 """
 
 from __future__ import annotations
@@ -82,28 +82,24 @@ class PrefillWorker:
             top_p=sampling.top_p, seed=sampling.seed), retain_kv=True)
         self.inflight.add(rid)
         progress = _Progress()
+        first: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         senders: list[asyncio.Task[None]] = []
-        first_token: int | None = None
         try:
             result = await self.aeng.add(req)
-            senders = [asyncio.create_task(self._send_all(rid, n, t, progress), name=f"kv-{rid}-{t.name}")
-                       for t in targets]
+            senders = [asyncio.create_task(self._serve_target(rid, n, t, progress, first),
+                                           name=f"kv-{rid}-{t.name}") for t in targets]
             async with contextlib.aclosing(self.aeng.stream(rid)) as outputs:
                 async for out in outputs:
-                    if out.new_token_ids:
-                        first_token = out.new_token_ids[0]
+                    if out.new_token_ids and not first.done():
+                        first.set_result(out.new_token_ids[0])
                     await progress.update(min(out.num_computed_tokens, n), out.finished)
-            if first_token is None:
+            if not first.done():
                 raise RequestError(f"request {rid!r} ended on P without a first token")
             await asyncio.gather(*senders)
-            for t in targets:
-                if t.error is None:
-                    try:
-                        await t.done(first_token)
-                    except Exception as e:
-                        t.error = f"{type(e).__name__}: {e}"
-            return PrefillResult(first_token, result.num_cached_tokens, {t.name: t for t in targets})
+            return PrefillResult(first.result(), result.num_cached_tokens, {t.name: t for t in targets})
         finally:
+            if not first.done():
+                first.cancel()
             for task in senders:
                 task.cancel()
             for task in senders:
@@ -113,21 +109,29 @@ class PrefillWorker:
             await self.aeng.call(self.engine.abort, rid)
             self.inflight.discard(rid)
 
-    async def _send_all(self, rid: str, n: int, target: KVTarget, progress: _Progress) -> None:
-        sent = target.start_token
+    async def _serve_target(self, rid: str, n: int, target: KVTarget, progress: _Progress,
+                            first: asyncio.Future[int]) -> None:
+        """Everything one target needs, at its own pace: its KV range, then the first token."""
         try:
-            while sent < n:
-                async with progress.cond:
-                    await progress.cond.wait_for(lambda: progress.computed > sent or progress.finished)
-                    upto = progress.computed
-                while sent < upto:
-                    end = min(upto, sent + self.tokens_per_chunk)
-                    chunk = await self.aeng.call(self.engine.export_kv, rid, sent, end)
-                    await target.send(chunk)
-                    target.sent_bytes += len(chunk.data)
-                    sent = end
+            await self._send_all(rid, n, target, progress)
+            if target.error is None:
+                await target.done(await asyncio.shield(first))
         except asyncio.CancelledError:
             raise
         except Exception as e:
             target.error = f"{type(e).__name__}: {e}"
             log.warning("kv_target_failed", request_id=rid, target=target.name, error=target.error)
+
+    async def _send_all(self, rid: str, n: int, target: KVTarget, progress: _Progress) -> None:
+        """Send [start_token, n) in chunks as the computed watermark passes them."""
+        sent = target.start_token
+        while sent < n:
+            async with progress.cond:
+                await progress.cond.wait_for(lambda: progress.computed > sent or progress.finished)
+                upto = progress.computed
+            while sent < upto:
+                end = min(upto, sent + self.tokens_per_chunk)
+                chunk = await self.aeng.call(self.engine.export_kv, rid, sent, end)
+                await target.send(chunk)
+                target.sent_bytes += len(chunk.data)
+                sent = end

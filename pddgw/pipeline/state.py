@@ -241,6 +241,8 @@ class RequestTracker:
         self._rounds: list[HandoffRound] = []
         # Rounds of the handoff episode in progress (since the last md_ready).
         self._episode: list[HandoffRound] = []
+        # Output positions MD held when the episode began (P's first token: 1).
+        self._episode_base = 0
         self._emissions: list[Emission] = []
         self._emitted = 0
         self._wan_kv_bytes = 0
@@ -269,8 +271,8 @@ class RequestTracker:
 
     @property
     def handed_off(self) -> int:
-        """Tokens handed to MD in the current handoff episode."""
-        return self._episode[-1].end if self._episode else 0
+        """Output positions MD holds in the current handoff episode."""
+        return self._episode[-1].end if self._episode else self._episode_base
 
     @property
     def catchup_rounds(self) -> int:
@@ -296,10 +298,12 @@ class RequestTracker:
         self._planned = self._pipeline = pipeline
         self._route_reason = reason
 
-    def md_ready(self, reason: str = "") -> None:
-        """Step 5: MD holds the prompt KV; a new handoff episode begins."""
+    def md_ready(self, reason: str = "", held: int = 0) -> None:
+        """Step 5: MD holds the prompt KV (and the first `held` output positions,
+        e.g. P's first token); a new handoff episode begins."""
         self.advance(S.HANDOFF_PENDING, reason)
         self._episode = []
+        self._episode_base = held
 
     def handoff_round(self, start: int, end: int, final: bool) -> None:
         """Step 6: positions [start, end) go to MD by token ID.

@@ -190,7 +190,8 @@ def test_redrive_from_emitted_tokens(model):
     async def main():
         c = Cluster(model)
         c.rid = "d"
-        await c.md.redrive("d", prompt, tuple(expected[:7]), sp)
+        await c.md.open_compute("d", prompt, sp, hold=True)
+        await c.md.extend("d", 0, tuple(expected[:7]), True)
         await asyncio.wait_for(c.finished.wait(), 30)
         assert c.events["md"][0].position == 7
         assert tokens_of(c.events["md"]) == expected[7:]

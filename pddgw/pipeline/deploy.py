@@ -1,0 +1,247 @@
+"""Putting nodes together: the embedded all-in-one process, or one node of many.
+
+Topology: a node in one cluster talks to a node in another over the link
+named "wan" in `[[net.links]]` (shaped when configured: WAN emulation),
+within a cluster over the unshaped fabric.  Links: router -> every worker
+(control and token streams), P -> every decoder (KV), RLD -> every MD
+(handoffs).  `pddgw serve` with no config is the embedded default: router,
+P and RLD in cluster A, MD in cluster B, in-process links, one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from pddgw.api.server import FrontDoor
+from pddgw.config import Config, ConfigError, NodeConfig
+from pddgw.engines.kv_pool import DTYPES
+from pddgw.engines.torch_engine import TorchEngine
+from pddgw.engines.weights import load_spec
+from pddgw.net import messages as m
+from pddgw.net.errors import LinkError
+from pddgw.net.inproc import InProcNetwork
+from pddgw.net.link import Link
+from pddgw.net.ws import WsServer
+from pddgw.net.ws import connect as ws_connect
+from pddgw.pipeline import protocol as pm
+from pddgw.pipeline.node import WorkerNode
+from pddgw.pipeline.router import NodeHandle, Router
+
+log = structlog.get_logger(__name__)
+
+WAN = "wan"
+
+
+def embedded_nodes(cfg: Config) -> tuple[NodeConfig, ...]:
+    """The default topology: router, P, RLD in cluster A; MD in cluster B with its own block size."""
+    md_engine = dataclasses.replace(cfg.engine, block_size=cfg.engine.block_size * 2)
+    return (NodeConfig("router", "router", "A"), NodeConfig("p0", "prefill", "A"),
+            NodeConfig("rld0", "rld", "A"), NodeConfig("md0", "md", "B", engine=md_engine))
+
+
+def with_topology(cfg: Config) -> Config:
+    return cfg if cfg.nodes else dataclasses.replace(cfg, nodes=embedded_nodes(cfg))
+
+
+def shaping_between(cfg: Config, a: NodeConfig, b: NodeConfig) -> str:
+    return WAN if a.cluster != b.cluster else ""
+
+
+def _router_link_handler(link: Link, msg: m.Message) -> Any:
+    """Messages to the router outside any open stream (a late token of an ended request)."""
+    async def ignore() -> None:
+        return None
+    return ignore()
+
+
+class RouterSide:
+    """The router's process part: the Router, its front door and its node handles."""
+
+    def __init__(self, cfg: Config, nodes: list[NodeHandle]):
+        spec, tokenizer = load_spec(cfg.model.path or None)
+        self.cfg = cfg
+        itemsize = DTYPES[cfg.model.dtype].itemsize
+        kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+        wan = cfg.net.shaping(WAN)
+        if wan is not None and wan.gbps:
+            # An emulated WAN: its configured bandwidth is the estimator's prior.
+            cfg = dataclasses.replace(cfg, policy=dataclasses.replace(
+                cfg.policy, link_prior_mbps=wan.gbps * 1000.0, link_prior_rtt_ms=2 * wan.latency_ms))
+        self.router = Router(cfg, spec, nodes, kv_per_token)
+        name = cfg.model.path.rstrip("/").rsplit("/", 1)[-1] if cfg.model.path else "pddgw-tiny"
+        self.door = FrontDoor(cfg, self.router, tokenizer, name, self.state)
+        self._poller: asyncio.Task[None] | None = None
+
+    async def state(self) -> dict[str, Any]:
+        async def one(n: NodeHandle) -> dict[str, Any]:
+            try:
+                st = await n.link.request(pm.StateQuery(n.name), timeout=self.cfg.net.request_timeout_s)
+                assert isinstance(st, pm.NodeState)
+                return {**st.to_dict(), "healthy": True}
+            except LinkError as e:
+                return {"node": n.name, "role": n.role, "healthy": False, "error": str(e)}
+
+        nodes = await asyncio.gather(*(one(n) for n in self.router.nodes.values()))
+        return {"router": {"active_requests": self.door._active, "pipelines": self.router.counts},
+                "nodes": {n["node"]: n for n in nodes}}
+
+    def start(self) -> None:
+        self._poller = asyncio.create_task(self.router.poll_loads(), name="router-loads")
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+
+
+def _handle(n: NodeConfig, cfg: Config, link: Link) -> NodeHandle:
+    ecfg = cfg.engine_for(n)
+    return NodeHandle(n, link, ecfg.block_size, ecfg.max_num_seqs)
+
+
+def _make_worker(cfg: Config, n: NodeConfig, connect) -> WorkerNode:
+    engine, _ = TorchEngine.from_config(cfg, cfg.engine_for(n))
+    return WorkerNode(n.name, n.role, engine, connect, cfg.net.kv_frame_bytes)
+
+
+class Embedded:
+    """Every role in one process, in-process links (the WAN shaped between clusters)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = with_topology(cfg)
+        self.net = InProcNetwork(self.cfg.net)
+        self.workers: dict[str, WorkerNode] = {}
+        self.router_side: RouterSide | None = None
+
+    async def start(self) -> RouterSide:
+        cfg = self.cfg
+        by_name = {n.name: n for n in cfg.nodes}
+        for n in cfg.nodes:
+            if n.role == "router":
+                continue
+
+            def connect(remote: str, me: NodeConfig = n):
+                return self._dial(me, by_name[remote])
+
+            worker = await asyncio.to_thread(_make_worker, cfg, n, connect)
+            self.workers[n.name] = worker
+            self.net.listen(n.name, worker.handle)
+        router_cfg = next(n for n in cfg.nodes if n.role == "router")
+        handles = [_handle(n, cfg, await self._dial(router_cfg, n, _router_link_handler))
+                   for n in cfg.nodes if n.role != "router"]
+        self.router_side = RouterSide(cfg, handles)
+        self.router_side.start()
+        return self.router_side
+
+    async def _dial(self, me: NodeConfig, peer: NodeConfig, handler=None) -> Link:
+        if handler is None:
+            handler = self.workers[me.name].handle if me.name in self.workers else None
+        return await self.net.connect(me.name, peer.name, handler=handler,
+                                      shaping=shaping_between(self.cfg, me, peer) or None)
+
+    async def stop(self) -> None:
+        if self.router_side is not None:
+            await self.router_side.stop()
+        for w in self.workers.values():
+            await w.stop()
+        await self.net.close()
+
+
+# ---- one node of a multi-process deployment ----------------------------------------
+
+
+def link_url(n: NodeConfig, tls: bool) -> str:
+    if not n.port:
+        raise ConfigError(f"nodes.{n.name}.port: a worker node needs a port to be dialed")
+    return f"{'wss' if tls else 'ws'}://{n.host}:{n.port}/pddgw/link"
+
+
+async def dial(cfg: Config, me: NodeConfig, peer: NodeConfig, handler, wait_s: float = 60.0) -> Link:
+    """Dial a peer node, retrying while it starts up."""
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        try:
+            return await ws_connect(link_url(peer, cfg.net.tls.enabled), me.name, cfg.net, handler,
+                                    shaping=shaping_between(cfg, me, peer))
+        except LinkError as e:
+            if asyncio.get_running_loop().time() > deadline:
+                raise LinkError(f"cannot reach {peer.role} node {peer.name}: {e}") from None
+            await asyncio.sleep(0.2)
+
+
+async def run_worker(cfg: Config, me: NodeConfig, host: str | None = None, port: int | None = None,
+                     ready: asyncio.Event | None = None) -> None:
+    """Serve one worker node until cancelled."""
+    by_name = {n.name: n for n in cfg.nodes}
+    worker: WorkerNode | None = None
+
+    def connect(remote: str):
+        return dial(cfg, me, by_name[remote], worker.handle if worker else None)
+
+    worker = await asyncio.to_thread(_make_worker, cfg, me, connect)
+    server = WsServer(me.name, cfg.net, worker.handle)
+    app = web.Application()
+    server.add_routes(app)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "node": me.name, "role": me.role})
+
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response((await worker.state()).to_dict())
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/debug/state", state)
+    await _serve_app(app, host or me.host, me.port if port is None else port, cfg, ready,
+                     cleanup=[server.close, worker.stop])
+
+
+async def run_router(cfg: Config, me: NodeConfig, host: str | None = None, port: int | None = None,
+                     ready: asyncio.Event | None = None) -> None:
+    """Serve the router (front door) until cancelled; dials every worker node first."""
+    workers = [n for n in cfg.nodes if n.role != "router"]
+    links = await asyncio.gather(*(dial(cfg, me, n, _router_link_handler) for n in workers))
+    side = RouterSide(cfg, [_handle(n, cfg, link) for n, link in zip(workers, links)])
+    side.start()
+
+    async def close_links() -> None:
+        for link in links:
+            await link.close()
+
+    await _serve_app(side.door.app(), host or cfg.server.host, cfg.server.port if port is None else port,
+                     cfg, ready, cleanup=[side.stop, close_links], tls=False)
+
+
+async def run_embedded(cfg: Config, host: str | None = None, port: int | None = None,
+                       ready: asyncio.Event | None = None) -> None:
+    emb = Embedded(cfg)
+    side = await emb.start()
+    await _serve_app(side.door.app(), host or cfg.server.host, cfg.server.port if port is None else port,
+                     cfg, ready, cleanup=[emb.stop], tls=False)
+
+
+async def _serve_app(app: web.Application, host: str, port: int, cfg: Config, ready: asyncio.Event | None,
+                     cleanup, tls: bool = True) -> None:
+    from pddgw.net.tls import server_context
+
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    ssl_ctx = server_context(cfg.net.tls) if tls else None
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
+    await site.start()
+    log.info("serving", host=host, port=runner.addresses[0][1])
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for fn in cleanup:
+            with contextlib.suppress(Exception):
+                await fn()
+        await runner.cleanup()

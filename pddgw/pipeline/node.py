@@ -1,0 +1,263 @@
+"""A worker node (prefill, rld or md): its engine, its workers and its message handler.
+
+The node never decides anything: it does what the router's messages say and
+reports back.  Links arrive from the router (control, token streams), from P
+(KV) and from RLD (handoffs); the node dials P -> decoders and RLD -> MD itself
+through `connect`.  Every inbound message is decoded and validated at the
+edge (net), dispatched here by type, and an error becomes an `Error` reply
+naming the problem: the node keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from pddgw.engines.async_engine import AsyncEngine
+from pddgw.engines.base import Engine
+from pddgw.engines.types import CapacityError, KVChunk, RequestError
+from pddgw.net import messages as m
+from pddgw.net.errors import LinkError
+from pddgw.net.link import Link
+from pddgw.pipeline import protocol as pm
+from pddgw.pipeline.decode import DecodeWorker, TokenEvent
+from pddgw.pipeline.policy import plan_handoff_round
+from pddgw.pipeline.prefill import KVTarget, PrefillWorker
+
+log = structlog.get_logger(__name__)
+
+Connect = Callable[[str], Awaitable[Link]]
+
+
+def to_wire(chunk: KVChunk, seq: int = 0, last: bool = False) -> m.KvChunk:
+    n_layers = chunk.layer_end - chunk.layer_start
+    span = m.KvSpan(chunk.request_id, chunk.layer_start, chunk.layer_end, chunk.token_start,
+                    chunk.token_end, chunk.dtype, (n_layers, 2, chunk.num_tokens, chunk.num_kv_heads,
+                                                   chunk.head_dim))
+    return m.KvChunk(span, chunk.data, seq, last)
+
+
+def from_wire(msg: m.KvChunk) -> KVChunk:
+    s = msg.span
+    return KVChunk(s.request_id, s.token_start, s.token_end, s.layer_start, s.layer_end, s.shape[3],
+                   s.shape[4], s.dtype, memoryview(msg.payload).cast("B"))
+
+
+@dataclass(slots=True)
+class _Open:
+    """A request open on this decode node: who to report to, whether it holds."""
+
+    router: Link
+    hold: bool
+    opened_at: float
+
+
+class WorkerNode:
+    def __init__(self, name: str, role: str, engine: Engine, connect: Connect,
+                 kv_chunk_bytes: int = 1 << 20):
+        self.name = name
+        self.role = role
+        self.aeng = AsyncEngine(engine, name)
+        self.engine = engine
+        self._connect = connect
+        self.prefill = PrefillWorker(self.aeng, kv_chunk_bytes) if role == "prefill" else None
+        self.decode = DecodeWorker(self.aeng, self._emit) if role in ("rld", "md") else None
+        self._open: dict[str, _Open] = {}
+        self._pins: set[str] = set()
+        self._peers: dict[str, Link] = {}
+        self._prefills: dict[str, asyncio.Task[pm.PrefillDone]] = {}
+        self.kv_bytes_in_flight = 0
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def stop(self) -> None:
+        for task in list(self._prefills.values()):
+            task.cancel()
+        for rid in list(self._open):
+            await self._cancel(rid)
+        for link in self._peers.values():
+            await link.close()
+        await self.aeng.stop()
+
+    async def peer(self, name: str) -> Link:
+        link = self._peers.get(name)
+        if link is None or link.state >= 3:   # LinkState.CLOSED
+            link = self._peers[name] = await self._connect(name)
+        return link
+
+    # ---- state for /health and /debug/state -------------------------------------
+    async def state(self) -> pm.NodeState:
+        st = await self.aeng.call(self.engine.stats)
+        sessions = len(self.decode.sessions) if self.decode is not None else 0
+        return pm.NodeState(self.name, self.role, st.used_blocks, st.num_blocks, st.cached_blocks,
+                            st.running + st.waiting + st.importing + st.retained, len(self._prefills),
+                            max(sessions, len(self._open)), st.pins, st.prefix_hit_tokens,
+                            st.prefix_query_tokens)
+
+    async def load(self) -> m.LoadReport:
+        st = await self.aeng.call(self.engine.stats)
+        return m.LoadReport(self.name, st.running, st.waiting + st.importing,
+                            st.free_blocks + st.cached_blocks, st.num_blocks, self.kv_bytes_in_flight)
+
+    # ---- inbound ---------------------------------------------------------------------
+    async def handle(self, link: Link, msg: m.Message) -> m.Message | None:
+        """The link handler: one dispatch per message type."""
+        try:
+            return await self._dispatch(link, msg)
+        except (RequestError, CapacityError, LinkError) as e:
+            rid = getattr(msg, "request_id", "")
+            code = "capacity" if isinstance(e, CapacityError) else "link" if isinstance(e, LinkError) else "request"
+            log.warning("node_request_failed", node=self.name, request_id=rid, kind=type(msg).__name__,
+                        error=str(e))
+            return m.Error(rid, code, str(e)[:4000])
+
+    async def _dispatch(self, link: Link, msg: m.Message) -> m.Message | None:
+        match msg:
+            case m.LoadReport():
+                return await self.load()
+            case pm.StateQuery():
+                return await self.state()
+            case m.PrefixQuery(request_id=rid, hashes=hashes):
+                held = await self.aeng.call(self.engine.match_prefix, hashes, rid)
+                self._pins.add(rid)
+                return m.PrefixAnswer(rid, held)
+            case pm.Submit():
+                return await self._submit(link, msg)
+            case pm.Prefill():
+                return await self._run_prefill(msg)
+            case m.KvChunk():
+                await self._decoder().import_kv(from_wire(msg))
+                return None
+            case m.TokenIds(request_id=rid, start=0, ids=(first,)):
+                return await self._kv_done(rid, first)
+            case pm.Extend(request_id=rid, start=start, ids=ids, final=final):
+                await self._decoder().extend(rid, start, ids, final)
+                return m.Ack(rid, start + len(ids))
+            case pm.HandOff():
+                return await self._hand_off(link, msg)
+            case m.Cancel(request_id=rid):
+                await self._cancel(rid)
+                return None
+        raise RequestError(f"{self.role} node {self.name} does not handle {type(msg).__name__}")
+
+    def _decoder(self) -> DecodeWorker:
+        if self.decode is None:
+            raise RequestError(f"{self.role} node {self.name} does not decode")
+        return self.decode
+
+    async def _unpin(self, rid: str) -> None:
+        if rid in self._pins:
+            self._pins.discard(rid)
+            await self.aeng.call(self.engine.unpin, rid)
+
+    async def _submit(self, link: Link, msg: pm.Submit) -> pm.Opened:
+        dec = self._decoder()
+        rid = msg.request_id
+        try:
+            if msg.kv == "import":
+                cached = await dec.open(rid, msg.prompt, msg.sampling())
+            else:
+                cached = await dec.open_compute(rid, msg.prompt, msg.sampling(), hold=msg.hold)
+        finally:
+            # The request now holds its cached blocks itself (or failed): the pin has done its job.
+            await self._unpin(rid)
+        self._open[rid] = _Open(link, msg.hold, time.monotonic())
+        return pm.Opened(rid, cached)
+
+    async def _kv_done(self, rid: str, first: int) -> None:
+        op = self._open.get(rid)
+        if op is None:
+            raise RequestError(f"request {rid!r} is not open on {self.name}")
+        await self._decoder().kv_done(rid, first, decode=not op.hold)
+        if op.hold:
+            await op.router.send(m.Ready(rid, "kv"))
+
+    async def _hand_off(self, link: Link, msg: pm.HandOff) -> pm.HandedOff:
+        rid = msg.request_id
+        op = self._open.get(rid)
+        if op is None:
+            raise RequestError(f"request {rid!r} is not open on {self.name}")
+        md = await self.peer(msg.target)
+
+        def plan(generated: int, sent: int, rounds: int):
+            return plan_handoff_round(generated=generated, sent=sent, rounds_done=rounds, mode=msg.mode,
+                                      threshold=msg.threshold, max_chunk=msg.max_chunk,
+                                      max_rounds=msg.max_rounds)
+
+        async def send(start: int, ids: tuple[int, ...], final: bool) -> None:
+            # The router hears of the round before MD can emit anything after it.
+            await op.router.send(pm.HandoffRound(rid, start, start + len(ids), final))
+            await md.request(pm.Extend(rid, start, final, ids))
+
+        position = await self._decoder().hand_off(rid, plan, send)
+        self._open.pop(rid, None)
+        return pm.HandedOff(rid, position)
+
+    async def _run_prefill(self, msg: pm.Prefill) -> pm.PrefillDone:
+        if self.prefill is None:
+            raise RequestError(f"{self.role} node {self.name} does not prefill")
+        rid = msg.request_id
+        targets = []
+        for name, start in zip(msg.targets, msg.starts):
+            link = await self.peer(name)
+            targets.append(self._target(rid, name, start, link))
+        task = asyncio.current_task()
+        assert task is not None
+        self._prefills[rid] = task   # type: ignore[assignment]
+        try:
+            res = await self.prefill.prefill(rid, msg.prompt, msg.sampling(), targets)
+        finally:
+            self._prefills.pop(rid, None)
+        ts = [res.targets[t.name] for t in targets]
+        return pm.PrefillDone(rid, res.first_token, res.cached_tokens,
+                              tuple(t.sent_bytes for t in ts), tuple(t.error or "" for t in ts))
+
+    def _target(self, rid: str, name: str, start: int, link: Link) -> KVTarget:
+        seq = 0
+
+        async def send(chunk: KVChunk) -> None:
+            nonlocal seq
+            n = len(chunk.data)
+            self.kv_bytes_in_flight += n
+            try:
+                await link.send(to_wire(chunk, seq))
+            finally:
+                self.kv_bytes_in_flight -= n
+            seq += 1
+
+        async def done(first_token: int) -> None:
+            await link.send(m.TokenIds(rid, 0, (first_token,)))
+
+        return KVTarget(name, start, send, done)
+
+    async def _cancel(self, rid: str) -> None:
+        task = self._prefills.get(rid)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        if self.decode is not None:
+            await self.decode.cancel(rid)
+        self._open.pop(rid, None)
+        await self._unpin(rid)
+
+    # ---- outbound token stream -------------------------------------------------------
+    async def _emit(self, ev: TokenEvent) -> None:
+        op = self._open.get(ev.request_id)
+        if op is None:
+            return
+        if ev.finished:
+            self._open.pop(ev.request_id, None)
+        try:
+            if ev.error is not None:
+                await op.router.send(m.Error(ev.request_id, "decode", ev.error[:4000]))
+            else:
+                await op.router.send(m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished,
+                                                 ev.finish_reason or ""))
+        except LinkError as e:
+            # The router is gone: nobody will read this request's tokens. Free it.
+            log.warning("router_link_lost", node=self.name, request_id=ev.request_id, error=str(e))
+            with contextlib.suppress(Exception):
+                await self._cancel(ev.request_id)

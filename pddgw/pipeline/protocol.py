@@ -1,0 +1,300 @@
+"""Pipeline messages: the control vocabulary of the PDD roles on node links.
+
+The net layer carries them like its own messages (fixed header, orjson
+metadata of the scalar fields, the token IDs packed as the payload) and
+validates them at decode through `__post_init__`; their meaning lives here.
+
+Who sends what (requests are answered; the rest are one-way):
+
+  router -> MD      PrefixQuery -> PrefixAnswer (net)     held blocks, pinned under the request id
+  router -> RLD/MD  Submit -> Opened                      open a request (import or compute, hold or not)
+  router -> P       Prefill -> PrefillDone                compute, stream KV to targets, first token
+  P -> RLD/MD       KvChunk (net) ..., then TokenIds(start=0, (t0,))  KV complete + first token
+  MD -> router      Ready(detail="kv")                    prompt KV is in; waiting for the handoff
+  router -> RLD     HandOff -> HandedOff                  run the handoff rounds to MD `target`
+  RLD -> MD         Extend(start, ids, final) -> Ack      a handoff round (router -> any: a re-drive)
+  RLD -> router     HandoffRound                          for the request's timeline
+  RLD/MD -> router  TokenItem (net) ...                   output tokens, position-keyed; done ends
+  router -> any     Cancel (net)                          free everything of the request
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pddgw.engines.types import SamplingParams
+from pddgw.net.messages import MAX_ID_CHARS, MAX_TEXT_CHARS, MAX_TOKEN_IDS, TOKEN_ID_LIMIT
+from pddgw.net.messages import _check, _flag, _int_tuple, _text, _uint
+
+MAX_STOP_IDS = 64
+MAX_TARGETS = 16
+
+
+def _sampling_fields(msg: object) -> None:
+    _uint(getattr(msg, "max_tokens"), "max_tokens", 1 << 31)
+    _check(getattr(msg, "max_tokens") >= 1, "max_tokens must be >= 1")
+    t, p = getattr(msg, "temperature"), getattr(msg, "top_p")
+    _check(type(t) in (int, float) and 0 <= t <= 100, "temperature must be in [0, 100]")
+    _check(type(p) in (int, float) and 0 < p <= 1, "top_p must be in (0, 1]")
+    object.__setattr__(msg, "temperature", float(t))
+    object.__setattr__(msg, "top_p", float(p))
+    _uint(getattr(msg, "top_k"), "top_k", 1 << 31)
+    _uint(getattr(msg, "seed"), "seed")
+    _flag(getattr(msg, "ignore_eos"), "ignore_eos")
+    _int_tuple(msg, "stop_token_ids", getattr(msg, "stop_token_ids"), MAX_STOP_IDS, TOKEN_ID_LIMIT)
+
+
+class _HasSampling:
+    """Messages that carry a request's sampling parameters as flat fields."""
+
+    __slots__ = ()
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,  # type: ignore[attr-defined]
+                              top_k=self.top_k, top_p=self.top_p, seed=self.seed,        # type: ignore[attr-defined]
+                              stop_token_ids=self.stop_token_ids,                        # type: ignore[attr-defined]
+                              ignore_eos=self.ignore_eos)                                # type: ignore[attr-defined]
+
+
+def sampling_fields(sp: SamplingParams) -> dict[str, object]:
+    return {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_k": sp.top_k,
+            "top_p": sp.top_p, "seed": sp.seed, "stop_token_ids": sp.stop_token_ids,
+            "ignore_eos": sp.ignore_eos}
+
+
+@dataclass(frozen=True, slots=True)
+class Submit(_HasSampling):
+    """Open a request on a decode node.
+
+    kv="import": P will stream the prompt KV past this node's cached prefix,
+    then TokenIds(start=0, ids=(first token,)); hold=True keeps it from
+    sampling until a final handoff (MD in P-RLD-MD).  kv="compute": the node
+    computes the prompt itself (a re-drive); the emitted tokens then arrive as
+    one final TokenIds.
+    """
+
+    request_id: str
+    kv: Literal["import", "compute"]
+    hold: bool
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    ignore_eos: bool
+    stop_token_ids: tuple[int, ...]
+    prompt: tuple[int, ...]
+    tag: Literal["submit"] = "submit"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id", empty=False)
+        _check(self.kv in ("import", "compute"), "kv must be 'import' or 'compute'")
+        _flag(self.hold, "hold")
+        _sampling_fields(self)
+        _int_tuple(self, "prompt", self.prompt, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)
+        _check(len(self.prompt) > 0, "prompt must not be empty")
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """Reply to Submit: this node already holds `cached_tokens` of the prompt."""
+
+    request_id: str
+    cached_tokens: int
+    tag: Literal["opened"] = "opened"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id")
+        _uint(self.cached_tokens, "cached_tokens", 1 << 31)
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill(_HasSampling):
+    """Compute the prompt on P; stream its KV to `targets` from `starts` on (parallel)."""
+
+    request_id: str
+    targets: tuple[str, ...]
+    starts: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    ignore_eos: bool
+    stop_token_ids: tuple[int, ...]
+    prompt: tuple[int, ...]
+    tag: Literal["prefill"] = "prefill"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id", empty=False)
+        _check(type(self.targets) in (tuple, list) and 0 < len(self.targets) <= MAX_TARGETS,
+               f"targets must list 1..{MAX_TARGETS} node names")
+        object.__setattr__(self, "targets", tuple(self.targets))
+        for t in self.targets:
+            _text(t, "targets[]", MAX_ID_CHARS, empty=False)
+        _int_tuple(self, "starts", self.starts, MAX_TARGETS, TOKEN_ID_LIMIT)
+        _check(len(self.starts) == len(self.targets), "starts must have one entry per target")
+        _sampling_fields(self)
+        _int_tuple(self, "prompt", self.prompt, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)
+        _check(len(self.prompt) > 0, "prompt must not be empty")
+        _check(all(s <= len(self.prompt) for s in self.starts), "a start is past the prompt's end")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    """Reply to Prefill: the first token, P's own cache hit, KV bytes and errors per target."""
+
+    request_id: str
+    first_token: int
+    cached_tokens: int
+    sent_bytes: tuple[int, ...]
+    errors: tuple[str, ...]
+    tag: Literal["prefill_done"] = "prefill_done"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id")
+        _uint(self.first_token, "first_token", TOKEN_ID_LIMIT)
+        _uint(self.cached_tokens, "cached_tokens", 1 << 31)
+        _int_tuple(self, "sent_bytes", self.sent_bytes, MAX_TARGETS, 1 << 62)
+        _check(type(self.errors) in (tuple, list) and len(self.errors) == len(self.sent_bytes),
+               "errors must have one entry per target")
+        object.__setattr__(self, "errors", tuple(self.errors))
+        for e in self.errors:
+            _text(e, "errors[]", MAX_TEXT_CHARS)
+
+
+@dataclass(frozen=True, slots=True)
+class HandOff:
+    """Router -> RLD: hand the request off to MD node `target` by token IDs."""
+
+    request_id: str
+    target: str
+    mode: Literal["one-shot", "catch-up"]
+    threshold: int
+    max_chunk: int
+    max_rounds: int
+    tag: Literal["hand_off"] = "hand_off"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id", empty=False)
+        _text(self.target, "target", empty=False)
+        _check(self.mode in ("one-shot", "catch-up"), "mode must be 'one-shot' or 'catch-up'")
+        for name in ("threshold", "max_chunk", "max_rounds"):
+            _uint(getattr(self, name), name, 1 << 20)
+        _check(1 <= self.threshold <= self.max_chunk and self.max_rounds >= 1,
+               "need 1 <= threshold <= max_chunk and max_rounds >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class HandedOff:
+    """Reply to HandOff: MD continues from output position `position`."""
+
+    request_id: str
+    position: int
+    tag: Literal["handed_off"] = "handed_off"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id")
+        _uint(self.position, "position", 1 << 31)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffRound:
+    """RLD -> router: a handoff round [start, end) went to MD (final: RLD stopped at end)."""
+
+    request_id: str
+    start: int
+    end: int
+    final: bool
+    tag: Literal["handoff_round"] = "handoff_round"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id")
+        _uint(self.start, "start", 1 << 31)
+        _uint(self.end, "end", 1 << 31)
+        _check(self.end >= self.start, "end must be >= start")
+        _flag(self.final, "final")
+
+
+@dataclass(frozen=True, slots=True)
+class Extend:
+    """Output tokens at positions [start, start + len(ids)) for a held request (answered by Ack).
+
+    A handoff round from RLD to MD, or the emitted tokens of a re-drive.
+    final=True lifts the hold: the receiver samples from the next position on.
+    """
+
+    request_id: str
+    start: int
+    final: bool
+    ids: tuple[int, ...]
+    tag: Literal["extend"] = "extend"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id", empty=False)
+        _uint(self.start, "start", 1 << 31)
+        _flag(self.final, "final")
+        _int_tuple(self, "ids", self.ids, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)
+
+
+@dataclass(frozen=True, slots=True)
+class StateQuery:
+    """Router -> node: report your state (answered by NodeState)."""
+
+    node: str
+    tag: Literal["state_query"] = "state_query"
+
+    def __post_init__(self) -> None:
+        _text(self.node, "node")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    """A node's KV pool and what it has in flight (`/debug/state`)."""
+
+    node: str
+    role: str
+    kv_blocks_in_use: int
+    kv_blocks_total: int
+    kv_blocks_cached: int
+    requests: int          # requests the engine holds (running, waiting, importing, retained)
+    transfers: int         # KV transfers (prefills) in flight
+    sessions: int          # requests open for decode / handoff
+    pins: int              # prefix pins awaiting a transfer
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    tag: Literal["node_state"] = "node_state"
+
+    def __post_init__(self) -> None:
+        _text(self.node, "node")
+        _text(self.role, "role")
+        for name in ("kv_blocks_in_use", "kv_blocks_total", "kv_blocks_cached", "requests", "transfers",
+                     "sessions", "pins", "prefix_hit_tokens", "prefix_query_tokens"):
+            _uint(getattr(self, name), name)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"node": self.node, "role": self.role, "kv_blocks_in_use": self.kv_blocks_in_use,
+                "kv_blocks_total": self.kv_blocks_total, "kv_blocks_cached": self.kv_blocks_cached,
+                "inflight": {"requests": self.requests, "transfers": self.transfers,
+                             "sessions": self.sessions, "pins": self.pins},
+                "prefix_hit_tokens": self.prefix_hit_tokens,
+                "prefix_query_tokens": self.prefix_query_tokens}
+
+
+# Wire kinds of the pipeline's messages (net's own are below 100).  Append only.
+PIPELINE_KINDS: dict[int, tuple[type, str]] = {
+    100: (Submit, "prompt"), 101: (Opened, ""), 102: (Prefill, "prompt"), 103: (PrefillDone, ""),
+    104: (HandOff, ""), 105: (HandedOff, ""), 106: (HandoffRound, ""), 107: (Extend, "ids"),
+    108: (StateQuery, ""), 109: (NodeState, ""),
+}
+
+
+def _register() -> None:
+    from pddgw.net import frames
+
+    for kind, (cls, packed) in PIPELINE_KINDS.items():
+        frames.register(kind, cls, packed)
+
+
+_register()

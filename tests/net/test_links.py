@@ -1,0 +1,350 @@
+"""Link semantics, identical over both transports (in-process and WebSocket)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+from net_samples import every_message, kv_payload, same
+
+from pddgw.config import NetConfig, ShapingConfig
+from pddgw.net import messages as m
+from pddgw.net.errors import CloseCode, LinkClosed, LinkTimeout, RemoteError
+from pddgw.net.inproc import InProcNetwork
+from pddgw.net.link import Link, LinkState
+from pddgw.net.ws import WsServer, connect
+
+SECRET = "test-secret-0123456789"
+
+
+def cfg_for(**kw) -> NetConfig:
+    base = dict(secret=SECRET, heartbeat_s=0, request_timeout_s=5.0, send_timeout_s=5.0)
+    base.update(kw)
+    return NetConfig(**base)
+
+
+class Peer:
+    """One side's handler: records one-way messages, runs `on_request` for requests."""
+
+    def __init__(self) -> None:
+        self.got: list[m.Message] = []
+        self.arrived = asyncio.Event()
+        self.on_message: Callable | None = None
+        self.sink_memory = bytearray(64 << 20)
+        self.sink_off = 0
+
+    async def handle(self, link: Link, msg: m.Message):
+        if self.on_message is not None:
+            result = await self.on_message(link, msg)
+            if result is not None:
+                return result
+        self.got.append(msg)
+        self.arrived.set()
+        return m.Ack(getattr(msg, "request_id", ""), len(self.got))
+
+    def sink(self, span: m.KvSpan) -> memoryview:
+        n = span.nbytes
+        if self.sink_off + n > len(self.sink_memory):
+            self.sink_off = 0
+        view = memoryview(self.sink_memory)[self.sink_off:self.sink_off + n]
+        self.sink_off += n
+        return view
+
+    async def wait_for(self, count: int, timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            while len(self.got) < count:
+                self.arrived.clear()
+                await self.arrived.wait()
+
+
+class Pair:
+    def __init__(self, client: Link, server: Link, cpeer: Peer, speer: Peer, stop) -> None:
+        self.client, self.server, self.cpeer, self.speer, self.stop = client, server, cpeer, speer, stop
+
+
+@pytest.fixture(params=["inproc", "ws"])
+async def make_pair(request):
+    """-> async factory(cfg, stripes, shaping) of connected (client, server) links; stops all at the end."""
+    stops = []
+
+    async def make(cfg: NetConfig | None = None, stripes: int = 1, shaping: str = "") -> Pair:
+        cfg = cfg or cfg_for()
+        cpeer, speer = Peer(), Peer()
+        accepted: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
+        if request.param == "inproc":
+            net = InProcNetwork(cfg)
+            net.listen("srv", speer.handle, on_link=accepted.set_result, kv_sink=speer.sink)
+            client = await net.connect("cli", "srv", handler=cpeer.handle, shaping=shaping or None,
+                                       kv_sink=cpeer.sink)
+            stop = net.close
+        else:
+            server = WsServer("srv", cfg, speer.handle, on_link=accepted.set_result, kv_sink=speer.sink)
+            url = await server.start("127.0.0.1", 0)
+            client = await connect(url, "cli", cfg, cpeer.handle, shaping=shaping, kv_sink=cpeer.sink,
+                                   stripes=stripes)
+
+            async def stop() -> None:
+                await client.close()
+                await server.close()
+        srv = await accepted
+        pair = Pair(client, srv, cpeer, speer, stop)
+        stops.append(pair)
+        return pair
+
+    yield make
+    for pair in stops:
+        await pair.stop()
+        assert pair.client.state == LinkState.CLOSED and pair.server.state == LinkState.CLOSED
+    left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert left == [], left
+
+
+async def test_every_kind_one_way_both_directions(make_pair):
+    p = await make_pair()
+    kinds = [x for x in every_message() if not isinstance(x, m.Ping | m.Pong)]
+    for a, b, peer in ((p.client, p.server, p.speer), (p.server, p.client, p.cpeer)):
+        for msg in kinds:
+            await a.send(msg)
+        await peer.wait_for(len(kinds))
+        assert len(peer.got) == len(kinds)
+        assert all(same(x, y) for x, y in zip(peer.got, kinds)), peer.got
+        kv = next(x for x in peer.got if isinstance(x, m.KvChunk))
+        assert kv.payload.obj is peer.sink_memory          # landed in the receiver's memory
+
+
+async def test_heartbeat_kinds_are_answered_by_the_link(make_pair):
+    p = await make_pair()
+    await p.client.send(m.Pong(time.monotonic_ns() - 5 * 10 ** 9))   # a Pong sent 5 s ago
+    await p.client.send(m.Ping(time.monotonic_ns()))                  # answered with a Pong
+    async with asyncio.timeout(5):
+        while p.client.stats.rtt_s == 0.0 or p.server.stats.rtt_s == 0.0:
+            await asyncio.sleep(0.01)
+    assert 5.0 <= p.server.stats.rtt_s < 10.0
+    assert 0.0 < p.client.stats.rtt_s < 5.0
+    assert p.speer.got == [] and p.cpeer.got == []
+
+
+async def test_every_kind_as_request_and_reply(make_pair):
+    p = await make_pair()
+
+    async def echo(link, msg):
+        return msg
+
+    p.speer.on_message = echo
+    for msg in every_message():
+        if isinstance(msg, m.Error):
+            with pytest.raises(RemoteError, match="oom: no free KV blocks"):
+                await p.client.request(msg)
+        else:
+            assert same(await p.client.request(msg), msg)
+
+
+async def test_requests_are_multiplexed(make_pair):
+    p = await make_pair()
+
+    async def slow(link, msg):
+        await asyncio.sleep(0.01 * (20 - int(msg.request_id)))    # later requests answer first
+        return m.Ack(msg.request_id, int(msg.request_id) * 10)
+
+    p.speer.on_message = slow
+    replies = await asyncio.gather(*(p.client.request(m.Ready(str(i))) for i in range(20)))
+    assert [(r.request_id, r.seq) for r in replies] == [(str(i), i * 10) for i in range(20)]
+
+
+async def test_handler_failure_becomes_remote_error(make_pair):
+    p = await make_pair()
+
+    async def fail(link, msg):
+        raise ValueError("bad prompt")
+
+    p.speer.on_message = fail
+    with pytest.raises(RemoteError) as ei:
+        await p.client.request(m.Ready("r9"))
+    assert (ei.value.code, ei.value.message, ei.value.request_id) == ("ValueError", "bad prompt", "r9")
+
+
+async def test_request_timeout_then_link_still_works(make_pair):
+    p = await make_pair()
+    gate = asyncio.Event()
+
+    async def stall(link, msg):
+        if msg.request_id == "slow":
+            await gate.wait()
+        return None
+
+    p.speer.on_message = stall
+    t0 = time.perf_counter()
+    with pytest.raises(LinkTimeout, match="no completion within 0.2s"):
+        await p.client.request(m.Ready("slow"), timeout=0.2)
+    assert time.perf_counter() - t0 < 2.0
+    assert (await p.client.request(m.Ready("fast"))).request_id == "fast"
+    gate.set()
+
+
+async def test_stream_in_order_until_done(make_pair):
+    p = await make_pair()
+
+    async def produce(link, msg):
+        if isinstance(msg, m.Ready):
+            for i in range(5):
+                await link.send(m.TokenItem(msg.request_id, i, (100 + i,), i == 4, "stop" if i == 4 else ""))
+            await link.send(m.TokenItem(msg.request_id, 99, (1,)))   # after done: not part of the stream
+            return m.Ack(msg.request_id)
+        return None
+
+    p.speer.on_message = produce
+    async with p.client.stream("s1", timeout=5) as st:
+        await p.client.send(m.Ready("s1"))
+        items = [x async for x in st]
+    assert [(x.position, x.ids, x.done) for x in items] == [(i, (100 + i,), i == 4) for i in range(5)]
+    await p.cpeer.wait_for(1)
+    assert p.cpeer.got[0].position == 99          # the stream was closed: the handler got it
+
+
+async def test_stream_error_and_idle_timeout(make_pair):
+    p = await make_pair()
+
+    async def produce(link, msg):
+        if isinstance(msg, m.Ready) and msg.detail == "fail":
+            await link.send(m.TokenItem(msg.request_id, 0, (7,)))
+            await link.send(m.Error(msg.request_id, "md_down", "main decode failed"))
+        return m.Ack(msg.request_id)
+
+    p.speer.on_message = produce
+    got = []
+    with pytest.raises(RemoteError, match="md_down"):
+        async with p.client.stream("e1", timeout=5) as st:
+            await p.client.send(m.Ready("e1", "fail"))
+            async for x in st:
+                got.append(x)
+    assert [x.ids for x in got] == [(7,)]
+    with pytest.raises(LinkTimeout, match="nothing within 0.1s"):
+        async with p.client.stream("quiet", timeout=0.1) as st:
+            await st.__anext__()
+    with pytest.raises(ValueError, match="already open"):
+        p.client.stream("dup")
+        p.client.stream("dup")
+
+
+async def test_striped_bulk_keeps_order_and_content(make_pair):
+    p = await make_pair(stripes=3)
+    span = lambda i: m.KvSpan("bulk", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))  # 64 KiB
+    chunks = [m.KvChunk(span(i), kv_payload(span(i), salt=i), i, i == 47) for i in range(48)]
+    async with p.server.stream("bulk", timeout=5) as st:
+        await p.client.send_all(chunks)
+        got = [x async for x in st]
+    assert [x.seq for x in got] == list(range(48))
+    assert all(bytes(x.payload) == bytes(c.payload) for x, c in zip(got, chunks))
+    assert p.client.stats.kv_bytes_sent == p.server.stats.kv_bytes_received == 48 * 65536
+
+
+async def test_back_pressure_blocks_the_sender_and_loses_nothing(make_pair):
+    p = await make_pair(cfg_for(max_frame_bytes=1 << 20, inbound_buffer_bytes=1 << 20))
+    gate = asyncio.Event()
+
+    async def stall(link, msg):
+        await gate.wait()       # the receiver's handler does not keep up
+
+    p.speer.on_message = stall
+    p.server.set_kv_sink(None)  # payloads held by the link count against its inbound buffer
+    span = lambda i: m.KvSpan("bp", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))
+    payload = bytes(65536)
+    sent = 0
+
+    def chunks():
+        nonlocal sent
+        for i in range(800):                     # 52 MB: more than every socket buffer in between
+            yield m.KvChunk(span(i), payload, i)
+            sent += 1
+
+    with pytest.raises(LinkTimeout):
+        await p.client.send_all(chunks(), timeout=1.0)
+    assert sent < 800
+    p.speer.on_message = None
+    gate.set()
+    async with asyncio.timeout(5):
+        while not p.speer.got or p.speer.got[-1].seq < sent - 2:
+            await asyncio.sleep(0.02)
+    seqs = [x.seq for x in p.speer.got]
+    assert seqs == list(range(len(seqs))) and len(seqs) >= sent - 1    # in order, none lost
+
+
+async def test_close_fails_what_is_in_flight(make_pair):
+    p = await make_pair()
+
+    async def never(link, msg):
+        await asyncio.Event().wait()
+
+    p.speer.on_message = never
+    pending = asyncio.ensure_future(p.client.request(m.Ready("x"), timeout=10))
+    stream = p.client.stream("y", timeout=10)
+    await asyncio.sleep(0.05)
+    t0 = time.perf_counter()
+    await p.server.close(CloseCode.GOING_AWAY, "draining")
+    with pytest.raises(LinkClosed) as ei:
+        await pending
+    assert ei.value.code == CloseCode.GOING_AWAY
+    with pytest.raises(LinkClosed):
+        await stream.__anext__()
+    assert time.perf_counter() - t0 < 2.0
+    stream.close()
+    with pytest.raises(LinkClosed):
+        await p.server.send(m.Ready("z"))
+
+
+async def test_shaping_accuracy_10MB_over_100Mbps_20ms_rtt(make_pair):
+    cfg = cfg_for(links=(ShapingConfig(name="emu", gbps=0.1, latency_ms=10.0),))
+    p = await make_pair(cfg, shaping="emu")
+    span = lambda i: m.KvSpan("big", 0, 1, i * 250, (i + 1) * 250, "float32", (1, 2, 250, 10, 50))  # 1 MB
+    payload = bytes(1_000_000)
+    done = asyncio.get_running_loop().create_future()
+
+    async def on_kv(link, msg):
+        if isinstance(msg, m.KvChunk) and msg.last:
+            done.set_result(time.perf_counter())
+
+    p.speer.on_message = on_kv
+    t0 = time.perf_counter()
+    await p.client.send_all(m.KvChunk(span(i), payload, i, i == 9) for i in range(10))
+    elapsed = await asyncio.wait_for(done, 5) - t0
+    assert 0.81 <= elapsed <= 0.95, elapsed
+
+
+async def test_shaped_latency_is_paid_both_ways(make_pair):
+    cfg = cfg_for(links=(ShapingConfig(name="far", latency_ms=40.0),))
+    p = await make_pair(cfg, shaping="far")
+    t0 = time.perf_counter()
+    await p.client.request(m.Ready("rtt"))
+    assert time.perf_counter() - t0 >= 0.08
+
+
+async def test_silent_peer_is_detected_by_heartbeats():
+    """A link whose bandwidth drops to zero (emulated outage) goes silent: pending work fails."""
+    cfg = cfg_for(heartbeat_s=0.05, dead_after_s=0.3,
+                  links=(ShapingConfig(name="cut", trace=((0.0, 1.0), (0.2, 0.0))),))
+    net = InProcNetwork(cfg)
+    net.listen("srv", lambda link, msg: asyncio.Event().wait())
+    client = await net.connect("cli", "srv", shaping="cut")
+    t0 = time.perf_counter()
+    with pytest.raises(LinkClosed) as ei:
+        await client.request(m.Ready("r"), timeout=5)
+    assert ei.value.code == CloseCode.PEER_SILENT
+    assert time.perf_counter() - t0 < 2.0
+    await net.close()
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+
+async def test_inproc_network_connect_errors():
+    net = InProcNetwork(cfg_for())
+    with pytest.raises(LinkClosed, match="no node 'ghost' is listening"):
+        await net.connect("cli", "ghost")
+    net.listen("srv")
+    with pytest.raises(ValueError, match="already listening"):
+        net.listen("srv")
+    with pytest.raises(ValueError, match="no \\[\\[net.links\\]\\] entry named 'nope'"):
+        await net.connect("cli", "srv", shaping="nope")
+    link = await net.connect("cli", "srv", shaping="wan")      # the default emulated WAN
+    assert link._pipe is not None and link._pipe.shaper.cfg.gbps == 10.0
+    await net.close()
