@@ -143,10 +143,13 @@ def parse_client_event(raw: str | bytes, max_prompt_tokens: int) -> ClientEvent:
     if ids is not None:
         if "input" in d:
             raise ApiError("give either 'input' or 'prompt_token_ids', not both", "prompt_token_ids")
-        if (not isinstance(ids, list) or not ids or len(ids) > max_prompt_tokens
+        if (not isinstance(ids, list) or not ids
                 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
-            raise ApiError(f"'prompt_token_ids' must be 1..{max_prompt_tokens} non-negative integers",
+            raise ApiError("'prompt_token_ids' must be a non-empty list of non-negative integers",
                            "prompt_token_ids")
+        if len(ids) > max_prompt_tokens:
+            raise ApiError(f"prompt is {len(ids)} tokens; the context length is {max_prompt_tokens}",
+                           "prompt_token_ids", "context_length_exceeded")
         messages: tuple[tuple[str, str], ...] = ()
         ids = tuple(ids)
     else:

@@ -33,6 +33,7 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from pddgw.config import NetConfig
+from pddgw.logs import setup_logging
 from pddgw.net import frames
 from pddgw.net import messages as m
 from pddgw.net.link import Link
@@ -305,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     import uvloop
+
+    setup_logging("warning")      # logs go to stderr; stdout is the table / JSON
 
     if args.peer:
         uvloop.run(_peer_main(os.environ["PDDGW_BENCH_SECRET"]))

@@ -39,7 +39,7 @@ def test_create_with_message_items_and_token_ids():
     (ev(input=3), "input", "'input' must be"),
     (ev(input=[{"role": "robot", "content": "x"}]), "input[0]", "role must be"),
     (ev(prompt_token_ids=[1, -2]), "prompt_token_ids", "non-negative"),
-    (ev(prompt_token_ids=list(range(11))), "prompt_token_ids", "1..10"),
+    (ev(prompt_token_ids=list(range(11))), "prompt_token_ids", "context length is 10"),
     (ev(prompt_token_ids=[1], input="x"), "prompt_token_ids", "not both"),
     (ev(input="x", max_output_tokens=0), "max_output_tokens", "positive integer"),
     (ev(input="x", temperature=3), "temperature", "[0.0, 2.0]"),

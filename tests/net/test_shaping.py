@@ -78,7 +78,8 @@ def test_shaping_config_validation(kwargs, match):
 def test_net_config_defaults_describe_the_embedded_wan():
     cfg = NetConfig()
     wan = cfg.shaping("wan")
-    assert wan is not None and (wan.gbps, wan.latency_ms) == (10.0, 15.0)   # 10 Gbps, 30 ms RTT
+    # 30 ms RTT; the bandwidth is scaled to the embedded tiny model's KV size (see config.py).
+    assert wan is not None and wan.latency_ms == 15.0 and wan.gbps > 0
     assert cfg.shaping("local") is None
 
 

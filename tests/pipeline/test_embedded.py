@@ -1,0 +1,187 @@
+"""The whole deployment in one process (in-process links, shaped WAN), through the front door.
+
+The tiny model in float64 (clear margins): every path must stream exactly
+what one local engine generates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, PolicyConfig, ServerConfig, ShapingConfig
+from pddgw.pipeline.deploy import Embedded
+
+from .pdd_client import chat, collect, create, reference
+
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 8      # layers x (K, V) x kv heads x head dim x float64
+
+
+def make_cfg(gbps: float = 0.05, **policy) -> Config:
+    return Config(model=ModelConfig(dtype="float64"),
+                  engine=EngineConfig(num_blocks=256, block_size=16, max_num_batched_tokens=256),
+                  net=NetConfig(links=(ShapingConfig(name="wan", gbps=gbps, latency_ms=5.0),)),
+                  policy=PolicyConfig(**policy), server=ServerConfig(max_streams_per_connection=4))
+
+
+@pytest.fixture
+async def deploy(aiohttp_client):
+    """-> start(cfg) -> (ws, side, client); everything is stopped and checked for leaks after."""
+    started = []
+
+    async def start(cfg: Config):
+        emb = Embedded(cfg)
+        side = await emb.start()
+        client = await aiohttp_client(side.door.app())
+        ws = await client.ws_connect("/v1/responses")
+        started.append((emb, side, client))
+        return ws, side, client
+
+    yield start
+    for emb, side, client in started:
+        await side.router.drain()
+        state = await side.state()
+        await emb.stop()
+        for name, st in state["nodes"].items():
+            assert st["kv_blocks_in_use"] == 0, (name, st)
+            assert st["inflight"] == {"requests": 0, "transfers": 0, "sessions": 0, "pins": 0}, (name, st)
+
+
+def prompt_of(n: int, start: int = 40) -> list[int]:
+    return [start + (i * 7) % 80 for i in range(n)]
+
+
+async def test_p_md_and_second_turn_sends_only_missing_blocks(deploy):
+    ws, side, _ = await deploy(make_cfg(pipeline="P-MD"))
+    p1 = prompt_of(150)
+    r1 = await chat(ws, prompt_token_ids=p1, max_output_tokens=20, temperature=0)
+    assert r1.final["type"] == "response.completed", r1.final
+    assert r1.token_ids == reference(p1, 20)
+    r1.assert_positions_once_in_order()
+    tl = r1.timeline
+    assert (tl["pipeline"], tl["tokens_by_role"]) == ("P-MD", {"md": 20})
+    assert tl["wan_kv_bytes"] == 150 * BYTES_PER_TOKEN          # MD held nothing
+    await side.router.drain()
+    # Turn 2 re-sends turn 1 + the answer + a new question: MD (block 32) holds
+    # the full blocks of what it computed (prompt + answer minus the last token).
+    p2 = p1 + r1.token_ids + prompt_of(25, 50)
+    r2 = await chat(ws, prompt_token_ids=p2, max_output_tokens=8, temperature=0)
+    assert r2.token_ids == reference(p2, 8)
+    held = (150 + 20 - 1) // 32 * 32
+    assert r2.final["response"]["usage"]["input_tokens_details"]["cached_tokens"] == held
+    assert r2.timeline["wan_kv_bytes"] == (len(p2) - held) * BYTES_PER_TOKEN
+
+
+@pytest.mark.parametrize("mode", ["one-shot", "catch-up"])
+async def test_p_rld_md_handoff_same_tokens(deploy, mode):
+    ws, side, _ = await deploy(make_cfg(pipeline="P-RLD-MD", handoff_mode=mode, catchup_threshold=2,
+                                        catchup_threshold_md_loaded=2,
+                                        catchup_max_chunk=4))
+    p = prompt_of(120)
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=150, temperature=0.8, seed=77)
+    assert r.final["type"] == "response.completed", r.final
+    assert r.token_ids == reference(p, 150, temperature=0.8, seed=77)
+    r.assert_positions_once_in_order()
+    tl = r.timeline
+    assert tl["pipeline"] == "P-RLD-MD" and tl["handoff_mode"] == mode
+    at = tl["handoff_position"]
+    assert 0 < at < 150 and tl["tokens_by_role"] == {"rld": at, "md": 150 - at}
+    assert [d["pddgw"]["role"] for d in r.deltas] == ["rld"] * at + ["md"] * (150 - at)
+    assert tl["handoff_stall_ms"] is not None and tl["handoff_stall_ms"] >= 5.0   # >= one WAN one-way
+    assert tl["wan_kv_bytes"] == 120 * BYTES_PER_TOKEN
+    if mode == "catch-up":
+        assert len(tl["handoff_positions"]) > 1
+
+
+async def test_rld_local_and_eager_tokens_first(deploy):
+    ws, side, _ = await deploy(make_cfg(pipeline="P-RLD"))
+    p = prompt_of(60)
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=12, temperature=0)
+    assert r.token_ids == reference(p, 12)
+    assert r.timeline["pipeline"] == "P-RLD" and r.timeline["tokens_by_role"] == {"rld": 12}
+    assert r.timeline["wan_kv_bytes"] == 0
+
+
+async def test_policy_picks_by_missing_kv(deploy):
+    """Default policy over a 4 Mbps WAN: a cold 300-token prompt takes P-RLD-MD, its follow-up P-MD."""
+    ws, side, _ = await deploy(make_cfg(gbps=0.004))
+    p1 = prompt_of(300)
+    r1 = await chat(ws, prompt_token_ids=p1, max_output_tokens=10, temperature=0)
+    assert r1.timeline["pipeline"] == "P-RLD-MD" and r1.timeline["route_reason"] == "transfer_over_budget"
+    assert r1.token_ids == reference(p1, 10)
+    await side.router.drain()                 # MD takes the conversation into its cache meanwhile
+    p2 = p1 + r1.token_ids + prompt_of(20, 60)
+    r2 = await chat(ws, prompt_token_ids=p2, max_output_tokens=10, temperature=0)
+    assert r2.timeline["pipeline"] == "P-MD" and r2.token_ids == reference(p2, 10)
+
+
+async def test_chat_text_input_and_multiplexing(deploy):
+    ws, side, _ = await deploy(make_cfg(pipeline="P-MD"))
+    await create(ws, input="Hello there", max_output_tokens=6, temperature=0, stream_id="a", metadata={"k": "v"})
+    await create(ws, input=[{"role": "user", "content": "Second"}], max_output_tokens=4, temperature=0,
+                 stream_id="b")
+    got = await collect(ws, 2)
+    tok = side.door.tok
+    for sid, text, n in (("a", "Hello there", 6), ("b", "Second", 4)):
+        r = got[sid]
+        ids = tok.apply_chat_template([("user", text)])
+        assert r.events[0]["type"] == "response.created"
+        assert r.final["type"] == "response.completed"
+        assert r.token_ids == reference(ids, n)
+        assert r.final["response"]["output"][0]["content"][0]["text"] == tok.decode(r.token_ids)
+        assert "".join(d["delta"] for d in r.deltas) == tok.decode(r.token_ids)
+    assert got["a"].final["response"]["metadata"] == {"k": "v"}
+
+
+async def test_cancel_frees_everything(deploy):
+    ws, side, _ = await deploy(make_cfg(pipeline="P-RLD-MD", gbps=0.001))
+    await create(ws, prompt_token_ids=prompt_of(100), max_output_tokens=400, temperature=0)
+    rid = None
+    while rid is None or True:
+        ev = await asyncio.wait_for(ws.receive_json(), 30)
+        if ev["type"] == "response.created":
+            rid = ev["response"]["id"]
+        if ev["type"] == "response.output_text.delta" and ev["pddgw"]["position"] >= 3:
+            break
+    await ws.send_json({"type": "response.cancel", "response_id": rid})
+    while True:
+        ev = await asyncio.wait_for(ws.receive_json(), 30)
+        if ev["type"] == "error":
+            break
+    assert ev["error"]["code"] == "cancelled" and ev["response_id"] == rid
+    # The node states are checked by the fixture: no block in use, nothing in flight.
+
+
+async def test_bad_input_gets_clear_errors_and_node_keeps_serving(deploy):
+    ws, side, _ = await deploy(make_cfg(pipeline="P-MD"))
+    r = await chat(ws, prompt_token_ids=[1] * 5000, max_output_tokens=4)
+    assert r.final["type"] == "error" and r.final["error"]["code"] == "context_length_exceeded"
+    assert r.final["error"]["param"] == "prompt_token_ids"
+    r = await chat(ws, input="x" * 5000, max_output_tokens=4)
+    assert r.final["error"]["code"] == "context_length_exceeded" and r.final["error"]["param"] == "input"
+    r = await chat(ws, prompt_token_ids=[1, 99999])
+    assert r.final["error"]["param"] == "prompt_token_ids"
+    await ws.send_str("{oops")
+    ev = await asyncio.wait_for(ws.receive_json(), 10)
+    assert ev["type"] == "error" and "not valid JSON" in ev["error"]["message"]
+    r = await chat(ws, prompt_token_ids=prompt_of(10), max_output_tokens=3, temperature=0)
+    assert r.token_ids == reference(prompt_of(10), 3)
+
+
+async def test_api_key_required_when_configured(aiohttp_client):
+    cfg = make_cfg()
+    from dataclasses import replace
+    cfg = replace(cfg, server=replace(cfg.server, api_keys=("sekrit-key",)))
+    emb = Embedded(cfg)
+    side = await emb.start()
+    try:
+        client = await aiohttp_client(side.door.app())
+        async with client.get("/v1/responses") as resp:
+            assert resp.status == 401
+        ws = await client.ws_connect("/v1/responses", headers={"Authorization": "Bearer sekrit-key"})
+        r = await chat(ws, prompt_token_ids=prompt_of(8), max_output_tokens=2, temperature=0)
+        assert r.final["type"] == "response.completed"
+        await ws.close()
+    finally:
+        await emb.stop()
