@@ -44,6 +44,9 @@ class CreateResponse:
     metadata: dict[str, str] = field(default_factory=dict)
     stream_id: str | None = None
     model: str | None = None
+    # pddgw extension: force this request's pipeline / handoff mode (tests, benchmarks).
+    pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
+    handoff_mode: Literal["one-shot", "catch-up"] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +58,19 @@ class CancelResponse:
 ClientEvent = CreateResponse | CancelResponse
 
 _CREATE_KEYS = {"type", "model", "input", "instructions", "prompt_token_ids", "max_output_tokens",
-                "temperature", "top_p", "seed", "metadata", "stream_id", "store", "stream"}
+                "temperature", "top_p", "seed", "metadata", "stream_id", "store", "stream", "pddgw"}
+
+
+def _extension(d: dict[str, Any]) -> tuple[Any, Any]:
+    ext = d.get("pddgw") or {}
+    if not isinstance(ext, dict) or set(ext) - {"pipeline", "handoff_mode"}:
+        raise ApiError("'pddgw' may only set 'pipeline' and 'handoff_mode'", "pddgw")
+    pipeline, mode = ext.get("pipeline"), ext.get("handoff_mode")
+    if pipeline not in (None, "P-MD", "P-RLD-MD", "P-RLD"):
+        raise ApiError("pddgw.pipeline must be 'P-MD', 'P-RLD-MD' or 'P-RLD'", "pddgw.pipeline")
+    if mode not in (None, "one-shot", "catch-up"):
+        raise ApiError("pddgw.handoff_mode must be 'one-shot' or 'catch-up'", "pddgw.handoff_mode")
+    return pipeline, mode
 
 
 def _number(d: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -166,11 +181,12 @@ def parse_client_event(raw: str | bytes, max_prompt_tokens: int) -> ClientEvent:
     model = d.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError("'model' must be a string", "model")
+    pipeline, handoff_mode = _extension(d)
     return CreateResponse(
         type="response.create", messages=messages, prompt_token_ids=ids,
         max_output_tokens=max_out, temperature=_number(d, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(d, "top_p", 1.0, 1e-9, 1.0), seed=seed, metadata=_metadata(d),
-        stream_id=stream_id, model=model)
+        stream_id=stream_id, model=model, pipeline=pipeline, handoff_mode=handoff_mode)
 
 
 # ---- server events -------------------------------------------------------------

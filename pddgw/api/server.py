@@ -202,7 +202,7 @@ class _Connection:
                                                   run.role))
 
         try:
-            out: Outcome = await door.router.run(rid, ids, sampling, emit)
+            out: Outcome = await door.router.run(rid, ids, sampling, emit, req.pipeline, req.handoff_mode)
             usage = {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": out.cached_tokens},
                      "output_tokens": len(out.output_ids),
                      "total_tokens": len(ids) + len(out.output_ids)}

@@ -122,10 +122,12 @@ class Link(ABC):
     def stream(self, request_id: str, *, timeout: float | None = None) -> LinkStream: ...
 
     @abstractmethod
-    def set_handler(self, handler: Handler | None) -> None: ...
+    def set_handler(self, handler: Handler | None) -> None:
+        """Who receives inbound requests and one-way messages (see `Handler`); None drops them."""
 
     @abstractmethod
-    def set_kv_sink(self, sink: KvSink | None) -> None: ...
+    def set_kv_sink(self, sink: KvSink | None) -> None:
+        """Where inbound KV payloads are received (see `KvSink`); None: link-owned buffers."""
 
     @abstractmethod
     async def close(self, code: int = CloseCode.NORMAL, reason: str = "closed") -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -121,6 +122,9 @@ class _Flight:
     cached_tokens: int = 0
     # Work that outlives the response (MD cache alignment); it releases the request.
     background: asyncio.Task[None] | None = None
+    # Per-request overrides of the policy (None = decide).
+    force_pipeline: str | None = None
+    force_handoff: str | None = None
 
 
 class _NodeLost(Exception):
@@ -169,8 +173,11 @@ class Router:
         return None if choice is None else self.nodes[choice.instance]
 
     # ---- one request ----------------------------------------------------------------
-    async def run(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams, emit: Emit) -> Outcome:
-        fl = _Flight(rid, prompt, sampling, RequestTracker(rid), StreamMerger(rid), emit)
+    async def run(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams, emit: Emit,
+                  pipeline: str | None = None, handoff_mode: str | None = None) -> Outcome:
+        """Serve one request; `pipeline` / `handoff_mode` override the policy for it."""
+        fl = _Flight(rid, prompt, sampling, RequestTracker(rid), StreamMerger(rid), emit,
+                     force_pipeline=pipeline, force_handoff=handoff_mode)
         try:
             async with asyncio.timeout(self.timeout):
                 await self._drive(fl)
@@ -251,8 +258,11 @@ class Router:
             missing_kv_bytes=missing * self.kv_bytes_per_token, max_output_tokens=fl.sampling.max_tokens,
             bandwidth_bytes_per_s=est.bandwidth_bytes_per_s, rtt_ms=est.rtt_ms,
             rld_load=rld.report().load if rld else None, md_load=md.report().load if md else None)
+        policy = self.cfg.policy
+        if fl.force_pipeline:
+            policy = dataclasses.replace(policy, pipeline=fl.force_pipeline)
         try:
-            decision = decide_pipeline(inputs, self.cfg.policy, self.limiter)
+            decision = decide_pipeline(inputs, policy, self.limiter)
         except NoInstanceError as e:
             raise RouterError(str(e), "unavailable") from None
         log.info("pipeline_decision", request_id=rid, p=p.name, md=md and md.name, rld=rld and rld.name,
@@ -410,6 +420,8 @@ class Router:
 
     async def _hand_off(self, fl: _Flight, rld: NodeHandle, md: NodeHandle, events: asyncio.Queue) -> None:
         pol = self.cfg.policy
+        if fl.force_handoff:
+            pol = dataclasses.replace(pol, handoff_mode=fl.force_handoff)
         decision = choose_handoff_mode(HandoffInputs(fl.merger.next_position, rld.report().load,
                                                      md.report().load), pol)
         log.info("handoff_decision", request_id=fl.rid, **decision.as_log())

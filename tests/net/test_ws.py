@@ -293,3 +293,23 @@ async def test_connect_failures_are_typed(served):
     assert ei.value.code == CloseCode.PROTOCOL_ERROR
     with pytest.raises(Exception, match="need a shared secret"):
         await connect(url, "cli", NetConfig())
+
+
+async def test_shaping_accuracy_server_to_client_striped(served):
+    """10 MB over an emulated 100 Mbps, 20 ms RTT link takes 0.81-0.95 s end to end (both ends shape)."""
+    from pddgw.config import ShapingConfig
+
+    cfg = cfg_for(links=(ShapingConfig(name="emu", gbps=0.1, latency_ms=10.0),))
+    accepted = []
+    server, url = await served(cfg, on_link=accepted.append)
+    link = await connect(url, "cli", cfg, shaping="emu", stripes=2)
+    span = lambda i: m.KvSpan("dl", 0, 1, i * 250, (i + 1) * 250, "float32", (1, 2, 250, 10, 50))  # 1 MB
+    payload = bytes(1_000_000)
+    async with link.stream("dl", timeout=5) as st:
+        t0 = time.perf_counter()
+        await accepted[0].send_all(m.KvChunk(span(i), payload, i, i == 9) for i in range(10))
+        got = [c.seq async for c in st]
+        elapsed = time.perf_counter() - t0
+    assert got == list(range(10))
+    assert 0.81 <= elapsed <= 0.95, elapsed
+    await link.close()
