@@ -206,7 +206,8 @@ class _Connection:
             usage = {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": out.cached_tokens},
                      "output_tokens": len(out.output_ids),
                      "total_tokens": len(ids) + len(out.output_ids)}
-            timeline = {**out.record.to_dict(), "seed": sampling.seed, "finish_reason": out.finish_reason}
+            timeline = {**out.record.to_dict(), "seed": sampling.seed, "finish_reason": out.finish_reason,
+                        "output_token_ids": list(out.output_ids)}
             obj = response_object(rid, "completed", created, door.model_name, req,
                                   text=door.tok.decode(list(out.output_ids)), usage=usage, pddgw=timeline)
             await self.send(lambda s: completed_event(s, sid, obj))

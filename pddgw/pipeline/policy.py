@@ -152,14 +152,16 @@ class PipelineInputs:
     # Load of the RLD / MD instance that would serve; None = no healthy one.
     rld_load: float | None
     md_load: float | None
+    # KV bytes of other requests still queued on the WAN ahead of this one.
+    wan_backlog_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.block_size < 1:
             raise ValueError("prompt_tokens and block_size must be >= 1")
         if not 0 <= self.md_hit_blocks <= self.prompt_blocks:
             raise ValueError(f"md_hit_blocks {self.md_hit_blocks} not in [0, {self.prompt_blocks}]")
-        if self.missing_kv_bytes < 0 or self.max_output_tokens < 0:
-            raise ValueError("missing_kv_bytes and max_output_tokens must be >= 0")
+        if self.missing_kv_bytes < 0 or self.max_output_tokens < 0 or self.wan_backlog_bytes < 0:
+            raise ValueError("missing_kv_bytes, max_output_tokens and wan_backlog_bytes must be >= 0")
         if self.bandwidth_bytes_per_s <= 0 or self.rtt_ms < 0:
             raise ValueError("bandwidth must be > 0 and rtt_ms >= 0")
 
@@ -196,7 +198,7 @@ class PipelineDecision:
             "missing_tokens": i.missing_tokens, "missing_kv_bytes": i.missing_kv_bytes,
             "max_output_tokens": i.max_output_tokens,
             "bandwidth_bytes_per_s": i.bandwidth_bytes_per_s, "rtt_ms": i.rtt_ms,
-            "rld_load": i.rld_load, "md_load": i.md_load,
+            "rld_load": i.rld_load, "md_load": i.md_load, "wan_backlog_bytes": i.wan_backlog_bytes,
         }
 
 
@@ -215,8 +217,9 @@ def is_singular_candidate(inputs: PipelineInputs, cfg: PolicyConfig) -> bool:
 def choose_pipeline(inputs: PipelineInputs, cfg: PolicyConfig, *,
                     singular_allowed: bool = True) -> PipelineDecision:
     """Rules 1-7 of the module docstring.  `singular_allowed`: the rate cap's say."""
-    transfer = estimate_transfer_ms(inputs.missing_kv_bytes, inputs.bandwidth_bytes_per_s,
-                                    inputs.rtt_ms)
+    # The WAN is FIFO: this request's KV lands after what is queued ahead of it.
+    transfer = estimate_transfer_ms(inputs.missing_kv_bytes + inputs.wan_backlog_bytes,
+                                    inputs.bandwidth_bytes_per_s, inputs.rtt_ms)
     candidate = is_singular_candidate(inputs, cfg)
 
     def out(pipeline: Pipeline, reason: PipelineReason) -> PipelineDecision:

@@ -146,6 +146,8 @@ class Router:
         self.counts = {"P-MD": 0, "P-RLD-MD": 0, "P-RLD": 0, "redrives": 0, "fallbacks": 0,
                        "md_alignments": 0}
         self.background: set[asyncio.Task[None]] = set()
+        # KV bytes on their way to MD over the WAN (requests between Prefill and PrefillDone).
+        self.wan_backlog = 0
 
     async def drain(self) -> None:
         """Wait for work that outlives responses (MD cache alignment)."""
@@ -257,7 +259,8 @@ class Router:
             prompt_tokens=len(prompt), block_size=md_bs, md_hit_blocks=held,
             missing_kv_bytes=missing * self.kv_bytes_per_token, max_output_tokens=fl.sampling.max_tokens,
             bandwidth_bytes_per_s=est.bandwidth_bytes_per_s, rtt_ms=est.rtt_ms,
-            rld_load=rld.report().load if rld else None, md_load=md.report().load if md else None)
+            rld_load=rld.report().load if rld else None, md_load=md.report().load if md else None,
+            wan_backlog_bytes=self.wan_backlog)
         policy = self.cfg.policy
         if fl.force_pipeline:
             policy = dataclasses.replace(policy, pipeline=fl.force_pipeline)
@@ -324,10 +327,15 @@ class Router:
         async def prefill() -> None:
             msg = pm.Prefill(rid, tuple(starts), tuple(starts.values()), prompt=fl.prompt,
                              **pm.sampling_fields(fl.sampling))  # type: ignore[arg-type]
+            wan = sum((len(fl.prompt) - start) * self.kv_bytes_per_token for name, start in starts.items()
+                      if self.nodes[name].cfg.cluster != p.cfg.cluster)
+            self.wan_backlog += wan
             try:
                 events.put_nowait((p, await p.link.request(msg, timeout=self.timeout)))
             except LinkError as e:
                 events.put_nowait((p, e))
+            finally:
+                self.wan_backlog -= wan
 
         tasks = [asyncio.create_task(pump(n)) for n in (rld, md) if n is not None]
         tasks.append(asyncio.create_task(prefill()))
