@@ -94,6 +94,64 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# A long agent-style system prompt: a first turn of a few hundred uncached tokens.
+DEFAULT_SYSTEM = ("You are a careful assistant running inside an agent loop. You call tools, read their "
+                  "results and answer concisely. Keep a running plan, check every tool result against the "
+                  "plan, never invent file names, prefer small verifiable steps, and say when you are "
+                  "unsure. Cite the tool output you rely on. When the task is done, summarise what changed "
+                  "and what is left, in at most five lines.")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A streaming chat client: RLD's eager tokens in one colour, MD's in another."""
+    import asyncio
+
+    import aiohttp
+
+    colour = {"rld": "\x1b[33m", "md": "\x1b[36m"} if sys.stdout.isatty() and not args.json else {}
+    reset = "\x1b[0m" if colour else ""
+
+    async def turn(ws, history: list[dict]) -> str:
+        await ws.send_str(orjson.dumps({"type": "response.create", "input": history,
+                                        "instructions": args.system, "max_output_tokens": args.max_tokens,
+                                        "temperature": args.temperature}).decode())
+        while True:
+            ev = orjson.loads((await ws.receive()).data)
+            if ev["type"] == "response.output_text.delta" and not args.json:
+                print(colour.get(ev["pddgw"]["role"], "") + ev["delta"] + reset, end="", flush=True)
+            elif ev["type"] == "error":
+                raise SystemExit(f"error: {ev['error']['message']}")
+            elif ev["type"] == "response.completed":
+                tl = ev["response"]["pddgw"]
+                if args.json:
+                    print(orjson.dumps(ev["response"]).decode())
+                else:
+                    print(f"\n[{tl['pipeline']}, ttft {tl['ttft_ms']:.0f} ms, rld {tl['tokens_by_role'].get('rld', 0)}"
+                          f" / md {tl['tokens_by_role'].get('md', 0)} tokens, handoff at {tl['handoff_position']},"
+                          f" stall {tl['handoff_stall_ms']} ms, wan {tl['wan_kv_bytes']} B]")
+                return ev["response"]["output"][0]["content"][0]["text"]
+
+    async def main() -> None:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        async with aiohttp.ClientSession() as s, s.ws_connect(args.url, headers=headers) as ws:
+            history: list[dict] = []
+            for msg in args.message or []:
+                history.append({"role": "user", "content": msg})
+                history.append({"role": "assistant", "content": await turn(ws, history)})
+            if args.message:
+                return
+            while True:
+                try:
+                    line = await asyncio.to_thread(input, "> ")
+                except EOFError:
+                    return
+                history.append({"role": "user", "content": line})
+                history.append({"role": "assistant", "content": await turn(ws, history)})
+
+    asyncio.run(main())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pddgw", description=__doc__)
     p.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
@@ -125,6 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
     s.add_argument("--api-key", action="append", help="accept this API key (repeatable)")
     s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("chat", help="stream a chat against a running router (RLD tokens yellow, MD cyan)")
+    c.add_argument("message", nargs="*", help="user turns to send (none: read turns from stdin)")
+    c.add_argument("--url", default="ws://127.0.0.1:8000/v1/responses")
+    c.add_argument("--api-key")
+    c.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt (default: a long agent prompt)")
+    c.add_argument("--max-tokens", type=int, default=400)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--json", action="store_true", help="print each completed response as JSON")
+    c.set_defaults(func=cmd_chat)
     return p
 
 
