@@ -32,10 +32,10 @@ def _config_with_overrides(args: argparse.Namespace) -> Config:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from pddgw.engines.torch_engine import TorchEngine
+    from pddgw.engines.base import create_engine
     from pddgw.engines.types import EngineRequest, RequestError, SamplingParams
 
-    engine, tokenizer = TorchEngine.from_config(_config_with_overrides(args))
+    engine, tokenizer = create_engine(_config_with_overrides(args))
     ids = args.prompt_ids if args.prompt_ids is not None else tuple(tokenizer.encode(args.prompt))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

@@ -53,6 +53,8 @@ class ModelConfig:
 class EngineConfig:
     """Paged KV pool and scheduler limits of one engine instance."""
 
+    # Registered Engine implementation (pddgw.engines.base.create_engine).
+    implementation: str = "torch"
     device: str = "cpu"
     block_size: int = 16
     # KV blocks per layer in the pool.

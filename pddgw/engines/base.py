@@ -118,25 +118,30 @@ class Engine(ABC):
         """Raise AssertionError unless free + cached + used == total and ref counts agree."""
 
 
-_REGISTRY: dict[str, Callable[..., Engine]] = {}
+# name -> factory(config, engine_config) -> (Engine, Tokenizer)
+_REGISTRY: dict[str, Callable[..., Any]] = {}
 
 
 def register_engine(name: str) -> Callable[[Any], Any]:
-    def deco(factory: Any) -> Any:
+    """Class decorator: the class's `from_config(config, engine_config)` becomes engine `name`."""
+    def deco(cls: Any) -> Any:
         if name in _REGISTRY:
             raise ValueError(f"engine {name!r} registered twice")
-        _REGISTRY[name] = factory
-        return factory
+        _REGISTRY[name] = cls.from_config
+        return cls
 
     return deco
 
 
-def create_engine(name: str, *args: Any, **kwargs: Any) -> Engine:
-    if name not in _REGISTRY:
+def create_engine(config: Any, engine_config: Any = None) -> tuple[Engine, Any]:
+    """The engine `engine_config.implementation` (default: config.engine's) and its tokenizer."""
+    ecfg = engine_config or config.engine
+    if ecfg.implementation not in _REGISTRY:
         # Importing the implementations registers them.
         import pddgw.engines.torch_engine  # noqa: F401
     try:
-        factory = _REGISTRY[name]
+        factory = _REGISTRY[ecfg.implementation]
     except KeyError:
-        raise ValueError(f"unknown engine {name!r} (known: {', '.join(sorted(_REGISTRY))})") from None
-    return factory(*args, **kwargs)
+        raise ValueError(f"engine.implementation: unknown engine {ecfg.implementation!r} "
+                         f"(known: {', '.join(sorted(_REGISTRY))})") from None
+    return factory(config, ecfg)

@@ -21,7 +21,7 @@ from aiohttp import web
 from pddgw.api.server import FrontDoor
 from pddgw.config import Config, ConfigError, NodeConfig
 from pddgw.engines.kv_pool import DTYPES
-from pddgw.engines.torch_engine import TorchEngine
+from pddgw.engines.base import create_engine
 from pddgw.engines.weights import load_spec
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
@@ -107,7 +107,7 @@ def _handle(n: NodeConfig, cfg: Config, link: Link) -> NodeHandle:
 
 
 def _make_worker(cfg: Config, n: NodeConfig, connect) -> WorkerNode:
-    engine, _ = TorchEngine.from_config(cfg, cfg.engine_for(n))
+    engine, _ = create_engine(cfg, cfg.engine_for(n))
     return WorkerNode(n.name, n.role, engine, connect, cfg.net.kv_frame_bytes)
 
 

@@ -298,3 +298,15 @@ def test_handed_off_tokens_that_complete_the_request_finish_it(tiny64):
     engine.abort("c")
     assert engine.stats().used_blocks == 0
     engine.check_integrity()
+
+
+def test_engine_registry_by_name():
+    from pddgw.config import Config, EngineConfig
+    from pddgw.engines.base import create_engine
+    from pddgw.engines.torch_engine import TorchEngine
+
+    engine, tok = create_engine(Config(engine=EngineConfig(num_blocks=8)))
+    assert isinstance(engine, TorchEngine) and engine.kv_layout.block_size == 16
+    assert tok.decode(tok.encode("hi")) == "hi"
+    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
+        create_engine(Config(engine=EngineConfig(implementation="vllm")))
