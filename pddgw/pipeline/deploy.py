@@ -53,11 +53,9 @@ def shaping_between(cfg: Config, a: NodeConfig, b: NodeConfig) -> str:
     return WAN if a.cluster != b.cluster else ""
 
 
-def _router_link_handler(link: Link, msg: m.Message) -> Any:
-    """Messages to the router outside any open stream (a late token of an ended request)."""
-    async def ignore() -> None:
-        return None
-    return ignore()
+async def _router_link_handler(link: Link, msg: m.Message) -> None:
+    """Messages to the router outside any open stream (a late token of an ended request): dropped."""
+    return None
 
 
 class RouterSide:

@@ -23,7 +23,7 @@ from pddgw.engines.base import Engine
 from pddgw.engines.types import CapacityError, KVChunk, RequestError
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
-from pddgw.net.link import Link
+from pddgw.net.link import Link, LinkState
 from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.decode import DecodeWorker, TokenEvent
 from pddgw.pipeline.policy import plan_handoff_round
@@ -85,7 +85,7 @@ class WorkerNode:
 
     async def peer(self, name: str) -> Link:
         link = self._peers.get(name)
-        if link is None or link.state >= 3:   # LinkState.CLOSED
+        if link is None or link.state == LinkState.CLOSED:
             link = self._peers[name] = await self._connect(name)
         return link
 

@@ -50,7 +50,6 @@ from pddgw.pipeline.state import RequestRecord, RequestState, RequestTracker, Ro
 log = structlog.get_logger(__name__)
 
 MAX_ATTEMPTS = 3
-_ROLE = {"prefill": "prefill", "rld": "rld", "md": "md"}
 
 
 class RouterError(RuntimeError):
@@ -70,7 +69,6 @@ class NodeHandle:
     block_size: int
     max_num_seqs: int
     load: m.LoadReport | None = None
-    failures: int = 0
 
     @property
     def name(self) -> str:
@@ -85,12 +83,10 @@ class NodeHandle:
         return self.link.state == LinkState.OPEN
 
     def report(self) -> LoadReport:
-        ld = self.load
-        running, waiting = (ld.running, ld.waiting) if ld else (0, 0)
-        total = ld.total_blocks if ld else 1
-        used = total - ld.free_blocks if ld else 0
-        return LoadReport(self.name, _ROLE[self.role], running, waiting, self.max_num_seqs, used, total,  # type: ignore[arg-type]
-                          self.healthy)
+        """The policy's view of this node's last load report (idle until one arrived)."""
+        ld = self.load or m.LoadReport(self.name, 0, 0, 1, 1)
+        return LoadReport(self.name, self.role, ld.running, ld.waiting, self.max_num_seqs,  # type: ignore[arg-type]
+                          ld.total_blocks - ld.free_blocks, ld.total_blocks, self.healthy)
 
 
 @dataclass(slots=True)
@@ -171,7 +167,7 @@ class Router:
 
     def _pick(self, role: str, fl: _Flight) -> NodeHandle | None:
         choice = pick_instance([n.report() for n in self.nodes.values() if n.role == role],
-                               _ROLE[role], exclude=fl.excluded)  # type: ignore[arg-type]
+                               role, exclude=fl.excluded)  # type: ignore[arg-type]
         return None if choice is None else self.nodes[choice.instance]
 
     # ---- one request ----------------------------------------------------------------
@@ -215,13 +211,13 @@ class Router:
     async def _drive(self, fl: _Flight) -> None:
         for attempt in range(MAX_ATTEMPTS):
             try:
-                if attempt == 0:
+                # Nothing emitted yet and a P left: the full PDD path again (another P / decoder).
+                if attempt == 0 or (fl.merger.next_position == 0 and self._pick("prefill", fl)):
                     await self._pdd(fl)
                 else:
                     await self._redrive(fl)
                 return
             except _NodeLost as e:
-                e.node.failures += 1
                 fl.excluded.add(e.node.name)
                 log.warning("node_lost", request_id=fl.rid, node=e.node.name, error=str(e),
                             emitted=fl.merger.next_position)
@@ -275,7 +271,8 @@ class Router:
         use_rld = rld if pipeline in ("P-RLD-MD", "P-RLD") else None
         if md is not None and use_md is None:
             await self._cancel_on(md, rid)
-        fl.tracker.route(pipeline, decision.reason)
+        if fl.tracker.state == RequestState.RECEIVED:
+            fl.tracker.route(pipeline, decision.reason)
         self.counts[pipeline] += 1
 
         decoders = [(n, hold) for n, hold in ((use_rld, False), (use_md, pipeline == "P-RLD-MD")) if n]
@@ -286,7 +283,7 @@ class Router:
                 fl.involved.add(node.name)
                 starts[node.name] = await self._submit(node, fl, "import", hold)
             fl.cached_tokens = starts.get(use_md.name if use_md else "", 0)
-            fl.tracker.advance(RequestState.PREFILLING)
+            fl.tracker.advance(RequestState.PREFILLING, f"P {p.name}")
             fl.involved.add(p.name)
             await self._run_streams(fl, p, starts, use_rld, use_md, streams)
         finally:

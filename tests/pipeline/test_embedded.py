@@ -185,3 +185,23 @@ async def test_api_key_required_when_configured(aiohttp_client):
         await ws.close()
     finally:
         await emb.stop()
+
+
+async def test_refusing_prefill_is_retried_on_another(deploy):
+    """Two P nodes; p0's pool is too small for the prompt and refuses it: p1 serves it."""
+    from dataclasses import replace
+
+    from pddgw.config import NodeConfig
+
+    base = make_cfg(pipeline="P-MD")
+    small = replace(base.engine, num_blocks=4, max_num_batched_tokens=64, max_num_seqs=4)
+    nodes = (NodeConfig("router", "router", "A"), NodeConfig("p0", "prefill", "A", engine=small),
+             NodeConfig("p1", "prefill", "A"), NodeConfig("rld0", "rld", "A"), NodeConfig("md0", "md", "B"))
+    ws, side, _ = await deploy(replace(base, nodes=nodes))
+    p = prompt_of(100)
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=10, temperature=0)
+    assert r.final["type"] == "response.completed", r.final
+    assert r.token_ids == reference(p, 10)
+    tl = r.timeline
+    assert [x["reason"] for x in tl["redrives"]][0].startswith("prefill p0")
+    assert any(st["reason"] == "P p1" for st in tl["states"] if st["state"] == "PREFILLING")
