@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import signal
 from typing import Any
 
 import structlog
@@ -236,8 +237,14 @@ async def _serve_app(app: web.Application, host: str, port: int, cfg: Config, re
     log.info("serving", host=host, port=runner.addresses[0][1])
     if ready is not None:
         ready.set()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):   # not the main thread / platform
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        log.info("shutting_down")
     finally:
         for fn in cleanup:
             with contextlib.suppress(Exception):

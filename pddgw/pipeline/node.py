@@ -68,13 +68,16 @@ class WorkerNode:
         self.prefill = PrefillWorker(self.aeng, kv_chunk_bytes) if role == "prefill" else None
         self.decode = DecodeWorker(self.aeng, self._emit) if role in ("rld", "md") else None
         self._open: dict[str, _Open] = {}
-        self._pins: set[str] = set()
+        self._pins: dict[str, Link] = {}          # prefix pins, by request, with the asking link
+        self._watched: dict[Link, asyncio.Task[None]] = {}
         self._peers: dict[str, Link] = {}
         self._prefills: dict[str, asyncio.Task[pm.PrefillDone]] = {}
         self.kv_bytes_in_flight = 0
 
     # ---- lifecycle -----------------------------------------------------------------
     async def stop(self) -> None:
+        for task in list(self._watched.values()):
+            task.cancel()
         for task in list(self._prefills.values()):
             task.cancel()
         for rid in list(self._open):
@@ -123,7 +126,8 @@ class WorkerNode:
                 return await self.state()
             case m.PrefixQuery(request_id=rid, hashes=hashes):
                 held = await self.aeng.call(self.engine.match_prefix, hashes, rid)
-                self._pins.add(rid)
+                self._pins[rid] = link
+                self._watch(link)
                 return m.PrefixAnswer(rid, held)
             case pm.Submit():
                 return await self._submit(link, msg)
@@ -150,8 +154,7 @@ class WorkerNode:
         return self.decode
 
     async def _unpin(self, rid: str) -> None:
-        if rid in self._pins:
-            self._pins.discard(rid)
+        if self._pins.pop(rid, None) is not None:
             await self.aeng.call(self.engine.unpin, rid)
 
     async def _submit(self, link: Link, msg: pm.Submit) -> pm.Opened:
@@ -166,7 +169,23 @@ class WorkerNode:
             # The request now holds its cached blocks itself (or failed): the pin has done its job.
             await self._unpin(rid)
         self._open[rid] = _Open(link, msg.hold, time.monotonic())
+        self._watch(link)
         return pm.Opened(rid, cached)
+
+    def _watch(self, link: Link) -> None:
+        """When a router link closes for good, free what was opened or pinned through it."""
+        if link not in self._watched:
+            self._watched[link] = asyncio.create_task(self._orphans(link), name=f"watch-{link.peer}")
+
+    async def _orphans(self, link: Link) -> None:
+        await link.wait_closed()
+        self._watched.pop(link, None)
+        rids = [r for r, op in self._open.items() if op.router is link]
+        rids += [r for r, pinned_by in self._pins.items() if pinned_by is link]
+        for rid in rids:
+            log.warning("orphaned_request_freed", node=self.name, request_id=rid, peer=link.peer)
+            with contextlib.suppress(Exception):
+                await self._cancel(rid)
 
     async def _kv_done(self, rid: str, first: int) -> None:
         op = self._open.get(rid)

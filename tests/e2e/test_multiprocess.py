@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import orjson
 import pytest
 
 from tests.pipeline.pdd_client import chat, collect, create
@@ -133,7 +134,11 @@ async def _long_request(c: Cluster, pipeline: str, n_out: int, after: int, actio
         acted = False
         async with asyncio.timeout(90):
             while True:
-                ev = await ws.receive_json()
+                msg = await ws.receive()
+                if msg.type != aiohttp.WSMsgType.TEXT:      # the router went away
+                    events.append({"type": "closed"})
+                    break
+                ev = orjson.loads(msg.data)
                 events.append(ev)
                 if ev["type"] == "response.output_text.delta" and not acted and ev["pddgw"]["position"] >= after:
                     acted = True
@@ -181,3 +186,23 @@ async def test_prefill_refusal_is_retried_elsewhere(fresh):
     assert r.token_ids == generate_one_node(prompt, 20)
     assert "refused" in r.timeline["redrives"][0]["reason"] or "prefill" in r.timeline["redrives"][0]["reason"]
     await c.wait_idle()
+
+
+async def test_router_death_frees_every_worker(fresh):
+    """The router dies mid-request: every worker frees what it opened or pinned for it."""
+    import time
+
+    c = fresh(gbps=0.002)
+    _, r = await _long_request(c, "P-RLD-MD", 400, 3, lambda: c.kill("router"))
+    assert r.final["type"] != "response.completed"           # the socket died with the router
+    ports = {"p0": c.ports["p0"], "rld0": c.ports["rld0"], "md0": c.ports["md0"]}
+    deadline = time.monotonic() + 20
+    async with aiohttp.ClientSession() as s:
+        for name, port in ports.items():
+            while True:
+                async with s.get(f"http://127.0.0.1:{port}/debug/state") as resp:
+                    st = await resp.json()
+                if st["kv_blocks_in_use"] == 0 and not any(st["inflight"].values()):
+                    break
+                assert time.monotonic() < deadline, (name, st)
+                await asyncio.sleep(0.2)
