@@ -37,20 +37,28 @@ StateFn = Callable[[], Awaitable[dict[str, Any]]]
 
 
 class _Detok:
-    """Incremental detokenizer: emits text only once it no longer ends mid-character."""
+    """Incremental detokenizer: each push decodes only a short window of recent tokens.
+
+    The text of ids[prefix:read] was already emitted; decoding ids[prefix:]
+    and cutting that off yields the new text, held back while it ends in a
+    partial character.  (Decoding the whole output per token would cost
+    quadratic time on the event loop.)
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self.prefix = 0
+        self.read = 0
 
     def push(self, ids: tuple[int, ...]) -> str:
         self.ids += ids
-        full = self.tok.decode(self.ids)
-        if full.endswith("\ufffd") or not full.startswith(self.text):
+        done = self.tok.decode(self.ids[self.prefix : self.read])
+        text = self.tok.decode(self.ids[self.prefix :])
+        if text.endswith("\ufffd") or not text.startswith(done):
             return ""
-        delta, self.text = full[len(self.text):], full
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]
 
 
 class FrontDoor:

@@ -79,6 +79,8 @@ class RouterSide:
 
     async def state(self) -> dict[str, Any]:
         async def one(n: NodeHandle) -> dict[str, Any]:
+            if not n.healthy:       # a down link would hold the query until its timeout
+                return {"node": n.name, "role": n.role, "healthy": False, "error": f"link {n.link.state.name}"}
             try:
                 st = await n.link.request(pm.StateQuery(n.name), timeout=self.cfg.net.request_timeout_s)
                 assert isinstance(st, pm.NodeState)

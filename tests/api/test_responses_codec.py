@@ -76,3 +76,18 @@ def test_server_events_shape():
     e = orjson.loads(error_event(1, None, "bad", param="seed", response_id="r"))
     assert e["error"] == {"type": "invalid_request_error", "code": "invalid_request_error",
                           "message": "bad", "param": "seed"} and e["response_id"] == "r"
+
+
+def test_incremental_detokenizer_matches_full_decode():
+    from pddgw.api.server import _Detok
+    from pddgw.engines.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(384)
+    ids = tok.encode("héllo wörld — ✓ done") + [tok.EOS] + tok.encode(" ünïcode")
+    d = _Detok(tok)
+    pieces = [d.push((t,)) for t in ids]
+    assert "".join(pieces) == tok.decode(ids)
+    # A multi-byte character split across pushes is held back until complete.
+    d2 = _Detok(tok)
+    check = tok.encode("✓")
+    assert [d2.push((t,)) for t in check] == ["", "", "✓"]

@@ -123,8 +123,8 @@ def fresh(tmp_path):
         c.stop()
 
 
-async def _long_request(c: Cluster, pipeline: str, n_out: int, after: int, action):
-    """Start a request, run `action` once `after` tokens have streamed, return the response."""
+async def _long_request(c: Cluster, pipeline: str, n_out: int, after: int, action, role: str | None = None):
+    """Start a request, run `action` once `after` tokens (from `role`, if given) have streamed."""
     prompt = prompt_of(120, 33)
     async with aiohttp.ClientSession() as s:
         ws = await ws_to(c, s)
@@ -140,7 +140,8 @@ async def _long_request(c: Cluster, pipeline: str, n_out: int, after: int, actio
                     break
                 ev = orjson.loads(msg.data)
                 events.append(ev)
-                if ev["type"] == "response.output_text.delta" and not acted and ev["pddgw"]["position"] >= after:
+                if (ev["type"] == "response.output_text.delta" and not acted and ev["pddgw"]["position"] >= after
+                        and role in (None, ev["pddgw"]["role"])):
                     acted = True
                     action()
                 if ev["type"] in ("response.completed", "error"):
@@ -162,6 +163,20 @@ async def test_md_killed_mid_request_still_completes(fresh, pipeline):
         assert tl["pipeline"] == "P-RLD" and "md0" in tl["fallback_reason"]
     else:
         assert tl["redrives"] and tl["tokens_by_role"].get("rld", 0) > 0
+    await c.wait_idle()
+
+
+async def test_md_killed_after_handoff_is_redriven(fresh):
+    c = fresh()                      # fast WAN: MD takes over early
+    prompt, r = await _long_request(c, "P-RLD-MD", 600, 0, lambda: c.kill("md0"), role="md")
+    assert r.final["type"] == "response.completed", (r.final, c.log("router"))
+    assert r.token_ids == generate_one_node(prompt, 600, 0.7, 9)
+    r.assert_positions_once_in_order()
+    tl = r.timeline
+    assert tl["handoff_position"] is not None and tl["redrives"], tl
+    roles = [d["pddgw"]["role"] for d in r.deltas]
+    first_md = roles.index("md")
+    assert "rld" in roles[first_md:]            # the re-drive went back to RLD (MD is gone)
     await c.wait_idle()
 
 
