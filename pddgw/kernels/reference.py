@@ -50,8 +50,10 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Ten
     tables = block_tables[:, :nblk].long()                    # [B, nblk]
     used = -(-seq_lens.long() // block_size)                  # [B] blocks each sequence fills
     live = torch.arange(nblk, device=tables.device)[None, :] < used[:, None]
-    pages = cache[torch.where(live, tables, 0)]               # [B, nblk, bs, kvh, hd]
-    return pages.flatten(1, 2)[:, :length]                    # [B, length, kvh, hd]
+    # index_select over whole blocks: several times faster on CPU than
+    # advanced indexing of the 4-d cache.
+    pages = cache.view(cache.shape[0], -1).index_select(0, torch.where(live, tables, 0).flatten())
+    return pages.view(tables.shape[0], nblk * block_size, *cache.shape[2:])[:, :length]   # [B, length, kvh, hd]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
