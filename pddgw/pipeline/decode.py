@@ -65,15 +65,19 @@ PlanRound = Callable[[int, int, int], HandoffChunk]
 
 
 class _Session:
-    __slots__ = ("rid", "state", "tokens", "task", "emitted", "frozen")
+    __slots__ = ("rid", "state", "tokens", "task", "emitted", "frozen", "num_prompt", "num_computed",
+                 "progress")
 
-    def __init__(self, rid: str):
+    def __init__(self, rid: str, num_prompt: int):
         self.rid = rid
         self.state = DecodeState.IMPORTING
         self.tokens: list[int] = []      # output positions 0.. known here
         self.task: asyncio.Task[None] | None = None
         self.emitted = 0                 # positions already passed to emit
         self.frozen = False              # RLD stopped for the final handoff round
+        self.num_prompt = num_prompt
+        self.num_computed = 0            # tokens (prompt + output) whose KV is in the engine
+        self.progress = asyncio.Condition()   # notified when num_computed or state changes
 
 
 class DecodeWorker:
@@ -96,7 +100,7 @@ class DecodeWorker:
             raise RequestError(f"request {rid!r} already open here")
         req = EngineRequest(rid, prompt, sampling, kv_source="import", hold=True)
         res = await self.aeng.add(req)
-        self.sessions[rid] = _Session(rid)
+        self.sessions[rid] = _Session(rid, len(prompt))
         return res.num_cached_tokens
 
     async def import_kv(self, chunk: KVChunk) -> None:
@@ -139,6 +143,12 @@ class DecodeWorker:
         s.emitted = len(s.tokens)          # RLD emitted these; MD emits from here on
         if final:
             s.state = DecodeState.DECODING
+            return
+        # A catch-up round is done when MD has extended it (all but the held last token),
+        # so the next round is small and MD's cache holds what it was sent.
+        target = s.num_prompt + len(s.tokens) - 1
+        async with s.progress:
+            await s.progress.wait_for(lambda: s.num_computed >= target or s.state == DecodeState.DONE)
 
     # ---- RLD side of the handoff ----------------------------------------------------
     async def hand_off(self, rid: str, plan: PlanRound, send: SendHandoff) -> int:
@@ -159,7 +169,7 @@ class DecodeWorker:
                 end = len(s.tokens)
                 await self._emit_new(s)        # ...and every token up to it is emitted
                 await send(sent, tuple(s.tokens[sent:end]), True)
-                await self._close(s, None)
+                await self._close(s)
                 return end
             await send(sent, tuple(s.tokens[sent : chunk.end]), False)
             sent, rounds = chunk.end, rounds + 1
@@ -171,7 +181,7 @@ class DecodeWorker:
         if rid in self.sessions:
             raise RequestError(f"request {rid!r} already open here")
         await self.aeng.add(EngineRequest(rid, prompt, sampling, hold=hold))
-        s = self.sessions[rid] = _Session(rid)
+        s = self.sessions[rid] = _Session(rid, len(prompt))
         s.state = DecodeState.HOLDING if hold else DecodeState.DECODING
         s.task = asyncio.create_task(self._consume(s), name=f"decode-{rid}")
         return 0
@@ -182,7 +192,7 @@ class DecodeWorker:
             return False
         s.frozen = True
         await self.aeng.call(self.engine.abort, rid)
-        await self._close(s, None)
+        await self._close(s)
         return True
 
     # ---- internals ------------------------------------------------------------------------
@@ -197,18 +207,20 @@ class DecodeWorker:
             if not s.frozen:
                 log.warning("decode_stream_failed", request_id=s.rid, error=repr(e))
                 await self._emit(TokenEvent(s.rid, len(s.tokens), (), True, "error", str(e)))
-            self.sessions.pop(s.rid, None)
+            await self._finish(s)
 
     async def _on_output(self, s: _Session, out: RequestOutput) -> bool:
         """Record and emit one engine output; False once the request has ended here."""
+        async with s.progress:
+            s.num_computed = out.num_computed_tokens
+            s.progress.notify_all()
         if out.new_token_ids:
             assert out.position == len(s.tokens), (out.position, len(s.tokens))
             s.tokens += out.new_token_ids
         if out.finished:
             if out.finish_reason != "abort":
-                s.state = DecodeState.DONE
+                await self._finish(s)
                 await self._emit_new(s, finished=True, reason=out.finish_reason)
-                self.sessions.pop(s.rid, None)
             return False
         if s.state in (DecodeState.DECODING, DecodeState.HANDING_OFF):
             await self._emit_new(s)
@@ -221,9 +233,15 @@ class DecodeWorker:
         pos, s.emitted = s.emitted, len(s.tokens)
         await self._emit(TokenEvent(s.rid, pos, new, finished, reason))
 
-    async def _close(self, s: _Session, reason: str | None) -> None:
-        s.state = DecodeState.DONE
+    async def _finish(self, s: _Session) -> None:
+        """The request has ended here: wake whoever waits on its progress."""
+        async with s.progress:
+            s.state = DecodeState.DONE
+            s.progress.notify_all()
         self.sessions.pop(s.rid, None)
+
+    async def _close(self, s: _Session) -> None:
+        await self._finish(s)
         task, s.task = s.task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
