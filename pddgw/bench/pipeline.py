@@ -14,7 +14,9 @@ traffic in the same run:
 Traffic: N conversations arrive as a Poisson process and overlap; each starts with a long system
 prompt (a few hundred uncached tokens, different per conversation), then T
 turns, each re-sending the conversation so far plus a new user message,
-after a short think time.  Reports TTFT P50/P99 side by side (and their
+after a short think time.  With `--trace`, a Mooncake-format trace
+is replayed instead (block ids -> shared token blocks, lengths scaled to
+the tiny model).  Reports TTFT P50/P99 side by side (and their
 ratio), the share of requests per pipeline, the share of output tokens RLD
 produced and the largest handoff stall.
 """
@@ -71,27 +73,84 @@ async def _conversation(client: TestClient, conv: int, turns: int, out_tokens: i
                     raise RuntimeError(f"conversation {conv} turn {turn}: {ev['error']}")
                 if ev["type"] == "response.completed":
                     break
-            resp = ev["response"]
-            tl = resp["pddgw"]
-            results.append({"conversation": conv, "turn": turn, "ttft_ms": ttft, "pipeline": tl["pipeline"],
-                            "tokens_by_role": tl["tokens_by_role"], "handoff_stall_ms": tl["handoff_stall_ms"],
-                            "wan_kv_bytes": tl["wan_kv_bytes"],
-                            "cached_tokens": resp["usage"]["input_tokens_details"]["cached_tokens"],
-                            "input_tokens": resp["usage"]["input_tokens"]})
-            history += tl["output_token_ids"]
+            results.append(_result(conv, turn, ttft, ev["response"]))
+            history += ev["response"]["pddgw"]["output_token_ids"]
             await asyncio.sleep(rng.uniform(1.0, 2.0))          # think time (tools, the user)
     finally:
         await ws.close()
 
 
+def load_trace(path: str, limit: int, block_tokens: int, out_scale: float, seed: int) -> list[dict]:
+    """Mooncake-format trace -> requests on the tiny model's scale.
+
+    Each 512-token block id becomes a fixed random block of `block_tokens`
+    tokens (equal ids at the start of two prompts stay a shared prefix);
+    input lengths scale by block_tokens / 512, output lengths by out_scale.
+    """
+    rng = random.Random(seed)
+    blocks: dict[int, list[int]] = {}
+    out = []
+    with open(path, "rb") as f:
+        for line in f:
+            if len(out) >= limit:
+                break
+            r = orjson.loads(line)
+            ids = []
+            for h in r["hash_ids"]:
+                if h not in blocks:
+                    blocks[h] = [rng.randrange(32, 127) for _ in range(block_tokens)]
+                ids += blocks[h]
+            n_in = max(1, min(len(ids), round(r["input_length"] * block_tokens / 512)))
+            out.append({"t_s": r["timestamp"] / 1000.0, "prompt": ids[:n_in],
+                        "max_tokens": max(1, round(r["output_length"] * out_scale))})
+    return out
+
+
+async def _replay_one(client: TestClient, i: int, req: dict, speed: float, results: list[dict]) -> None:
+    await asyncio.sleep(req["t_s"] / speed)
+    ws = await client.ws_connect("/v1/responses")
+    try:
+        t0 = time.perf_counter()
+        await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": req["prompt"],
+                                        "max_output_tokens": req["max_tokens"], "temperature": 0}).decode())
+        ttft = None
+        while True:
+            ev = orjson.loads((await ws.receive()).data)
+            if ev["type"] == "response.output_text.delta" and ttft is None:
+                ttft = (time.perf_counter() - t0) * 1000.0
+            if ev["type"] == "error":
+                raise RuntimeError(f"trace request {i}: {ev['error']}")
+            if ev["type"] == "response.completed":
+                break
+        results.append(_result(i, 0, ttft, ev["response"]))
+    finally:
+        await ws.close()
+
+
+def _result(conv: int, turn: int, ttft: float | None, resp: dict) -> dict:
+    tl = resp["pddgw"]
+    return {"conversation": conv, "turn": turn, "ttft_ms": ttft, "pipeline": tl["pipeline"],
+            "tokens_by_role": tl["tokens_by_role"], "handoff_stall_ms": tl["handoff_stall_ms"],
+            "wan_kv_bytes": tl["wan_kv_bytes"],
+            "cached_tokens": resp["usage"]["input_tokens_details"]["cached_tokens"],
+            "input_tokens": resp["usage"]["input_tokens"]}
+
+
 async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, seed: int,
-                  arrival_s: float = 1.5) -> list[dict]:
+                  arrival_s: float = 1.5, trace: list[dict] | None = None,
+                  speed: float = 1.0) -> tuple[list[dict], int]:
+    """-> per-request results, and the KV bytes that crossed the WAN (response-time
+    transfers and MD cache alignment after responses alike)."""
     emb = Embedded(make_config(naive))
     side = await emb.start()
     client = TestClient(TestServer(side.door.app()))
     await client.start_server()
     results: list[dict] = []
     try:
+        if trace is not None:
+            await asyncio.gather(*(_replay_one(client, i, r, speed, results) for i, r in enumerate(trace)))
+            await side.router.drain()
+            return results, emb.wan_kv_bytes()
         rng = random.Random(seed)
         seeds = [rng.randrange(1 << 30) for _ in range(conversations)]
         starts = [0.0]
@@ -100,13 +159,13 @@ async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, 
         await asyncio.gather(*(_conversation(client, i, turns, out_tokens, random.Random(s), results, t)
                                for i, (s, t) in enumerate(zip(seeds, starts))))
         await side.router.drain()
+        return results, emb.wan_kv_bytes()
     finally:
         await client.close()
         await emb.stop()
-    return results
 
 
-def summarize(results: list[dict]) -> dict:
+def summarize(results: list[dict], wan_bytes: int) -> dict:
     ttft = [r["ttft_ms"] for r in results]
     n = len(results)
     tokens = {"rld": 0, "md": 0}
@@ -122,13 +181,15 @@ def summarize(results: list[dict]) -> dict:
             "pipeline_share": {k: round(v / n, 3) for k, v in sorted(pipelines.items())},
             "rld_token_share": round(tokens.get("rld", 0) / max(1, sum(tokens.values())), 3),
             "max_handoff_stall_ms": max(stalls) if stalls else None,
-            "wan_kv_mb": round(sum(r["wan_kv_bytes"] for r in results) / 1e6, 3)}
+            "wan_kv_mb": round(wan_bytes / 1e6, 3)}
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    pdd = await run_one(False, args.conversations, args.turns, args.output_tokens, args.seed, args.arrival_s)
-    naive = await run_one(True, args.conversations, args.turns, args.output_tokens, args.seed, args.arrival_s)
-    a, b = summarize(pdd), summarize(naive)
+    trace = (load_trace(args.trace, args.requests, args.block_tokens, args.output_scale, args.seed)
+             if args.trace else None)
+    runs = [await run_one(naive, args.conversations, args.turns, args.output_tokens, args.seed, args.arrival_s,
+                          trace, args.speed) for naive in (False, True)]
+    a, b = summarize(*runs[0]), summarize(*runs[1])
     return {"pdd": a, "naive": b,
             "ttft_p50_ratio": round(a["ttft_p50_ms"] / b["ttft_p50_ms"], 3),
             "ttft_p99_ratio": round(a["ttft_p99_ms"] / b["ttft_p99_ms"], 3),
@@ -142,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=160)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arrival-s", type=float, default=1.5, help="mean time between new conversations")
+    p.add_argument("--trace", help="replay a Mooncake-format trace (e.g. shared/traces/"
+                   "mooncake_synthetic_trace.jsonl) instead of the synthetic conversations")
+    p.add_argument("--requests", type=int, default=100, help="trace: how many requests")
+    p.add_argument("--block-tokens", type=int, default=16, help="trace: tokens per 512-token block id")
+    p.add_argument("--output-scale", type=float, default=1.0, help="trace: output length factor")
+    p.add_argument("--speed", type=float, default=1.0, help="trace: replay speed (2 = twice as fast)")
     add_output_args(p)
     args = p.parse_args(argv)
     setup_logging("warning")

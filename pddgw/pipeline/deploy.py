@@ -147,6 +147,12 @@ class Embedded:
         return await self.net.connect(me.name, peer.name, handler=handler,
                                       shaping=shaping_between(self.cfg, me, peer) or None)
 
+    def wan_kv_bytes(self) -> int:
+        """KV payload bytes sent so far over links between clusters (both directions)."""
+        cluster = {n.name: n.cluster for n in self.cfg.nodes}
+        return sum(link.stats.kv_bytes_sent for link in self.net.links
+                   if cluster.get(link.local) != cluster.get(link.peer))
+
     async def stop(self) -> None:
         if self.router_side is not None:
             await self.router_side.stop()
