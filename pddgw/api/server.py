@@ -128,34 +128,35 @@ class _Connection:
         self.seq = 0
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
-    async def send(self, make: Callable[[int], bytes]) -> None:
+    async def send(self, make: Callable[..., bytes], *args: Any, **kwargs: Any) -> None:
+        """Send the event `make(sequence_number, *args, **kwargs)`; a closed socket drops it."""
         self.seq += 1
         if not self.ws.closed:
             with contextlib.suppress(ConnectionError, RuntimeError):
-                await self.ws.send_str(make(self.seq).decode())
+                await self.ws.send_str(make(self.seq, *args, **kwargs).decode())
 
     async def on_event(self, raw: str | bytes) -> None:
         door = self.door
         try:
             ev = parse_client_event(raw, door.max_prompt)
         except ApiError as e:
-            await self.send(lambda s: error_event(s, None, str(e), e.code, e.param))
+            await self.send(error_event, None, str(e), e.code, e.param)
             return
         if isinstance(ev, CancelResponse):
             task = self.tasks.get(ev.response_id)
             if task is None:
-                await self.send(lambda s: error_event(s, None, f"no response {ev.response_id!r} in flight "
-                                                      "on this connection", param="response_id"))
+                await self.send(error_event, None, f"no response {ev.response_id!r} in flight on this "
+                                "connection", param="response_id")
             else:
                 task.cancel()
             return
         if len(self.tasks) >= door.cfg.server.max_streams_per_connection:
-            await self.send(lambda s: error_event(s, ev.stream_id, "too many responses in flight on this "
-                                                  "connection", "rate_limit_exceeded"))
+            await self.send(error_event, ev.stream_id, "too many responses in flight on this connection",
+                            "rate_limit_exceeded")
             return
         if door._active >= door.cfg.server.max_concurrent_requests:
-            await self.send(lambda s: error_event(s, ev.stream_id, "server busy: too many responses in flight",
-                                                  "rate_limit_exceeded"))
+            await self.send(error_event, ev.stream_id, "server busy: too many responses in flight",
+                            "rate_limit_exceeded")
             return
         rid = new_request_id()
         self.tasks[rid] = asyncio.create_task(self._respond(rid, ev), name=f"respond-{rid}")
@@ -196,18 +197,16 @@ class _Connection:
         try:
             ids, sampling = self._prepare(req)
         except ApiError as e:
-            await self.send(lambda s: error_event(s, sid, str(e), e.code, e.param, response_id=rid))
+            await self.send(error_event, sid, str(e), e.code, e.param, response_id=rid)
             self.tasks.pop(rid, None)
             return
         door._active += 1
         detok = _Detok(door.tok)
-        await self.send(lambda s: created_event(s, sid, response_object(rid, "in_progress", created,
-                                                                        door.model_name, req)))
+        await self.send(created_event, sid, response_object(rid, "in_progress", created, door.model_name, req))
 
         async def emit(run: TokenRun) -> None:
             text = detok.push(run.token_ids)
-            await self.send(lambda s: delta_event(s, sid, rid, text, run.position, list(run.token_ids),
-                                                  run.role))
+            await self.send(delta_event, sid, rid, text, run.position, list(run.token_ids), run.role)
 
         try:
             out: Outcome = await door.router.run(rid, ids, sampling, emit, req.pipeline, req.handoff_mode)
@@ -218,16 +217,15 @@ class _Connection:
                         "output_token_ids": list(out.output_ids)}
             obj = response_object(rid, "completed", created, door.model_name, req,
                                   text=door.tok.decode(list(out.output_ids)), usage=usage, pddgw=timeline)
-            await self.send(lambda s: completed_event(s, sid, obj))
+            await self.send(completed_event, sid, obj)
         except asyncio.CancelledError:
-            await self.send(lambda s: error_event(s, sid, f"response {rid} was cancelled", "cancelled",
-                                                  response_id=rid))
+            await self.send(error_event, sid, f"response {rid} was cancelled", "cancelled", response_id=rid)
         except RouterError as e:
-            await self.send(lambda s: error_event(s, sid, str(e), e.code, response_id=rid))
+            await self.send(error_event, sid, str(e), e.code, response_id=rid)
         except Exception as e:   # a bug: the client still hears why its response ended
             log.exception("respond_failed", request_id=rid)
-            await self.send(lambda s: error_event(s, sid, f"internal error: {type(e).__name__}: {e}",
-                                                  "server_error", response_id=rid))
+            await self.send(error_event, sid, f"internal error: {type(e).__name__}: {e}", "server_error",
+                            response_id=rid)
         finally:
             door._active -= 1
             self.tasks.pop(rid, None)

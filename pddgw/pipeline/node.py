@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -54,7 +53,6 @@ class _Open:
 
     router: Link
     hold: bool
-    opened_at: float
 
 
 class WorkerNode:
@@ -168,7 +166,7 @@ class WorkerNode:
         finally:
             # The request now holds its cached blocks itself (or failed): the pin has done its job.
             await self._unpin(rid)
-        self._open[rid] = _Open(link, msg.hold, time.monotonic())
+        self._open[rid] = _Open(link, msg.hold)
         self._watch(link)
         return pm.Opened(rid, cached)
 
