@@ -69,6 +69,9 @@ class NodeHandle:
     block_size: int
     max_num_seqs: int
     load: m.LoadReport | None = None
+    # Requests this router has on the node now: counts at once, where polled
+    # load reports lag (a burst would otherwise all go to one instance).
+    inflight: int = 0
 
     @property
     def name(self) -> str:
@@ -85,8 +88,8 @@ class NodeHandle:
     def report(self) -> LoadReport:
         """The policy's view of this node's last load report (idle until one arrived)."""
         ld = self.load or m.LoadReport(self.name, 0, 0, 1, 1)
-        return LoadReport(self.name, self.role, ld.running, ld.waiting, self.max_num_seqs,  # type: ignore[arg-type]
-                          ld.total_blocks - ld.free_blocks, ld.total_blocks, self.healthy)
+        return LoadReport(self.name, self.role, max(ld.running, self.inflight), ld.waiting,  # type: ignore[arg-type]
+                          self.max_num_seqs, ld.total_blocks - ld.free_blocks, ld.total_blocks, self.healthy)
 
 
 @dataclass(slots=True)
@@ -206,7 +209,15 @@ class Router:
                 await node.link.request(m.Cancel(fl.rid, "request ended"), timeout=self.control_timeout)
 
         await asyncio.gather(*(cancel(self.nodes[n]) for n in fl.involved if self.nodes[n].healthy))
+        for n in fl.involved:
+            self.nodes[n].inflight -= 1
         fl.involved.clear()
+
+    @staticmethod
+    def _involve(fl: _Flight, node: NodeHandle) -> None:
+        if node.name not in fl.involved:
+            fl.involved.add(node.name)
+            node.inflight += 1
 
     async def _drive(self, fl: _Flight) -> None:
         for attempt in range(MAX_ATTEMPTS):
@@ -237,10 +248,12 @@ class Router:
         if p is None:
             raise RouterError("no healthy prefill node", "unavailable")
         md, rld = self._pick("md", fl), self._pick("rld", fl)
+        for node in (p, md, rld):
+            if node is not None:
+                self._involve(fl, node)    # counted at once: concurrent picks spread out
         held = 0
         if md is not None:
             hashes = chain_hashes(prompt, md.block_size)
-            fl.involved.add(md.name)
             try:
                 ans = await md.link.request(m.PrefixQuery(rid, tuple(hashes)), timeout=self.control_timeout)
                 held = ans.held if isinstance(ans, m.PrefixAnswer) else 0
@@ -280,11 +293,11 @@ class Router:
         try:
             starts = {}
             for node, hold in decoders:
-                fl.involved.add(node.name)
+                self._involve(fl, node)
                 starts[node.name] = await self._submit(node, fl, "import", hold)
             fl.cached_tokens = starts.get(use_md.name if use_md else "", 0)
             fl.tracker.advance(RequestState.PREFILLING, f"P {p.name}")
-            fl.involved.add(p.name)
+            self._involve(fl, p)
             await self._run_streams(fl, p, starts, use_rld, use_md, streams)
         finally:
             if fl.background is None:
@@ -468,7 +481,7 @@ class Router:
         emitted = fl.merger.emitted_tokens
         role: Role = "md" if node.role == "md" else "rld"
         stream = node.link.stream(fl.rid, timeout=self.timeout)
-        fl.involved.add(node.name)
+        self._involve(fl, node)
         try:
             await self._submit(node, fl, "compute", bool(emitted))
             if emitted:

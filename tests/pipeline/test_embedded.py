@@ -205,3 +205,27 @@ async def test_refusing_prefill_is_retried_on_another(deploy):
     tl = r.timeline
     assert [x["reason"] for x in tl["redrives"]][0].startswith("prefill p0")
     assert any(st["reason"] == "P p1" for st in tl["states"] if st["state"] == "PREFILLING")
+
+
+async def test_router_balances_instances_of_a_role(deploy):
+    """Two RLDs: a burst of concurrent requests is spread over both."""
+    from dataclasses import replace
+
+    from pddgw.config import NodeConfig
+
+    base = make_cfg(pipeline="P-RLD")
+    nodes = (NodeConfig("router", "router", "A"), NodeConfig("p0", "prefill", "A"),
+             NodeConfig("rld0", "rld", "A"), NodeConfig("rld1", "rld", "A"), NodeConfig("md0", "md", "B"))
+    ws, side, _ = await deploy(replace(base, nodes=nodes))
+    for i in range(4):
+        await create(ws, prompt_token_ids=prompt_of(30, 40 + i), max_output_tokens=30, temperature=0,
+                     stream_id=str(i))
+    got = await collect(ws, 4)
+    assert all(r.final["type"] == "response.completed" for r in got.values())
+    for i in range(4):
+        assert got[str(i)].token_ids == reference(prompt_of(30, 40 + i), 30)
+    st = await side.state()
+    # Each RLD took part: its engine saw prompts (prefix queries count every admitted prompt).
+    assert st["nodes"]["rld0"]["prefix_query_tokens"] > 0 and st["nodes"]["rld1"]["prefix_query_tokens"] > 0
+    assert {n.name: n.inflight for n in side.router.nodes.values()} == {
+        "p0": 0, "rld0": 0, "rld1": 0, "md0": 0}
