@@ -229,3 +229,18 @@ async def test_router_balances_instances_of_a_role(deploy):
     assert st["nodes"]["rld0"]["prefix_query_tokens"] > 0 and st["nodes"]["rld1"]["prefix_query_tokens"] > 0
     assert {n.name: n.inflight for n in side.router.nodes.values()} == {
         "p0": 0, "rld0": 0, "rld1": 0, "md0": 0}
+
+
+async def test_serves_a_hugging_face_checkpoint_on_every_role(deploy, tmp_path):
+    """model.path (`--model DIR`): every role loads the checkpoint; outputs match one local engine."""
+    from dataclasses import replace
+
+    from pddgw.engines.weights import build_tiny, save_hf_checkpoint
+
+    save_hf_checkpoint(build_tiny(0, "float64", "cpu"), tmp_path / "ckpt")
+    cfg = make_cfg(pipeline="P-RLD-MD")
+    ws, side, _ = await deploy(replace(cfg, model=replace(cfg.model, path=str(tmp_path / "ckpt"))))
+    p = prompt_of(80)
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=40, temperature=0)
+    assert r.final["response"]["model"] == "ckpt"
+    assert r.token_ids == reference(p, 40)
