@@ -52,6 +52,22 @@ def make_config(naive: bool) -> Config:
     return dataclasses.replace(cfg, nodes=nodes, policy=PolicyConfig(pipeline="P-MD"))
 
 
+async def _ask(ws, prompt: list[int], max_tokens: int, what: str) -> tuple[float | None, dict]:
+    """One response over an open socket -> (TTFT in ms as the client saw it, the response object)."""
+    t0 = time.perf_counter()
+    await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": prompt,
+                                    "max_output_tokens": max_tokens, "temperature": 0}).decode())
+    ttft = None
+    while True:
+        ev = orjson.loads((await ws.receive()).data)
+        if ev["type"] == "response.output_text.delta" and ttft is None:
+            ttft = (time.perf_counter() - t0) * 1000.0
+        if ev["type"] == "error":
+            raise RuntimeError(f"{what}: {ev['error']}")
+        if ev["type"] == "response.completed":
+            return ttft, ev["response"]
+
+
 async def _conversation(client: TestClient, conv: int, turns: int, out_tokens: int, rng: random.Random,
                         results: list[dict], start_s: float) -> None:
     await asyncio.sleep(start_s)
@@ -61,20 +77,9 @@ async def _conversation(client: TestClient, conv: int, turns: int, out_tokens: i
     try:
         for turn in range(turns):
             history += [rng.randrange(32, 127) for _ in range(rng.randrange(15, 40))]   # the user's message
-            t0 = time.perf_counter()
-            await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": history,
-                                            "max_output_tokens": out_tokens, "temperature": 0}).decode())
-            ttft = None
-            while True:
-                ev = orjson.loads((await ws.receive()).data)
-                if ev["type"] == "response.output_text.delta" and ttft is None:
-                    ttft = (time.perf_counter() - t0) * 1000.0
-                if ev["type"] == "error":
-                    raise RuntimeError(f"conversation {conv} turn {turn}: {ev['error']}")
-                if ev["type"] == "response.completed":
-                    break
-            results.append(_result(conv, turn, ttft, ev["response"]))
-            history += ev["response"]["pddgw"]["output_token_ids"]
+            ttft, resp = await _ask(ws, history, out_tokens, f"conversation {conv} turn {turn}")
+            results.append(_result(conv, turn, ttft, resp))
+            history += resp["pddgw"]["output_token_ids"]
             await asyncio.sleep(rng.uniform(1.0, 2.0))          # think time (tools, the user)
     finally:
         await ws.close()
@@ -110,19 +115,8 @@ async def _replay_one(client: TestClient, i: int, req: dict, speed: float, resul
     await asyncio.sleep(req["t_s"] / speed)
     ws = await client.ws_connect("/v1/responses")
     try:
-        t0 = time.perf_counter()
-        await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": req["prompt"],
-                                        "max_output_tokens": req["max_tokens"], "temperature": 0}).decode())
-        ttft = None
-        while True:
-            ev = orjson.loads((await ws.receive()).data)
-            if ev["type"] == "response.output_text.delta" and ttft is None:
-                ttft = (time.perf_counter() - t0) * 1000.0
-            if ev["type"] == "error":
-                raise RuntimeError(f"trace request {i}: {ev['error']}")
-            if ev["type"] == "response.completed":
-                break
-        results.append(_result(i, 0, ttft, ev["response"]))
+        ttft, resp = await _ask(ws, req["prompt"], req["max_tokens"], f"trace request {i}")
+        results.append(_result(i, 0, ttft, resp))
     finally:
         await ws.close()
 

@@ -31,52 +31,10 @@ MAX_STOP_IDS = 64
 MAX_TARGETS = 16
 
 
-def _sampling_fields(msg: object) -> None:
-    _uint(getattr(msg, "max_tokens"), "max_tokens", 1 << 31)
-    _check(getattr(msg, "max_tokens") >= 1, "max_tokens must be >= 1")
-    t, p = getattr(msg, "temperature"), getattr(msg, "top_p")
-    _check(type(t) in (int, float) and 0 <= t <= 100, "temperature must be in [0, 100]")
-    _check(type(p) in (int, float) and 0 < p <= 1, "top_p must be in (0, 1]")
-    object.__setattr__(msg, "temperature", float(t))
-    object.__setattr__(msg, "top_p", float(p))
-    _uint(getattr(msg, "top_k"), "top_k", 1 << 31)
-    _uint(getattr(msg, "seed"), "seed")
-    _flag(getattr(msg, "ignore_eos"), "ignore_eos")
-    _int_tuple(msg, "stop_token_ids", getattr(msg, "stop_token_ids"), MAX_STOP_IDS, TOKEN_ID_LIMIT)
-
-
-class _HasSampling:
-    """Messages that carry a request's sampling parameters as flat fields."""
-
-    __slots__ = ()
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,  # type: ignore[attr-defined]
-                              top_k=self.top_k, top_p=self.top_p, seed=self.seed,        # type: ignore[attr-defined]
-                              stop_token_ids=self.stop_token_ids,                        # type: ignore[attr-defined]
-                              ignore_eos=self.ignore_eos)                                # type: ignore[attr-defined]
-
-
-def sampling_fields(sp: SamplingParams) -> dict[str, object]:
-    return {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_k": sp.top_k,
-            "top_p": sp.top_p, "seed": sp.seed, "stop_token_ids": sp.stop_token_ids,
-            "ignore_eos": sp.ignore_eos}
-
-
 @dataclass(frozen=True, slots=True)
-class Submit(_HasSampling):
-    """Open a request on a decode node.
+class _Sampled:
+    """A request's sampling parameters as flat fields (metadata holds scalars only)."""
 
-    kv="import": P will stream the prompt KV past this node's cached prefix,
-    then TokenIds(start=0, ids=(first token,)); hold=True keeps it from
-    sampling until a final handoff (MD in P-RLD-MD).  kv="compute": the node
-    computes the prompt itself (a re-drive); the emitted tokens then arrive as
-    one final TokenIds.
-    """
-
-    request_id: str
-    kv: Literal["import", "compute"]
-    hold: bool
     max_tokens: int
     temperature: float
     top_k: int
@@ -84,6 +42,47 @@ class Submit(_HasSampling):
     seed: int
     ignore_eos: bool
     stop_token_ids: tuple[int, ...]
+
+    def _check_sampling(self) -> None:
+        _uint(self.max_tokens, "max_tokens", 1 << 31)
+        _check(self.max_tokens >= 1, "max_tokens must be >= 1")
+        t, p = self.temperature, self.top_p
+        _check(type(t) in (int, float) and 0 <= t <= 100, "temperature must be in [0, 100]")
+        _check(type(p) in (int, float) and 0 < p <= 1, "top_p must be in (0, 1]")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        _uint(self.top_k, "top_k", 1 << 31)
+        _uint(self.seed, "seed")
+        _flag(self.ignore_eos, "ignore_eos")
+        _int_tuple(self, "stop_token_ids", self.stop_token_ids, MAX_STOP_IDS, TOKEN_ID_LIMIT)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=self.seed, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos)
+
+
+def sampling_fields(sp: SamplingParams) -> dict[str, object]:
+    """The `_Sampled` fields of a message carrying `sp` (pass as keyword arguments)."""
+    return {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_k": sp.top_k,
+            "top_p": sp.top_p, "seed": sp.seed, "stop_token_ids": sp.stop_token_ids,
+            "ignore_eos": sp.ignore_eos}
+
+
+@dataclass(frozen=True, slots=True)
+class Submit(_Sampled):
+    """Open a request on a decode node.
+
+    kv="import": P will stream the prompt KV past this node's cached prefix,
+    then TokenIds(start=0, ids=(first token,)); hold=True keeps it from
+    sampling until a final handoff (MD in P-RLD-MD).  kv="compute": the node
+    computes the prompt itself (a re-drive); with hold=True the tokens already
+    emitted then arrive as one final Extend.
+    """
+
+    request_id: str
+    kv: Literal["import", "compute"]
+    hold: bool
     prompt: tuple[int, ...]
     tag: Literal["submit"] = "submit"
 
@@ -91,7 +90,7 @@ class Submit(_HasSampling):
         _text(self.request_id, "request_id", empty=False)
         _check(self.kv in ("import", "compute"), "kv must be 'import' or 'compute'")
         _flag(self.hold, "hold")
-        _sampling_fields(self)
+        self._check_sampling()
         _int_tuple(self, "prompt", self.prompt, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)
         _check(len(self.prompt) > 0, "prompt must not be empty")
 
@@ -110,19 +109,12 @@ class Opened:
 
 
 @dataclass(frozen=True, slots=True)
-class Prefill(_HasSampling):
+class Prefill(_Sampled):
     """Compute the prompt on P; stream its KV to `targets` from `starts` on (parallel)."""
 
     request_id: str
     targets: tuple[str, ...]
     starts: tuple[int, ...]
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    ignore_eos: bool
-    stop_token_ids: tuple[int, ...]
     prompt: tuple[int, ...]
     tag: Literal["prefill"] = "prefill"
 
@@ -135,7 +127,7 @@ class Prefill(_HasSampling):
             _text(t, "targets[]", MAX_ID_CHARS, empty=False)
         _int_tuple(self, "starts", self.starts, MAX_TARGETS, TOKEN_ID_LIMIT)
         _check(len(self.starts) == len(self.targets), "starts must have one entry per target")
-        _sampling_fields(self)
+        self._check_sampling()
         _int_tuple(self, "prompt", self.prompt, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)
         _check(len(self.prompt) > 0, "prompt must not be empty")
         _check(all(s <= len(self.prompt) for s in self.starts), "a start is past the prompt's end")

@@ -305,7 +305,8 @@ class Router:
                     s.close()
 
     async def _submit(self, node: NodeHandle, fl: _Flight, kv: str, hold: bool) -> int:
-        msg = pm.Submit(fl.rid, kv, hold, prompt=fl.prompt, **pm.sampling_fields(fl.sampling))  # type: ignore[arg-type]
+        msg = pm.Submit(request_id=fl.rid, kv=kv, hold=hold, prompt=fl.prompt,  # type: ignore[arg-type]
+                        **pm.sampling_fields(fl.sampling))
         try:
             reply = await node.link.request(msg, timeout=self.control_timeout)
         except RemoteError as e:
@@ -335,8 +336,8 @@ class Router:
                 events.put_nowait((node, LinkError(repr(e))))
 
         async def prefill() -> None:
-            msg = pm.Prefill(rid, tuple(starts), tuple(starts.values()), prompt=fl.prompt,
-                             **pm.sampling_fields(fl.sampling))  # type: ignore[arg-type]
+            msg = pm.Prefill(request_id=rid, targets=tuple(starts), starts=tuple(starts.values()),  # type: ignore[arg-type]
+                             prompt=fl.prompt, **pm.sampling_fields(fl.sampling))
             wan = sum((len(fl.prompt) - start) * self.kv_bytes_per_token for name, start in starts.items()
                       if self.nodes[name].cfg.cluster != p.cfg.cluster)
             self.wan_backlog += wan
