@@ -116,7 +116,7 @@ request_timeout_s = 10.0
 [[net.links]]
 name = "wan"
 gbps = {gbps}
-latency_ms = 5.0
+latency_ms = 20.0
 
 [policy]
 {policy}
