@@ -236,15 +236,15 @@ class WorkerNode:
     def _target(self, rid: str, name: str, start: int, link: Link) -> KVTarget:
         seq = 0
 
-        async def send(chunk: KVChunk) -> None:
+        async def send(chunks: list[KVChunk]) -> None:
             nonlocal seq
-            n = len(chunk.data)
+            n = sum(len(c.data) for c in chunks)
             self.kv_bytes_in_flight += n
             try:
-                await link.send(to_wire(chunk, seq))
+                await link.send_all([to_wire(c, seq + i) for i, c in enumerate(chunks)])
             finally:
                 self.kv_bytes_in_flight -= n
-            seq += 1
+            seq += len(chunks)
 
         async def done(first_token: int) -> None:
             await link.send(m.TokenIds(rid, 0, (first_token,)))

@@ -35,7 +35,9 @@ class KVTarget:
 
     name: str
     start_token: int                                   # first prompt token it needs
-    send: Callable[[KVChunk], Awaitable[None]]         # awaits back-pressure
+    # Sends chunks in order (striped over the link's connections where it has
+    # several); returns when the transport has their bytes (back-pressure).
+    send: Callable[[list[KVChunk]], Awaitable[None]]
     done: Callable[[int], Awaitable[None]]             # all sent; the first output token
     sent_bytes: int = 0
     error: str | None = None
@@ -129,9 +131,11 @@ class PrefillWorker:
             async with progress.cond:
                 await progress.cond.wait_for(lambda: progress.computed > sent or progress.finished)
                 upto = progress.computed
-            while sent < upto:
-                end = min(upto, sent + self.tokens_per_chunk)
-                chunk = await self.aeng.call(self.engine.export_kv, rid, sent, end)
-                await target.send(chunk)
-                target.sent_bytes += len(chunk.data)
-                sent = end
+            # Everything newly computed goes out as one batch of chunks.
+            step = self.tokens_per_chunk
+            bounds = [(a, min(upto, a + step)) for a in range(sent, upto, step)]
+            chunks = await self.aeng.call(
+                lambda: [self.engine.export_kv(rid, a, b) for a, b in bounds])
+            await target.send(chunks)
+            target.sent_bytes += sum(len(c.data) for c in chunks)
+            sent = upto

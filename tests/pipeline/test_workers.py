@@ -62,8 +62,11 @@ class Cluster:
             self.finished.set()
 
     def target(self, name, worker: DecodeWorker, start, decode):
-        return KVTarget(name, start, worker.import_kv,
-                        lambda t0: worker.kv_done(self.rid, t0, decode))
+        async def send(chunks):
+            for c in chunks:
+                await worker.import_kv(c)
+
+        return KVTarget(name, start, send, lambda t0: worker.kv_done(self.rid, t0, decode))
 
     def merged(self):
         m = StreamMerger(self.rid)
