@@ -110,6 +110,7 @@ request_timeout_s = 60
 [net]
 secret = "{self.SECRET}"
 heartbeat_s = 0.5
+stripes = 2
 dead_after_s = 2.0
 request_timeout_s = 10.0
 
