@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from pddgw.config import Config, EngineConfig
+from pddgw.config import Config, ConfigError, EngineConfig
 from pddgw.engines.attention import AttnMetadata
 from pddgw.engines.base import Engine, register_engine
 from pddgw.engines.block_manager import BlockManager
@@ -52,6 +52,9 @@ class TorchEngine(Engine):
     def from_config(cls, config: Config, engine: EngineConfig | None = None) -> tuple["TorchEngine", Tokenizer]:
         """Load the configured model; `engine` overrides config.engine (per-node settings)."""
         ecfg = engine or config.engine
+        if ecfg.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"engine.device = {ecfg.device!r}, but this torch build sees no CUDA device "
+                              "(set device = \"cpu\")")
         if ecfg.device == "cpu" and ecfg.cpu_threads:
             torch.set_num_threads(ecfg.cpu_threads)
         dtype = DTYPES[config.model.dtype]

@@ -310,3 +310,12 @@ def test_engine_registry_by_name():
     assert tok.decode(tok.encode("hi")) == "hi"
     with pytest.raises(ValueError, match="unknown engine 'vllm'"):
         create_engine(Config(engine=EngineConfig(implementation="vllm")))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_config_error():
+    from pddgw.config import Config, ConfigError, EngineConfig
+    from pddgw.engines.base import create_engine
+
+    with pytest.raises(ConfigError, match="engine.device = 'cuda'"):
+        create_engine(Config(engine=EngineConfig(device="cuda")))
