@@ -317,7 +317,9 @@ async def test_shaped_latency_is_paid_both_ways(make_pair):
     p = await make_pair(cfg, shaping="far")
     t0 = time.perf_counter()
     await p.client.request(m.Ready("rtt"))
-    assert time.perf_counter() - t0 >= 0.08
+    # 2 x 40 ms, less a few ms: uvloop's clock is cached per loop iteration, so a
+    # delivery scheduled from a stale "now" may fire slightly early under load.
+    assert time.perf_counter() - t0 >= 0.07
 
 
 async def test_silent_peer_is_detected_by_heartbeats():
