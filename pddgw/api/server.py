@@ -68,7 +68,7 @@ class FrontDoor:
         self.tok = tokenizer
         self.model_name = model_name
         self._state = state
-        self._active = 0
+        self.active = 0
         self.max_prompt = router.spec.max_position_embeddings
         if cfg.model.max_model_len:
             self.max_prompt = min(self.max_prompt, cfg.model.max_model_len)
@@ -91,7 +91,7 @@ class FrontDoor:
 
     # ---- plain HTTP ----------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "role": "router", "active_requests": self._active})
+        return web.json_response({"status": "ok", "role": "router", "active_requests": self.active})
 
     async def debug_state(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -154,7 +154,7 @@ class _Connection:
             await self.send(error_event, ev.stream_id, "too many responses in flight on this connection",
                             "rate_limit_exceeded")
             return
-        if door._active >= door.cfg.server.max_concurrent_requests:
+        if door.active >= door.cfg.server.max_concurrent_requests:
             await self.send(error_event, ev.stream_id, "server busy: too many responses in flight",
                             "rate_limit_exceeded")
             return
@@ -200,7 +200,7 @@ class _Connection:
             await self.send(error_event, sid, str(e), e.code, e.param, response_id=rid)
             self.tasks.pop(rid, None)
             return
-        door._active += 1
+        door.active += 1
         detok = _Detok(door.tok)
         await self.send(created_event, sid, response_object(rid, "in_progress", created, door.model_name, req))
 
@@ -227,5 +227,5 @@ class _Connection:
             await self.send(error_event, sid, f"internal error: {type(e).__name__}: {e}", "server_error",
                             response_id=rid)
         finally:
-            door._active -= 1
+            door.active -= 1
             self.tasks.pop(rid, None)

@@ -65,8 +65,7 @@ class RouterSide:
     def __init__(self, cfg: Config, nodes: list[NodeHandle]):
         spec, tokenizer = load_spec(cfg.model.path or None)
         self.cfg = cfg
-        itemsize = DTYPES[cfg.model.dtype].itemsize
-        kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+        kv_per_token = spec.kv_bytes_per_token(DTYPES[cfg.model.dtype])
         wan = cfg.net.shaping(WAN)
         if wan is not None and wan.gbps:
             # An emulated WAN: its configured bandwidth is the estimator's prior.
@@ -89,7 +88,7 @@ class RouterSide:
                 return {"node": n.name, "role": n.role, "healthy": False, "error": str(e)}
 
         nodes = await asyncio.gather(*(one(n) for n in self.router.nodes.values()))
-        return {"router": {"active_requests": self.door._active, "pipelines": self.router.counts},
+        return {"router": {"active_requests": self.door.active, "pipelines": self.router.counts},
                 "nodes": {n["node"]: n for n in nodes}}
 
     def start(self) -> None:

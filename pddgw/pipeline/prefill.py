@@ -116,8 +116,7 @@ class PrefillWorker:
         """Everything one target needs, at its own pace: its KV range, then the first token."""
         try:
             await self._send_all(rid, n, target, progress)
-            if target.error is None:
-                await target.done(await asyncio.shield(first))
+            await target.done(await asyncio.shield(first))
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -261,7 +261,8 @@ class Router:
                 log.warning("md_unreachable", request_id=rid, node=md.name, error=str(e))
                 fl.excluded.add(md.name)
                 md = None
-        md_bs = md.block_size if md else 16
+        # Without an MD nothing is held: any block size gives the same missing bytes.
+        md_bs = md.block_size if md else p.block_size
         missing = len(prompt) - held * md_bs
         est = self.wan.estimate()
         inputs = PipelineInputs(
