@@ -1,4 +1,4 @@
-"""pddgw command line: generate (one request on a local engine), serve."""
+"""pddgw command line: generate (one request on a local engine), serve, chat, sim."""
 
 from __future__ import annotations
 
@@ -193,10 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--json", action="store_true", help="print each completed response as JSON")
     c.set_defaults(func=cmd_chat)
+    sub.add_parser("sim", help="simulate deployments of a scenario on a virtual clock "
+                   "(pddgw sim --scenario FILE.toml [--trace T.jsonl] [--json] [--plots DIR])")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        # The simulator has its own options (pddgw.sim.run); `pddgw sim --help` lists them.
+        from pddgw.sim.run import main as sim_main
+
+        return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     from pddgw.logs import setup_logging
 

@@ -44,20 +44,42 @@ class ModelConfig:
     tiny_seed: int = 0
     # Cap on prompt + output tokens; 0 = the model's own max_position_embeddings.
     max_model_len: int = 0
+    # A named model shape without weights (pddgw.sim.profiles.MODELS, e.g.
+    # "llama3-70b") for the cost-model engine; excludes `path`.
+    profile: str = ""
 
     def __post_init__(self) -> None:
         _check(self.max_model_len >= 0, "max_model_len must be >= 0")
+        _check(not (self.path and self.profile), "set path or profile, not both")
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelConfig:
+    """The hardware a cost-model engine instance models (`implementation = "costmodel"`)."""
+
+    # A pddgw.sim.profiles.HARDWARE name (e.g. "H100-SXM", "H200-SXM", "A100-80G").
+    hardware: str = "H100-SXM"
+    tensor_parallel: int = 1
+    # Share of the GPUs' memory for weights + KV when num_blocks = 0 (vLLM's default).
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        _check(bool(self.hardware), "hardware must not be empty")
+        _check(1 <= self.tensor_parallel <= 64, "tensor_parallel must be in [1, 64]")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Paged KV pool and scheduler limits of one engine instance."""
 
-    # Registered Engine implementation (pddgw.engines.base.create_engine).
+    # Registered Engine implementation (pddgw.engines.base.create_engine):
+    # "torch" computes, "costmodel" models the time of a real model on real GPUs.
     implementation: str = "torch"
     device: str = "cpu"
     block_size: int = 16
-    # KV blocks per layer in the pool.
+    # KV blocks per layer in the pool; 0 = what the modeled GPUs' memory holds
+    # after the weights (cost-model engine only).
     num_blocks: int = 512
     max_num_seqs: int = 64
     # Tokens computed in one forward step (prefill chunks + extends + decodes).
@@ -68,11 +90,12 @@ class EngineConfig:
     # a small shared machine, spinning OpenMP workers of several engines and
     # processes slow each other down by an order of magnitude.  0 = torch's default.
     cpu_threads: int = 1
+    costmodel: CostModelConfig = field(default_factory=CostModelConfig)
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                "block_size must be a positive power of two")
-        _check(self.num_blocks > 0, "num_blocks must be > 0")
+        _check(self.num_blocks >= 0, "num_blocks must be >= 0")
         _check(self.max_num_seqs > 0, "max_num_seqs must be > 0")
         _check(self.max_num_batched_tokens >= self.max_num_seqs,
                "max_num_batched_tokens must be >= max_num_seqs")
@@ -230,6 +253,10 @@ class ShapingConfig:
     trace: tuple[tuple[float, float], ...] = ()
     trace_period_s: float = 0.0
     seed: int = 0                                     # jitter draws are reproducible
+    # One pipe per direction shared by every in-process link of this name
+    # between the same two clusters (a datacenter interconnect that all
+    # instances share), instead of one pipe per link (a NIC per node pair).
+    shared: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name must not be empty")

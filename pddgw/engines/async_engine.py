@@ -2,7 +2,10 @@
 
 Every engine call (steps and control calls alike) runs on one dedicated
 worker thread, in submission order, so the engine itself needs no locks and
-a control call never races a step.  A background task steps while there is
+a control call never races a step.  An engine that only models time
+(`Engine.runs_inline`, the cost model) is called on the loop itself, and each
+step's outputs are released once the step's modeled duration has passed on
+the loop's clock: real seconds in a deployment, virtual ones in `pddgw sim`.  A background task steps while there is
 work and fans the outputs out to per-request streams.  Closing a stream
 early (`contextlib.aclosing` around it, or cancelling the task reading it)
 aborts the request and frees its blocks.
@@ -47,9 +50,14 @@ class AsyncEngine:
         """Run fn(*args) on the engine thread, between steps."""
         if self._closed:
             raise EngineStopped(f"{self.name} is stopped")
-        result = await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        result = await self._on_engine(fn, *args)
         self._wake.set()
         return result
+
+    async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.engine.runs_inline:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def start(self) -> None:
         if self._task is None:
@@ -107,14 +115,16 @@ class AsyncEngine:
         return await self.call(self.engine.abort, request_id)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while True:
                 self._wake.clear()
-                if not await loop.run_in_executor(self._executor, self.engine.has_work):
+                if not await self._on_engine(self.engine.has_work):
                     await self._wake.wait()
                     continue
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = await self._on_engine(self.engine.step)
+                modeled = self.engine.step_seconds()
+                if modeled > 0:
+                    await asyncio.sleep(modeled)
                 for out in outputs:
                     q = self._queues.get(out.request_id)
                     if q is not None:

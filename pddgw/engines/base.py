@@ -38,7 +38,20 @@ class Engine(ABC):
          which case they stay until `release`.
     Under block pressure the engine never crashes: it queues (back-pressure)
     or preempts a running request and recomputes it later.
+
+    Time: an engine that computes (`runs_inline` False) takes real time in
+    `step`, so its driver runs every call off the event loop.  An engine that
+    models hardware (`runs_inline` True) does bookkeeping only; its calls may
+    run on the loop, and `step_seconds()` says how long the step it just took
+    stands for, which its driver waits on the loop's clock (real or virtual)
+    before the step's outputs count as produced.
     """
+
+    runs_inline: bool = False
+
+    def step_seconds(self) -> float:
+        """Modeled duration of the last `step` (0 for an engine whose steps take real time)."""
+        return 0.0
 
     @property
     @abstractmethod
@@ -118,30 +131,35 @@ class Engine(ABC):
         """Raise AssertionError unless free + cached + used == total and ref counts agree."""
 
 
-# name -> factory(config, engine_config) -> (Engine, Tokenizer)
-_REGISTRY: dict[str, Callable[..., Any]] = {}
+# name -> Engine class; its `from_config(config, engine_config)` -> (Engine, Tokenizer)
+_REGISTRY: dict[str, type[Engine]] = {}
 
 
 def register_engine(name: str) -> Callable[[Any], Any]:
-    """Class decorator: the class's `from_config(config, engine_config)` becomes engine `name`."""
+    """Class decorator: the class (built by its `from_config(config, engine_config)`) becomes engine `name`."""
     def deco(cls: Any) -> Any:
         if name in _REGISTRY:
             raise ValueError(f"engine {name!r} registered twice")
-        _REGISTRY[name] = cls.from_config
+        _REGISTRY[name] = cls
         return cls
 
     return deco
 
 
+def engine_class(implementation: str) -> type[Engine]:
+    """The registered class of an `engine.implementation` name."""
+    if implementation not in _REGISTRY:
+        # Importing the implementations registers them.
+        import pddgw.engines.costmodel  # noqa: F401
+        import pddgw.engines.torch_engine  # noqa: F401
+    try:
+        return _REGISTRY[implementation]
+    except KeyError:
+        raise ValueError(f"engine.implementation: unknown engine {implementation!r} "
+                         f"(known: {', '.join(sorted(_REGISTRY))})") from None
+
+
 def create_engine(config: Any, engine_config: Any = None) -> tuple[Engine, Any]:
     """The engine `engine_config.implementation` (default: config.engine's) and its tokenizer."""
     ecfg = engine_config or config.engine
-    if ecfg.implementation not in _REGISTRY:
-        # Importing the implementations registers them.
-        import pddgw.engines.torch_engine  # noqa: F401
-    try:
-        factory = _REGISTRY[ecfg.implementation]
-    except KeyError:
-        raise ValueError(f"engine.implementation: unknown engine {ecfg.implementation!r} "
-                         f"(known: {', '.join(sorted(_REGISTRY))})") from None
-    return factory(config, ecfg)
+    return engine_class(ecfg.implementation).from_config(config, ecfg)  # type: ignore[attr-defined]

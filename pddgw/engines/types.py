@@ -127,7 +127,9 @@ class KVChunk:
 
     Layout independent: `data` is [layers, 2 (K, V), tokens, kv_heads,
     head_dim] contiguous in `dtype`, whatever block size or pool layout
-    produced it.
+    produced it.  A `virtual` chunk (from a cost-model engine) has the size
+    of that array but carries no data: links charge its full size, so a
+    modeled deployment moves a real model's KV volume without allocating it.
     """
 
     request_id: str
@@ -139,15 +141,22 @@ class KVChunk:
     head_dim: int
     dtype: str
     data: memoryview
+    virtual: bool = False
 
     @property
     def num_tokens(self) -> int:
         return self.token_end - self.token_start
 
     def expected_nbytes(self) -> int:
+        """Bytes of the KV this chunk stands for (what crosses a link)."""
         per_value = DTYPE_ITEMSIZE[self.dtype]
         return ((self.layer_end - self.layer_start) * 2 * self.num_tokens
                 * self.num_kv_heads * self.head_dim * per_value)
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes `data` must hold: all of them, or none for a virtual chunk."""
+        return 0 if self.virtual else self.expected_nbytes()
 
 
 @dataclass(frozen=True, slots=True)

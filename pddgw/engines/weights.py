@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -200,6 +201,23 @@ def load_spec(path: str | None) -> tuple[ModelSpec, Tokenizer]:
         return spec, ByteTokenizer(spec.vocab_size)
     raise WeightsError(f"{d}: no tokenizer.json, and vocab_size {spec.vocab_size} is too "
                        f"small for the byte tokenizer (needs {ByteTokenizer.MIN_VOCAB})")
+
+
+def load_spec_for(model: Any) -> tuple[ModelSpec, Tokenizer, str]:
+    """`load_spec` for a `ModelConfig`, and the KV dtype its engines use.
+
+    A `profile` (cost-model engine) is a model shape without weights: its
+    spec, a byte tokenizer, and the profile's own KV dtype.
+    """
+    if model.profile:
+        from pddgw.engines.costmodel import kv_dtype
+        from pddgw.sim.profiles import model as model_profile
+
+        prof = model_profile(model.profile)
+        spec = prof.to_spec()
+        return spec, ByteTokenizer(spec.vocab_size), kv_dtype(prof)
+    spec, tok = load_spec(model.path or None)
+    return spec, tok, model.dtype
 
 
 def load_model(path: str | None, dtype: torch.dtype | str, device: str | torch.device,

@@ -133,7 +133,8 @@ def encode(msg: m.Message, *, corr: int = 0, seq: int = 0, flags: int = 0) -> tu
         meta = orjson.dumps({
             "request_id": span.request_id, "layer_start": span.layer_start, "layer_end": span.layer_end,
             "token_start": span.token_start, "token_end": span.token_end, "dtype": span.dtype,
-            "shape": span.shape, "seq": msg.seq, "last": msg.last,  # type: ignore[union-attr]
+            "shape": span.shape, "virtual": span.virtual, "seq": msg.seq,  # type: ignore[union-attr]
+            "last": msg.last,  # type: ignore[union-attr]
         })
         payload = memoryview(msg.payload).cast("B")  # type: ignore[union-attr]
     else:
@@ -208,7 +209,7 @@ def kv_span(meta: dict) -> m.KvSpan:
     """The KvSpan of a KV chunk's metadata (validated), before its payload is read."""
     try:
         return m.KvSpan(meta["request_id"], meta["layer_start"], meta["layer_end"], meta["token_start"],
-                        meta["token_end"], meta["dtype"], meta["shape"])
+                        meta["token_end"], meta["dtype"], meta["shape"], meta["virtual"])
     except (ValueError, TypeError, OverflowError) as e:
         raise FrameError(f"KvChunk: {e}") from None
 
@@ -219,8 +220,8 @@ def build(head: FrameHead, meta: dict, payload: m.Buffer, span: m.KvSpan | None 
     try:
         if schema.packed == "raw":
             span = span or kv_span(meta)
-            if len(payload) != span.nbytes:
-                raise FrameError(f"KvChunk payload has {len(payload)} bytes, span needs {span.nbytes}")
+            if len(payload) != span.payload_nbytes:
+                raise FrameError(f"KvChunk payload has {len(payload)} bytes, span needs {span.payload_nbytes}")
             return m.KvChunk(span, payload, meta["seq"], meta["last"])
         if schema.packed:
             arr = array(schema.packed)

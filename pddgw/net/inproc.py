@@ -17,28 +17,34 @@ from pddgw.net import frames
 from pddgw.net import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed
 from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, sink_buffer, wait_until
-from pddgw.net.shaping import ShapedPipe
+from pddgw.net.shaping import ShapedPipe, Shaper
 from pddgw.net.wsproto import ws_header_size
 
 _Item = tuple[m.Message, int, int, int]  # message, corr, flags, wire bytes
 
 
 def wire_size(msg: m.Message) -> int:
-    """Bytes the message would take on a WebSocket link (server -> client framing)."""
+    """Bytes the message would take on a WebSocket link (server -> client framing).
+
+    A virtual KV chunk counts the KV it stands for, as shaping charges it.
+    """
     head, payload = frames.encode(msg)
     n = len(head) + payload.nbytes
-    return ws_header_size(n, masked=False) + n
+    virtual = msg.span.nbytes if isinstance(msg, m.KvChunk) and msg.span.virtual else 0
+    return ws_header_size(n, masked=False) + n + virtual
 
 
 class InProcLink(LinkBase):
     """One end of an in-process link; see `InProcNetwork.connect` or `inproc_pair`."""
 
-    def __init__(self, local: str, peer: str, cfg: NetConfig, shaping: ShapingConfig | None) -> None:
+    def __init__(self, local: str, peer: str, cfg: NetConfig, shaping: ShapingConfig | None,
+                 shaper: Shaper | None = None) -> None:
         super().__init__(local, peer, cfg)
         self._other: InProcLink | None = None
         self._accepting = asyncio.Event()    # our inbound is open (the peer's back-pressure)
         self._accepting.set()
-        self._pipe = ShapedPipe(shaping, self._deliver) if shaping is not None and shaping.enabled else None
+        self._pipe = (ShapedPipe(shaping, self._deliver, shaper) if shaping is not None and shaping.enabled
+                      else None)
 
     # -- outbound --------------------------------------------------------------
 
@@ -115,10 +121,13 @@ class InProcLink(LinkBase):
 
 
 def inproc_pair(a: str, b: str, cfg: NetConfig | None = None, shaping: ShapingConfig | None = None,
-                ) -> tuple[InProcLink, InProcLink]:
-    """Two connected, open links a->b and b->a (both directions shaped alike)."""
+                shapers: tuple[Shaper | None, Shaper | None] = (None, None)) -> tuple[InProcLink, InProcLink]:
+    """Two connected, open links a->b and b->a (both directions shaped alike).
+
+    `shapers`: shared wires for a->b and b->a (None: each direction its own).
+    """
     cfg = cfg or NetConfig()
-    la, lb = InProcLink(a, b, cfg, shaping), InProcLink(b, a, cfg, shaping)
+    la, lb = InProcLink(a, b, cfg, shaping, shapers[0]), InProcLink(b, a, cfg, shaping, shapers[1])
     la._other, lb._other = lb, la
     la._set_open()
     lb._set_open()
@@ -132,6 +141,8 @@ class InProcNetwork:
         self.cfg = cfg or NetConfig()
         self._listeners: dict[str, tuple[Handler | None, Callable[[InProcLink], None] | None, KvSink | None]] = {}
         self.links: list[InProcLink] = []
+        # Wires of `shared` shapings: (link name, from group, to group) -> schedule.
+        self.shapers: dict[tuple[str, str, str], Shaper] = {}
 
     def listen(self, node: str, handler: Handler | None = None, *,
                on_link: Callable[[InProcLink], None] | None = None, kv_sink: KvSink | None = None) -> None:
@@ -144,15 +155,24 @@ class InProcNetwork:
         self._listeners.pop(node, None)
 
     async def connect(self, local: str, remote: str, *, handler: Handler | None = None,
-                      shaping: str | ShapingConfig | None = None, kv_sink: KvSink | None = None) -> InProcLink:
-        """Open a link local -> remote; `shaping` names a `[[net.links]]` entry or is one."""
+                      shaping: str | ShapingConfig | None = None, kv_sink: KvSink | None = None,
+                      groups: tuple[str, str] | None = None) -> InProcLink:
+        """Open a link local -> remote; `shaping` names a `[[net.links]]` entry or is one.
+
+        `groups` (local's, remote's; e.g. their clusters) picks the shared wires
+        of a `shared` shaping: every link between the same two groups uses them.
+        """
         if remote not in self._listeners:
             raise LinkClosed(f"no node {remote!r} is listening", CloseCode.ABNORMAL)
         shape = self.cfg.shaping(shaping) if isinstance(shaping, str) else shaping
         if isinstance(shaping, str) and shape is None and not any(s.name == shaping for s in self.cfg.links):
             raise ValueError(f"no [[net.links]] entry named {shaping!r}")
         srv_handler, on_link, srv_sink = self._listeners[remote]
-        client, server = inproc_pair(local, remote, self.cfg, shape)
+        shapers: tuple[Shaper | None, Shaper | None] = (None, None)
+        if shape is not None and shape.enabled and shape.shared:
+            src, dst = groups or (local, remote)
+            shapers = (self._wire(shape, src, dst), self._wire(shape, dst, src))
+        client, server = inproc_pair(local, remote, self.cfg, shape, shapers)
         client.set_handler(handler)
         client.set_kv_sink(kv_sink)
         server.set_handler(srv_handler)
@@ -161,6 +181,12 @@ class InProcNetwork:
         if on_link is not None:
             on_link(server)
         return client
+
+    def _wire(self, shape: ShapingConfig, src: str, dst: str) -> Shaper:
+        key = (shape.name, src, dst)
+        if key not in self.shapers:
+            self.shapers[key] = Shaper(shape, asyncio.get_running_loop().time())
+        return self.shapers[key]
 
     async def close(self) -> None:
         links, self.links = self.links, []

@@ -29,7 +29,6 @@ so a dead peer always surfaces as a typed error within the timeout.
 from __future__ import annotations
 
 import asyncio
-import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -76,7 +75,8 @@ class LinkStats:
     bytes_received: int = 0
     kv_bytes_received: int = 0
     reconnects: int = 0
-    rtt_s: float = 0.0                # last heartbeat round trip
+    rtt_s: float = 0.0                # last heartbeat round trip (on the loop's clock)
+    pongs: int = 0                    # heartbeat round trips measured
 
 
 class Link(ABC):
@@ -419,7 +419,8 @@ class LinkBase(Link):
             self._transmit_nowait(m.Pong(msg.sent_ns))
             return
         if isinstance(msg, m.Pong):
-            self.stats.rtt_s = max(0.0, (time.monotonic_ns() - msg.sent_ns) / 1e9)
+            self.stats.rtt_s = max(0.0, (_loop_ns(self._loop) - msg.sent_ns) / 1e9)
+            self.stats.pongs += 1
             return
         rid = getattr(msg, "request_id", None)
         st = self._streams.get(rid) if rid is not None else None
@@ -491,7 +492,7 @@ class LinkBase(Link):
                             silent_s=round(self._loop.time() - self._last_rx, 3))
                 self._peer_silent()
                 continue
-            self._transmit_nowait(m.Ping(time.monotonic_ns()))
+            self._transmit_nowait(m.Ping(_loop_ns(self._loop)))
 
     def _peer_silent(self) -> None:
         self._lost(LinkClosed(f"no frame from {self.peer} within {self.cfg.dead_after_s}s", CloseCode.PEER_SILENT))
@@ -500,13 +501,20 @@ class LinkBase(Link):
 _FLAG_REPLY = 0x01  # frames.FLAG_REPLY; duplicated to keep this module free of the codec
 
 
+def _loop_ns(loop: asyncio.AbstractEventLoop) -> int:
+    """The loop's clock in ns: heartbeat RTTs are measured on the clock the loop runs on."""
+    return max(0, round(loop.time() * 1e9))
+
+
 def sink_buffer(sink: KvSink | None, span: m.KvSpan, peer: str) -> tuple[memoryview, int]:
     """Destination of a KV payload -> (writable byte view, bytes the link owns).
 
     A sink that fails or returns an unusable buffer is logged and replaced by a
     link-owned bytearray: a bad sink must not take the link down.
     """
-    n = span.nbytes
+    n = span.payload_nbytes
+    if n == 0:
+        return memoryview(bytearray(0)), 0
     if sink is not None:
         try:
             buf = sink(span)

@@ -141,7 +141,9 @@ class KvSpan:
     """What one KV chunk covers: layers [layer_start, layer_end) x tokens [token_start, token_end).
 
     The payload is a contiguous array `[layers, 2 (K, V), tokens, kv_heads, head_dim]`
-    of `dtype`, little-endian; `shape` names those five sizes.
+    of `dtype`, little-endian; `shape` names those five sizes.  A `virtual`
+    span stands for that much KV without carrying it (a cost-model engine's
+    KV): its payload is empty, and link shaping charges it `nbytes`.
     """
 
     request_id: str
@@ -151,9 +153,11 @@ class KvSpan:
     token_end: int
     dtype: DTypeName
     shape: tuple[int, ...]
+    virtual: bool = False
 
     def __post_init__(self) -> None:
         _text(self.request_id, "request_id")
+        _flag(self.virtual, "virtual")
         for name in ("layer_start", "layer_end", "token_start", "token_end"):
             _uint(getattr(self, name), name, 1 << 31)
         _check(self.layer_end > self.layer_start, "layer_end must exceed layer_start")
@@ -174,6 +178,11 @@ class KvSpan:
         """Payload size in bytes."""
         layers, kv, tokens, heads, dim = self.shape
         return layers * kv * tokens * heads * dim * DTYPE_SIZES[self.dtype]
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes the frame's payload carries: nbytes, or 0 for a virtual span."""
+        return 0 if self.virtual else self.nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +207,8 @@ class KvChunk:
         _check(isinstance(self.payload, (bytes, bytearray, memoryview)), "payload must be a bytes-like buffer")
         mv = memoryview(self.payload)
         _check(mv.c_contiguous, "payload must be C-contiguous")
-        _check(mv.nbytes == self.span.nbytes, f"payload has {mv.nbytes} bytes, span needs {self.span.nbytes}")
+        _check(mv.nbytes == self.span.payload_nbytes,
+               f"payload has {mv.nbytes} bytes, span needs {self.span.payload_nbytes}")
         _uint(self.seq, "seq", 1 << 31)
         _flag(self.last, "last")
 

@@ -49,6 +49,9 @@ class Shaper:
         self._rng = random.Random(cfg.seed)
         self._times = [t for t, _ in cfg.trace]
         self._rates = [g * 1e9 for _, g in cfg.trace]          # bits per second
+        # Accounting: bytes booked and seconds the wire spent serializing them.
+        self.bytes_booked = 0
+        self.busy_s = 0.0
 
     def _rate(self, t: float) -> tuple[float, float]:
         """(bits/s at link time t, link time when that rate ends)."""
@@ -89,6 +92,8 @@ class Shaper:
         start = max(now, self._free_at)
         done = self.serialization_end(start, nbytes)
         self._free_at = done
+        self.bytes_booked += nbytes
+        self.busy_s += done - start
         delay = self._latency
         if self._jitter:
             delay += self._rng.uniform(-self._jitter, self._jitter)
@@ -101,12 +106,15 @@ class ShapedPipe:
     """Delivers items to `deliver` at their shaped arrival times, in order.
 
     `deliver` may be a plain function or a coroutine function (awaited: the
-    real transport's back-pressure then delays later arrivals too).
+    real transport's back-pressure then delays later arrivals too).  Pipes
+    given the same `shaper` share one wire: their frames serialize one after
+    another in booking order (a WAN that several links cross).
     """
 
-    def __init__(self, cfg: ShapingConfig, deliver: Callable[[Any], Awaitable[None] | None]) -> None:
+    def __init__(self, cfg: ShapingConfig, deliver: Callable[[Any], Awaitable[None] | None],
+                 shaper: Shaper | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        self.shaper = Shaper(cfg, self._loop.time())
+        self.shaper = shaper if shaper is not None else Shaper(cfg, self._loop.time())
         self._deliver = deliver
         self._queue: deque[tuple[float, Any]] = deque()
         self._wake = asyncio.Event()

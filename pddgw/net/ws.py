@@ -141,7 +141,9 @@ class WsLink(LinkBase):
         self.stats.frames_sent += 1
         self.stats.bytes_sent += wire
         if isinstance(msg, m.KvChunk):
-            self.stats.kv_bytes_sent += payload.nbytes
+            self.stats.kv_bytes_sent += msg.span.nbytes
+            if msg.span.virtual:
+                wire += msg.span.nbytes      # shaping charges the KV it stands for
         return bufs, wire, len(bufs) > 1 and not conn.client and not copy
 
     async def _transmit(self, msg: m.Message, corr: int, flags: int, conn: WsConnection | None = None) -> None:

@@ -226,6 +226,9 @@ class WsConnection(asyncio.BufferedProtocol):
                 self._meta = frames.parse_meta(head, bytes(self._acc[frames.HEADER_SIZE:]))
                 if head.kind == m.KV_KIND:
                     self._span = frames.kv_span(self._meta)
+                    if head.payload_len != self._span.payload_nbytes:
+                        raise FrameError(f"KvChunk header carries {head.payload_len} payload bytes, "
+                                         f"its span needs {self._span.payload_nbytes}")
             except FrameError as e:
                 return self._violation(CloseCode.BAD_FRAME, str(e))
             if self._span is not None:

@@ -22,8 +22,8 @@ from aiohttp import web
 from pddgw.api.server import FrontDoor
 from pddgw.config import Config, ConfigError, NodeConfig
 from pddgw.engines.kv_pool import DTYPES
-from pddgw.engines.base import create_engine
-from pddgw.engines.weights import load_spec
+from pddgw.engines.base import create_engine, engine_class
+from pddgw.engines.weights import load_spec_for
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.inproc import InProcNetwork
@@ -37,6 +37,7 @@ from pddgw.pipeline.router import NodeHandle, Router
 log = structlog.get_logger(__name__)
 
 WAN = "wan"
+FABRIC = "fabric"
 
 
 def embedded_nodes(cfg: Config) -> tuple[NodeConfig, ...]:
@@ -51,7 +52,11 @@ def with_topology(cfg: Config) -> Config:
 
 
 def shaping_between(cfg: Config, a: NodeConfig, b: NodeConfig) -> str:
-    return WAN if a.cluster != b.cluster else ""
+    """The `[[net.links]]` entry between two nodes: "wan" across clusters, "fabric"
+    (when configured) within one, "" for an unshaped link."""
+    if a.cluster != b.cluster:
+        return WAN
+    return FABRIC if any(s.name == FABRIC for s in cfg.net.links) else ""
 
 
 async def _router_link_handler(link: Link, msg: m.Message) -> None:
@@ -63,9 +68,9 @@ class RouterSide:
     """The router's process part: the Router, its front door and its node handles."""
 
     def __init__(self, cfg: Config, nodes: list[NodeHandle]):
-        spec, tokenizer = load_spec(cfg.model.path or None)
+        spec, tokenizer, kv_dtype = load_spec_for(cfg.model)
         self.cfg = cfg
-        kv_per_token = spec.kv_bytes_per_token(DTYPES[cfg.model.dtype])
+        kv_per_token = spec.kv_bytes_per_token(DTYPES[kv_dtype])
         wan = cfg.net.shaping(WAN)
         if wan is not None and wan.gbps:
             # An emulated WAN: its configured bandwidth is the estimator's prior.
@@ -111,6 +116,13 @@ def _make_worker(cfg: Config, n: NodeConfig, connect) -> WorkerNode:
     return WorkerNode(n.name, n.role, engine, connect, cfg.net.kv_frame_bytes)
 
 
+async def _build_worker(cfg: Config, n: NodeConfig, connect) -> WorkerNode:
+    """Loading weights takes real time: off the loop, unless the engine only models time."""
+    if engine_class(cfg.engine_for(n).implementation).runs_inline:
+        return _make_worker(cfg, n, connect)
+    return await asyncio.to_thread(_make_worker, cfg, n, connect)
+
+
 class Embedded:
     """Every role in one process, in-process links (the WAN shaped between clusters)."""
 
@@ -130,7 +142,7 @@ class Embedded:
             def connect(remote: str, me: NodeConfig = n):
                 return self._dial(me, by_name[remote])
 
-            worker = await asyncio.to_thread(_make_worker, cfg, n, connect)
+            worker = await _build_worker(cfg, n, connect)
             self.workers[n.name] = worker
             self.net.listen(n.name, worker.handle)
         router_cfg = next(n for n in cfg.nodes if n.role == "router")
@@ -144,7 +156,8 @@ class Embedded:
         if handler is None:
             handler = self.workers[me.name].handle if me.name in self.workers else None
         return await self.net.connect(me.name, peer.name, handler=handler,
-                                      shaping=shaping_between(self.cfg, me, peer) or None)
+                                      shaping=shaping_between(self.cfg, me, peer) or None,
+                                      groups=(me.cluster, peer.cluster))
 
     def wan_kv_bytes(self) -> int:
         """KV payload bytes sent so far over links between clusters (both directions)."""
@@ -191,7 +204,7 @@ async def run_worker(cfg: Config, me: NodeConfig, host: str | None = None, port:
     def connect(remote: str):
         return dial(cfg, me, by_name[remote], worker.handle if worker else None)
 
-    worker = await asyncio.to_thread(_make_worker, cfg, me, connect)
+    worker = await _build_worker(cfg, me, connect)
     server = WsServer(me.name, cfg.net, worker.handle)
     app = web.Application()
     server.add_routes(app)

@@ -37,14 +37,14 @@ def to_wire(chunk: KVChunk, seq: int = 0, last: bool = False) -> m.KvChunk:
     n_layers = chunk.layer_end - chunk.layer_start
     span = m.KvSpan(chunk.request_id, chunk.layer_start, chunk.layer_end, chunk.token_start,
                     chunk.token_end, chunk.dtype, (n_layers, 2, chunk.num_tokens, chunk.num_kv_heads,
-                                                   chunk.head_dim))
+                                                   chunk.head_dim), chunk.virtual)
     return m.KvChunk(span, chunk.data, seq, last)
 
 
 def from_wire(msg: m.KvChunk) -> KVChunk:
     s = msg.span
     return KVChunk(s.request_id, s.token_start, s.token_end, s.layer_start, s.layer_end, s.shape[3],
-                   s.shape[4], s.dtype, memoryview(msg.payload).cast("B"))
+                   s.shape[4], s.dtype, memoryview(msg.payload).cast("B"), s.virtual)
 
 
 @dataclass(slots=True)
@@ -238,7 +238,7 @@ class WorkerNode:
 
         async def send(chunks: list[KVChunk]) -> None:
             nonlocal seq
-            n = sum(len(c.data) for c in chunks)
+            n = sum(c.expected_nbytes() for c in chunks)
             self.kv_bytes_in_flight += n
             try:
                 await link.send_all([to_wire(c, seq + i) for i, c in enumerate(chunks)])

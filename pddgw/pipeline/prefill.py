@@ -136,5 +136,5 @@ class PrefillWorker:
             chunks = await self.aeng.call(
                 lambda: [self.engine.export_kv(rid, a, b) for a, b in bounds])
             await target.send(chunks)
-            target.sent_bytes += sum(len(c.data) for c in chunks)
+            target.sent_bytes += sum(c.expected_nbytes() for c in chunks)
             sent = upto

@@ -115,7 +115,9 @@ class _Flight:
     tracker: RequestTracker
     merger: StreamMerger
     emit: Emit
-    involved: set[str] = field(default_factory=set)
+    # Insertion-ordered (not a set): the order of the final Cancels must not
+    # depend on string hashing, so runs on a virtual clock are reproducible.
+    involved: dict[str, None] = field(default_factory=dict)
     excluded: set[str] = field(default_factory=set)
     finish_reason: str = ""
     cached_tokens: int = 0
@@ -177,7 +179,8 @@ class Router:
     async def run(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams, emit: Emit,
                   pipeline: str | None = None, handoff_mode: str | None = None) -> Outcome:
         """Serve one request; `pipeline` / `handoff_mode` override the policy for it."""
-        fl = _Flight(rid, prompt, sampling, RequestTracker(rid), StreamMerger(rid), emit,
+        tracker = RequestTracker(rid, clock=asyncio.get_running_loop().time)
+        fl = _Flight(rid, prompt, sampling, tracker, StreamMerger(rid), emit,
                      force_pipeline=pipeline, force_handoff=handoff_mode)
         try:
             async with asyncio.timeout(self.timeout):
@@ -216,7 +219,7 @@ class Router:
     @staticmethod
     def _involve(fl: _Flight, node: NodeHandle) -> None:
         if node.name not in fl.involved:
-            fl.involved.add(node.name)
+            fl.involved[node.name] = None
             node.inflight += 1
 
     async def _drive(self, fl: _Flight) -> None:

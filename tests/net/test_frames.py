@@ -74,7 +74,8 @@ def _frame(kind: int, meta: bytes, payload: bytes = b"", *, magic=b"PD", version
 
 GOOD_READY = b'{"request_id":"r","detail":""}'
 KV_META = orjson.dumps({"request_id": "r", "layer_start": 0, "layer_end": 1, "token_start": 0, "token_end": 1,
-                        "dtype": "float32", "shape": [1, 2, 1, 1, 2], "seq": 0, "last": False})
+                        "dtype": "float32", "shape": [1, 2, 1, 1, 2], "virtual": False, "seq": 0,
+                        "last": False})
 
 
 @pytest.mark.parametrize("data, match", [

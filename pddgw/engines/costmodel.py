@@ -1,0 +1,131 @@
+"""The cost-model engine: a real model's *time* on modeled GPUs, no model math.
+
+`engine.implementation = "costmodel"` with `model.profile` (a model shape,
+e.g. "llama3-70b") and `engine.costmodel` (hardware profile, tensor
+parallelism).  Everything but the forward pass is the real engine
+(`PagedEngine`): BlockManager, prefix cache, chunked prefill, extends,
+decodes, preemption, import/export bookkeeping.  The forward pass becomes:
+
+* its duration: the roofline of the scheduled batch (`pddgw.sim.roofline`)
+  on the configured hardware, reported by `step_seconds()`; the driver
+  (`AsyncEngine`) releases the step's outputs once that time has passed on
+  the loop's clock, real or virtual;
+* its tokens: the token at output position i is drawn from the request's
+  (seed, i) alone (`sampler.position_uniform`), uniformly over the vocabulary
+  without the end-of-sequence ids, so outputs run to max_tokens as a trace
+  prescribes and every node produces the same token for the same position
+  (the same-output invariant holds on every path);
+* its KV: exported chunks are `virtual` (the real model's size, no data), and
+  imports only mark tokens as arrived.  Links charge a virtual chunk its full
+  size, so a 64K-token prompt of a 70B model moves ~20 GiB over a shaped WAN
+  without a byte of it being allocated.
+
+The pool size is what the GPUs hold after the weights (num_blocks = 0), so
+capacity pressure, preemption and prefix-cache eviction happen where they
+would on the real hardware.
+"""
+
+from __future__ import annotations
+
+from pddgw.config import Config, ConfigError, EngineConfig
+from pddgw.engines.base import register_engine
+from pddgw.engines.paged import PagedEngine
+from pddgw.engines.sampler import position_uniform
+from pddgw.engines.scheduler import Chunk
+from pddgw.engines.sequence import Sequence
+from pddgw.engines.tokenizer import ByteTokenizer
+from pddgw.engines.types import KVChunk, RequestOutput
+from pddgw.sim import profiles
+from pddgw.sim.roofline import SeqWork, StepCost, max_kv_tokens, step_cost
+
+# KV element sizes of a profile -> the dtype name that crosses links.
+_KV_DTYPE = {2: "bfloat16", 4: "float32"}
+_NO_DATA = memoryview(b"")
+
+
+def kv_dtype(profile: profiles.ModelProfile) -> str:
+    return _KV_DTYPE[profile.kv_bytes_per_value]
+
+
+def model_profile(config: Config) -> profiles.ModelProfile:
+    """The configured model shape; ConfigError naming the key when it is missing or unknown."""
+    if not config.model.profile:
+        raise ConfigError("model.profile: the cost-model engine needs a model shape "
+                          f"(one of: {', '.join(sorted(profiles.MODELS))})")
+    try:
+        return profiles.model(config.model.profile)
+    except KeyError as e:
+        raise ConfigError(f"model.profile: {e.args[0]}") from None
+
+
+@register_engine("costmodel")
+class CostModelEngine(PagedEngine):
+    runs_inline = True
+
+    def __init__(self, profile: profiles.ModelProfile, hardware: profiles.HardwareProfile, cfg: EngineConfig,
+                 max_model_len: int = 0):
+        cm = cfg.costmodel
+        self.profile = profile
+        self.hardware = hardware
+        self.tp = cm.tensor_parallel
+        num_blocks = cfg.num_blocks
+        if not num_blocks:
+            try:
+                num_blocks = max_kv_tokens(profile, hardware, self.tp, cm.gpu_memory_utilization) // cfg.block_size
+            except ValueError as e:
+                raise ConfigError(f"engine.costmodel: {e}") from None
+            if num_blocks < 1:
+                raise ConfigError(f"engine.costmodel: {profile.name} on {self.tp} x {hardware.name} "
+                                  "leaves no memory for KV blocks")
+        super().__init__(profile.to_spec(), cfg, kv_dtype(profile), num_blocks, max_model_len)
+        self._eos_sorted = sorted(t for t in set(self.spec.eos_token_ids) if 0 <= t < self.spec.vocab_size)
+        self.last_cost: StepCost | None = None
+        self.busy_s = 0.0          # modeled seconds spent in forward passes
+        self.steps = 0
+
+    @classmethod
+    def from_config(cls, config: Config, engine: EngineConfig | None = None) -> tuple["CostModelEngine", ByteTokenizer]:
+        ecfg = engine or config.engine
+        prof = model_profile(config)
+        try:
+            hw = profiles.hardware(ecfg.costmodel.hardware)
+        except KeyError as e:
+            raise ConfigError(f"engine.costmodel.hardware: {e.args[0]}") from None
+        eng = cls(prof, hw, ecfg, config.model.max_model_len)
+        return eng, ByteTokenizer(eng.spec.vocab_size)
+
+    # ---- time -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self.last_cost = None
+        return super().step()
+
+    def step_seconds(self) -> float:
+        return self.last_cost.seconds if self.last_cost is not None else 0.0
+
+    def _forward(self, chunks: list[Chunk]) -> dict[str, int]:
+        # Context before this step's tokens: what attention reads besides them.
+        work = [SeqWork(c.num_tokens, c.seq.num_computed) for c in chunks]
+        self.last_cost = step_cost(self.profile, self.hardware, self.tp, work)
+        self.busy_s += self.last_cost.seconds
+        self.steps += 1
+        return {c.seq.request_id: self.token_at(c.seq.sampling.seed, c.seq.num_outputs)
+                for c in chunks if self._to_sample(c)}
+
+    def token_at(self, seed: int, position: int) -> int:
+        """The token of output position `position`: uniform over the non-EOS ids, from (seed, position)."""
+        k = int(position_uniform(seed, position) * (self.spec.vocab_size - len(self._eos_sorted)))
+        # The k-th id that is not an EOS id (EOS ids are few and sorted).
+        for e in self._eos_sorted:
+            if k >= e:
+                k += 1
+        return k
+
+    # ---- KV: sized, never stored ---------------------------------------------------------
+    def _export(self, seq: Sequence, token_start: int, token_end: int, layer_start: int,
+                layer_end: int) -> KVChunk:
+        return KVChunk(seq.request_id, token_start, token_end, layer_start, layer_end,
+                       self.spec.num_kv_heads, self.spec.head_dim, self._layout.dtype, _NO_DATA,
+                       virtual=True)
+
+    def _import(self, seq: Sequence, chunk: KVChunk, start: int) -> None:
+        """Nothing to write: the blocks stand for the KV once the chunk has arrived."""

@@ -1,0 +1,163 @@
+"""One simulated run: a deployment, a workload, a virtual clock.
+
+`run_deployment` builds the deployment exactly as `pddgw serve` with no
+config builds the embedded one (`pipeline.deploy.Embedded`: the real router,
+policy, state machine, P and decode workers over in-process links, shaped
+per `[[net.links]]`), with cost-model engines, on the running loop.  A client
+per conversation plays its turns against `Router.run`, as the front door
+would, and records what a user sees: arrival, each emitted token run, the
+end.  Nothing here branches the control plane: on a virtual loop
+(`pddgw.sim.clock`) every sleep, timeout, shaped transfer and engine step
+takes virtual time, so a cluster of tens of GPUs runs in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pddgw.config import Config
+from pddgw.engines.costmodel import CostModelEngine
+from pddgw.engines.types import SamplingParams
+from pddgw.pipeline.deploy import Embedded
+from pddgw.pipeline.ordering import TokenRun
+from pddgw.pipeline.router import Router, RouterError
+from pddgw.sim.workload import Conversation, PromptBuilder, Turn
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What one request did, as the user and the router saw it (times in seconds)."""
+
+    rid: str
+    conversation: int
+    turn: int
+    arrival_s: float
+    prompt_tokens: int
+    max_tokens: int
+    target_hit: float                 # the workload's intended prefix hit (share of the prompt)
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None       # mean gap per token after the first
+    e2e_s: float | None = None
+    pipeline: str | None = None
+    handoff_mode: str | None = None
+    handoff_stall_ms: float | None = None
+    catchup_rounds: int = 0           # non-final handoff rounds
+    rld_tokens: int = 0
+    md_tokens: int = 0
+    md_cached_tokens: int = 0         # MD's prefix hit
+    error: str | None = None
+    # Gap before each output token after the first (inter-token latency).
+    itl_s: array = field(default_factory=lambda: array("d"))
+
+
+@dataclass(slots=True)
+class RunResult:
+    requests: list[RequestResult]
+    duration_s: float                 # virtual: first arrival to last answer
+    drain_s: float                    # after the last answer, until background transfers ended
+    wall_s: float
+    wan_kv_bytes: int
+    # "name src->dst" -> share of the run the shared wire was serializing
+    link_utilisation: dict[str, float]
+    # role -> mean share of the run its engines spent in forward passes
+    engine_busy: dict[str, float]
+    md_alignments: int
+    leaked_blocks: int                # KV blocks still in use on any node at the end (must be 0)
+    leaked_pins: int
+
+
+async def _one(router: Router, rid: str, prompt: tuple[int, ...], turn: Turn, seed: int,
+               res: RequestResult) -> tuple[int, ...]:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    last = t0
+    out: list[int] = []
+
+    async def emit(run: TokenRun) -> None:
+        nonlocal last
+        now = loop.time()
+        if res.ttft_s is None:
+            res.ttft_s = now - t0
+            res.itl_s.extend([0.0] * (len(run.token_ids) - 1))
+        else:
+            res.itl_s.append(now - last)
+            res.itl_s.extend([0.0] * (len(run.token_ids) - 1))
+        last = now
+        out.extend(run.token_ids)
+
+    try:
+        outcome = await router.run(rid, prompt, SamplingParams(max_tokens=turn.max_tokens, temperature=1.0,
+                                                               seed=seed), emit)
+    except RouterError as e:
+        res.error = f"{e.code}: {e}"
+        res.output_tokens = len(out)
+        return tuple(out)
+    rec = outcome.record
+    res.e2e_s = loop.time() - t0
+    res.output_tokens = len(out)
+    if res.ttft_s is not None and len(out) > 1:
+        res.tpot_s = (last - t0 - res.ttft_s) / (len(out) - 1)
+    res.pipeline, res.handoff_mode, res.handoff_stall_ms = rec.pipeline, rec.handoff_mode, rec.handoff_stall_ms
+    res.catchup_rounds = max(0, len(rec.handoff_positions) - 1)
+    by_role = dict(rec.tokens_by_role)
+    res.rld_tokens, res.md_tokens = by_role.get("rld", 0), by_role.get("md", 0)
+    res.md_cached_tokens = outcome.cached_tokens
+    return tuple(out)
+
+
+async def run_deployment(cfg: Config, conversations: list[Conversation], shared_prefix: tuple[int, ...],
+                         on_request: Callable[[RequestResult], None] | None = None) -> RunResult:
+    """Serve `conversations` on deployment `cfg` (cost-model engines) on the running loop."""
+    wall0 = time.perf_counter()
+    loop = asyncio.get_running_loop()
+    emb = Embedded(cfg)
+    side = await emb.start()
+    router = side.router
+    t0 = loop.time()
+    results: list[RequestResult] = []
+
+    async def conversation(conv: Conversation) -> None:
+        await asyncio.sleep(conv.start_s)
+        prompts = PromptBuilder(conv, shared_prefix)
+        for k, turn in enumerate(conv.turns):
+            if turn.think_s:
+                await asyncio.sleep(turn.think_s)
+            prompt = prompts.prompt(k)
+            res = RequestResult(f"c{conv.cid}-t{k}", conv.cid, k, loop.time() - t0, len(prompt),
+                                turn.max_tokens, turn.hit)
+            out = await _one(router, res.rid, prompt, turn, conv.seed + k, res)
+            results.append(res)
+            if on_request is not None:
+                on_request(res)
+            if res.error is not None:
+                return                    # the user gives up on this conversation
+            prompts.answered(prompt, out)
+
+    try:
+        await asyncio.gather(*(conversation(c) for c in conversations))
+        t_end = loop.time()
+        await router.drain()
+        drain = loop.time() - t_end
+        duration = max(t_end - t0, 1e-9)
+        engines = {w.name: (w.role, w.engine) for w in emb.workers.values()}
+        busy: dict[str, list[float]] = {}
+        leaked = pins = 0
+        for role, eng in engines.values():
+            if isinstance(eng, CostModelEngine):
+                busy.setdefault(role, []).append(eng.busy_s / duration)
+            st = eng.stats()
+            leaked += st.used_blocks
+            pins += st.pins
+        util = {f"{name} {src}->{dst}": round(sh.busy_s / duration, 4)
+                for (name, src, dst), sh in sorted(emb.net.shapers.items())}
+        results.sort(key=lambda r: (r.arrival_s, r.rid))
+        return RunResult(results, duration, drain, time.perf_counter() - wall0, emb.wan_kv_bytes(), util,
+                         {r: sum(v) / len(v) for r, v in sorted(busy.items())},
+                         router.counts["md_alignments"], leaked, pins)
+    finally:
+        await emb.stop()

@@ -1,0 +1,130 @@
+"""From per-request results to the numbers a capacity plan needs.
+
+`summarize` reduces one run: latency percentiles (TTFT, TPOT, ITL, E2E),
+SLO attainment, where the tokens came from (RLD's share), which pipelines
+ran, WAN bytes and link utilisation, handoff stalls and catch-up rounds.
+`sla_goodput` finds the highest request rate at which at least `attainment`
+of the requests meet every SLO (failed requests miss), by bisection over
+rates between bounds; `bcr` is goodput per unit of cost, relative to a
+baseline deployment's.  Percentiles are nearest-rank, so they are values
+that occurred.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pddgw.sim.cluster import RequestResult, RunResult
+from pddgw.sim.scenario import SloSpec
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile q in [0, 100]; None for no values."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def _pcts(xs: Sequence[float], scale: float = 1.0, digits: int = 3) -> dict[str, float | None]:
+    def r(v: float | None) -> float | None:
+        return None if v is None else round(v * scale, digits)
+
+    return {"p50": r(percentile(xs, 50)), "p90": r(percentile(xs, 90)), "p99": r(percentile(xs, 99))}
+
+
+def meets_slo(r: RequestResult, slo: SloSpec) -> bool:
+    if r.error is not None or r.ttft_s is None:
+        return False
+    if slo.ttft_s and r.ttft_s > slo.ttft_s:
+        return False
+    if slo.tpot_ms and r.tpot_s is not None and r.tpot_s * 1000.0 > slo.tpot_ms:
+        return False
+    return not (slo.e2e_s and r.e2e_s is not None and r.e2e_s > slo.e2e_s)
+
+
+def attainment(requests: Sequence[RequestResult], slo: SloSpec) -> float:
+    return sum(meets_slo(r, slo) for r in requests) / max(1, len(requests))
+
+
+def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:
+    reqs = run.requests
+    ok = [r for r in reqs if r.error is None]
+    itl = [g for r in ok for g in r.itl_s]
+    rld = sum(r.rld_tokens for r in reqs)
+    md = sum(r.md_tokens for r in reqs)
+    pipelines = Counter(r.pipeline or "failed" for r in reqs)
+    stalls = [r.handoff_stall_ms for r in ok if r.handoff_stall_ms is not None]
+    handoffs = [r for r in ok if r.handoff_mode is not None]
+    rounds = Counter(r.catchup_rounds for r in handoffs if r.handoff_mode == "catch-up")
+    prompt = sum(r.prompt_tokens for r in ok)
+    hit = [r.md_cached_tokens / r.prompt_tokens for r in ok if r.pipeline in ("P-MD", "P-RLD-MD")]
+    return {
+        "requests": len(reqs),
+        "failed": len(reqs) - len(ok),
+        "errors": dict(Counter((r.error or "").split(":")[0] for r in reqs if r.error)),
+        "ttft_s": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_ms": _pcts([r.tpot_s for r in ok if r.tpot_s is not None], 1000.0, 2),
+        "itl_ms": _pcts(itl, 1000.0, 2),
+        "e2e_s": _pcts([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "slo_attainment": round(attainment(reqs, slo), 4),
+        "throughput_rps": round(len(ok) / run.duration_s, 4),
+        "output_tokens": rld + md,
+        "rld_token_share": round(rld / max(1, rld + md), 4),
+        "pipeline_share": {k: round(v / max(1, len(reqs)), 4) for k, v in sorted(pipelines.items())},
+        "md_prefix_hit_mean": round(sum(hit) / len(hit), 4) if hit else None,
+        "target_prefix_hit_mean": round(sum(r.target_hit for r in reqs) / max(1, len(reqs)), 4),
+        "prompt_tokens": prompt,
+        "wan_kv_gb": round(run.wan_kv_bytes / 1e9, 3),
+        "link_utilisation": run.link_utilisation,
+        "handoffs": len(handoffs),
+        "handoff_modes": dict(Counter(r.handoff_mode for r in handoffs)),
+        "handoff_stall_ms": {**_pcts(stalls, 1.0, 2), "max": round(max(stalls), 2) if stalls else None},
+        "catchup_rounds": {"median": percentile([r.catchup_rounds for r in handoffs if r.handoff_mode == "catch-up"], 50),
+                           "histogram": {str(k): v for k, v in sorted(rounds.items())}},
+        "md_alignments": run.md_alignments,
+        "engine_busy": {k: round(v, 4) for k, v in run.engine_busy.items()},
+        "duration_s": round(run.duration_s, 3),
+        "drain_s": round(run.drain_s, 3),
+        "wall_s": round(run.wall_s, 2),
+        "sim_requests_per_wall_s": round(len(reqs) / max(run.wall_s, 1e-9), 2),
+        "leaked_blocks": run.leaked_blocks,
+        "leaked_pins": run.leaked_pins,
+    }
+
+
+def sla_goodput(probe: Callable[[float], float], target: float, lo: float, hi: float,
+                probes: int) -> tuple[float, list[tuple[float, float]]]:
+    """Highest rate in [lo, hi] whose attainment (probe(rate)) is >= target.
+
+    Geometric bisection (rates span orders of magnitude); -> (goodput, the
+    (rate, attainment) points probed, in order).  0.0 when even `lo` fails.
+    """
+    points: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        a = probe(rate)
+        points.append((rate, a))
+        return a >= target
+
+    if not ok(lo):
+        return 0.0, points
+    if ok(hi):
+        return hi, points
+    for _ in range(max(0, probes - 2)):
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, points
+
+
+def bcr(goodput: float, price: float, base_goodput: float, base_price: float) -> float | None:
+    """Goodput per cost relative to the baseline's (1.0 = as cost-effective)."""
+    if not (goodput and price and base_goodput and base_price):
+        return None
+    return (goodput / price) / (base_goodput / base_price)

@@ -1,0 +1,302 @@
+"""`pddgw sim`: run a scenario's deployments side by side on a virtual clock.
+
+Jobs (each one simulated run, or one goodput search of several runs) are
+independent, so they spread over `--jobs` processes; each is deterministic,
+so the report is the same whatever the parallelism.  Wall-clock figures
+(how fast the simulation ran) go to stderr and the human table, never into
+the JSON: the same scenario and seed give byte-identical JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from pddgw.bench.common import format_table
+from pddgw.config import ConfigError
+from pddgw.logs import setup_logging
+from pddgw.sim import report
+from pddgw.sim.clock import run_virtual
+from pddgw.sim.cluster import run_deployment
+from pddgw.sim.scenario import Scenario, deployment_config, deployment_price, load_scenario
+from pddgw.sim.workload import AgenticSpec, Conversation, agentic, load_trace, shared_prefix
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Job:
+    kind: str                     # "main" | "goodput" | "bathtub"
+    deployment: str
+    wan_gbps: float | None
+    hit: float | None = None      # bathtub point
+
+
+def _workload(sc: Scenario, rate: float | None = None, requests: int | None = None,
+              hit: float | None = None) -> tuple[list[Conversation], tuple[int, ...]]:
+    wl = sc.workload
+    if wl.kind == "trace":
+        t = wl.trace
+        return load_trace(t.path, requests or t.requests, output_cap=t.output_cap, speed=t.speed,
+                          seed=sc.seed), ()
+    spec: AgenticSpec = wl.agentic
+    if rate is not None:
+        spec = dataclasses.replace(spec, rate=rate)
+    if requests is not None:
+        spec = dataclasses.replace(spec, requests=requests)
+    if hit is not None:
+        band = sc.bathtub.band
+        spec = dataclasses.replace(spec, shared_prefix_tokens=0,
+                                   hit_buckets=((1.0, max(0.0, hit - band), min(1.0, hit + band)),))
+    return agentic(spec, sc.seed), shared_prefix(spec.shared_prefix_tokens, sc.seed)
+
+
+def _simulate(sc: Scenario, job: Job, rate: float | None = None, requests: int | None = None):
+    cfg = deployment_config(sc, sc.deployment(job.deployment), job.wan_gbps)
+    convs, prefix = _workload(sc, rate, requests, job.hit)
+    return run_virtual(run_deployment(cfg, convs, prefix))
+
+
+def run_job(sc: Scenario, job: Job) -> dict[str, Any]:
+    """One job -> its JSON-able result (plus `_ttft`/`_wall_s`, kept out of the report)."""
+    if job.kind == "goodput":
+        g = sc.goodput
+        walls: list[float] = []
+
+        def probe(rate: float) -> float:
+            run = _simulate(sc, job, rate, g.requests)
+            walls.append(run.wall_s)
+            return report.attainment(run.requests, sc.slo)
+
+        goodput, points = report.sla_goodput(probe, sc.slo.attainment, g.rate_min, g.rate_max, g.probes)
+        return {"goodput_rps": round(goodput, 4),
+                "probes": [{"rate": round(r, 4), "attainment": round(a, 4)} for r, a in points],
+                "_wall_s": sum(walls), "_requests": g.requests * len(points)}
+    if job.kind == "bathtub":
+        run = _simulate(sc, job, sc.bathtub.rate, sc.bathtub.requests)
+    else:
+        run = _simulate(sc, job)
+    s = report.summarize(run, sc.slo)
+    wall, n = s.pop("wall_s"), s["requests"]
+    s.pop("sim_requests_per_wall_s")
+    return {**s, "_ttft": sorted(r.ttft_s for r in run.requests if r.ttft_s is not None),
+            "_wall_s": wall, "_requests": n}
+
+
+def _jobs(sc: Scenario) -> list[Job]:
+    jobs = [Job("main", d.name, w) for w in sc.variants() for d in sc.deployments]
+    if sc.goodput.enabled:
+        jobs += [Job("goodput", d.name, w) for w in sc.variants() for d in sc.deployments]
+    if sc.bathtub.enabled:
+        w = sc.variants()[0]
+        jobs += [Job("bathtub", name, w, h) for h in sc.bathtub.hits
+                 for name in (sc.bathtub.deployment, sc.bathtub.baseline)]
+    return jobs
+
+
+def _init_worker() -> None:
+    setup_logging("warning")
+
+
+def simulate(sc: Scenario, jobs: int = 1, progress: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run every job of the scenario -> (report, private: wall-clock figures and TTFT samples)."""
+    todo = _jobs(sc)
+    wall0 = time.perf_counter()
+    results: dict[Job, dict[str, Any]] = {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(todo), desc=f"pddgw sim {sc.name}", unit="job", file=sys.stderr)
+    if jobs <= 1:
+        for job in todo:
+            results[job] = run_job(sc, job)
+            if bar is not None:
+                bar.update()
+    else:
+        with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_init_worker) as pool:
+            futures = {pool.submit(run_job, sc, job): job for job in todo}
+            for fut in concurrent.futures.as_completed(futures):
+                results[futures[fut]] = fut.result()
+                if bar is not None:
+                    bar.update()
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - wall0
+    simulated = sum(r.pop("_requests") for r in results.values())
+    private = {"wall_s": round(wall, 2), "simulated_requests": simulated,
+               "sim_requests_per_wall_s": round(simulated / max(wall, 1e-9), 1),
+               "job_wall_s": round(sum(r.pop("_wall_s") for r in results.values()), 2),
+               "ttft": {}}
+    return _assemble(sc, results, private), private
+
+
+def _assemble(sc: Scenario, results: dict[Job, dict[str, Any]], private: dict[str, Any]) -> dict[str, Any]:
+    variants = []
+    for w in sc.variants():
+        deps: dict[str, Any] = {}
+        for d in sc.deployments:
+            price, gpus = deployment_price(sc, d)
+            main = results[Job("main", d.name, w)]
+            private["ttft"][(w, d.name)] = main.pop("_ttft")
+            entry: dict[str, Any] = {"gpus": gpus, "price_per_hour": round(price, 2), **main}
+            gp = results.get(Job("goodput", d.name, w))
+            if gp is not None:
+                entry["goodput_rps"] = gp["goodput_rps"]
+                entry["goodput_probes"] = gp["probes"]
+            deps[d.name] = entry
+        base = deps[sc.baseline_name]
+        for entry in deps.values():
+            entry["cost_vs_baseline"] = round(entry["price_per_hour"] / base["price_per_hour"], 4)
+            if "goodput_rps" in entry:
+                b = report.bcr(entry["goodput_rps"], entry["price_per_hour"], base["goodput_rps"],
+                               base["price_per_hour"])
+                entry["bcr_vs_baseline"] = None if b is None else round(b, 4)
+                entry["goodput_vs_baseline"] = (round(entry["goodput_rps"] / base["goodput_rps"], 4)
+                                                if base["goodput_rps"] else None)
+        variants.append({"wan_gbps": w, "deployments": deps})
+    out: dict[str, Any] = {"scenario": sc.name, "seed": sc.seed, "model": sc.model,
+                           "baseline": sc.baseline_name, "slo": dataclasses.asdict(sc.slo), "variants": variants}
+    if sc.bathtub.enabled:
+        bt = sc.bathtub
+        points = []
+        for h in bt.hits:
+            a = results[Job("bathtub", bt.deployment, sc.variants()[0], h)]
+            b = results[Job("bathtub", bt.baseline, sc.variants()[0], h)]
+            a.pop("_ttft"), b.pop("_ttft")
+
+            def benefit(q: str) -> float | None:
+                x, y = a["ttft_s"][q], b["ttft_s"][q]
+                return None if x is None or not y else round(1.0 - x / y, 4)
+
+            points.append({"hit": h, "md_prefix_hit_mean": a["md_prefix_hit_mean"],
+                           "ttft_p50_s": [a["ttft_s"]["p50"], b["ttft_s"]["p50"]],
+                           "ttft_p90_s": [a["ttft_s"]["p90"], b["ttft_s"]["p90"]],
+                           "benefit_p50": benefit("p50"), "benefit_p90": benefit("p90"),
+                           "rld_token_share": a["rld_token_share"]})
+        out["bathtub"] = {"deployment": bt.deployment, "baseline": bt.baseline, "wan_gbps": sc.variants()[0],
+                          "rate": bt.rate, "points": points}
+    if sc.published:
+        out["published"] = [{"metric": k, "published": v, "ours": [_lookup(var, k) for var in variants]}
+                            for k, v in sc.published.items()]
+    return out
+
+
+def _lookup(variant: dict[str, Any], key: str) -> Any:
+    """'deployment.path.to.value' in one variant's results (None when absent)."""
+    name, _, path = key.partition(".")
+    node: Any = variant["deployments"].get(name)
+    for part in path.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def format_report(rep: dict[str, Any], private: dict[str, Any]) -> str:
+    lines = [f"pddgw sim: scenario {rep['scenario']} (model {rep['model']}, seed {rep['seed']}); "
+             f"SLO ttft <= {rep['slo']['ttft_s']} s, tpot <= {rep['slo']['tpot_ms']} ms, "
+             f">= {rep['slo']['attainment']:.0%} of requests"]
+    metrics = [("GPUs", "gpus"), ("cost / h (USD)", "price_per_hour"), ("cost vs baseline", "cost_vs_baseline"),
+               ("requests", "requests"), ("failed", "failed"),
+               ("TTFT P50 (s)", "ttft_s.p50"), ("TTFT P90 (s)", "ttft_s.p90"), ("TTFT P99 (s)", "ttft_s.p99"),
+               ("TPOT P50 (ms)", "tpot_ms.p50"), ("TPOT P99 (ms)", "tpot_ms.p99"),
+               ("ITL P50 (ms)", "itl_ms.p50"), ("ITL P99 (ms)", "itl_ms.p99"),
+               ("E2E P50 (s)", "e2e_s.p50"), ("E2E P99 (s)", "e2e_s.p99"),
+               ("SLO attainment", "slo_attainment"), ("throughput (req/s)", "throughput_rps"),
+               ("SLA goodput (req/s)", "goodput_rps"), ("goodput vs baseline", "goodput_vs_baseline"),
+               ("BCR vs baseline", "bcr_vs_baseline"),
+               ("RLD token share", "rld_token_share"), ("pipelines", "pipeline_share"),
+               ("MD prefix hit (mean)", "md_prefix_hit_mean"), ("WAN KV (GB)", "wan_kv_gb"),
+               ("link utilisation", "link_utilisation"), ("handoffs", "handoff_modes"),
+               ("handoff stall P50 (ms)", "handoff_stall_ms.p50"), ("handoff stall P99 (ms)", "handoff_stall_ms.p99"),
+               ("handoff stall max (ms)", "handoff_stall_ms.max"), ("catch-up rounds (median)", "catchup_rounds.median"),
+               ("MD alignments", "md_alignments"), ("background drain (s)", "drain_s"),
+               ("engine busy", "engine_busy"), ("leaked blocks", "leaked_blocks")]
+    for var in rep["variants"]:
+        names = list(var["deployments"])
+        rows = [[label] + [_lookup(var, f"{n}.{key}") for n in names] for label, key in metrics]
+        rows = [[r[0]] + [_short(v) for v in r[1:]] for r in rows]
+        wan = f"WAN {var['wan_gbps']:g} Gbps" if var["wan_gbps"] is not None else "links as configured"
+        lines += ["", f"== {wan} ==", format_table(["metric", *names], rows)]
+    if "bathtub" in rep:
+        bt = rep["bathtub"]
+        lines += ["", f"== bathtub: {bt['deployment']} vs {bt['baseline']} (TTFT benefit = 1 - ours/theirs), "
+                      f"{bt['rate']} req/s ==",
+                  format_table(["target hit", "MD hit", "TTFT P50 (s)", "TTFT P90 (s)", "benefit P50",
+                                "benefit P90", "RLD share"],
+                               [[p["hit"], p["md_prefix_hit_mean"], _short(p["ttft_p50_s"]), _short(p["ttft_p90_s"]),
+                                 p["benefit_p50"], p["benefit_p90"], p["rld_token_share"]] for p in bt["points"]])]
+    if "published" in rep:
+        heads = ["metric", "paper"] + [f"ours @ {v['wan_gbps']:g} Gbps" if v["wan_gbps"] is not None else "ours"
+                                       for v in rep["variants"]]
+        lines += ["", "== the paper's numbers next to ours ==",
+                  format_table(heads, [[p["metric"], p["published"], *p["ours"]] for p in rep["published"]])]
+    lines += ["", f"simulated {private['simulated_requests']} requests in {private['wall_s']} s of wall time: "
+                  f"{private['sim_requests_per_wall_s']} requests per wall-clock second"]
+    return "\n".join(lines)
+
+
+def _short(v: Any) -> Any:
+    if isinstance(v, dict):
+        return " ".join(f"{k}={_fmt(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return " / ".join(_fmt(x) for x in v)
+    return v
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pddgw sim", description="Run a scenario on a virtual clock "
+                                "with cost-model engines; deployments side by side.")
+    p.add_argument("--scenario", required=True, help="scenario TOML (e.g. scenarios/paper.toml)")
+    p.add_argument("--trace", help="replay this Mooncake-format trace instead of the scenario's workload")
+    p.add_argument("--requests", type=int, help="override the workload's request count")
+    p.add_argument("--seed", type=int, help="override the scenario's seed")
+    p.add_argument("--no-goodput", action="store_true", help="skip the SLA goodput search")
+    p.add_argument("--no-bathtub", action="store_true", help="skip the bathtub sweep")
+    p.add_argument("--jobs", type=int, default=2, help="parallel processes (default 2)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plots", help="write PNG plots into this directory")
+    args = p.parse_args(argv)
+    setup_logging("warning")
+    try:
+        sc = load_scenario(args.scenario)
+        sc = _overrides(sc, args)
+    except (ConfigError, ValueError) as e:
+        print(f"pddgw sim: {e}", file=sys.stderr)
+        return 2
+    rep, private = simulate(sc, max(1, args.jobs), progress=sys.stderr.isatty())
+    print(f"pddgw sim: {private['simulated_requests']} requests simulated in {private['wall_s']} s of wall "
+          f"time ({private['sim_requests_per_wall_s']} requests per wall-clock second)", file=sys.stderr)
+    if args.plots:
+        from pddgw.sim.plots import write_plots
+        for path in write_plots(rep, private, Path(args.plots)):
+            print(f"pddgw sim: wrote {path}", file=sys.stderr)
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(rep, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
+    else:
+        print(format_report(rep, private))
+    return 0
+
+
+def _overrides(sc: Scenario, args: argparse.Namespace) -> Scenario:
+    wl = sc.workload
+    if args.trace:
+        wl = dataclasses.replace(wl, kind="trace", trace=dataclasses.replace(wl.trace, path=args.trace))
+    if args.requests:
+        wl = dataclasses.replace(wl, agentic=dataclasses.replace(wl.agentic, requests=args.requests),
+                                 trace=dataclasses.replace(wl.trace, requests=args.requests))
+    sc = dataclasses.replace(sc, workload=wl, seed=sc.seed if args.seed is None else args.seed)
+    if args.no_goodput:
+        sc = dataclasses.replace(sc, goodput=dataclasses.replace(sc.goodput, enabled=False))
+    if args.no_bathtub:
+        sc = dataclasses.replace(sc, bathtub=dataclasses.replace(sc.bathtub, enabled=False))
+    return sc

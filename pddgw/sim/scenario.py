@@ -1,0 +1,253 @@
+"""Scenario files for `pddgw sim`: deployments, links, workload, SLOs, sweeps.
+
+A scenario is TOML decoded into the frozen dataclasses below with the same
+loader as config.toml (`pddgw.config.build`), so an unknown key or a bad
+value is an error that names the file and the dotted key.  Each deployment
+becomes an ordinary `Config` (`deployment_config`): the simulator runs the
+real router, policy and workers of that config, only on a virtual clock and
+with the cost-model engine.  A deployment may instead name a config.toml
+(`config = "path"`), which is how the same deployment runs once simulated
+and once as real `pddgw serve` processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pddgw.config import (Config, ConfigError, CostModelConfig, EngineConfig, LogConfig, ModelConfig, NetConfig,
+                          NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, build, load_config)
+from pddgw.sim.profiles import HARDWARE, hardware
+from pddgw.sim.workload import AgenticSpec
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeGroup:
+    """`count` identical instances of one role (each `tensor_parallel` GPUs)."""
+
+    role: Literal["prefill", "rld", "md"]
+    count: int = 1
+    cluster: str = "A"
+    hardware: str = "H100-SXM"
+    tensor_parallel: int = 8
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    prefix_cache: bool = True
+    # USD per GPU-hour; 0 = the hardware profile's price.
+    price_per_gpu_hour: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.count >= 1, "count must be >= 1")
+        _check(self.hardware in HARDWARE, f"hardware {self.hardware!r} is not one of {sorted(HARDWARE)}")
+        _check(self.tensor_parallel >= 1, "tensor_parallel must be >= 1")
+        _check(self.price_per_gpu_hour >= 0, "price_per_gpu_hour must be >= 0")
+
+    @property
+    def gpus(self) -> int:
+        return self.count * self.tensor_parallel
+
+    @property
+    def price(self) -> float:
+        """USD per hour for the whole group."""
+        return self.gpus * (self.price_per_gpu_hour or hardware(self.hardware).price_per_gpu_hour)
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentSpec:
+    name: str
+    # Node groups; or `config`, a config.toml whose nodes use the cost-model engine.
+    nodes: tuple[NodeGroup, ...] = ()
+    config: str = ""
+    # Router policy; `pipeline` forces one (e.g. "P-MD" for PD baselines).
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "name must not be empty")
+        _check(bool(self.nodes) != bool(self.config), "set either nodes or config")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSpec:
+    path: str = ""
+    requests: int = 0               # 0 = the whole trace
+    speed: float = 1.0              # timestamps are divided by it
+    output_cap: int = 0             # cap on output lengths (0 = as in the trace)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    kind: Literal["agentic", "trace"] = "agentic"
+    agentic: AgenticSpec = field(default_factory=AgenticSpec)
+    trace: TraceSpec = field(default_factory=TraceSpec)
+
+
+@dataclass(frozen=True, slots=True)
+class SloSpec:
+    """A request meets its SLOs when every set bound holds (0 = unbounded); it
+    counts as failed when it ends with an error."""
+
+    ttft_s: float = 10.0
+    tpot_ms: float = 100.0          # mean time per output token after the first
+    e2e_s: float = 0.0
+    attainment: float = 0.9         # SLA goodput: highest rate with this share meeting every SLO
+
+    def __post_init__(self) -> None:
+        _check(self.ttft_s >= 0 and self.tpot_ms >= 0 and self.e2e_s >= 0, "SLO bounds must be >= 0")
+        _check(0 < self.attainment <= 1, "attainment must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputSpec:
+    """Search of SLA goodput per deployment: bisection over request rates."""
+
+    enabled: bool = True
+    requests: int = 300
+    rate_min: float = 0.25
+    rate_max: float = 16.0
+    probes: int = 6
+
+    def __post_init__(self) -> None:
+        _check(self.requests >= 1 and self.probes >= 1, "requests and probes must be >= 1")
+        _check(0 < self.rate_min < self.rate_max, "need 0 < rate_min < rate_max")
+
+
+@dataclass(frozen=True, slots=True)
+class BathtubSpec:
+    """PDD's benefit over a baseline as the average prefix hit sweeps `hits`."""
+
+    enabled: bool = False
+    deployment: str = ""
+    baseline: str = ""
+    hits: tuple[float, ...] = (0.0, 0.25, 0.5, 0.7, 0.85, 0.95, 1.0)
+    band: float = 0.02              # follow-up hits are uniform in [hit - band, hit + band]
+    requests: int = 200
+    rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(all(0 <= h <= 1 for h in self.hits), "hits must be in [0, 1]")
+        _check(self.requests >= 1 and self.rate > 0, "requests must be >= 1 and rate > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str = "scenario"
+    seed: int = 0
+    model: str = "llama3-70b"
+    block_size: int = 64
+    # Deployment BCR and goodput are reported relative to ("" = the first).
+    baseline: str = ""
+    # Each value is one variant of the whole scenario with the "wan" link at that bandwidth.
+    wan_gbps: tuple[float, ...] = ()
+    # Engine-step and KV-frame granularity of every node.
+    kv_frame_mb: float = 64.0
+    links: tuple[ShapingConfig, ...] = ()
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    slo: SloSpec = field(default_factory=SloSpec)
+    goodput: GoodputSpec = field(default_factory=GoodputSpec)
+    bathtub: BathtubSpec = field(default_factory=BathtubSpec)
+    deployments: tuple[DeploymentSpec, ...] = ()
+    # Published numbers printed next to ours: metric name -> value.
+    published: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.deployments), "no [[deployments]]")
+        names = [d.name for d in self.deployments]
+        _check(len(set(names)) == len(names), "deployment names must be unique")
+        for ref in (self.baseline, self.bathtub.deployment, self.bathtub.baseline):
+            _check(not ref or ref in names, f"no deployment named {ref!r} (have: {', '.join(names)})")
+        _check(not self.bathtub.enabled or (self.bathtub.deployment and self.bathtub.baseline),
+               "bathtub needs deployment and baseline")
+        _check(all(g > 0 for g in self.wan_gbps), "wan_gbps must be > 0")
+        _check(self.kv_frame_mb > 0, "kv_frame_mb must be > 0")
+
+    @property
+    def baseline_name(self) -> str:
+        return self.baseline or self.deployments[0].name
+
+    def deployment(self, name: str) -> DeploymentSpec:
+        return next(d for d in self.deployments if d.name == name)
+
+    def variants(self) -> list[float | None]:
+        """The WAN bandwidths to run (None: the links as configured)."""
+        return list(self.wan_gbps) or [None]
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read scenario: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    try:
+        sc = build(Scenario, data)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    # Relative paths inside a scenario are relative to the scenario file.
+    deps = tuple(dataclasses.replace(d, config=str((p.parent / d.config).resolve())) if d.config else d
+                 for d in sc.deployments)
+    wl = sc.workload
+    if wl.kind == "trace":
+        if not wl.trace.path:
+            raise ConfigError(f"{p}: workload.trace.path: a trace workload needs a path")
+        wl = dataclasses.replace(wl, trace=dataclasses.replace(wl.trace, path=str((p.parent / wl.trace.path).resolve())))
+    return dataclasses.replace(sc, deployments=deps, workload=wl)
+
+
+def _links(sc: Scenario, wan_gbps: float | None) -> tuple[ShapingConfig, ...]:
+    if wan_gbps is None:
+        return sc.links
+    return tuple(dataclasses.replace(s, gbps=wan_gbps, trace=()) if s.name == "wan" else s for s in sc.links)
+
+
+def sim_net(links: tuple[ShapingConfig, ...], kv_frame_bytes: int) -> NetConfig:
+    """Node links of a simulated deployment: KV in large frames (fewer events), the given shaping."""
+    return NetConfig(links=links, kv_frame_bytes=kv_frame_bytes, max_frame_bytes=max(8 << 20, kv_frame_bytes),
+                     inbound_buffer_bytes=max(64 << 20, 4 * kv_frame_bytes), request_timeout_s=600.0,
+                     send_timeout_s=600.0)
+
+
+def deployment_config(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None = None) -> Config:
+    """The Config that `dep` runs as (nodes expanded from the groups, cost-model engines)."""
+    if dep.config:
+        cfg = load_config(dep.config)
+        net = cfg.net
+        if wan_gbps is not None:
+            net = dataclasses.replace(net, links=tuple(dataclasses.replace(s, gbps=wan_gbps, trace=())
+                                                       if s.name == "wan" else s for s in net.links))
+        return dataclasses.replace(cfg, net=net, log=LogConfig(level="warning"))
+    nodes = [NodeConfig("router", "router", "A")]
+    prefix = {"prefill": "p", "rld": "rld", "md": "md"}
+    counters: dict[str, int] = {}
+    for g in dep.nodes:
+        ecfg = EngineConfig(implementation="costmodel", block_size=sc.block_size, num_blocks=0,
+                            max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens,
+                            enable_prefix_caching=g.prefix_cache,
+                            costmodel=CostModelConfig(hardware=g.hardware, tensor_parallel=g.tensor_parallel))
+        for _ in range(g.count):
+            i = counters.get(g.role, 0)
+            counters[g.role] = i + 1
+            nodes.append(NodeConfig(f"{prefix[g.role]}{i}", g.role, g.cluster,
+                                    cost=g.price / g.count, engine=ecfg))
+    return Config(model=ModelConfig(profile=sc.model), engine=nodes[1].engine or EngineConfig(),
+                  net=sim_net(_links(sc, wan_gbps), int(sc.kv_frame_mb * (1 << 20))),
+                  policy=dep.policy, server=ServerConfig(request_timeout_s=3600.0),
+                  log=LogConfig(level="warning"), nodes=tuple(nodes))
+
+
+def deployment_price(sc: Scenario, dep: DeploymentSpec) -> tuple[float, int]:
+    """(USD per hour, GPUs) of a deployment."""
+    if dep.config:
+        cfg = load_config(dep.config)
+        gpus = sum(cfg.engine_for(n).costmodel.tensor_parallel for n in cfg.nodes if n.role != "router")
+        return sum(n.cost for n in cfg.nodes if n.role != "router"), gpus
+    return sum(g.price for g in dep.nodes), sum(g.gpus for g in dep.nodes)

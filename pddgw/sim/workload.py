@@ -1,0 +1,205 @@
+"""Workloads for `pddgw sim`: agentic multi-turn conversations, or a Mooncake trace.
+
+A workload is a list of `Conversation`s; each is a script of turns that a
+client plays against the router: wait for the conversation's start, send a
+turn, wait for its answer, think, send the next.
+
+Agentic conversations (`agentic`) keep a context window of about
+`context_tokens`.  Turn 0 is the shared system prompt (`shared_prefix_tokens`,
+the same for every conversation: tool definitions) followed by the
+conversation's own fresh material.  Turn k keeps the first
+`hit_k * context` tokens of what the model saw and said in turn k-1 (its
+prompt, then its answer) and appends fresh tokens (a tool result, a file, a
+user message) up to the context length.  A cache that holds turn k-1 (MD
+keeps prompt and answer) therefore hits exactly `hit_k` of turn k's prompt;
+P, which never saw the answer, hits at most the previous prompt.  `hit_k` is
+drawn per turn from `hit_buckets`: (weight, low, high) bands, uniform within
+a band.  The paper's traffic (average hit ~90 %, 70-80 % of requests above
+95 %) is a heavy band at [0.95, 1) and a lighter one below it; the bathtub
+sweep uses one narrow band per point.
+
+Mooncake traces (`load_trace`): each request is a conversation of one turn
+at its timestamp.  Each hash id names a 512-token block of the prompt; every
+id maps to a fixed block of token ids (equal ids share a prefix), truncated
+to the request's input length.
+
+Arrivals: conversations start as a Poisson process, or a gamma process with
+coefficient of variation `gamma_cv` (bursty when > 1), at `rate /
+mean turns` conversations per second, so that requests arrive at about
+`rate` per second once conversations overlap.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+TRACE_BLOCK_TOKENS = 512
+# Token ids drawn for prompts: clear of the byte range and of special ids.
+_TOKEN_LOW, _TOKEN_HIGH = 1000, 30000
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request of a conversation.
+
+    hit       share of `context` kept from the previous turn (prompt + answer)
+    think_s   pause between the previous answer and this request
+    prompt    explicit prompt (trace replay); empty = built from the rules above
+    """
+
+    context: int
+    max_tokens: int
+    hit: float = 0.0
+    think_s: float = 0.0
+    prompt: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    cid: int
+    start_s: float
+    seed: int
+    turns: tuple[Turn, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AgenticSpec:
+    """Parameters of `agentic` (scenario `[workload]`, see the module docstring)."""
+
+    requests: int = 1000
+    rate: float = 5.0                     # requests per second (aggregate)
+    arrival: str = "poisson"              # "poisson" | "gamma"
+    gamma_cv: float = 2.0
+    context_tokens: int = 65536
+    output_tokens: int = 1024
+    shared_prefix_tokens: int = 8192
+    turns_min: int = 8
+    turns_max: int = 16
+    think_s_min: float = 1.0
+    think_s_max: float = 10.0
+    # (weight, low, high): a follow-up turn keeps a share in [low, high).
+    hit_buckets: tuple[tuple[float, float, float], ...] = ((0.78, 0.95, 1.0), (0.22, 0.75, 0.95))
+
+    def __post_init__(self) -> None:
+        if self.requests < 1 or self.rate <= 0:
+            raise ValueError("requests must be >= 1 and rate > 0")
+        if self.arrival not in ("poisson", "gamma"):
+            raise ValueError(f"arrival {self.arrival!r} is not 'poisson' or 'gamma'")
+        if self.gamma_cv <= 0:
+            raise ValueError("gamma_cv must be > 0")
+        if self.context_tokens < 1 or self.output_tokens < 1:
+            raise ValueError("context_tokens and output_tokens must be >= 1")
+        if not 0 <= self.shared_prefix_tokens <= self.context_tokens:
+            raise ValueError("shared_prefix_tokens must be in [0, context_tokens]")
+        if not 1 <= self.turns_min <= self.turns_max:
+            raise ValueError("need 1 <= turns_min <= turns_max")
+        if not 0 <= self.think_s_min <= self.think_s_max:
+            raise ValueError("need 0 <= think_s_min <= think_s_max")
+        if not self.hit_buckets:
+            raise ValueError("hit_buckets must not be empty")
+        for i, b in enumerate(self.hit_buckets):
+            if len(b) != 3 or b[0] <= 0 or not 0 <= b[1] <= b[2] <= 1:
+                raise ValueError(f"hit_buckets[{i}] must be [weight > 0, low, high] with 0 <= low <= high <= 1")
+
+    @property
+    def mean_turns(self) -> float:
+        return (self.turns_min + self.turns_max) / 2
+
+
+def _gaps(rng: random.Random, n: int, rate: float, arrival: str, cv: float) -> list[float]:
+    """n inter-arrival gaps of mean 1/rate (exponential, or gamma with coefficient of variation cv)."""
+    if arrival == "poisson":
+        return [rng.expovariate(rate) for _ in range(n)]
+    shape = 1.0 / (cv * cv)
+    return [rng.gammavariate(shape, 1.0 / (rate * shape)) for _ in range(n)]
+
+
+def agentic(spec: AgenticSpec, seed: int) -> list[Conversation]:
+    """Conversations whose turns add up to `spec.requests` requests."""
+    rng = random.Random(seed)
+    weights = [b[0] for b in spec.hit_buckets]
+    convs: list[Conversation] = []
+    left = spec.requests
+    t = 0.0
+    conv_rate = spec.rate / spec.mean_turns
+    while left > 0:
+        n = min(left, rng.randint(spec.turns_min, spec.turns_max))
+        turns = []
+        for k in range(n):
+            hit = 0.0
+            if k:
+                _, lo, hi = rng.choices(spec.hit_buckets, weights)[0]
+                hit = rng.uniform(lo, hi)
+            think = rng.uniform(spec.think_s_min, spec.think_s_max) if k else 0.0
+            turns.append(Turn(spec.context_tokens, spec.output_tokens, hit, think))
+        convs.append(Conversation(len(convs), t, rng.randrange(1 << 62), tuple(turns)))
+        left -= n
+        t += _gaps(rng, 1, conv_rate, spec.arrival, spec.gamma_cv)[0]
+    return convs
+
+
+class PromptBuilder:
+    """Token ids of each turn of one conversation (see the module docstring)."""
+
+    def __init__(self, conv: Conversation, shared_prefix: tuple[int, ...]):
+        self.conv = conv
+        self.shared = shared_prefix
+        self._rng = np.random.default_rng(conv.seed)
+        self._seen: list[int] = []          # the previous turn's prompt + answer
+
+    def _fresh(self, n: int) -> list[int]:
+        return self._rng.integers(_TOKEN_LOW, _TOKEN_HIGH, size=max(0, n)).tolist() if n > 0 else []
+
+    def prompt(self, k: int) -> tuple[int, ...]:
+        turn = self.conv.turns[k]
+        if turn.prompt:
+            return turn.prompt
+        if k == 0:
+            head = list(self.shared[: turn.context])
+        else:
+            head = self._seen[: math.floor(turn.hit * turn.context)]
+        return tuple(head + self._fresh(turn.context - len(head)))
+
+    def answered(self, prompt: tuple[int, ...], output: tuple[int, ...]) -> None:
+        self._seen = [*prompt, *output]
+
+
+def shared_prefix(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(np.random.default_rng([seed, 7]).integers(_TOKEN_LOW, _TOKEN_HIGH, size=n).tolist())
+
+
+def load_trace(path: str | Path, limit: int = 0, *, output_cap: int = 0, speed: float = 1.0,
+               seed: int = 0) -> list[Conversation]:
+    """A Mooncake-format trace -> one-turn conversations at its timestamps (divided by `speed`).
+
+    Each hash id becomes a fixed block of 512 token ids drawn from (seed, id),
+    so equal ids at the start of two prompts are a shared prefix.
+    """
+    blocks: dict[int, list[int]] = {}
+    convs: list[Conversation] = []
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit and len(convs) >= limit:
+                break
+            try:
+                r = orjson.loads(line)
+                ts, n_in, n_out, ids = r["timestamp"], r["input_length"], r["output_length"], r["hash_ids"]
+            except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({e})") from None
+            prompt: list[int] = []
+            for h in ids:
+                if h not in blocks:
+                    blocks[h] = np.random.default_rng([seed, h]).integers(
+                        _TOKEN_LOW, _TOKEN_HIGH, size=TRACE_BLOCK_TOKENS).tolist()
+                prompt += blocks[h]
+            prompt = prompt[: max(1, n_in)]
+            out = max(1, min(n_out, output_cap) if output_cap else n_out)
+            convs.append(Conversation(len(convs), ts / 1000.0 / speed, lineno,
+                                      (Turn(len(prompt), out, prompt=tuple(prompt)),)))
+    return convs
