@@ -1,0 +1,1 @@
+"""Cluster-scale simulation: cost-model profiles, virtual-clock runs, scenarios and reports."""
