@@ -34,6 +34,9 @@ from pddgw.config import ShapingConfig
 log = structlog.get_logger("pddgw.net")
 
 _NEVER = 1e9  # seconds; a schedule that never completes (bandwidth 0 forever)
+# Waits shorter than this are not slept: no event-loop timer resolves them, and a
+# small frame on a fast fabric would otherwise cost a timer per frame for nothing.
+_MIN_SLEEP_S = 1e-6
 
 
 class Shaper:
@@ -132,7 +135,7 @@ class ShapedPipe:
         """Book `item` and wait until it has left the emulated NIC."""
         done = self.put_nowait(item, nbytes)
         delay = done - self._loop.time()
-        if delay > 0:
+        if delay >= _MIN_SLEEP_S:
             await asyncio.sleep(delay)
 
     async def _run(self) -> None:
@@ -143,7 +146,7 @@ class ShapedPipe:
                 await self._wake.wait()
             arrival, item = self._queue[0]
             delay = arrival - loop.time()
-            if delay > 0:
+            if delay >= _MIN_SLEEP_S:
                 await asyncio.sleep(delay)
             self._queue.popleft()
             try:

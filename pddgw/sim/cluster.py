@@ -14,6 +14,7 @@ takes virtual time, so a cluster of tens of GPUs runs in seconds.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from array import array
 from collections.abc import Callable
@@ -51,6 +52,7 @@ class RequestResult:
     md_tokens: int = 0
     md_cached_tokens: int = 0         # MD's prefix hit
     error: str | None = None
+    output_digest: str = ""           # of the output token ids (same-output checks without keeping them)
     # Gap before each output token after the first (inter-token latency).
     itl_s: array = field(default_factory=lambda: array("d"))
 
@@ -69,6 +71,10 @@ class RunResult:
     md_alignments: int
     leaked_blocks: int                # KV blocks still in use on any node at the end (must be 0)
     leaked_pins: int
+
+
+def token_digest(token_ids: list[int] | tuple[int, ...]) -> str:
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=12).hexdigest()
 
 
 async def _one(router: Router, rid: str, prompt: tuple[int, ...], turn: Turn, seed: int,
@@ -98,6 +104,7 @@ async def _one(router: Router, rid: str, prompt: tuple[int, ...], turn: Turn, se
         res.output_tokens = len(out)
         return tuple(out)
     rec = outcome.record
+    res.output_digest = token_digest(out)
     res.e2e_s = loop.time() - t0
     res.output_tokens = len(out)
     if res.ttft_s is not None and len(out) > 1:

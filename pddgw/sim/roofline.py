@@ -44,6 +44,8 @@ does no work and costs nothing, overhead included.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -78,6 +80,14 @@ class StepCost:
 _IDLE = StepCost(seconds=0.0, flops=0.0, bytes=0.0, compute_s=0.0, memory_s=0.0, comm_s=0.0, bound="memory")
 
 
+@functools.lru_cache(maxsize=64)
+def _per_model(model: ModelProfile) -> tuple[float, float, int]:
+    """(linear FLOPs per token, weight bytes, attention FLOPs per (token, context token)):
+    profile properties recomputed per step would cost more than the step's arithmetic."""
+    return (2.0 * model.active_params_per_token, float(model.weight_bytes),
+            4 * model.num_layers * model.num_heads * model.head_dim)
+
+
 def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int, batch: Sequence[SeqWork]) -> StepCost:
     """The modeled duration of one forward step of `batch` on `tp` GPUs of `hw` (formulas: module doc)."""
     if tp < 1:
@@ -86,11 +96,11 @@ def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int, batch: Sequence
     if not work:
         return _IDLE
     new = sum(w.new_tokens for w in work)
-    attn_per_token_ctx = 4 * model.num_layers * model.num_heads * model.head_dim
-    flops = (2.0 * model.active_params_per_token * new
+    linear_per_token, weight_bytes, attn_per_token_ctx = _per_model(model)
+    flops = (linear_per_token * new
              + sum(attn_per_token_ctx * w.new_tokens * (w.context_tokens + (w.new_tokens + 1) / 2) for w in work))
     kv_tokens = sum(w.context_tokens + w.new_tokens for w in work)
-    nbytes = float(model.weight_bytes + kv_tokens * model.kv_bytes_per_token)
+    nbytes = weight_bytes + kv_tokens * model.kv_bytes_per_token
 
     compute_s = flops / tp / (hw.peak_tflops_bf16 * 1e12 * hw.compute_efficiency)
     memory_s = nbytes / tp / (hw.hbm_tb_s * 1e12 * hw.bandwidth_efficiency)

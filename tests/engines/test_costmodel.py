@@ -1,0 +1,155 @@
+"""The cost-model engine: the real bookkeeping, the roofline's time, position-keyed tokens, virtual KV."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pddgw.config import Config, ConfigError, CostModelConfig, EngineConfig, ModelConfig
+from pddgw.engines.async_engine import AsyncEngine
+from pddgw.engines.base import create_engine
+from pddgw.engines.costmodel import CostModelEngine
+from pddgw.engines.sampler import position_uniform
+from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams
+from pddgw.sim import profiles
+from pddgw.sim.clock import run_virtual
+from pddgw.sim.roofline import SeqWork, max_kv_tokens, step_cost
+
+L70 = profiles.model("llama3.1-70b")
+H100 = profiles.hardware("H100-SXM")
+
+
+def engine(num_blocks: int = 64, tp: int = 8, **kw) -> CostModelEngine:
+    cfg = EngineConfig(implementation="costmodel", block_size=16, num_blocks=num_blocks, max_num_batched_tokens=64,
+                       max_num_seqs=8, costmodel=CostModelConfig(hardware="H100-SXM", tensor_parallel=tp), **kw)
+    return CostModelEngine(L70, H100, cfg)
+
+
+def expected_tokens(seed: int, n: int) -> list[int]:
+    """Uniform over the vocabulary without EOS (128001 for Llama-3.1), from (seed, position) alone."""
+    out = []
+    for i in range(n):
+        k = int(position_uniform(seed, i) * (128256 - 1))
+        out.append(k + 1 if k >= 128001 else k)
+    return out
+
+
+def test_step_times_are_the_roofline_of_each_scheduled_batch():
+    eng = engine()
+    eng.add_request(EngineRequest("a", tuple(range(1000, 1100)), SamplingParams(max_tokens=3, seed=5)))
+    seen = []
+    while eng.has_work():
+        outs = eng.step()
+        seen.append((eng.step_seconds(), [(o.request_id, o.new_token_ids) for o in outs]))
+    # 100 prompt tokens at a budget of 64: a 64-token chunk, then 36 on top of them (sampling the
+    # first token), then two decodes at contexts 100 and 101.
+    batches = [[SeqWork(64, 0)], [SeqWork(36, 64)], [SeqWork(1, 100)], [SeqWork(1, 101)]]
+    assert [s for s, _ in seen] == [step_cost(L70, H100, 8, b).seconds for b in batches]
+    toks = expected_tokens(5, 3)
+    # The first chunk reports progress (P streams KV as it grows), no token.
+    assert [o for _, o in seen] == [[("a", ())], [("a", (toks[0],))], [("a", (toks[1],))], [("a", (toks[2],))]]
+    assert eng.busy_s == pytest.approx(sum(s for s, _ in seen), rel=1e-12)
+    # Idle steps take no time.
+    assert eng.step() == [] and eng.step_seconds() == 0.0
+    eng.check_integrity()
+
+
+def test_batched_decodes_share_one_step():
+    eng = engine()
+    for i, n in enumerate((16, 40)):
+        eng.add_request(EngineRequest(f"r{i}", tuple(range(2000, 2000 + n)), SamplingParams(max_tokens=2, seed=i)))
+    eng.step()                                          # both prompts in one 56-token step
+    assert eng.step_seconds() == step_cost(L70, H100, 8, [SeqWork(16, 0), SeqWork(40, 0)]).seconds
+    eng.step()
+    assert eng.step_seconds() == step_cost(L70, H100, 8, [SeqWork(1, 16), SeqWork(1, 40)]).seconds
+
+
+def test_tokens_depend_on_seed_and_position_only_and_never_end_early():
+    a, b = engine(), engine()
+    a.add_request(EngineRequest("x", tuple(range(5000, 5030)), SamplingParams(max_tokens=40, seed=9)))
+    b.add_request(EngineRequest("y", tuple(range(7000, 7070)), SamplingParams(max_tokens=40, seed=9, temperature=1.0)))
+    outs: dict[str, list[int]] = {"x": [], "y": []}
+    for e in (a, b):
+        while e.has_work():
+            for o in e.step():
+                outs[o.request_id] += o.new_token_ids
+    assert outs["x"] == outs["y"] == expected_tokens(9, 40)
+    assert 128001 not in outs["x"]
+    assert engine().token_at(9, 3) == expected_tokens(9, 4)[3]
+
+
+def test_kv_is_virtual_its_size_real_and_imports_fill_the_cached_gap():
+    p, md = engine(), engine()
+    prompt = tuple(range(3000, 3040))
+    p.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=1), retain_kv=True))
+    while p.has_work():
+        p.step()
+    chunk = p.export_kv("r", 0, 40)
+    assert chunk.virtual and len(chunk.data) == 0 and chunk.payload_nbytes == 0
+    assert chunk.expected_nbytes() == 40 * L70.kv_bytes_per_token == 40 * 327680
+    md.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=4), kv_source="import", hold=True))
+    with pytest.raises(RequestError, match="KV of prompt token 0 never arrived"):
+        md.finish_import("r")
+    md.import_kv(chunk)
+    md.finish_import("r")
+    md.check_integrity()
+    assert md.stats().used_blocks == 3
+
+
+def test_a_real_kv_pool_refuses_virtual_chunks(tiny64):
+    from tests.engines.conftest import make_engine
+
+    eng = make_engine(tiny64)
+    eng.add_request(EngineRequest("r", tuple(range(40)), SamplingParams(max_tokens=2), kv_source="import", hold=True))
+    spec = tiny64.spec
+    virtual = KVChunk("r", 0, 16, 0, spec.num_layers, spec.num_kv_heads, spec.head_dim, "float64",
+                      memoryview(b""), virtual=True)
+    with pytest.raises(RequestError, match="virtual KV chunk"):
+        eng.import_kv(virtual)
+
+
+def test_pool_size_comes_from_gpu_memory():
+    eng = engine(num_blocks=0)
+    # 8 x 80 GB x 0.9 minus 141 GB of weights, in 16-token blocks of 320 KiB per token.
+    assert eng.blocks.num_blocks == max_kv_tokens(L70, H100, 8, 0.9) // 16
+    with pytest.raises(ConfigError, match="engine.costmodel"):
+        engine(num_blocks=0, tp=1)                      # 141 GB of weights on one 80 GB GPU
+
+
+def test_config_errors_name_the_key():
+    base = Config(model=ModelConfig(profile="llama3.1-70b"),
+                  engine=EngineConfig(implementation="costmodel", num_blocks=0,
+                                      costmodel=CostModelConfig(tensor_parallel=8)))
+    eng, tok = create_engine(base)
+    assert isinstance(eng, CostModelEngine) and eng.kv_layout.dtype == "bfloat16" and tok.vocab_size == 128256
+    with pytest.raises(ConfigError, match="model.profile: unknown model profile 'gpt-5'"):
+        create_engine(Config(model=ModelConfig(profile="gpt-5"), engine=base.engine))
+    with pytest.raises(ConfigError, match="model.profile: the cost-model engine needs a model shape"):
+        create_engine(Config(engine=base.engine))
+    with pytest.raises(ConfigError, match="engine.costmodel.hardware: unknown hardware profile 'TPU'"):
+        create_engine(Config(model=base.model, engine=EngineConfig(
+            implementation="costmodel", costmodel=CostModelConfig(hardware="TPU"))))
+    with pytest.raises(ConfigError, match="has no weights"):
+        create_engine(Config(model=base.model))        # the torch engine cannot run a profile
+
+
+def test_async_driver_waits_each_step_on_the_loop_clock():
+    eng = engine()
+
+    async def main() -> tuple[float, list[int]]:
+        aeng = AsyncEngine(eng, "cm")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        toks = []
+        async for out in aeng.generate(EngineRequest("a", tuple(range(1000, 1100)), SamplingParams(max_tokens=3))):
+            toks += out.new_token_ids
+        took = loop.time() - t0
+        await aeng.stop()
+        return took, toks
+
+    took, toks = run_virtual(main())
+    batches = [[SeqWork(64, 0)], [SeqWork(36, 64)], [SeqWork(1, 100)], [SeqWork(1, 101)]]
+    # Virtual time advances by exactly the modeled steps (microsecond clock resolution).
+    assert took == pytest.approx(sum(step_cost(L70, H100, 8, b).seconds for b in batches), abs=4e-6)
+    assert toks == expected_tokens(0, 3)

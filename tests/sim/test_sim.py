@@ -1,0 +1,199 @@
+"""`pddgw sim`: the virtual clock, determinism, the same tokens on every path, goodput, scenarios."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from pddgw.config import ConfigError, NetConfig, PolicyConfig, ShapingConfig
+from pddgw.engines.costmodel import CostModelEngine
+from pddgw.net import messages as m
+from pddgw.net.inproc import InProcNetwork, wire_size
+from pddgw.sim import report
+from pddgw.sim.clock import run_virtual
+from pddgw.sim.cluster import run_deployment, token_digest
+from pddgw.sim.run import Job, run_job, simulate
+from pddgw.sim.scenario import deployment_config, deployment_price, load_scenario
+from pddgw.sim.workload import agentic, load_trace, shared_prefix
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+TINY = HERE / "tiny.toml"
+
+
+def test_a_ten_second_shaped_transfer_takes_ten_virtual_seconds_and_no_wall_time():
+    shape = ShapingConfig(name="wan", gbps=0.008, latency_ms=20.0)       # 8 Mbit/s, 20 ms one way
+    span = m.KvSpan("r", 0, 1, 0, 1000, "bfloat16", (1, 2, 1000, 5, 500), virtual=True)   # 10 MB of KV
+    chunk = m.KvChunk(span, b"", last=True)
+
+    async def main() -> float:
+        net = InProcNetwork(NetConfig(links=(shape,)))
+        got: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+
+        async def handler(link, msg):
+            got.set_result(asyncio.get_running_loop().time())
+
+        net.listen("b", handler)
+        link = await net.connect("a", "b", shaping="wan")
+        t0 = asyncio.get_running_loop().time()
+        await link.send(chunk)
+        arrived = await got - t0
+        await net.close()
+        return arrived
+
+    wall0 = time.perf_counter()
+    arrived = run_virtual(main())
+    wall = time.perf_counter() - wall0
+    assert span.nbytes == 10_000_000
+    # Serialization of every wire byte at 8 Mbit/s, then the one-way latency (1 us clock).
+    assert arrived == pytest.approx(wire_size(chunk) * 8 / 8e6 + 0.020, abs=2e-6)
+    assert 10.0 < arrived < 10.03
+    assert wall < 2.0
+
+
+def test_links_sharing_a_wan_wire_queue_behind_each_other():
+    shape = ShapingConfig(name="wan", gbps=0.008, shared=True)
+    span = m.KvSpan("r", 0, 1, 0, 100, "bfloat16", (1, 2, 100, 5, 500), virtual=True)   # 1 MB
+
+    async def main() -> list[float]:
+        net = InProcNetwork(NetConfig(links=(shape,)))
+        times: list[float] = []
+
+        async def handler(link, msg):
+            times.append(round(asyncio.get_running_loop().time(), 3))
+
+        net.listen("b1", handler)
+        net.listen("b2", handler)
+        l1 = await net.connect("a1", "b1", shaping="wan", groups=("A", "B"))
+        l2 = await net.connect("a2", "b2", shaping="wan", groups=("A", "B"))
+        await asyncio.gather(l1.send(m.KvChunk(span, b"")), l2.send(m.KvChunk(span, b"")))
+        while len(times) < 2:
+            await asyncio.sleep(0.1)
+        util = net.shapers[("wan", "A", "B")].bytes_booked
+        await net.close()
+        return [*times, util]
+
+    t1, t2, booked = run_virtual(main())
+    assert (t1, t2) == (1.0, 2.0)       # one 8 Mbit/s wire: the second MB waits for the first
+    # The two chunks, and a few heartbeat frames.
+    assert 0 <= booked - 2 * wire_size(m.KvChunk(span, b"")) < 1000
+
+
+def test_same_scenario_and_seed_give_identical_json_across_processes(tmp_path):
+    outs = []
+    for hashseed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hashseed}
+        proc = subprocess.run([sys.executable, "-m", "pddgw.cli", "sim", "--scenario", str(TINY), "--json",
+                               "--jobs", "1"], capture_output=True, env=env, cwd=ROOT, timeout=240)
+        assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+        outs.append(proc.stdout)
+        assert b"requests per wall-clock second" in proc.stderr
+    assert outs[0] == outs[1]
+    rep = orjson.loads(outs[0])
+    deps = rep["variants"][0]["deployments"]
+    assert set(deps) == {"same-dc", "pdd"}
+    for d in deps.values():
+        assert d["requests"] == 12 and d["failed"] == 0
+        assert d["leaked_blocks"] == 0 and d["leaked_pins"] == 0
+        assert d["output_tokens"] == 12 * 24
+    assert deps["same-dc"]["pipeline_share"] == {"P-MD": 1.0} and deps["same-dc"]["wan_kv_gb"] == 0.0
+    assert deps["pdd"]["cost_vs_baseline"] == pytest.approx((2 * 3.00 + 3.75) / (2 * 3.00), abs=1e-4)
+
+
+@pytest.mark.parametrize("pipeline,handoff", [("P-MD", "auto"), ("P-RLD-MD", "one-shot"),
+                                              ("P-RLD-MD", "catch-up"), ("P-RLD", "auto")])
+def test_every_path_gives_the_same_tokens(pipeline, handoff):
+    sc = load_scenario(TINY)
+    dep = dataclasses.replace(sc.deployment("pdd"), policy=PolicyConfig(
+        pipeline=pipeline, handoff_mode=handoff, catchup_threshold=4, catchup_threshold_md_loaded=2,
+        catchup_max_chunk=8))
+    # A 100 Gbps WAN: MD has the prompt KV (~270 MB) while RLD is still decoding, so handoffs happen.
+    cfg = deployment_config(sc, dep, wan_gbps=100.0)
+    convs = agentic(sc.workload.agentic, sc.seed)
+    run = run_virtual(run_deployment(cfg, convs, shared_prefix(512, sc.seed)))
+    model = CostModelEngine.from_config(cfg, cfg.engine_for(cfg.nodes[1]))[0]
+    assert len(run.requests) == 12
+    for r in run.requests:
+        seed = convs[r.conversation].seed + r.turn
+        assert r.error is None and r.pipeline == pipeline
+        assert r.output_digest == token_digest([model.token_at(seed, i) for i in range(24)])
+        if pipeline == "P-RLD-MD":
+            assert r.rld_tokens + r.md_tokens == 24
+    assert run.leaked_blocks == 0 and run.leaked_pins == 0
+    if pipeline == "P-RLD-MD":
+        assert any(r.handoff_mode == handoff for r in run.requests)
+
+
+def test_goodput_bisection_finds_the_highest_passing_rate():
+    probed = []
+
+    def probe(rate: float) -> float:
+        probed.append(rate)
+        return 1.0 if rate <= 3.0 else 0.5
+
+    goodput, points = report.sla_goodput(probe, 0.9, 1.0, 16.0, 6)
+    # lo=1 passes, hi=16 fails, then 4 geometric bisections: 4 (fail), 2 (pass), 2.83 (pass), 3.36 (fail).
+    assert [round(r, 4) for r in probed] == [1.0, 16.0, 4.0, 2.0, 2.8284, 3.3636]
+    assert round(goodput, 4) == 2.8284 and len(points) == 6
+    assert report.sla_goodput(lambda r: 0.0, 0.9, 1.0, 16.0, 6) == (0.0, [(1.0, 0.0)])
+    assert report.bcr(11.5, 95.5, 9.0, 100.0) == pytest.approx((11.5 / 95.5) / (9.0 / 100.0))
+
+
+def test_nearest_rank_percentiles():
+    xs = [float(i) for i in range(1, 101)]
+    assert (report.percentile(xs, 50), report.percentile(xs, 90), report.percentile(xs, 99)) == (50.0, 90.0, 99.0)
+    assert report.percentile([], 50) is None
+
+
+def test_agentic_prompts_keep_the_drawn_share_of_the_previous_turn():
+    sc = load_scenario(TINY)
+    from pddgw.sim.workload import PromptBuilder
+
+    conv = agentic(sc.workload.agentic, 1)[0]
+    pb = PromptBuilder(conv, shared_prefix(512, 1))
+    p0 = pb.prompt(0)
+    assert len(p0) == 2048 and p0[:512] == shared_prefix(512, 1)
+    answer = tuple(range(40000, 40024))
+    pb.answered(p0, answer)
+    p1 = pb.prompt(1)
+    keep = int(conv.turns[1].hit * 2048)
+    assert len(p1) == 2048 and p1[:keep] == (p0 + answer)[:keep] and p1[keep] != (p0 + answer)[keep]
+
+
+def test_mooncake_trace_blocks_share_prefixes():
+    trace = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+    if not trace.exists():
+        pytest.skip("shared/traces is not beside this checkout")
+    convs = load_trace(trace, 3)
+    assert [c.start_s for c in convs] == [0.0, 0.0, 0.04]
+    assert [len(c.turns[0].prompt) for c in convs] == [40160, 36640, 23769]
+    assert [c.turns[0].max_tokens for c in convs] == [6, 4, 3]
+
+
+def test_scenario_errors_name_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TINY.read_text().replace("rate = 2.0", "rate = 2.0\nbogus = 1"))
+    with pytest.raises(ConfigError, match=r"bad.toml: workload.agentic.bogus: unknown key"):
+        load_scenario(bad)
+    bad.write_text(TINY.read_text().replace('hardware = "H200-SXM"', 'hardware = "B300"'))
+    with pytest.raises(ConfigError, match=r"deployments\[1\].nodes\[2\].*hardware 'B300'"):
+        load_scenario(bad)
+
+
+def test_the_paper_scenario_prices_pdd_below_same_dc_pd():
+    sc = load_scenario(ROOT / "scenarios" / "paper.toml")
+    same, same_gpus = deployment_price(sc, sc.deployment("same-dc-pd"))
+    pdd, pdd_gpus = deployment_price(sc, sc.deployment("pdd"))
+    assert (same_gpus, pdd_gpus) == (88, 76)
+    assert 0.929 <= pdd / same <= 0.965          # the paper: 3.5-7.1 % cheaper
+    cfg = deployment_config(sc, sc.deployment("pdd"), 100.0)
+    assert [n.role for n in cfg.nodes].count("md") == 4
+    assert next(s for s in cfg.net.links if s.name == "wan").gbps == 100.0
