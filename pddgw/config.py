@@ -132,6 +132,13 @@ class PolicyConfig:
     # behind P's (the oscillating pipeline).
     singular_max_share: float = 0.05
     singular_burst: float = 2.0
+    # Prefix affinity: with several P or MD instances, ask each (in parallel, one
+    # round trip) which of the prompt's blocks it caches and take the longest
+    # hit among those below `affinity_max_load` (ties: the least loaded), so a
+    # conversation's next turn finds its KV where the last turn left it.
+    # false = the least-loaded instance, whatever it caches.
+    prefix_affinity: bool = True
+    affinity_max_load: float = 0.9
     # Handoff mode: "auto" = by load (loaded RLD -> one-shot, loaded MD -> catch-up).
     handoff_mode: Literal["auto", "one-shot", "catch-up"] = "auto"
     # Loads at or above which a role counts as loaded for the handoff choice.
@@ -161,6 +168,7 @@ class PolicyConfig:
         _check(self.p_md_max_transfer_ms >= 0, "p_md_max_transfer_ms must be >= 0")
         _check(self.md_busy_load > 0, "md_busy_load must be > 0")
         _check(self.rld_max_load > 0, "rld_max_load must be > 0")
+        _check(self.affinity_max_load > 0, "affinity_max_load must be > 0")
         _check(self.singular_min_uncached_tokens >= 1, "singular_min_uncached_tokens must be >= 1")
         _check(self.singular_max_output_tokens >= 0, "singular_max_output_tokens must be >= 0")
         _check(0.0 <= self.singular_max_share <= 1.0, "singular_max_share must be in [0, 1]")

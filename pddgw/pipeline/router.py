@@ -126,6 +126,13 @@ class _Flight:
     # Per-request overrides of the policy (None = decide).
     force_pipeline: str | None = None
     force_handoff: str | None = None
+    # The prompt's chained block hashes, per block size.
+    hashes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def block_hashes(self, block_size: int) -> tuple[int, ...]:
+        if block_size not in self.hashes:
+            self.hashes[block_size] = tuple(chain_hashes(self.prompt, block_size))
+        return self.hashes[block_size]
 
 
 class _NodeLost(Exception):
@@ -222,6 +229,51 @@ class Router:
             fl.involved[node.name] = None
             node.inflight += 1
 
+    async def _ask_prefix(self, node: NodeHandle, fl: _Flight) -> int | None:
+        """Blocks of the prompt `node` caches (now pinned for this request); None if unreachable."""
+        try:
+            ans = await node.link.request(m.PrefixQuery(fl.rid, fl.block_hashes(node.block_size)),
+                                          timeout=self.control_timeout)
+        except LinkError as e:
+            log.warning("prefix_query_failed", request_id=fl.rid, node=node.name, error=str(e))
+            fl.excluded.add(node.name)
+            return None
+        return ans.held if isinstance(ans, m.PrefixAnswer) else 0
+
+    async def _pick_cached(self, role: str, fl: _Flight, need_hit: bool) -> tuple[NodeHandle | None, int]:
+        """The instance of `role` for this request, and the prompt blocks it caches (pinned).
+
+        With `policy.prefix_affinity` and several candidates, each is asked
+        (in parallel) and the longest hit wins among those below
+        `affinity_max_load` (ties: least loaded, then name); the others'
+        pins are released at once.  Otherwise the least-loaded instance,
+        asked only when `need_hit` (MD: the policy weighs its hit).
+        """
+        pol = self.cfg.policy
+        cands = [n for n in self.nodes.values() if n.role == role and n.healthy and n.name not in fl.excluded]
+        if not (pol.prefix_affinity and len(cands) > 1):
+            node = self._pick(role, fl)
+            if node is None:
+                return None, 0
+            self._involve(fl, node)        # counted at once: concurrent picks spread out
+            if not need_hit:
+                return node, 0
+            held = await self._ask_prefix(node, fl)
+            return (None, 0) if held is None else (node, held)
+        for n in cands:
+            self._involve(fl, n)           # each now holds a pin: released by _release if we fail here
+        answers = await asyncio.gather(*(self._ask_prefix(n, fl) for n in cands))
+        asked = [(n, h) for n, h in zip(cands, answers) if h is not None]
+        roomy = [a for a in asked if a[0].report().load < pol.affinity_max_load] or asked
+        choice = min(roomy, key=lambda a: (-a[1] * a[0].block_size, a[0].report().load, a[0].name),
+                     default=None)
+        for n in cands:
+            if choice is None or n is not choice[0]:
+                await self._cancel_on(n, fl.rid)     # frees its pin
+                del fl.involved[n.name]
+                n.inflight -= 1
+        return choice if choice is not None else (None, 0)
+
     async def _drive(self, fl: _Flight) -> None:
         for attempt in range(MAX_ATTEMPTS):
             try:
@@ -247,23 +299,14 @@ class Router:
 
     async def _pdd(self, fl: _Flight) -> None:
         rid, prompt = fl.rid, fl.prompt
-        p = self._pick("prefill", fl)
+        # P and MD are chosen in parallel: one round trip for both prefix queries.
+        (p, _), (md, held) = await asyncio.gather(self._pick_cached("prefill", fl, need_hit=False),
+                                                  self._pick_cached("md", fl, need_hit=True))
         if p is None:
             raise RouterError("no healthy prefill node", "unavailable")
-        md, rld = self._pick("md", fl), self._pick("rld", fl)
-        for node in (p, md, rld):
-            if node is not None:
-                self._involve(fl, node)    # counted at once: concurrent picks spread out
-        held = 0
-        if md is not None:
-            hashes = chain_hashes(prompt, md.block_size)
-            try:
-                ans = await md.link.request(m.PrefixQuery(rid, tuple(hashes)), timeout=self.control_timeout)
-                held = ans.held if isinstance(ans, m.PrefixAnswer) else 0
-            except LinkError as e:
-                log.warning("md_unreachable", request_id=rid, node=md.name, error=str(e))
-                fl.excluded.add(md.name)
-                md = None
+        rld = self._pick("rld", fl)
+        if rld is not None:
+            self._involve(fl, rld)
         # Without an MD nothing is held: any block size gives the same missing bytes.
         md_bs = md.block_size if md else p.block_size
         missing = len(prompt) - held * md_bs

@@ -197,6 +197,8 @@ async def test_refusing_prefill_is_retried_on_another(deploy):
     from pddgw.config import NodeConfig
 
     base = make_cfg(pipeline="P-MD")
+    # Least-loaded choice (no prefix affinity): with both idle, p0 is tried first.
+    base = replace(base, policy=replace(base.policy, prefix_affinity=False))
     small = replace(base.engine, num_blocks=4, max_num_batched_tokens=64, max_num_seqs=4)
     nodes = (NodeConfig("router", "router", "A"), NodeConfig("p0", "prefill", "A", engine=small),
              NodeConfig("p1", "prefill", "A"), NodeConfig("rld0", "rld", "A"), NodeConfig("md0", "md", "B"))

@@ -197,3 +197,22 @@ def test_the_paper_scenario_prices_pdd_below_same_dc_pd():
     cfg = deployment_config(sc, sc.deployment("pdd"), 100.0)
     assert [n.role for n in cfg.nodes].count("md") == 4
     assert next(s for s in cfg.net.links if s.name == "wan").gbps == 100.0
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_prefix_affinity_sends_each_turn_where_its_prefix_is_cached(affinity):
+    """Two MDs, P-MD: with affinity every follow-up turn hits exactly the blocks it kept."""
+    sc = load_scenario(TINY)
+    dep = sc.deployment("pdd")
+    nodes = tuple(dataclasses.replace(g, count=2) if g.role == "md" else g for g in dep.nodes)
+    dep = dataclasses.replace(dep, nodes=nodes, policy=PolicyConfig(pipeline="P-MD", prefix_affinity=affinity))
+    cfg = deployment_config(sc, dep, wan_gbps=100.0)
+    convs = agentic(sc.workload.agentic, sc.seed)
+    run = run_virtual(run_deployment(cfg, convs, shared_prefix(512, sc.seed)))
+    follow = [r for r in run.requests if r.turn > 0]
+    exact = [r.md_cached_tokens == int(r.target_hit * 2048) // 16 * 16 for r in follow]
+    assert len(follow) == 8 and run.leaked_blocks == 0 and run.leaked_pins == 0
+    if affinity:
+        assert all(exact)
+    else:
+        assert not all(exact)        # least-loaded choice sends some turns to the other MD
