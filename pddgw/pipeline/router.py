@@ -72,6 +72,9 @@ class NodeHandle:
     # Requests this router has on the node now: counts at once, where polled
     # load reports lag (a burst would otherwise all go to one instance).
     inflight: int = 0
+    # Prompt tokens this router has asked the node to prefill and not yet seen done
+    # (beyond the node's prefix hits): the prefill queue a new request would wait behind.
+    prefill_backlog: int = 0
 
     @property
     def name(self) -> str:
@@ -128,6 +131,8 @@ class _Flight:
     force_handoff: str | None = None
     # The prompt's chained block hashes, per block size.
     hashes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # Prompt tokens the chosen P caches (what it need not compute).
+    p_cached_tokens: int = 0
 
     def block_hashes(self, block_size: int) -> tuple[int, ...]:
         if block_size not in self.hashes:
@@ -244,10 +249,14 @@ class Router:
         """The instance of `role` for this request, and the prompt blocks it caches (pinned).
 
         With `policy.prefix_affinity` and several candidates, each is asked
-        (in parallel) and the longest hit wins among those below
-        `affinity_max_load` (ties: least loaded, then name); the others'
-        pins are released at once.  Otherwise the least-loaded instance,
-        asked only when `need_hit` (MD: the policy weighs its hit).
+        (in parallel) and, among those below `affinity_max_load`, a P is
+        chosen by the tokens it would compute before this request's first
+        token (its prefill backlog plus the prompt past its hit: a shared
+        system prompt must not send every request to one P), an MD by the
+        longest hit (its decode batch absorbs one more sequence); ties go to
+        the least loaded, then the name.  The others' pins are released at
+        once.  Otherwise the least-loaded instance, asked only when
+        `need_hit` (MD: the policy weighs its hit).
         """
         pol = self.cfg.policy
         cands = [n for n in self.nodes.values() if n.role == role and n.healthy and n.name not in fl.excluded]
@@ -265,8 +274,14 @@ class Router:
         answers = await asyncio.gather(*(self._ask_prefix(n, fl) for n in cands))
         asked = [(n, h) for n, h in zip(cands, answers) if h is not None]
         roomy = [a for a in asked if a[0].report().load < pol.affinity_max_load] or asked
-        choice = min(roomy, key=lambda a: (-a[1] * a[0].block_size, a[0].report().load, a[0].name),
-                     default=None)
+
+        def cost(a: tuple[NodeHandle, int]) -> tuple[float, float, str]:
+            node, held = a
+            work = (node.prefill_backlog + len(fl.prompt) - held * node.block_size if role == "prefill"
+                    else -held * node.block_size)
+            return work, node.report().load, node.name
+
+        choice = min(roomy, key=cost, default=None)
         for n in cands:
             if choice is None or n is not choice[0]:
                 await self._cancel_on(n, fl.rid)     # frees its pin
@@ -300,10 +315,11 @@ class Router:
     async def _pdd(self, fl: _Flight) -> None:
         rid, prompt = fl.rid, fl.prompt
         # P and MD are chosen in parallel: one round trip for both prefix queries.
-        (p, _), (md, held) = await asyncio.gather(self._pick_cached("prefill", fl, need_hit=False),
-                                                  self._pick_cached("md", fl, need_hit=True))
+        (p, p_held), (md, held) = await asyncio.gather(self._pick_cached("prefill", fl, need_hit=False),
+                                                       self._pick_cached("md", fl, need_hit=True))
         if p is None:
             raise RouterError("no healthy prefill node", "unavailable")
+        fl.p_cached_tokens = min(len(prompt), p_held * p.block_size)
         rld = self._pick("rld", fl)
         if rld is not None:
             self._involve(fl, rld)
@@ -387,13 +403,16 @@ class Router:
                              prompt=fl.prompt, **pm.sampling_fields(fl.sampling))
             wan = sum((len(fl.prompt) - start) * self.kv_bytes_per_token for name, start in starts.items()
                       if self.nodes[name].cfg.cluster != p.cfg.cluster)
+            work = len(fl.prompt) - fl.p_cached_tokens
             self.wan_backlog += wan
+            p.prefill_backlog += work
             try:
                 events.put_nowait((p, await p.link.request(msg, timeout=self.timeout)))
             except LinkError as e:
                 events.put_nowait((p, e))
             finally:
                 self.wan_backlog -= wan
+                p.prefill_backlog -= work
 
         tasks = [asyncio.create_task(pump(n)) for n in (rld, md) if n is not None]
         tasks.append(asyncio.create_task(prefill()))

@@ -69,6 +69,9 @@ class RunResult:
     # role -> mean share of the run its engines spent in forward passes
     engine_busy: dict[str, float]
     md_alignments: int
+    redrives: int                     # requests the router restarted on another path
+    # role -> recompute preemptions (a full pool evicting a running sequence)
+    preemptions: dict[str, int]
     leaked_blocks: int                # KV blocks still in use on any node at the end (must be 0)
     leaked_pins: int
 
@@ -153,11 +156,13 @@ async def run_deployment(cfg: Config, conversations: list[Conversation], shared_
         duration = max(t_end - t0, 1e-9)
         engines = {w.name: (w.role, w.engine) for w in emb.workers.values()}
         busy: dict[str, list[float]] = {}
+        preempted: dict[str, int] = {}
         leaked = pins = 0
         for role, eng in engines.values():
             if isinstance(eng, CostModelEngine):
                 busy.setdefault(role, []).append(eng.busy_s / duration)
             st = eng.stats()
+            preempted[role] = preempted.get(role, 0) + st.preemptions
             leaked += st.used_blocks
             pins += st.pins
         util = {f"{name} {src}->{dst}": round(sh.busy_s / duration, 4)
@@ -165,6 +170,7 @@ async def run_deployment(cfg: Config, conversations: list[Conversation], shared_
         results.sort(key=lambda r: (r.arrival_s, r.rid))
         return RunResult(results, duration, drain, time.perf_counter() - wall0, emb.wan_kv_bytes(), util,
                          {r: sum(v) / len(v) for r, v in sorted(busy.items())},
-                         router.counts["md_alignments"], leaked, pins)
+                         router.counts["md_alignments"], router.counts["redrives"], dict(sorted(preempted.items())),
+                         leaked, pins)
     finally:
         await emb.stop()

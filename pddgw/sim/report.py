@@ -86,6 +86,8 @@ def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:
         "catchup_rounds": {"median": percentile([r.catchup_rounds for r in handoffs if r.handoff_mode == "catch-up"], 50),
                            "histogram": {str(k): v for k, v in sorted(rounds.items())}},
         "md_alignments": run.md_alignments,
+        "redrives": run.redrives,
+        "preemptions": run.preemptions,
         "engine_busy": {k: round(v, 4) for k, v in run.engine_busy.items()},
         "duration_s": round(run.duration_s, 3),
         "drain_s": round(run.drain_s, 3),

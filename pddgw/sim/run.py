@@ -215,7 +215,8 @@ def format_report(rep: dict[str, Any], private: dict[str, Any]) -> str:
                ("link utilisation", "link_utilisation"), ("handoffs", "handoff_modes"),
                ("handoff stall P50 (ms)", "handoff_stall_ms.p50"), ("handoff stall P99 (ms)", "handoff_stall_ms.p99"),
                ("handoff stall max (ms)", "handoff_stall_ms.max"), ("catch-up rounds (median)", "catchup_rounds.median"),
-               ("MD alignments", "md_alignments"), ("background drain (s)", "drain_s"),
+               ("MD alignments", "md_alignments"), ("re-drives", "redrives"), ("preemptions", "preemptions"),
+               ("background drain (s)", "drain_s"),
                ("engine busy", "engine_busy"), ("leaked blocks", "leaked_blocks")]
     for var in rep["variants"]:
         names = list(var["deployments"])

@@ -216,3 +216,15 @@ def test_prefix_affinity_sends_each_turn_where_its_prefix_is_cached(affinity):
         assert all(exact)
     else:
         assert not all(exact)        # least-loaded choice sends some turns to the other MD
+
+
+def test_plots_are_png_files(tmp_path):
+    from pddgw.sim.plots import write_plots
+
+    sc = load_scenario(TINY)
+    sc = dataclasses.replace(sc, workload=dataclasses.replace(
+        sc.workload, agentic=dataclasses.replace(sc.workload.agentic, requests=4)))
+    rep, private = simulate(sc, jobs=1)
+    paths = write_plots(rep, private, tmp_path)
+    assert [p.name for p in paths] == ["ttft_cdf_configured.png"]
+    assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
