@@ -66,7 +66,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pddgw.pipeline import deploy
 
+    from pddgw.logs import setup_logging
+
     cfg = _config_with_overrides(args)
+    setup_logging(cfg.log.level, json=args.log_json or cfg.log.json)   # the config's [log], now that it is read
     if args.api_key:
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_keys=tuple(args.api_key)))
     if args.role == "all":

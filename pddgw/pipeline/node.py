@@ -229,6 +229,9 @@ class WorkerNode:
             res = await self.prefill.prefill(rid, msg.prompt, msg.sampling(), targets)
         finally:
             self._prefills.pop(rid, None)
+            # A prefix query's pin (the router's choice of P) has done its job: the prompt's
+            # blocks are computed and sent, and must not stay unevictable while MD decodes.
+            await self._unpin(rid)
         ts = [res.targets[t.name] for t in targets]
         return pm.PrefillDone(rid, res.first_token, res.cached_tokens,
                               tuple(t.sent_bytes for t in ts), tuple(t.error or "" for t in ts))

@@ -165,7 +165,8 @@ async def run_deployment(cfg: Config, conversations: list[Conversation], shared_
             preempted[role] = preempted.get(role, 0) + st.preemptions
             leaked += st.used_blocks
             pins += st.pins
-        util = {f"{name} {src}->{dst}": round(sh.busy_s / duration, 4)
+        # Utilisation over the whole run, background transfers after the last answer included.
+        util = {f"{name} {src}->{dst}": round(sh.busy_s / max(duration + drain, 1e-9), 4)
                 for (name, src, dst), sh in sorted(emb.net.shapers.items())}
         results.sort(key=lambda r: (r.arrival_s, r.rid))
         return RunResult(results, duration, drain, time.perf_counter() - wall0, emb.wan_kv_bytes(), util,

@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-bathtub", action="store_true", help="skip the bathtub sweep")
     p.add_argument("--jobs", type=int, default=2, help="parallel processes (default 2)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--json-out", help="also write the JSON report to this file")
     p.add_argument("--plots", help="write PNG plots into this directory")
     args = p.parse_args(argv)
     setup_logging("warning")
@@ -281,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         from pddgw.sim.plots import write_plots
         for path in write_plots(rep, private, Path(args.plots)):
             print(f"pddgw sim: wrote {path}", file=sys.stderr)
+    data = orjson.dumps(rep, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
+    if args.json_out:
+        Path(args.json_out).write_bytes(data)
     if args.json:
-        sys.stdout.buffer.write(orjson.dumps(rep, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
+        sys.stdout.buffer.write(data)
     else:
         print(format_report(rep, private))
     return 0

@@ -228,3 +228,30 @@ def test_plots_are_png_files(tmp_path):
     paths = write_plots(rep, private, tmp_path)
     assert [p.name for p in paths] == ["ttft_cdf_configured.png"]
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prefix_queries_leave_no_pins_behind_while_requests_decode():
+    """Two Ps and two MDs asked per request: losers are released at once, the chosen P after its prefill."""
+    sc = load_scenario(TINY)
+    dep = sc.deployment("same-dc")
+    nodes = tuple(dataclasses.replace(g, count=2) for g in dep.nodes)
+    cfg = deployment_config(sc, dataclasses.replace(dep, nodes=nodes))
+    seen: list[int] = []
+
+    async def main() -> None:
+        from pddgw.pipeline.deploy import Embedded
+
+        emb = Embedded(cfg)
+        side = await emb.start()
+        from pddgw.engines.types import SamplingParams
+
+        async def emit(run):
+            if run.position == 10:       # mid-decode: P is done, MD decodes
+                seen.append(sum(w.engine.stats().pins for w in emb.workers.values()))
+
+        prompt = tuple(range(1000, 1000 + 600))
+        await side.router.run("r1", prompt, SamplingParams(max_tokens=24), emit)
+        await emb.stop()
+
+    run_virtual(main())
+    assert seen == [0]
