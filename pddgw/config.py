@@ -479,18 +479,23 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         raise ConfigError(f"{prefix or '<top level>'}: {e}") from None
 
 
-def load_config(path: str | Path | None) -> Config:
-    """Load and validate a config file; None gives the embedded default."""
-    if path is None:
-        return Config()
+def load_toml(path: str | Path, cls: type, what: str = "config") -> Any:
+    """Read a TOML file into dataclass `cls`; every error names the file (and the key)."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text())
     except OSError as e:
-        raise ConfigError(f"{p}: cannot read config: {e.strerror}") from None
+        raise ConfigError(f"{p}: cannot read {what}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: invalid TOML: {e}") from None
     try:
-        return build(Config, data)
+        return build(cls, data)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Load and validate a config file; None gives the embedded default."""
+    if path is None:
+        return Config()
+    return load_toml(path, Config)

@@ -127,11 +127,12 @@ def simulate(sc: Scenario, jobs: int = 1, progress: bool = False) -> tuple[dict[
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - wall0
-    simulated = sum(r.pop("_requests") for r in results.values())
+    simulated = sum(r["_requests"] for r in results.values())
+    runs = [(f"{j.kind} {j.deployment}" + (f" @ {j.wan_gbps:g} Gbps" if j.wan_gbps else "")
+             + (f" hit {j.hit}" if j.hit is not None else ""), r.pop("_requests"), round(r.pop("_wall_s"), 1))
+            for j, r in results.items()]
     private = {"wall_s": round(wall, 2), "simulated_requests": simulated,
-               "sim_requests_per_wall_s": round(simulated / max(wall, 1e-9), 1),
-               "job_wall_s": round(sum(r.pop("_wall_s") for r in results.values()), 2),
-               "ttft": {}}
+               "sim_requests_per_wall_s": round(simulated / max(wall, 1e-9), 1), "runs": runs, "ttft": {}}
     return _assemble(sc, results, private), private
 
 
@@ -237,8 +238,10 @@ def format_report(rep: dict[str, Any], private: dict[str, Any]) -> str:
                                        for v in rep["variants"]]
         lines += ["", "== the paper's numbers next to ours ==",
                   format_table(heads, [[p["metric"], p["published"], *p["ours"]] for p in rep["published"]])]
+    mains = [r for r in private["runs"] if r[0].startswith("main ")]
     lines += ["", f"simulated {private['simulated_requests']} requests in {private['wall_s']} s of wall time: "
                   f"{private['sim_requests_per_wall_s']} requests per wall-clock second"]
+    lines += [f"  {name}: {n} requests in {wall} s of wall time" for name, n, wall in mains]
     return "\n".join(lines)
 
 

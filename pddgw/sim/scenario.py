@@ -13,13 +13,12 @@ and once as real `pddgw serve` processes.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from pddgw.config import (Config, ConfigError, CostModelConfig, EngineConfig, LogConfig, ModelConfig, NetConfig,
-                          NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, build, load_config)
+                          NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, load_config, load_toml)
 from pddgw.sim.profiles import HARDWARE, hardware
 from pddgw.sim.workload import AgenticSpec
 
@@ -182,16 +181,7 @@ class Scenario:
 
 def load_scenario(path: str | Path) -> Scenario:
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read scenario: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: invalid TOML: {e}") from None
-    try:
-        sc = build(Scenario, data)
-    except ConfigError as e:
-        raise ConfigError(f"{p}: {e}") from None
+    sc: Scenario = load_toml(p, Scenario, "scenario")
     # Relative paths inside a scenario are relative to the scenario file.
     deps = tuple(dataclasses.replace(d, config=str((p.parent / d.config).resolve())) if d.config else d
                  for d in sc.deployments)
