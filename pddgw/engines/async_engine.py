@@ -2,13 +2,14 @@
 
 Every engine call (steps and control calls alike) runs on one dedicated
 worker thread, in submission order, so the engine itself needs no locks and
-a control call never races a step.  An engine that only models time
-(`Engine.runs_inline`, the cost model) is called on the loop itself, and each
-step's outputs are released once the step's modeled duration has passed on
-the loop's clock: real seconds in a deployment, virtual ones in `pddgw sim`.  A background task steps while there is
-work and fans the outputs out to per-request streams.  Closing a stream
-early (`contextlib.aclosing` around it, or cancelling the task reading it)
-aborts the request and frees its blocks.
+a control call never races a step.  A background task steps while there is
+work and fans the outputs out to per-request streams.  An engine that only
+models time (`Engine.runs_inline`, the cost model) is called on the loop
+itself, and each step's outputs are released once the step's modeled
+duration has passed on the loop's clock: real seconds in a deployment,
+virtual ones in `pddgw sim`.  Closing a stream early (`contextlib.aclosing`
+around it, or cancelling the task reading it) aborts the request and frees
+its blocks.
 """
 
 from __future__ import annotations

@@ -68,15 +68,22 @@ def run_job(sc: Scenario, job: Job) -> dict[str, Any]:
         g = sc.goodput
         walls: list[float] = []
 
+        achieved: list[float] = []
+        total = 0
+
         def probe(rate: float) -> float:
-            run = _simulate(sc, job, rate, g.requests)
+            nonlocal total
+            run = _simulate(sc, job, rate, g.requests(rate))
             walls.append(run.wall_s)
+            total += len(run.requests)
+            achieved.append(sum(r.error is None for r in run.requests) / run.duration_s)
             return report.attainment(run.requests, sc.slo)
 
         goodput, points = report.sla_goodput(probe, sc.slo.attainment, g.rate_min, g.rate_max, g.probes)
         return {"goodput_rps": round(goodput, 4),
-                "probes": [{"rate": round(r, 4), "attainment": round(a, 4)} for r, a in points],
-                "_wall_s": sum(walls), "_requests": g.requests * len(points)}
+                "probes": [{"rate": round(r, 4), "attainment": round(a, 4), "achieved_rps": round(x, 4)}
+                           for (r, a), x in zip(points, achieved)],
+                "_wall_s": sum(walls), "_requests": total}
     if job.kind == "bathtub":
         run = _simulate(sc, job, sc.bathtub.rate, sc.bathtub.requests)
     else:
@@ -88,13 +95,16 @@ def run_job(sc: Scenario, job: Job) -> dict[str, Any]:
             "_wall_s": wall, "_requests": n}
 
 
+def _job(sc: Scenario, kind: str, name: str, wan: float | None, hit: float | None = None) -> Job:
+    """A job; a deployment inside one cluster is the same job whatever the WAN."""
+    return Job(kind, name, wan if sc.uses_wan(sc.deployment(name)) else None, hit)
+
+
 def _jobs(sc: Scenario) -> list[Job]:
-    jobs = [Job("main", d.name, w) for w in sc.variants() for d in sc.deployments]
-    if sc.goodput.enabled:
-        jobs += [Job("goodput", d.name, w) for w in sc.variants() for d in sc.deployments]
+    kinds = ["main"] + (["goodput"] if sc.goodput.enabled else [])
+    jobs = list(dict.fromkeys(_job(sc, k, d.name, w) for k in kinds for w in sc.variants() for d in sc.deployments))
     if sc.bathtub.enabled:
-        w = sc.variants()[0]
-        jobs += [Job("bathtub", name, w, h) for h in sc.bathtub.hits
+        jobs += [_job(sc, "bathtub", name, sc.bathtub_wan(), h) for h in sc.bathtub.hits
                  for name in (sc.bathtub.deployment, sc.bathtub.baseline)]
     return jobs
 
@@ -137,15 +147,16 @@ def simulate(sc: Scenario, jobs: int = 1, progress: bool = False) -> tuple[dict[
 
 
 def _assemble(sc: Scenario, results: dict[Job, dict[str, Any]], private: dict[str, Any]) -> dict[str, Any]:
+    ttfts = {job: r.pop("_ttft") for job, r in results.items() if "_ttft" in r}
     variants = []
     for w in sc.variants():
         deps: dict[str, Any] = {}
         for d in sc.deployments:
             price, gpus = deployment_price(sc, d)
-            main = results[Job("main", d.name, w)]
-            private["ttft"][(w, d.name)] = main.pop("_ttft")
-            entry: dict[str, Any] = {"gpus": gpus, "price_per_hour": round(price, 2), **main}
-            gp = results.get(Job("goodput", d.name, w))
+            job = _job(sc, "main", d.name, w)
+            private["ttft"][(w, d.name)] = ttfts[job]
+            entry: dict[str, Any] = {"gpus": gpus, "price_per_hour": round(price, 2), **results[job]}
+            gp = results.get(_job(sc, "goodput", d.name, w))
             if gp is not None:
                 entry["goodput_rps"] = gp["goodput_rps"]
                 entry["goodput_probes"] = gp["probes"]
@@ -166,9 +177,8 @@ def _assemble(sc: Scenario, results: dict[Job, dict[str, Any]], private: dict[st
         bt = sc.bathtub
         points = []
         for h in bt.hits:
-            a = results[Job("bathtub", bt.deployment, sc.variants()[0], h)]
-            b = results[Job("bathtub", bt.baseline, sc.variants()[0], h)]
-            a.pop("_ttft"), b.pop("_ttft")
+            a = results[_job(sc, "bathtub", bt.deployment, sc.bathtub_wan(), h)]
+            b = results[_job(sc, "bathtub", bt.baseline, sc.bathtub_wan(), h)]
 
             def benefit(q: str) -> float | None:
                 x, y = a["ttft_s"][q], b["ttft_s"][q]
@@ -179,7 +189,7 @@ def _assemble(sc: Scenario, results: dict[Job, dict[str, Any]], private: dict[st
                            "ttft_p90_s": [a["ttft_s"]["p90"], b["ttft_s"]["p90"]],
                            "benefit_p50": benefit("p50"), "benefit_p90": benefit("p90"),
                            "rld_token_share": a["rld_token_share"]})
-        out["bathtub"] = {"deployment": bt.deployment, "baseline": bt.baseline, "wan_gbps": sc.variants()[0],
+        out["bathtub"] = {"deployment": bt.deployment, "baseline": bt.baseline, "wan_gbps": sc.bathtub_wan(),
                           "rate": bt.rate, "points": points}
     if sc.published:
         out["published"] = [{"metric": k, "published": v, "ours": [_lookup(var, k) for var in variants]}

@@ -105,17 +105,30 @@ class SloSpec:
 
 @dataclass(frozen=True, slots=True)
 class GoodputSpec:
-    """Search of SLA goodput per deployment: bisection over request rates."""
+    """Search of SLA goodput per deployment: bisection over request rates.
+
+    Each probe offers `rate` requests per second for `seconds` (rate x
+    seconds requests, at least `min_requests`).  Conversations are closed
+    loops (a turn waits for the previous answer), so the offered rate is
+    reached only once conversations overlap: `seconds` must exceed a
+    conversation's lifetime (turns x (answer time + think time)) for the
+    probe to hold its rate at all; each probe reports the rate it achieved.
+    """
 
     enabled: bool = True
-    requests: int = 300
+    seconds: float = 600.0
+    min_requests: int = 100
     rate_min: float = 0.25
     rate_max: float = 16.0
     probes: int = 6
 
     def __post_init__(self) -> None:
-        _check(self.requests >= 1 and self.probes >= 1, "requests and probes must be >= 1")
+        _check(self.seconds > 0 and self.min_requests >= 1 and self.probes >= 1,
+               "seconds must be > 0, min_requests and probes >= 1")
         _check(0 < self.rate_min < self.rate_max, "need 0 < rate_min < rate_max")
+
+    def requests(self, rate: float) -> int:
+        return max(self.min_requests, round(rate * self.seconds))
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +138,7 @@ class BathtubSpec:
     enabled: bool = False
     deployment: str = ""
     baseline: str = ""
+    wan_gbps: float = 0.0           # the WAN of the sweep (0 = the scenario's first variant)
     hits: tuple[float, ...] = (0.0, 0.25, 0.5, 0.7, 0.85, 0.95, 1.0)
     band: float = 0.02              # follow-up hits are uniform in [hit - band, hit + band]
     requests: int = 200
@@ -132,6 +146,7 @@ class BathtubSpec:
 
     def __post_init__(self) -> None:
         _check(all(0 <= h <= 1 for h in self.hits), "hits must be in [0, 1]")
+        _check(self.wan_gbps >= 0, "wan_gbps must be >= 0")
         _check(self.requests >= 1 and self.rate > 0, "requests must be >= 1 and rate > 0")
 
 
@@ -177,6 +192,15 @@ class Scenario:
     def variants(self) -> list[float | None]:
         """The WAN bandwidths to run (None: the links as configured)."""
         return list(self.wan_gbps) or [None]
+
+    def bathtub_wan(self) -> float | None:
+        return self.bathtub.wan_gbps or self.variants()[0]
+
+    def uses_wan(self, dep: DeploymentSpec) -> bool:
+        """Whether a deployment spans clusters (a same-DC one runs once for every WAN variant)."""
+        if dep.config:
+            return len({n.cluster for n in load_config(dep.config).nodes}) > 1
+        return len({"A"} | {g.cluster for g in dep.nodes}) > 1
 
 
 def load_scenario(path: str | Path) -> Scenario:
