@@ -255,3 +255,25 @@ def test_prefix_queries_leave_no_pins_behind_while_requests_decode():
 
     run_virtual(main())
     assert seen == [0]
+
+
+def test_goodput_search_and_one_run_per_same_dc_deployment():
+    sc = load_scenario(TINY)
+    from pddgw.sim.scenario import GoodputSpec
+
+    sc = dataclasses.replace(sc, wan_gbps=(1.0, 100.0),
+                             goodput=GoodputSpec(seconds=4.0, min_requests=4, rate_min=0.5, rate_max=4.0, probes=3))
+    rep, private = simulate(sc, jobs=1)
+    # main + goodput for same-dc once; for pdd once per WAN.
+    assert sorted(name for name, _, _ in private["runs"]) == [
+        "goodput pdd @ 1 Gbps", "goodput pdd @ 100 Gbps", "goodput same-dc",
+        "main pdd @ 1 Gbps", "main pdd @ 100 Gbps", "main same-dc"]
+    v1, v100 = (v["deployments"] for v in rep["variants"])
+    assert v1["same-dc"] == v100["same-dc"]
+    for d in (v1["same-dc"], v1["pdd"], v100["pdd"]):
+        probes = d["goodput_probes"]
+        assert [p["rate"] for p in probes][:2] == [0.5, 4.0] and len(probes) <= 3
+        assert all(p["achieved_rps"] > 0 for p in probes)
+        passing = [p["rate"] for p in probes if p["attainment"] >= 0.9]
+        assert d["goodput_rps"] == (max(passing) if passing else 0.0)
+    assert v1["same-dc"]["bcr_vs_baseline"] in (1.0, None)
