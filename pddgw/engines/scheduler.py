@@ -7,7 +7,9 @@ Then waiting sequences are admitted in arrival order, each starting from its
 longest prefix-cache hit (never the last prompt token: its logits are
 needed).  When a running sequence needs a block and none is left, the most
 recently admitted running sequence is preempted (its blocks freed, recomputed
-later from its tokens); waiting sequences simply wait (back-pressure).
+later from its tokens); waiting sequences simply wait (back-pressure).  A
+sequence that retains its KV (a prefill whose KV streams out as it is
+computed) is admitted with blocks for all its tokens and never needs more.
 """
 
 from __future__ import annotations
@@ -88,9 +90,10 @@ class Scheduler:
         return clean
 
     def _victim(self, seq: Sequence, scheduled: set[str]) -> Sequence:
-        """The most recently admitted running sequence not already in this step's batch."""
+        """The most recently admitted running sequence not already in this step's batch
+        (never one whose KV streams out: see `_admit`)."""
         for cand in reversed(self.running):
-            if cand is not seq and cand.request_id not in scheduled:
+            if cand is not seq and cand.request_id not in scheduled and not cand.retain:
                 return cand
         return seq
 
@@ -115,8 +118,12 @@ class Scheduler:
         self.blocks.acquire(cached)
         n_cached = len(cached) * bs
         n = min(len(seq.tokens) - n_cached - (1 if seq.hold else 0), budget)
+        # A retained sequence (P) streams its KV out while it is computed: preempting it
+        # would invalidate what its senders export.  It gets blocks for all its tokens at
+        # admission, so it never needs more, or waits until they are free.
+        upto = len(seq.tokens) if seq.retain else n_cached + n
         try:
-            fresh = self.blocks.allocate(self.blocks_for(n_cached + n) - len(cached))
+            fresh = self.blocks.allocate(self.blocks_for(upto) - len(cached))
         except OutOfBlocks:
             self.blocks.release(cached)
             return None

@@ -319,3 +319,25 @@ def test_cuda_device_without_cuda_is_a_config_error():
 
     with pytest.raises(ConfigError, match="engine.device = 'cuda'"):
         create_engine(Config(engine=EngineConfig(device="cuda")))
+
+
+def test_retained_prefills_get_all_their_blocks_at_admission_and_are_never_preempted(tiny64):
+    """P streams KV as it is computed: a second prompt waits for blocks instead of evicting the first."""
+    eng = make_engine(tiny64, num_blocks=8, max_num_batched_tokens=32)
+    for rid, base in (("a", 0), ("b", 100)):
+        eng.add_request(EngineRequest(rid, tuple(range(base, base + 100)), SamplingParams(max_tokens=1),
+                                      retain_kv=True))
+    eng.step()
+    a, b = eng.seqs["a"], eng.seqs["b"]
+    assert len(a.block_ids) == 7 and b.block_ids == []          # 100 tokens -> 7 blocks of 16, all at once
+    exported = []
+    for _ in range(10):                                          # 100 tokens at 32 per step, then a token
+        eng.step()
+        exported.append(eng.export_kv("a", 0, a.num_computed).num_tokens)
+    assert exported[:4] == [64, 96, 100, 100] and eng.stats().preemptions == 0
+    assert eng.seqs["b"].block_ids == []                         # still waiting: a holds its KV for its targets
+    eng.release("a")
+    while eng.has_work():
+        eng.step()
+    assert eng.export_kv("b", 0, 100).num_tokens == 100 and eng.stats().preemptions == 0
+    eng.check_integrity()
