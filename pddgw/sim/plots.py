@@ -18,6 +18,7 @@ def write_plots(rep: dict[str, Any], private: dict[str, Any], out: Path) -> list
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -46,8 +47,12 @@ def write_plots(rep: dict[str, Any], private: dict[str, Any], out: Path) -> list
         ax.grid(alpha=0.3)
         save(fig, f"ttft_cdf_{'configured' if w is None else f'{w:g}gbps'}.png")
 
-    probes = [(var["wan_gbps"], name, d["goodput_probes"]) for var in rep["variants"]
-              for name, d in var["deployments"].items() if "goodput_probes" in d]
+    probes: list[tuple[float | None, str, list]] = []
+    for var in rep["variants"]:
+        for name, d in var["deployments"].items():
+            # A same-DC deployment's search is the same under every WAN: draw it once.
+            if "goodput_probes" in d and not any(n == name and p == d["goodput_probes"] for _, n, p in probes):
+                probes.append((var["wan_gbps"], name, d["goodput_probes"]))
     if probes:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for w, name, pts in probes:
@@ -56,6 +61,8 @@ def write_plots(rep: dict[str, Any], private: dict[str, Any], out: Path) -> list
                     label=name if w is None else f"{name} @ {w:g} Gbps")
         ax.axhline(rep["slo"]["attainment"], color="grey", linestyle=":", label="attainment target")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("share of requests meeting every SLO")
         ax.set_title(f"{rep['scenario']}: SLO attainment vs rate")
