@@ -76,9 +76,9 @@ from pddgw.bench.common import add_output_args, emit, format_table, ratio
 from pddgw.config import load_config
 from pddgw.logs import setup_logging
 from pddgw.sim.clock import run_virtual
-from pddgw.sim.cluster import RequestResult, run_deployment, token_digest
+from pddgw.sim.cluster import RequestResult, play_conversation, run_deployment, token_digest
 from pddgw.sim.report import percentile
-from pddgw.sim.workload import AgenticSpec, Conversation, PromptBuilder, agentic, shared_prefix
+from pddgw.sim.workload import AgenticSpec, Conversation, Turn, agentic, shared_prefix
 
 TOLERANCE = 0.15
 NODES = (("md0", "md"), ("rld0", "rld"), ("p0", "prefill"), ("router", "router"))   # start order
@@ -423,25 +423,18 @@ async def play(url: str, workload: Workload, *, state_url: str | None = None, wa
                     raise RuntimeError(f"warm-up request failed: {ans.final}")
             t0 = loop.time()
 
-            async def conversation(conv: Conversation, ws: aiohttp.ClientWebSocketResponse) -> None:
-                await asyncio.sleep(max(0.0, t0 + conv.start_s - loop.time()))
-                prompts = PromptBuilder(conv, workload.shared_prefix)
-                for k, turn in enumerate(conv.turns):
-                    if turn.think_s:
-                        await asyncio.sleep(turn.think_s)
-                    prompt = prompts.prompt(k)
-                    res = RequestResult(f"c{conv.cid}-t{k}", conv.cid, k, loop.time() - t0, len(prompt),
-                                        turn.max_tokens, turn.hit)
-                    sent, ans = await _ask(ws, prompt, turn.max_tokens, conv.seed + k, loop)
+            def over(ws: aiohttp.ClientWebSocketResponse):  # type: ignore[no-untyped-def]
+                async def serve(res: RequestResult, prompt: tuple[int, ...], turn: Turn,
+                                seed: int) -> tuple[int, ...]:
+                    sent, ans = await _ask(ws, prompt, turn.max_tokens, seed, loop)
                     _fill(res, sent, loop.time(), ans)
-                    results.append(res)
                     outputs[res.rid] = tuple(ans.tokens)
-                    if res.error is not None:
-                        return                    # the user gives up on this conversation
-                    prompts.answered(prompt, tuple(ans.tokens))
+                    return outputs[res.rid]
+                return serve
 
             async with asyncio.timeout(timeout_s):
-                await asyncio.gather(*(conversation(c, ws) for c, ws in zip(workload.conversations, sockets)))
+                await asyncio.gather(*(play_conversation(c, workload.shared_prefix, t0, over(ws), results.append)
+                                       for c, ws in zip(workload.conversations, sockets)))
             wall = time.perf_counter() - wall0
             blocks, pins = await _wait_idle(session, state_url, 30.0) if state_url else (0, 0)
         finally:

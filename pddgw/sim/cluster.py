@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pddgw.config import Config
@@ -120,6 +120,31 @@ async def _one(router: Router, rid: str, prompt: tuple[int, ...], turn: Turn, se
     return tuple(out)
 
 
+# (result to fill, prompt, turn, seed) -> the answer's token ids
+Serve = Callable[[RequestResult, tuple[int, ...], Turn, int], Awaitable[tuple[int, ...]]]
+
+
+async def play_conversation(conv: Conversation, shared_prefix: tuple[int, ...], t0: float, serve: Serve,
+                            done: Callable[[RequestResult], None]) -> None:
+    """One user: wait for the conversation's start (t0 + start_s on the loop's clock), then
+    per turn think, build the prompt from the last answer, ask `serve`, report the result;
+    an error ends the conversation (the user gives up)."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, t0 + conv.start_s - loop.time()))
+    prompts = PromptBuilder(conv, shared_prefix)
+    for k, turn in enumerate(conv.turns):
+        if turn.think_s:
+            await asyncio.sleep(turn.think_s)
+        prompt = prompts.prompt(k)
+        res = RequestResult(f"c{conv.cid}-t{k}", conv.cid, k, loop.time() - t0, len(prompt),
+                            turn.max_tokens, turn.hit)
+        out = await serve(res, prompt, turn, conv.seed + k)
+        done(res)
+        if res.error is not None:
+            return
+        prompts.answered(prompt, out)
+
+
 async def run_deployment(cfg: Config, conversations: list[Conversation], shared_prefix: tuple[int, ...],
                          on_request: Callable[[RequestResult], None] | None = None) -> RunResult:
     """Serve `conversations` on deployment `cfg` (cost-model engines) on the running loop."""
@@ -131,25 +156,16 @@ async def run_deployment(cfg: Config, conversations: list[Conversation], shared_
     t0 = loop.time()
     results: list[RequestResult] = []
 
-    async def conversation(conv: Conversation) -> None:
-        await asyncio.sleep(conv.start_s)
-        prompts = PromptBuilder(conv, shared_prefix)
-        for k, turn in enumerate(conv.turns):
-            if turn.think_s:
-                await asyncio.sleep(turn.think_s)
-            prompt = prompts.prompt(k)
-            res = RequestResult(f"c{conv.cid}-t{k}", conv.cid, k, loop.time() - t0, len(prompt),
-                                turn.max_tokens, turn.hit)
-            out = await _one(router, res.rid, prompt, turn, conv.seed + k, res)
-            results.append(res)
-            if on_request is not None:
-                on_request(res)
-            if res.error is not None:
-                return                    # the user gives up on this conversation
-            prompts.answered(prompt, out)
+    def done(res: RequestResult) -> None:
+        results.append(res)
+        if on_request is not None:
+            on_request(res)
+
+    async def serve(res: RequestResult, prompt: tuple[int, ...], turn: Turn, seed: int) -> tuple[int, ...]:
+        return await _one(router, res.rid, prompt, turn, seed, res)
 
     try:
-        await asyncio.gather(*(conversation(c) for c in conversations))
+        await asyncio.gather(*(play_conversation(c, shared_prefix, t0, serve, done) for c in conversations))
         t_end = loop.time()
         await router.drain()
         drain = loop.time() - t_end
