@@ -27,7 +27,7 @@ would on the real hardware.
 
 from __future__ import annotations
 
-from pddgw.config import Config, ConfigError, EngineConfig
+from pddgw.config import Config, ConfigError, EngineConfig, ModelConfig
 from pddgw.engines.base import register_engine
 from pddgw.engines.paged import PagedEngine
 from pddgw.engines.sampler import position_uniform
@@ -47,13 +47,13 @@ def kv_dtype(profile: profiles.ModelProfile) -> str:
     return _KV_DTYPE[profile.kv_bytes_per_value]
 
 
-def model_profile(config: Config) -> profiles.ModelProfile:
+def model_profile(model: ModelConfig) -> profiles.ModelProfile:
     """The configured model shape; ConfigError naming the key when it is missing or unknown."""
-    if not config.model.profile:
+    if not model.profile:
         raise ConfigError("model.profile: the cost-model engine needs a model shape "
                           f"(one of: {', '.join(sorted(profiles.MODELS))})")
     try:
-        return profiles.model(config.model.profile)
+        return profiles.model(model.profile)
     except KeyError as e:
         raise ConfigError(f"model.profile: {e.args[0]}") from None
 
@@ -81,12 +81,11 @@ class CostModelEngine(PagedEngine):
         self._eos_sorted = sorted(t for t in set(self.spec.eos_token_ids) if 0 <= t < self.spec.vocab_size)
         self.last_cost: StepCost | None = None
         self.busy_s = 0.0          # modeled seconds spent in forward passes
-        self.steps = 0
 
     @classmethod
     def from_config(cls, config: Config, engine: EngineConfig | None = None) -> tuple["CostModelEngine", ByteTokenizer]:
         ecfg = engine or config.engine
-        prof = model_profile(config)
+        prof = model_profile(config.model)
         try:
             hw = profiles.hardware(ecfg.costmodel.hardware)
         except KeyError as e:
@@ -107,7 +106,6 @@ class CostModelEngine(PagedEngine):
         work = [SeqWork(c.num_tokens, c.seq.num_computed) for c in chunks]
         self.last_cost = step_cost(self.profile, self.hardware, self.tp, work)
         self.busy_s += self.last_cost.seconds
-        self.steps += 1
         return {c.seq.request_id: self.token_at(c.seq.sampling.seed, c.seq.num_outputs)
                 for c in chunks if self._to_sample(c)}
 

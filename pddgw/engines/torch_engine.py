@@ -67,8 +67,6 @@ class TorchEngine(PagedEngine):
         if chunk.virtual:
             raise RequestError(f"request {chunk.request_id!r}: a virtual KV chunk (sized, no data, "
                                "from a cost-model engine) cannot fill a real KV pool")
-        if chunk.dtype not in DTYPES:
-            raise RequestError(f"request {chunk.request_id!r}: unknown KV dtype {chunk.dtype!r}")
 
     def _import(self, seq: Sequence, chunk: KVChunk, start: int) -> None:
         data = buffer_to_tensor(chunk.data, chunk.dtype,

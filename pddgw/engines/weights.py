@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +30,9 @@ from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.model import LlamaModel
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from pddgw.config import ModelConfig
 
 # Logit standard deviation of the tiny model over byte tokens (see module doc).
 TINY_LOGIT_STD = 8.0
@@ -203,17 +206,16 @@ def load_spec(path: str | None) -> tuple[ModelSpec, Tokenizer]:
                        f"small for the byte tokenizer (needs {ByteTokenizer.MIN_VOCAB})")
 
 
-def load_spec_for(model: Any) -> tuple[ModelSpec, Tokenizer, str]:
+def load_spec_for(model: ModelConfig) -> tuple[ModelSpec, Tokenizer, str]:
     """`load_spec` for a `ModelConfig`, and the KV dtype its engines use.
 
     A `profile` (cost-model engine) is a model shape without weights: its
     spec, a byte tokenizer, and the profile's own KV dtype.
     """
     if model.profile:
-        from pddgw.engines.costmodel import kv_dtype
-        from pddgw.sim.profiles import model as model_profile
+        from pddgw.engines.costmodel import kv_dtype, model_profile
 
-        prof = model_profile(model.profile)
+        prof = model_profile(model)
         spec = prof.to_spec()
         return spec, ByteTokenizer(spec.vocab_size), kv_dtype(prof)
     spec, tok = load_spec(model.path or None)

@@ -91,8 +91,6 @@ def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:
         "engine_busy": {k: round(v, 4) for k, v in run.engine_busy.items()},
         "duration_s": round(run.duration_s, 3),
         "drain_s": round(run.drain_s, 3),
-        "wall_s": round(run.wall_s, 2),
-        "sim_requests_per_wall_s": round(len(reqs) / max(run.wall_s, 1e-9), 2),
         "leaked_blocks": run.leaked_blocks,
         "leaked_pins": run.leaked_pins,
     }

@@ -88,11 +88,9 @@ def run_job(sc: Scenario, job: Job) -> dict[str, Any]:
         run = _simulate(sc, job, sc.bathtub.rate, sc.bathtub.requests)
     else:
         run = _simulate(sc, job)
-    s = report.summarize(run, sc.slo)
-    wall, n = s.pop("wall_s"), s["requests"]
-    s.pop("sim_requests_per_wall_s")
-    return {**s, "_ttft": sorted(r.ttft_s for r in run.requests if r.ttft_s is not None),
-            "_wall_s": wall, "_requests": n}
+    return {**report.summarize(run, sc.slo),
+            "_ttft": sorted(r.ttft_s for r in run.requests if r.ttft_s is not None),
+            "_wall_s": run.wall_s, "_requests": len(run.requests)}
 
 
 def _job(sc: Scenario, kind: str, name: str, wan: float | None, hit: float | None = None) -> Job:
