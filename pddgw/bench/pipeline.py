@@ -132,9 +132,10 @@ def _result(conv: int, turn: int, ttft: float | None, resp: dict) -> dict:
 
 async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, seed: int,
                   arrival_s: float = 1.5, trace: list[dict] | None = None,
-                  speed: float = 1.0) -> tuple[list[dict], int]:
-    """-> per-request results, and the KV bytes that crossed the WAN (response-time
-    transfers and MD cache alignment after responses alike)."""
+                  speed: float = 1.0) -> tuple[list[dict], int, float]:
+    """-> per-request results, the KV bytes that crossed the WAN (response-time
+    transfers and MD cache alignment after responses alike), and the seconds
+    background work (MD cache alignment) ran on after the last answer."""
     emb = Embedded(make_config(naive))
     side = await emb.start()
     client = TestClient(TestServer(side.door.app()))
@@ -143,8 +144,7 @@ async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, 
     try:
         if trace is not None:
             await asyncio.gather(*(_replay_one(client, i, r, speed, results) for i, r in enumerate(trace)))
-            await side.router.drain()
-            return results, emb.wan_kv_bytes()
+            return results, emb.wan_kv_bytes(), await _drain_s(side.router)
         rng = random.Random(seed)
         seeds = [rng.randrange(1 << 30) for _ in range(conversations)]
         starts = [0.0]
@@ -152,14 +152,20 @@ async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, 
             starts.append(starts[-1] + rng.expovariate(1.0 / arrival_s))
         await asyncio.gather(*(_conversation(client, i, turns, out_tokens, random.Random(s), results, t)
                                for i, (s, t) in enumerate(zip(seeds, starts))))
-        await side.router.drain()
-        return results, emb.wan_kv_bytes()
+        return results, emb.wan_kv_bytes(), await _drain_s(side.router)
     finally:
         await client.close()
         await emb.stop()
 
 
-def summarize(results: list[dict], wan_bytes: int) -> dict:
+async def _drain_s(router) -> float:
+    """Seconds from the last answer until every background transfer is done."""
+    t0 = time.perf_counter()
+    await router.drain()
+    return time.perf_counter() - t0
+
+
+def summarize(results: list[dict], wan_bytes: int, drain_s: float) -> dict:
     ttft = [r["ttft_ms"] for r in results]
     n = len(results)
     tokens = {"rld": 0, "md": 0}
@@ -175,7 +181,7 @@ def summarize(results: list[dict], wan_bytes: int) -> dict:
             "pipeline_share": {k: round(v / n, 3) for k, v in sorted(pipelines.items())},
             "rld_token_share": round(tokens.get("rld", 0) / max(1, sum(tokens.values())), 3),
             "max_handoff_stall_ms": max(stalls) if stalls else None,
-            "wan_kv_mb": round(wan_bytes / 1e6, 3)}
+            "wan_kv_mb": round(wan_bytes / 1e6, 3), "background_drain_s": round(drain_s, 2)}
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     res = asyncio.run(main_async(args))
     a, b = res["pdd"], res["naive"]
     rows = [[k, a[k], b[k]] for k in ("requests", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "wan_kv_mb",
-                                      "rld_token_share", "max_handoff_stall_ms")]
+                                      "rld_token_share", "max_handoff_stall_ms", "background_drain_s")]
     rows += [["pipeline_share", a["pipeline_share"], b["pipeline_share"]],
              ["ttft p50 / p99 ratio (pdd/naive)", res["ttft_p50_ratio"], res["ttft_p99_ratio"]]]
     emit(res, args.json, format_table(["metric", "PDD", "naive cross-DC PD"], rows))
