@@ -98,11 +98,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # A long agent-style system prompt: a first turn of a few hundred uncached tokens.
+# An agent's system prompt with its tool definitions (~1,100 byte tokens): long enough that
+# its KV takes longer than the P-MD budget to cross the embedded default's WAN, so a new
+# user's first turn shows RLD's eager tokens, the handoff, and MD finishing.
 DEFAULT_SYSTEM = ("You are a careful assistant running inside an agent loop. You call tools, read their "
                   "results and answer concisely. Keep a running plan, check every tool result against the "
                   "plan, never invent file names, prefer small verifiable steps, and say when you are "
                   "unsure. Cite the tool output you rely on. When the task is done, summarise what changed "
-                  "and what is left, in at most five lines.")
+                  "and what is left, in at most five lines.\n"
+                  "Tools:\n"
+                  "- read_file(path: str, start: int = 1, end: int = -1) -> str: the lines of a file, "
+                  "numbered; fails if the file does not exist.\n"
+                  "- write_file(path: str, text: str) -> None: replace a file's contents; creates "
+                  "missing folders.\n"
+                  "- search(pattern: str, path: str = '.') -> list[str]: lines matching a regular "
+                  "expression, as path:line:text.\n"
+                  "- run(command: str, timeout_s: int = 60) -> {exit_code, stdout, stderr}: run a shell "
+                  "command in the project's root; output is truncated to 10,000 characters.\n"
+                  "- list_dir(path: str = '.') -> list[str]: the entries of a folder, folders first.\n"
+                  "- ask_user(question: str) -> str: ask the user one question and wait for the answer; "
+                  "use it only when the task cannot go on without one.\n"
+                  "Answer with one tool call per message as JSON, or with the final answer as plain text.")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

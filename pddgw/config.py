@@ -119,8 +119,13 @@ class PolicyConfig:
     # MD at or above this load starts decoding late, so even a request whose KV
     # fits the budget goes through RLD for its first tokens.
     md_busy_load: float = 0.9
-    # RLD at or above this load takes no new request (P-MD, however slow).
-    rld_max_load: float = 0.9
+    # RLD is a small relay pool: one instance relays at most `rld_max_relays`
+    # sequences at once, and their prompts may fill at most `rld_max_kv_share`
+    # of its KV blocks.  A request that would cross either limit waits for the
+    # WAN instead (P-MD), however slow: a relay that absorbs whatever the WAN
+    # cannot carry ends up producing the output (the oscillating pipeline).
+    rld_max_relays: int = 8
+    rld_max_kv_share: float = 0.9
     # Singular traffic (finished on RLD, "P-RLD"): at least this many prompt
     # tokens missing on MD and at most this many output tokens requested.
     singular_min_uncached_tokens: int = 2048
@@ -157,17 +162,19 @@ class PolicyConfig:
     # Prior of the WAN link estimator until transfers are observed.
     link_prior_mbps: float = 10_000.0
     link_prior_rtt_ms: float = 30.0
-    # Estimator: EWMA weight of each new sample, median window against outliers,
-    # and the smallest transfer that counts as a bandwidth sample (smaller ones
-    # measure latency, not bandwidth).
+    # Estimator: EWMA weight of each new sample, median window against outliers
+    # (a full window all > 25 % off on one side is a level shift, followed at
+    # once), and the smallest transfer that counts as a bandwidth sample
+    # (smaller ones measure latency, not bandwidth).
     link_ewma_alpha: float = 0.2
-    link_median_window: int = 5
+    link_median_window: int = 3
     link_min_sample_bytes: int = 65_536
 
     def __post_init__(self) -> None:
         _check(self.p_md_max_transfer_ms >= 0, "p_md_max_transfer_ms must be >= 0")
         _check(self.md_busy_load > 0, "md_busy_load must be > 0")
-        _check(self.rld_max_load > 0, "rld_max_load must be > 0")
+        _check(self.rld_max_relays >= 1, "rld_max_relays must be >= 1")
+        _check(0.0 < self.rld_max_kv_share <= 1.0, "rld_max_kv_share must be in (0, 1]")
         _check(self.affinity_max_load > 0, "affinity_max_load must be > 0")
         _check(self.singular_min_uncached_tokens >= 1, "singular_min_uncached_tokens must be >= 1")
         _check(self.singular_max_output_tokens >= 0, "singular_max_output_tokens must be >= 0")
@@ -250,7 +257,9 @@ class ShapingConfig:
     Bandwidth is either constant (`gbps`) or a step trace `[[t_seconds, gbps], ...]`
     starting at t = 0 (time since the link opened); `trace_period_s > 0` repeats it.
     A frame is delivered one serialization time plus `latency_ms` (one way)
-    +- uniform `jitter_ms` after the previous one left, never out of order.
+    +- uniform `jitter_ms` after the previous one left; a link's frames of one
+    traffic class arrive in order, foreground ones overtake background ones
+    (net/shaping.py).
     """
 
     # Which link this shapes; the wiring code asks `NetConfig.shaping(name)`.
@@ -283,6 +292,43 @@ class ShapingConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.gbps or self.trace or self.latency_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class RegimeConfig:
+    """The emulated WAN in the paper's regime, in decode steps (`[net.regime]`).
+
+    An emulation on small hardware must keep the paper's ratios, not its
+    absolute bandwidth (DESIGN.md §8): a tiny model's KV is 10^-3 of a 70B
+    model's per token and its decode step 10x+ shorter, so no fixed Gbps
+    figure fits every model and machine.  When enabled, the embedded
+    (one-process) deployment measures the decode step of the engine that
+    runs MD at start and derives, in units of that step s and the KV bytes
+    per token b:  WAN bandwidth = b * tokens_per_step / s, one-way latency =
+    rtt_steps * s / 2, and the policy's P-MD budget (budget_steps * s) and
+    link priors (that bandwidth and RTT).  It fills in the `[[net.links]]`
+    entry "wan" only when that entry sets no gbps, latency_ms or trace: an
+    explicit WAN always wins.  A multi-process deployment shapes its links
+    as configured (its WAN is real, or emulated explicitly).
+    """
+
+    enabled: bool = True
+    # Prompt tokens whose KV crosses the WAN per decode step: 70B (320 KiB/token)
+    # at 10 Gbps with a 30 ms step moves ~115 (~1,150 at 100 Gbps).
+    tokens_per_step: float = 115.0
+    # WAN RTT in decode steps: ~30 ms over a ~30 ms step.
+    rtt_steps: float = 1.0
+    # The P-MD transfer budget in decode steps: the paper's 200 ms over 30 ms.
+    budget_steps: float = 6.7
+    # Decode step to derive from, ms; 0 = measure it at start (batch-1 decode,
+    # median).  Fix it for runs that must see the same WAN on any machine.
+    step_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.tokens_per_step > 0, "tokens_per_step must be > 0")
+        _check(self.rtt_steps >= 0, "rtt_steps must be >= 0")
+        _check(self.budget_steps >= 0, "budget_steps must be >= 0")
+        _check(self.step_ms >= 0, "step_ms must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,12 +371,11 @@ class NetConfig:
     dead_after_s: float = 10.0                  # silence after which a peer counts as dead
     reconnect_max_s: float = 2.0                # cap of the reconnect back-off
     tls: TlsConfig = field(default_factory=TlsConfig)
-    # The embedded deployment emulates cluster A <-> cluster B with a 30 ms RTT
-    # WAN whose bandwidth is scaled to the tiny model's KV (512 B/token, ~10^-4
-    # of a real model's): 4 Mbps makes a few hundred uncached tokens as slow to
-    # move as a long prompt over 10-100 Gbps, so first turns take P-RLD-MD and
-    # follow-up turns (a small missing tail) take P-MD, as in a real deployment.
-    links: tuple[ShapingConfig, ...] = (ShapingConfig(name="wan", gbps=0.004, latency_ms=15.0),)
+    # The "wan" entry of the default sets no figures of its own: the embedded
+    # deployment derives them from its decode step ([net.regime]), since a fixed
+    # Gbps value is only right for one model on one machine.
+    links: tuple[ShapingConfig, ...] = (ShapingConfig(name="wan"),)
+    regime: RegimeConfig = field(default_factory=RegimeConfig)
 
     def __post_init__(self) -> None:
         _check(not (self.secret and self.secret_file), "set secret or secret_file, not both")

@@ -4,7 +4,8 @@
 
 Both deployments are the embedded default (router, P, RLD in cluster A; MD in
 cluster B over the emulated WAN, built-in tiny model) and see the same
-traffic in the same run:
+traffic and the same WAN (derived once from the measured decode step, see
+`[net.regime]`) in the same run:
 
 * PDD: the policy picks P-MD or P-RLD-MD per request; MD keeps a prefix cache,
   so only missing KV crosses the WAN; RLD covers slow transfers.
@@ -33,9 +34,10 @@ import orjson
 from aiohttp.test_utils import TestClient, TestServer
 
 from pddgw.bench.common import add_output_args, emit, format_table
-from pddgw.config import Config, EngineConfig, PolicyConfig
+from pddgw.config import Config, EngineConfig, NetConfig, PolicyConfig, RegimeConfig
 from pddgw.logs import setup_logging
-from pddgw.pipeline.deploy import Embedded, embedded_nodes
+from pddgw.pipeline import regime
+from pddgw.pipeline.deploy import Embedded, embedded_nodes, with_topology
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -43,8 +45,10 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
-def make_config(naive: bool) -> Config:
-    cfg = Config(engine=EngineConfig(num_blocks=2048, max_num_batched_tokens=1024))
+def make_config(naive: bool, step_ms: float = 0.0) -> Config:
+    """The embedded default; its WAN derived from `step_ms` (0 = measured at start, see [net.regime])."""
+    cfg = Config(engine=EngineConfig(num_blocks=2048, max_num_batched_tokens=1024),
+                 net=NetConfig(regime=RegimeConfig(step_ms=step_ms)))
     if not naive:
         return cfg
     nodes = tuple(dataclasses.replace(n, engine=dataclasses.replace(n.engine, enable_prefix_caching=False))
@@ -132,11 +136,11 @@ def _result(conv: int, turn: int, ttft: float | None, resp: dict) -> dict:
 
 async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, seed: int,
                   arrival_s: float = 1.5, trace: list[dict] | None = None,
-                  speed: float = 1.0) -> tuple[list[dict], int, float]:
+                  speed: float = 1.0, step_ms: float = 0.0) -> tuple[list[dict], int, float]:
     """-> per-request results, the KV bytes that crossed the WAN (response-time
     transfers and MD cache alignment after responses alike), and the seconds
     background work (MD cache alignment) ran on after the last answer."""
-    emb = Embedded(make_config(naive))
+    emb = Embedded(make_config(naive, step_ms))
     side = await emb.start()
     client = TestClient(TestServer(side.door.app()))
     await client.start_server()
@@ -187,10 +191,17 @@ def summarize(results: list[dict], wan_bytes: int, drain_s: float) -> dict:
 async def main_async(args: argparse.Namespace) -> dict:
     trace = (load_trace(args.trace, args.requests, args.block_tokens, args.output_scale, args.seed)
              if args.trace else None)
+    # One decode-step measurement for both runs: side by side, they must see the same derived WAN.
+    cfg = with_topology(make_config(False))
+    step_s = await regime.probe_step_s(cfg)
+    wan = regime.derive(cfg.net.regime, step_s, regime.kv_bytes_per_token(cfg))
     runs = [await run_one(naive, args.conversations, args.turns, args.output_tokens, args.seed, args.arrival_s,
-                          trace, args.speed) for naive in (False, True)]
+                          trace, args.speed, wan.step_ms) for naive in (False, True)]
     a, b = summarize(*runs[0]), summarize(*runs[1])
     return {"pdd": a, "naive": b,
+            "wan": {"decode_step_ms": round(wan.step_ms, 4), "gbps": round(wan.shaping.gbps, 6),
+                    "rtt_ms": round(2 * wan.shaping.latency_ms, 4),
+                    "p_md_max_transfer_ms": round(wan.p_md_max_transfer_ms, 4)},
             "ttft_p50_ratio": round(a["ttft_p50_ms"] / b["ttft_p50_ms"], 3),
             "ttft_p99_ratio": round(a["ttft_p99_ms"] / b["ttft_p99_ms"], 3),
             "wan_bytes_ratio": round(a["wan_kv_mb"] / b["wan_kv_mb"], 3) if b["wan_kv_mb"] else None}
@@ -218,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                                       "rld_token_share", "max_handoff_stall_ms", "background_drain_s")]
     rows += [["pipeline_share", a["pipeline_share"], b["pipeline_share"]],
              ["ttft p50 / p99 ratio (pdd/naive)", res["ttft_p50_ratio"], res["ttft_p99_ratio"]]]
-    emit(res, args.json, format_table(["metric", "PDD", "naive cross-DC PD"], rows))
+    w = res["wan"]
+    title = (f"emulated WAN {w['gbps']:.3g} Gbps, {w['rtt_ms']:.3g} ms RTT, P-MD budget "
+             f"{w['p_md_max_transfer_ms']:.3g} ms (decode step {w['decode_step_ms']:.3g} ms, [net.regime])")
+    emit(res, args.json, title + "\n" + format_table(["metric", "PDD", "naive cross-DC PD"], rows))
     return 0
 
 

@@ -77,7 +77,11 @@ class Engine(ABC):
 
     @abstractmethod
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is and free its blocks; False if unknown."""
+        """Drop a request wherever it is and free its blocks; False if unknown.
+
+        An import keeps the full blocks whose KV had completely arrived in
+        the prefix cache (evictable), so a dropped transfer is not wasted.
+        """
 
     @abstractmethod
     def release(self, request_id: str) -> bool:

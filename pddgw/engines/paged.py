@@ -129,6 +129,12 @@ class PagedEngine(Engine):
         if seq is None:
             return False
         was_retained = seq.status == SeqStatus.RETAINED
+        if seq.status == SeqStatus.IMPORTING and seq.imported is not None:
+            # A cancelled import keeps its complete leading blocks: the conversation's
+            # next turn finds them cached instead of moving them again.
+            arrived = seq.imported.find(0, seq.num_cached_tokens)
+            seq.num_computed = seq.num_prompt if arrived == -1 else arrived
+            self._publish(seq)
         self._free(seq)
         if not was_retained:
             self._events.append(RequestOutput(request_id, (), seq.num_outputs, seq.num_computed,

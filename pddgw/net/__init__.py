@@ -3,7 +3,8 @@
 Knows nothing about models or roles.  Entry points:
 
 * `messages` — the typed messages (`KvChunk`, `TokenIds`, `TokenItem`, ...).
-* `Link` — the contract every link keeps (send / send_all / request / stream).
+* `Link` — the contract every link keeps (send / send_all / request / stream);
+  `Priority` — the traffic class of what is sent (foreground overtakes background).
 * `WsServer`, `connect` — WebSocket links between processes (auth, TLS, stripes).
 * `InProcNetwork`, `inproc_pair` — the same semantics inside one process.
 * `ShapingConfig` (config.py) + `shaping.py` — WAN / fabric emulation on any link.
@@ -21,7 +22,7 @@ from pddgw.net.errors import (
     RemoteError,
 )
 from pddgw.net.inproc import InProcLink, InProcNetwork, inproc_pair
-from pddgw.net.link import Handler, KvSink, Link, LinkState, LinkStats, LinkStream
+from pddgw.net.link import Handler, KvSink, Link, LinkState, LinkStats, LinkStream, Priority, PriorityLike
 from pddgw.net.messages import (
     Ack,
     Cancel,
@@ -43,6 +44,6 @@ from pddgw.net.ws import WsLink, WsServer, connect
 __all__ = [
     "Ack", "AuthError", "Cancel", "CloseCode", "Error", "FrameError", "FrameTooLarge", "Handler", "InProcLink",
     "InProcNetwork", "KvChunk", "KvSink", "KvSpan", "Link", "LinkClosed", "LinkError", "LinkState", "LinkStats",
-    "LinkStream", "LinkTimeout", "LoadReport", "Message", "Ping", "Pong", "PrefixAnswer", "PrefixQuery", "Ready",
-    "RemoteError", "TokenIds", "TokenItem", "WsLink", "WsServer", "connect", "inproc_pair",
+    "LinkStream", "LinkTimeout", "LoadReport", "Message", "Ping", "Pong", "PrefixAnswer", "PrefixQuery", "Priority",
+    "PriorityLike", "Ready", "RemoteError", "TokenIds", "TokenItem", "WsLink", "WsServer", "connect", "inproc_pair",
 ]

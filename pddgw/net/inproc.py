@@ -16,7 +16,7 @@ from pddgw.config import NetConfig, ShapingConfig
 from pddgw.net import frames
 from pddgw.net import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed
-from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, sink_buffer, wait_until
+from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, Priority, sink_buffer, wait_until
 from pddgw.net.shaping import ShapedPipe, Shaper
 from pddgw.net.wsproto import ws_header_size
 
@@ -59,7 +59,11 @@ class InProcLink(LinkBase):
             self.stats.kv_bytes_sent += msg.span.nbytes
         return msg, corr, flags, n
 
-    async def _transmit(self, msg: m.Message, corr: int, flags: int) -> None:
+    def _shaped(self) -> bool:
+        return self._pipe is not None
+
+    async def _transmit(self, msg: m.Message, corr: int, flags: int,
+                        priority: Priority = Priority.FOREGROUND) -> float | None:
         other = self._other
         if other is None or other._state == LinkState.CLOSED:
             raise self._closed_error()
@@ -67,9 +71,9 @@ class InProcLink(LinkBase):
             raise self._closed_error()
         item = self._prepare(msg, corr, flags)
         if self._pipe is not None:
-            await self._pipe.put(item, item[3])
-        else:
-            other._receive(item)
+            return await self._pipe.put(item, item[3], priority)
+        other._receive(item)
+        return None
 
     def _transmit_nowait(self, msg: m.Message, corr: int = 0, flags: int = 0) -> None:
         other = self._other

@@ -24,6 +24,15 @@ Link lifecycle (`LinkState`):
 
 Every operation takes a timeout and fails with `LinkTimeout` when it expires,
 so a dead peer always surfaces as a typed error within the timeout.
+
+Outbound frames have a traffic class (`Priority`): FOREGROUND (requests,
+replies, heartbeats, the KV a live request waits for) and BACKGROUND (KV
+nobody waits for, e.g. cache alignment after a response ended).  A shaped link
+schedules the classes on its emulated wire with strict priority and
+preemption (`shaping.py`); an unshaped one holds a background frame back while
+a foreground frame of the link waits for or is inside the transport.  So a
+foreground frame may overtake background frames of its link; within one
+class, frames sent by one task keep their order.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 import structlog
 
@@ -55,6 +65,18 @@ payload is received straight into it (the delivered `KvChunk.payload` is that
 view), or None to let the link allocate.  Only a delivered KvChunk means the
 memory holds the chunk: if the connection drops mid-frame the memory is
 partly written (and, from a client, still masked)."""
+
+
+class Priority(IntEnum):
+    """Traffic class of an outbound frame; the lower value is served first."""
+
+    FOREGROUND = 0
+    BACKGROUND = 1
+
+
+PriorityLike = Priority | Callable[[], Priority]
+"""A class, or a function read once per frame right before the frame is handed
+to the transport (a sender can demote a transfer in progress)."""
 
 
 class LinkState(IntEnum):
@@ -83,12 +105,23 @@ class Link(ABC):
     """A message link to one peer node.
 
     Contract:
-    * `send(msg)` queues one message and returns when its bytes are handed to
-      the transport (a KvChunk payload may be reused from then on).  Messages
-      sent by one task arrive in the order sent.
-    * `send_all(msgs)` sends many (KV chunks) as fast as the transport allows,
-      striped over parallel connections where the link has them; arrival
-      order is still the order of `msgs`.
+    * `send(msg, priority=...)` queues one message and returns when its bytes
+      are handed to the transport (a KvChunk payload may be reused from then
+      on).  Messages sent by one task with the same priority arrive in the
+      order sent; a FOREGROUND frame may overtake BACKGROUND frames of the
+      same link (never the reverse).  `priority` is a `Priority` or a
+      zero-argument callable returning one, read once per frame right before
+      the frame is handed to the transport.
+    * `send_all(msgs, priority=...)` sends many (KV chunks) as fast as the
+      transport allows, striped over parallel connections where the link has
+      them; frames of one class arrive in the order of `msgs`.  Returns the
+      seconds its frames were in service on the wire, excluding time queued
+      behind other frames: on a shaped link the sum of their own
+      serialization times (a preempted background frame counts only while it
+      was on the wire), on an unshaped one the time spent inside transport
+      writes (parallel stripes counted once; ~0 in-process).  Its bytes over
+      that time sample the wire's rate, whatever else shares the wire.
+    * Requests, replies and heartbeats are FOREGROUND.
     * `request(msg)` sends and waits for the peer handler's reply; an `Error`
       reply raises `RemoteError`.
     * `stream(request_id)` registers (at once, so open it before triggering the
@@ -110,10 +143,12 @@ class Link(ABC):
     def state(self) -> LinkState: ...
 
     @abstractmethod
-    async def send(self, msg: m.Message, *, timeout: float | None = None) -> None: ...
+    async def send(self, msg: m.Message, *, timeout: float | None = None,
+                   priority: PriorityLike = Priority.FOREGROUND) -> None: ...
 
     @abstractmethod
-    async def send_all(self, msgs: Iterable[m.Message], *, timeout: float | None = None) -> None: ...
+    async def send_all(self, msgs: Iterable[m.Message], *, timeout: float | None = None,
+                       priority: PriorityLike = Priority.FOREGROUND) -> float: ...
 
     @abstractmethod
     async def request(self, msg: m.Message, *, timeout: float | None = None) -> m.Message: ...
@@ -209,8 +244,8 @@ class LinkBase(Link):
     """Multiplexing, dispatch, heartbeats and timeouts shared by both transports.
 
     A transport implements `_transmit` / `_transmit_nowait` (one frame out),
-    `_set_reading` (inbound back-pressure) and `_shutdown_transport`, and feeds
-    inbound messages, in order, to `_on_message`.
+    `_shaped`, `_set_reading` (inbound back-pressure) and `_shutdown_transport`,
+    and feeds inbound messages, in order, to `_on_message`.
     """
 
     def __init__(self, local: str, peer: str, cfg: NetConfig) -> None:
@@ -234,6 +269,11 @@ class LinkBase(Link):
         self._inbound_bytes = 0
         self._reading = True
         self._tasks: set[asyncio.Task] = set()
+        # Unshaped links: foreground frames waiting for or inside `_transmit`;
+        # background frames wait for `_fg_idle` (shaped links preempt on the wire instead).
+        self._fg_busy = 0
+        self._fg_idle = asyncio.Event()
+        self._fg_idle.set()
         self._last_rx = self._loop.time()
         self._dispatcher = self._spawn(self._dispatch_loop(), "dispatch")
         self._heartbeat = self._spawn(self._heartbeat_loop(), "heartbeat") if cfg.heartbeat_s else None
@@ -241,8 +281,17 @@ class LinkBase(Link):
     # -- transport hooks ---------------------------------------------------
 
     @abstractmethod
-    async def _transmit(self, msg: m.Message, corr: int, flags: int) -> None:
-        """Send one frame; wait for transport back-pressure; raise LinkClosed if the connection is gone."""
+    async def _transmit(self, msg: m.Message, corr: int, flags: int,
+                        priority: Priority = Priority.FOREGROUND) -> float | None:
+        """Send one frame; wait for transport back-pressure; raise LinkClosed if the connection is gone.
+
+        -> on a shaped link the seconds the frame was on the emulated wire; else
+        None (the caller times the call).
+        """
+
+    @abstractmethod
+    def _shaped(self) -> bool:
+        """Whether frames cross a `ShapedPipe`, which schedules the classes itself."""
 
     @abstractmethod
     def _transmit_nowait(self, msg: m.Message, corr: int = 0, flags: int = 0) -> None:
@@ -268,18 +317,22 @@ class LinkBase(Link):
     def set_kv_sink(self, sink: KvSink | None) -> None:
         self._kv_sink = sink
 
-    async def send(self, msg: m.Message, *, timeout: float | None = None) -> None:
+    async def send(self, msg: m.Message, *, timeout: float | None = None,
+                   priority: PriorityLike = Priority.FOREGROUND) -> None:
         t = self.cfg.send_timeout_s if timeout is None else timeout
-        await self._timed(self._send_frame(msg, 0, 0), t, f"send {type(msg).__name__}")
+        await self._timed(self._send_frame(msg, 0, 0, priority), t, f"send {type(msg).__name__}")
 
-    async def send_all(self, msgs: Iterable[m.Message], *, timeout: float | None = None) -> None:
+    async def send_all(self, msgs: Iterable[m.Message], *, timeout: float | None = None,
+                       priority: PriorityLike = Priority.FOREGROUND) -> float:
         t = self.cfg.send_timeout_s if timeout is None else timeout
+        meter = ServiceMeter(self._loop)
 
         async def run() -> None:
             for msg in msgs:
-                await self._send_frame(msg, 0, 0)
+                await self._send_frame(msg, 0, 0, priority, meter)
 
         await self._timed(run(), t, "send_all")
+        return meter.seconds
 
     async def request(self, msg: m.Message, *, timeout: float | None = None) -> m.Message:
         t = self.cfg.request_timeout_s if timeout is None else timeout
@@ -356,10 +409,41 @@ class LinkBase(Link):
                 raise self._closed_error()
             await wait_until(self._opened, self._dead)
 
-    async def _send_frame(self, msg: m.Message, corr: int, flags: int) -> None:
+    async def _send_frame(self, msg: m.Message, corr: int, flags: int,
+                          priority: PriorityLike = Priority.FOREGROUND, meter: ServiceMeter | None = None,
+                          **where: Any) -> None:
+        """One frame out at its priority; `where`: transport-specific placement (a stripe)."""
         if self._state != LinkState.OPEN:
             await self._wait_open()
-        await self._transmit(msg, corr, flags)
+        p = priority() if callable(priority) else priority
+        if self._shaped():
+            service = await self._transmit(msg, corr, flags, p, **where)
+            if meter is not None and service is not None:
+                meter.shaped_s += service
+            return
+        # Unshaped: a frame handed to the transport cannot be overtaken, so a
+        # background frame is not handed over while a foreground one waits for
+        # or is inside the transport.  Foreground never waits here.
+        if p == Priority.FOREGROUND:
+            self._fg_busy += 1
+            self._fg_idle.clear()
+        else:
+            while self._fg_busy:
+                if not await wait_until(self._fg_idle, self._dead):
+                    raise self._closed_error()
+        try:
+            if meter is not None:
+                meter.enter()
+            try:
+                await self._transmit(msg, corr, flags, p, **where)
+            finally:
+                if meter is not None:
+                    meter.leave()
+        finally:
+            if p == Priority.FOREGROUND:
+                self._fg_busy -= 1
+                if not self._fg_busy:
+                    self._fg_idle.set()
 
     def _set_open(self) -> None:
         self._state = LinkState.OPEN
@@ -499,6 +583,40 @@ class LinkBase(Link):
 
 
 _FLAG_REPLY = 0x01  # frames.FLAG_REPLY; duplicated to keep this module free of the codec
+
+
+class ServiceMeter:
+    """Seconds the frames of one `send_all` were in service (see `Link.send_all`).
+
+    A shaped transport reports each frame's wire time (`shaped_s`, summed: one
+    wire serializes one frame at a time).  Otherwise the meter takes the union
+    of the intervals frames spent inside the transport (`enter` / `leave`):
+    parallel stripes share the path, and summing their overlapping writes would
+    count the same seconds once per stripe.
+    """
+
+    __slots__ = ("_loop", "shaped_s", "_inside", "_since", "_unshaped_s")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.shaped_s = 0.0
+        self._inside = 0
+        self._since = 0.0
+        self._unshaped_s = 0.0
+
+    def enter(self) -> None:
+        if not self._inside:
+            self._since = self._loop.time()
+        self._inside += 1
+
+    def leave(self) -> None:
+        self._inside -= 1
+        if not self._inside:
+            self._unshaped_s += self._loop.time() - self._since
+
+    @property
+    def seconds(self) -> float:
+        return self.shaped_s + self._unshaped_s
 
 
 def _loop_ns(loop: asyncio.AbstractEventLoop) -> int:

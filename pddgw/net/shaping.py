@@ -1,19 +1,37 @@
 """Link shaping: emulate a WAN or fabric link on top of a fast local one.
 
-A `Shaper` is the schedule of one link direction, a store-and-forward model of
-a NIC feeding a pipe:
+A `Shaper` is one direction of one emulated wire, shared by every
+`ShapedPipe` given it (the links that cross one WAN).  It models a NIC with
+two strict-priority traffic classes (`Priority`) feeding a pipe:
 
-1. a frame of n bytes starts serializing when the wire is free (after the
-   previous frame) and takes n * 8 / bandwidth seconds; the bandwidth is
-   constant or follows a step trace (`ShapingConfig.trace`), integrated across
-   steps, so a trace change mid-frame is honoured;
-2. it arrives one-way latency (+- uniform jitter) after its serialization
-   ends, but never before the previous frame arrived (links do not reorder).
+1. A frame is queued in its class, one FIFO per class.  n bytes take n * 8
+   bits at the bandwidth of the moment: constant, or a step trace
+   (`ShapingConfig.trace`) integrated across steps (`serialization_end`; its
+   inverse `bits_between`), so a trace change mid-frame is honoured.
+2. Foreground frames never wait for background ones, so the foreground class
+   is a plain FIFO wire: a frame starts when the foreground frame before it is
+   done (or at once) and its end is known the moment it is queued
+   (`schedule`: arithmetic, no timer).
+3. Background frames fill the gaps.  The head of the background queue starts
+   when no foreground frame is queued or on the wire, and would end at
+   `serialization_end`; one `loop.call_at` timer, at that end, completes it and
+   starts the next.  A foreground frame queued meanwhile preempts it: the bits
+   serialized so far count as done, and the rest stays at the head of the
+   background queue until the foreground class is empty again (packet-level
+   priority queueing on a NIC: no byte is sent twice).
+4. A frame arrives one-way latency (+- uniform jitter, seeded) after its
+   serialization ends, and never before the frame that arrived before it on
+   the same pipe: frames whose serialization ended in order are not
+   reordered, and a foreground frame overtakes the background frames it
+   preempted.
 
-`ShapedPipe` applies the schedule: `put` waits until the frame has left the
-emulated NIC (the sender feels the bandwidth, not the latency: transfers are
-pipelined) and a delivery task hands each frame to the real transport at its
-arrival time.  Times are absolute, so timer lateness does not accumulate.
+`ShapedPipe` applies the schedule to one link direction: `put` waits until the
+frame has left the emulated NIC (the sender feels the bandwidth and the
+traffic of its class ahead of it, not the latency: transfers are pipelined)
+and returns the seconds the frame itself was on the wire; a delivery task hands
+each frame to the real transport at its arrival time.  Times are absolute, so
+timer lateness does not accumulate.  Everything runs on the loop's clock (a
+virtual clock too: there is no busy wait and no wall-clock read).
 """
 
 from __future__ import annotations
@@ -25,11 +43,13 @@ import math
 import random
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from pddgw.config import ShapingConfig
+from pddgw.net.link import Priority
 
 log = structlog.get_logger("pddgw.net")
 
@@ -39,22 +59,88 @@ _NEVER = 1e9  # seconds; a schedule that never completes (bandwidth 0 forever)
 _MIN_SLEEP_S = 1e-6
 
 
+@dataclass(slots=True)
+class ClassStats:
+    """Accounting of one traffic class on one wire."""
+
+    bytes_booked: int = 0      # bytes of the frames queued (dropped ones included)
+    busy_s: float = 0.0        # seconds the wire spent serializing them
+    frames: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Frame:
+    """A background frame waiting for, or on, the wire."""
+
+    pipe: ShapedPipe
+    item: Any
+    bits_left: float
+    done: asyncio.Future[float]      # -> its seconds on the wire, once it has left the NIC
+    service_s: float = 0.0
+
+
 class Shaper:
-    """Serialization + latency schedule of one direction of a link (pure arithmetic)."""
+    """One direction of one wire: the two-class schedule of the module docstring.
+
+    Foreground booking (`schedule`) is pure arithmetic; background frames need
+    the running loop (their timer).
+    """
 
     def __init__(self, cfg: ShapingConfig, t0: float) -> None:
         self.cfg = cfg
         self._t0 = t0
-        self._free_at = t0                    # the wire is busy until then
-        self._last_arrival = t0
         self._latency = cfg.latency_ms / 1e3
         self._jitter = cfg.jitter_ms / 1e3
         self._rng = random.Random(cfg.seed)
         self._times = [t for t, _ in cfg.trace]
         self._rates = [g * 1e9 for _, g in cfg.trace]          # bits per second
-        # Accounting: bytes booked and seconds the wire spent serializing them.
-        self.bytes_booked = 0
-        self.busy_s = 0.0
+        self._last_arrival = t0               # arrival order of frames booked without a pipe
+        self._fg_free_at = t0                 # the foreground class holds the wire until then
+        # (queued, start, end, nbytes) of foreground frames that background service
+        # may still overlap: the QoS counter's evidence, and `queued_bytes`.
+        self._fg_windows: deque[tuple[float, float, float, int]] = deque()
+        self._bg: deque[_Frame] = deque()
+        self._bg_start = t0                   # when the head of `_bg` (re)starts serializing
+        self._bg_end = t0                     # ... and when it would be done
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self.classes = (ClassStats(), ClassStats())            # indexed by Priority
+        # For every foreground frame, the background bytes serialized on this
+        # wire between its queueing and the end of its serialization, summed:
+        # 0 with preemption, > 0 if background traffic ever delayed foreground.
+        self.bg_bytes_ahead_of_fg = 0.0
+
+    # -- totals (both classes) -------------------------------------------------
+
+    @property
+    def bytes_booked(self) -> int:
+        return sum(c.bytes_booked for c in self.classes)
+
+    @property
+    def busy_s(self) -> float:
+        return sum(c.busy_s for c in self.classes)
+
+    @property
+    def frames(self) -> int:
+        return sum(c.frames for c in self.classes)
+
+    def queued_bytes(self, priority: Priority, now: float | None = None) -> int:
+        """Bytes of `priority` frames waiting for or on the wire at `now` (default: the loop's time)."""
+        if now is None:
+            now = asyncio.get_running_loop().time()
+        bits = 0.0
+        if priority == Priority.FOREGROUND:
+            for _, start, end, nbytes in self._fg_windows:
+                if end > now:
+                    bits += nbytes * 8.0 if start >= now else self.bits_between(now, end)
+        elif self._bg:
+            bits = sum(f.bits_left for f in self._bg)
+            if self._bg_start < now:
+                bits -= min(self._bg[0].bits_left, self.bits_between(self._bg_start, now))
+        return round(bits / 8)
+
+    # -- the bandwidth trace -----------------------------------------------------
 
     def _rate(self, t: float) -> tuple[float, float]:
         """(bits/s at link time t, link time when that rate ends)."""
@@ -75,7 +161,9 @@ class Shaper:
 
     def serialization_end(self, start: float, nbytes: int) -> float:
         """Absolute time at which `nbytes` starting at absolute `start` are on the wire."""
-        bits = nbytes * 8.0
+        return self._end_of_bits(start, nbytes * 8.0)
+
+    def _end_of_bits(self, start: float, bits: float) -> float:
         t = start - self._t0
         while True:
             rate, end = self._rate(t)
@@ -90,19 +178,158 @@ class Shaper:
                 return self._t0 + _NEVER
             t = end
 
-    def schedule(self, nbytes: int, now: float) -> tuple[float, float]:
-        """Book a frame sent at `now` -> (serialization end, arrival), both absolute."""
-        start = max(now, self._free_at)
-        done = self.serialization_end(start, nbytes)
-        self._free_at = done
-        self.bytes_booked += nbytes
-        self.busy_s += done - start
+    def bits_between(self, a: float, b: float) -> float:
+        """Bits the wire serializes from absolute time `a` to `b` (the inverse of `serialization_end`)."""
+        bits = 0.0
+        t, stop = a - self._t0, b - self._t0
+        while t < stop:
+            rate, end = self._rate(t)
+            if rate == math.inf:
+                return math.inf
+            step_end = min(end, stop)
+            bits += rate * (step_end - t)
+            t = step_end
+        return bits
+
+    # -- foreground: arithmetic ------------------------------------------------
+
+    def schedule(self, nbytes: int, now: float, pipe: ShapedPipe | None = None,
+                 item: Any = None) -> tuple[float, float]:
+        """Queue a foreground frame at `now` -> (serialization end, arrival), both absolute.
+
+        With a `pipe`, the frame is handed to it for delivery at its arrival.
+        """
+        _, done, arrival = self._book(nbytes, now, pipe, item)
+        return done, arrival
+
+    def _book(self, nbytes: int, now: float, pipe: ShapedPipe | None, item: Any) -> tuple[float, float, float]:
+        """-> (start, end, arrival) of a foreground frame queued at `now`."""
+        self._complete_until(now)
+        self._preempt(now)
+        start = max(now, self._fg_free_at)
+        done = self._end_of_bits(start, nbytes * 8.0)
+        self._fg_free_at = done
+        st = self.classes[Priority.FOREGROUND]
+        st.bytes_booked += nbytes
+        st.busy_s += done - start
+        st.frames += 1
+        # Background service from now on starts at `now` or later: older windows are evidence of nothing.
+        while self._fg_windows and self._fg_windows[0][2] <= now:
+            self._fg_windows.popleft()
+        self._fg_windows.append((now, start, done, nbytes))
+        arrival = self._arrive(done, pipe, item)
+        if self._bg:
+            self._restart_bg(done)
+            self._kick(now)
+        return start, done, arrival
+
+    def _arrive(self, done: float, pipe: ShapedPipe | None, item: Any) -> float:
+        """Arrival of a frame whose serialization ends at `done`; a pipe gets the item, in arrival order."""
         delay = self._latency
         if self._jitter:
             delay += self._rng.uniform(-self._jitter, self._jitter)
-        arrival = max(done + delay, self._last_arrival)
-        self._last_arrival = arrival
-        return done, arrival
+        if pipe is None:
+            arrival = self._last_arrival = max(done + delay, self._last_arrival)
+        else:
+            arrival = pipe._last_arrival = max(done + delay, pipe._last_arrival)
+            pipe._arrive(arrival, item)
+        return arrival
+
+    # -- background: event-driven --------------------------------------------------
+
+    def _queue_background(self, pipe: ShapedPipe, item: Any, nbytes: int, now: float) -> asyncio.Future[float]:
+        self._loop = pipe._loop
+        self._complete_until(now)
+        frame = _Frame(pipe, item, nbytes * 8.0, self._loop.create_future())
+        st = self.classes[Priority.BACKGROUND]
+        st.bytes_booked += nbytes
+        st.frames += 1
+        self._bg.append(frame)
+        if len(self._bg) == 1:
+            self._restart_bg(max(now, self._fg_free_at))
+        self._kick(now)
+        return frame.done
+
+    def _restart_bg(self, start: float) -> None:
+        """The head of the background queue (re)starts at `start`."""
+        self._bg_start = start
+        self._bg_end = self._end_of_bits(start, self._bg[0].bits_left)
+
+    def _served(self, frame: _Frame, start: float, end: float) -> None:
+        """`frame` was on the wire from `start` to `end`."""
+        frame.service_s += end - start
+        self.classes[Priority.BACKGROUND].busy_s += end - start
+        for queued, _, fg_end, _ in self._fg_windows:
+            lo, hi = max(start, queued), min(end, fg_end)
+            if hi > lo:
+                self.bg_bytes_ahead_of_fg += self.bits_between(lo, hi) / 8
+
+    def _preempt(self, now: float) -> None:
+        """The background frame on the wire (if any) stops at `now`; what it sent so far is sent."""
+        if self._bg and self._bg_start < now:
+            head = self._bg[0]
+            head.bits_left = max(0.0, head.bits_left - self.bits_between(self._bg_start, now))
+            self._served(head, self._bg_start, now)
+            self._bg_start = now
+
+    def _complete_until(self, now: float) -> None:
+        """Complete the background frames whose serialization ended by `now`, in order."""
+        while self._bg and self._bg_end <= now:
+            head = self._bg.popleft()
+            start, end = self._bg_start, self._bg_end
+            head.bits_left = 0.0
+            self._served(head, start, end)
+            while self._fg_windows and self._fg_windows[0][2] <= end:
+                self._fg_windows.popleft()
+            if not head.pipe.closed:
+                self._arrive(end, head.pipe, head.item)
+            if not head.done.done():        # the sender may have given up (timeout)
+                head.done.set_result(head.service_s)
+            if self._bg:
+                self._restart_bg(max(end, self._fg_free_at))
+
+    def _kick(self, now: float) -> None:
+        """Complete what is due, then keep one timer at the end of the background head."""
+        self._complete_until(now)
+        if not self._bg:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer, self._timer_at = None, math.inf
+            return
+        if self._timer is not None:
+            if self._timer_at <= self._bg_end:
+                return          # fires first and re-arms (a preemption only pushes the end later)
+            self._timer.cancel()
+        assert self._loop is not None
+        self._timer_at = self._bg_end
+        self._timer = self._loop.call_at(self._bg_end, self._on_timer)
+
+    def _on_timer(self) -> None:
+        assert self._loop is not None
+        at = self._timer_at
+        self._timer, self._timer_at = None, math.inf
+        # A loop runs a timer up to its clock resolution early: it is due at `at`.
+        self._kick(max(self._loop.time(), at))
+
+    def _drop(self, pipe: ShapedPipe, now: float) -> None:
+        """`pipe` is cut: its background frames leave the queue; other pipes keep their places.
+
+        Booked foreground slots stay booked: the foreground schedule is fixed
+        when a frame is queued (that is what makes it arithmetic).
+        """
+        if not any(f.pipe is pipe for f in self._bg):
+            return
+        self._complete_until(now)
+        head_cut = bool(self._bg) and self._bg[0].pipe is pipe
+        if head_cut:
+            self._preempt(now)
+        for f in self._bg:
+            if f.pipe is pipe and not f.done.done():
+                f.done.set_result(f.service_s)
+        self._bg = deque(f for f in self._bg if f.pipe is not pipe)
+        if head_cut and self._bg:
+            self._restart_bg(max(now, self._fg_free_at))
+        self._kick(now)
 
 
 class ShapedPipe:
@@ -110,8 +337,7 @@ class ShapedPipe:
 
     `deliver` may be a plain function or a coroutine function (awaited: the
     real transport's back-pressure then delays later arrivals too).  Pipes
-    given the same `shaper` share one wire: their frames serialize one after
-    another in booking order (a WAN that several links cross).
+    given the same `shaper` share one wire (a WAN that several links cross).
     """
 
     def __init__(self, cfg: ShapingConfig, deliver: Callable[[Any], Awaitable[None] | None],
@@ -120,23 +346,39 @@ class ShapedPipe:
         self.shaper = shaper if shaper is not None else Shaper(cfg, self._loop.time())
         self._deliver = deliver
         self._queue: deque[tuple[float, Any]] = deque()
+        self._last_arrival = -math.inf
         self._wake = asyncio.Event()
         self._task = self._loop.create_task(self._run(), name="shaped-pipe")
         self.closed = False
 
     def put_nowait(self, item: Any, nbytes: int) -> float:
-        """Book `item`; -> the time its serialization ends (for `put`)."""
-        done, arrival = self.shaper.schedule(nbytes, self._loop.time())
-        self._queue.append((arrival, item))
-        self._wake.set()
-        return done
+        """Queue `item` as foreground (heartbeats, control); -> the time its serialization ends."""
+        now = self._loop.time()
+        if self.closed:
+            return now
+        return self.shaper.schedule(nbytes, now, self, item)[0]
 
-    async def put(self, item: Any, nbytes: int) -> None:
-        """Book `item` and wait until it has left the emulated NIC."""
-        done = self.put_nowait(item, nbytes)
-        delay = done - self._loop.time()
-        if delay >= _MIN_SLEEP_S:
-            await asyncio.sleep(delay)
+    async def put(self, item: Any, nbytes: int, priority: Priority = Priority.FOREGROUND) -> float:
+        """Queue `item` in its class and wait until it has left the emulated NIC.
+
+        -> the seconds the frame itself was on the wire (its serialization
+        time; not the time it waited for other frames).
+        """
+        now = self._loop.time()
+        if self.closed:
+            return 0.0
+        if priority == Priority.FOREGROUND:
+            start, done, _ = self.shaper._book(nbytes, now, self, item)
+            if done - now >= _MIN_SLEEP_S:
+                await asyncio.sleep(done - now)
+            return done - start
+        return await self.shaper._queue_background(self, item, nbytes, now)
+
+    def _arrive(self, arrival: float, item: Any) -> None:
+        """The shaper hands over a serialized frame (arrivals never decrease)."""
+        if not self.closed:
+            self._queue.append((arrival, item))
+            self._wake.set()
 
     async def _run(self) -> None:
         loop = self._loop
@@ -157,10 +399,13 @@ class ShapedPipe:
                 log.debug("shaped delivery failed", error=repr(e))
 
     def close(self) -> None:
-        """Stop delivering; what is still in flight is dropped (a cut cable)."""
+        """Stop delivering; what is still in flight or queued is dropped (a cut cable)."""
+        if self.closed:
+            return
         self.closed = True
         self._queue.clear()
         self._task.cancel()
+        self.shaper._drop(self, self._loop.time())
 
     async def wait_closed(self) -> None:
         await asyncio.wait([self._task])

@@ -4,7 +4,10 @@ One link = `stripes` parallel WebSocket connections.  Each connection is
 upgraded by aiohttp, authenticated (`auth.py`: Hello, Challenge, Auth,
 Welcome) and then carried by `wsproto.WsConnection`.  Frames carry a per-link
 sequence number; bulk (`send_all`) is striped over the connections and the
-receiver restores the order, so striping is invisible to the link's user.
+receiver restores the order, so striping is invisible to the link's user.  On
+a shaped link a frame gets its number when it leaves the emulated wire, so a
+foreground frame that overtook background ones there is not held back by the
+receiver's reordering.
 
 The dialing side owns reconnection: when a connection drops (or the peer falls
 silent) the link fails what was in flight, redials with back-off up to
@@ -29,10 +32,10 @@ from pddgw.config import ConfigError, NetConfig, ShapingConfig
 from pddgw.net import auth, frames
 from pddgw.net import messages as m
 from pddgw.net.errors import AuthError, CloseCode, FrameError, FrameTooLarge, LinkClosed, LinkError, LinkTimeout
-from pddgw.net.link import Handler, KvSink, LinkBase, LinkState
+from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, Priority, PriorityLike, ServiceMeter
 from pddgw.net.shaping import ShapedPipe
 from pddgw.net.tls import client_context, server_context
-from pddgw.net.wsproto import ConnState, WsConnection
+from pddgw.net.wsproto import ConnState, WsConnection, ws_header_size
 
 log = structlog.get_logger("pddgw.net")
 
@@ -117,11 +120,13 @@ class WsLink(LinkBase):
 
     # -- outbound --------------------------------------------------------------
 
-    def _pick(self, msg: m.Message) -> WsConnection:
+    def _pick(self, msg: m.Message, stripe: int | None = None) -> WsConnection:
         conns = self._conns
         if not conns:
             raise self._closed_error() if self._state == LinkState.CLOSED else LinkClosed(
                 f"link to {self.peer} is reconnecting", CloseCode.ABNORMAL)
+        if stripe is not None:
+            return conns[stripe % len(conns)]
         if len(conns) == 1 or not isinstance(msg, m.KvChunk):
             return conns[0]
         self._rr = (self._rr + 1) % len(conns)
@@ -135,8 +140,8 @@ class WsLink(LinkBase):
         """Encode with the next sequence number -> (buffers, wire bytes, zero-copy payload)."""
         head, payload = frames.encode(msg, corr=corr, seq=self._tx_seq, flags=flags)
         _check_size(msg, len(head) + payload.nbytes, self.cfg)
-        copy = self._pipe is not None
-        bufs, wire = conn.frame_buffers(head, payload, copy=copy)
+        # No copy: a shaped frame's payload is already a snapshot the pipe owns (`_shaped_item`).
+        bufs, wire = conn.frame_buffers(head, payload, copy=False)
         self._tx_seq = (self._tx_seq + 1) & _SEQ_MASK      # only once the frame exists: no gaps
         self.stats.frames_sent += 1
         self.stats.bytes_sent += wire
@@ -144,49 +149,68 @@ class WsLink(LinkBase):
             self.stats.kv_bytes_sent += msg.span.nbytes
             if msg.span.virtual:
                 wire += msg.span.nbytes      # shaping charges the KV it stands for
-        return bufs, wire, len(bufs) > 1 and not conn.client and not copy
+        return bufs, wire, len(bufs) > 1 and not conn.client
 
-    async def _transmit(self, msg: m.Message, corr: int, flags: int, conn: WsConnection | None = None) -> None:
-        conn = conn or self._pick(msg)
-        bufs, wire, zero_copy = self._frame(conn, msg, corr, flags)
+    def _shaped(self) -> bool:
+        return self._shaping is not None
+
+    def _shaped_item(self, conn: WsConnection, msg: m.Message, corr: int, flags: int) -> tuple[tuple, int]:
+        """-> (pipe item, wire bytes): the frame is encoded, numbered, when it leaves the pipe."""
+        head, payload = frames.encode(msg, corr=corr, flags=flags)
+        n = len(head) + payload.nbytes
+        _check_size(msg, n, self.cfg)
+        wire = ws_header_size(n, masked=conn.client) + n
+        if isinstance(msg, m.KvChunk):
+            if msg.span.virtual:
+                wire += msg.span.nbytes      # shaping charges the KV it stands for
+            elif payload.nbytes:
+                # Delivery is deferred: snapshot the payload so the caller may reuse it.
+                msg = m.KvChunk(msg.span, payload.tobytes(), msg.seq, msg.last)
+        return (conn, msg, corr, flags), wire
+
+    async def _transmit(self, msg: m.Message, corr: int, flags: int, priority: Priority = Priority.FOREGROUND,
+                        stripe: int | None = None) -> float | None:
+        conn = self._pick(msg, stripe)
         if self._pipe is not None:
-            await self._pipe.put((conn, bufs), wire)
-            return
+            item, wire = self._shaped_item(conn, msg, corr, flags)
+            return await self._pipe.put(item, wire, priority)
+        bufs, wire, zero_copy = self._frame(conn, msg, corr, flags)
         conn.write(bufs)
         await conn.drain(empty=zero_copy)
+        return None
 
     def _transmit_nowait(self, msg: m.Message, corr: int = 0, flags: int = 0) -> None:
         if self._state != LinkState.OPEN or not self._conns or self._conns[0].state != ConnState.OPEN:
             return
         conn = self._conns[0]
-        bufs, wire, _ = self._frame(conn, msg, corr, flags)
         if self._pipe is not None:
-            self._pipe.put_nowait((conn, bufs), wire)
-        else:
-            try:
-                conn.write(bufs)
-            except LinkClosed:
-                pass
+            self._pipe.put_nowait(*self._shaped_item(conn, msg, corr, flags))
+            return
+        bufs, wire, _ = self._frame(conn, msg, corr, flags)
+        try:
+            conn.write(bufs)
+        except LinkClosed:
+            pass
 
-    async def _deliver(self, item: tuple[WsConnection, list]) -> None:
-        conn, bufs = item
+    async def _deliver(self, item: tuple[WsConnection, m.Message, int, int]) -> None:
+        conn, msg, corr, flags = item
         if conn.state == ConnState.OPEN:
+            bufs, _, _ = self._frame(conn, msg, corr, flags)
             conn.write(bufs)
             await conn.drain(empty=False)
 
-    async def send_all(self, msgs: Iterable[m.Message], *, timeout: float | None = None) -> None:
+    async def send_all(self, msgs: Iterable[m.Message], *, timeout: float | None = None,
+                       priority: PriorityLike = Priority.FOREGROUND) -> float:
         """Stripes the messages over the link's connections (one writer per connection)."""
         if len(self._conns) <= 1 or self._pipe is not None:
-            return await super().send_all(msgs, timeout=timeout)
+            return await super().send_all(msgs, timeout=timeout, priority=priority)
         t = self.cfg.send_timeout_s if timeout is None else timeout
         it = iter(msgs)
+        meter = ServiceMeter(self._loop)
 
         async def writer(i: int) -> None:
             for msg in it:   # one shared iterator: each message is taken by exactly one writer
-                if self._state != LinkState.OPEN:
-                    await self._wait_open()
-                conns = self._conns
-                await self._transmit(msg, 0, 0, conns[i % len(conns)] if conns else None)
+                await self._send_frame(msg, 0, 0, priority, meter, stripe=i)
 
         async def run() -> None:
             async with asyncio.TaskGroup() as tg:
@@ -197,6 +221,7 @@ class WsLink(LinkBase):
             await self._timed(run(), t, "send_all")
         except* LinkError as eg:
             raise eg.exceptions[0] from None
+        return meter.seconds
 
     # -- inbound ---------------------------------------------------------------
 

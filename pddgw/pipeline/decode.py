@@ -10,9 +10,10 @@ Lifecycle of one request here (DecodeState, ordered):
                 sampled: MD waits for RLD's token-ID handoff (`extend`).
   3. DECODING   `kv_done(decode=True)`, the final `extend`, or `open_compute`:
                 tokens are sampled and emitted in order.
-  4. HANDING_OFF RLD only (`hand_off`): catch-up chunks go to MD while RLD
-                keeps decoding; at the final round RLD stops, freezes its
-                output and sends the rest.
+  4. HANDING_OFF RLD only (`begin_handoff`; the rounds run in handoff.py):
+                catch-up chunks go to MD while RLD keeps decoding; at the
+                final round RLD stops (`freeze`), every token it made is
+                emitted, the rest goes to MD and the request is freed.
   5. DONE       finished, handed off, failed or cancelled; blocks freed.
 
 Position-keyed sampling makes the positions a node emits identical to what
@@ -32,7 +33,6 @@ import structlog
 
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.types import EngineRequest, KVChunk, RequestError, RequestOutput, SamplingParams
-from pddgw.pipeline.policy import HandoffChunk
 
 log = structlog.get_logger(__name__)
 
@@ -58,15 +58,11 @@ class TokenEvent:
 
 
 Emit = Callable[[TokenEvent], Awaitable[None]]
-# (start position, token ids, final) -> awaited until the receiver has them.
-SendHandoff = Callable[[int, tuple[int, ...], bool], Awaitable[None]]
-# (generated, sent, rounds_done) -> the next round.
-PlanRound = Callable[[int, int, int], HandoffChunk]
 
 
 class _Session:
     __slots__ = ("rid", "state", "tokens", "task", "emitted", "frozen", "num_prompt", "num_computed",
-                 "progress")
+                 "progress", "decode_start")
 
     def __init__(self, rid: str, num_prompt: int):
         self.rid = rid
@@ -78,6 +74,7 @@ class _Session:
         self.num_prompt = num_prompt
         self.num_computed = 0            # tokens (prompt + output) whose KV is in the engine
         self.progress = asyncio.Condition()   # notified when num_computed or state changes
+        self.decode_start: tuple[float, int] | None = None   # (loop time, tokens) when decoding began
 
 
 class DecodeWorker:
@@ -125,7 +122,11 @@ class DecodeWorker:
 
         await self.aeng.call(finish)
         s.tokens.append(first_token)
-        s.state = DecodeState.DECODING if decode else DecodeState.HOLDING
+        async with s.progress:
+            s.state = DecodeState.DECODING if decode else DecodeState.HOLDING
+            s.progress.notify_all()
+        if decode:
+            s.decode_start = (asyncio.get_running_loop().time(), len(s.tokens))
         s.task = asyncio.create_task(self._consume(s), name=f"decode-{rid}")
         if decode:
             await self._emit_new(s)
@@ -150,29 +151,43 @@ class DecodeWorker:
         async with s.progress:
             await s.progress.wait_for(lambda: s.num_computed >= target or s.state == DecodeState.DONE)
 
-    # ---- RLD side of the handoff ----------------------------------------------------
-    async def hand_off(self, rid: str, plan: PlanRound, send: SendHandoff) -> int:
-        """Run the handoff rounds; returns the position MD continues from.
+    # ---- RLD side of the handoff (the rounds: handoff.py) -------------------------------
+    async def begin_handoff(self, rid: str) -> _Session:
+        """DECODING -> HANDING_OFF; the session's `tokens` grow while rounds run.
 
-        Output position 0 (P's token) is already on MD, so rounds start at 1.
-        """
+        A request still importing (MD had its few missing blocks before RLD had
+        the whole prompt over the fabric) is waited for: RLD emits P's token
+        first, then hands off at once."""
         s = self._get(rid)
+        if s.state == DecodeState.IMPORTING:
+            async with s.progress:
+                await s.progress.wait_for(lambda: s.state != DecodeState.IMPORTING)
         if s.state != DecodeState.DECODING:
             raise RequestError(f"request {rid!r} is {s.state.name}, cannot hand off")
         s.state = DecodeState.HANDING_OFF
-        sent, rounds = 1, 0
-        while True:
-            chunk = plan(len(s.tokens), sent, rounds)
-            if chunk.final:
-                s.frozen = True                # RLD's output ends here...
-                await self.aeng.call(self.engine.abort, rid)
-                end = len(s.tokens)
-                await self._emit_new(s)        # ...and every token up to it is emitted
-                await send(sent, tuple(s.tokens[sent:end]), True)
-                await self._close(s)
-                return end
-            await send(sent, tuple(s.tokens[sent : chunk.end]), False)
-            sent, rounds = chunk.end, rounds + 1
+        return s
+
+    def step_seconds(self, rid: str) -> float:
+        """Mean seconds per decoded token of `rid` here so far (0 = none decoded yet)."""
+        s = self._get(rid)
+        if s.decode_start is None:
+            return 0.0
+        t0, n0 = s.decode_start
+        made = len(s.tokens) - n0
+        return (asyncio.get_running_loop().time() - t0) / made if made > 0 else 0.0
+
+    async def freeze(self, rid: str) -> int:
+        """Stop decoding `rid` and emit every token made; -> the end position."""
+        s = self._get(rid)
+        s.frozen = True                # RLD's output ends here...
+        await self.aeng.call(self.engine.abort, rid)
+        await self._emit_new(s)        # ...and every token up to it is emitted
+        return len(s.tokens)
+
+    async def close(self, rid: str) -> None:
+        s = self.sessions.get(rid)
+        if s is not None:
+            await self._close(s)
 
     # ---- re-drive and cancel -----------------------------------------------------------
     async def open_compute(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams,
@@ -183,6 +198,8 @@ class DecodeWorker:
         await self.aeng.add(EngineRequest(rid, prompt, sampling, hold=hold))
         s = self.sessions[rid] = _Session(rid, len(prompt))
         s.state = DecodeState.HOLDING if hold else DecodeState.DECODING
+        if not hold:
+            s.decode_start = (asyncio.get_running_loop().time(), 0)
         s.task = asyncio.create_task(self._consume(s), name=f"decode-{rid}")
         return 0
 

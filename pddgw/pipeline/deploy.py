@@ -31,6 +31,7 @@ from pddgw.net.link import Link
 from pddgw.net.ws import WsServer
 from pddgw.net.ws import connect as ws_connect
 from pddgw.pipeline import protocol as pm
+from pddgw.pipeline import regime
 from pddgw.pipeline.node import WorkerNode
 from pddgw.pipeline.router import NodeHandle, Router
 
@@ -124,16 +125,28 @@ async def _build_worker(cfg: Config, n: NodeConfig, connect) -> WorkerNode:
 
 
 class Embedded:
-    """Every role in one process, in-process links (the WAN shaped between clusters)."""
+    """Every role in one process, in-process links (the WAN shaped between clusters).
+
+    Unless the config gives the WAN's figures, `start` derives them from the
+    decode step of MD's engine (pipeline/regime.py): after `start`,
+    `self.cfg` is the config the deployment runs with and `self.wan_regime`
+    what was derived (None when the WAN was configured).
+    """
 
     def __init__(self, cfg: Config):
         self.cfg = with_topology(cfg)
         self.net = InProcNetwork(self.cfg.net)
         self.workers: dict[str, WorkerNode] = {}
         self.router_side: RouterSide | None = None
+        self.wan_regime: regime.DerivedWan | None = None
 
     async def start(self) -> RouterSide:
-        cfg = self.cfg
+        # The emulated WAN may come from this machine's decode step ([net.regime]):
+        # derive it before any node or link exists, so every part sees the same figures.
+        cfg, self.wan_regime = await regime.resolve(self.cfg)
+        if self.wan_regime is not None:
+            self.cfg = cfg
+            self.net = InProcNetwork(cfg.net)
         by_name = {n.name: n for n in cfg.nodes}
         for n in cfg.nodes:
             if n.role == "router":

@@ -4,8 +4,15 @@ Each quantity is an EWMA over the median of the last `window` samples: the
 median absorbs a few outliers (a GC pause, a transfer that queued behind
 another) as long as they are under half the window, and the EWMA smooths
 what is left.  Until samples arrive the estimate is the configured prior.
-A sequence of n identical samples x moves the estimate from the prior P to
-x + (1 - alpha)^n * (P - x).
+A level shift - a full window of samples all more than `shift` (25 %) away
+from the estimate on the same side, e.g. the WAN's bandwidth stepping down
+or up - moves the estimate to their median at once: the link changed, and
+an EWMA would take tens of transfers to follow it.  Otherwise a sequence of
+n identical samples x moves the estimate from P to x + (1 - alpha)^n * (P - x).
+
+Bandwidth samples are (bytes, seconds the bytes were in service on the wire)
+as the sending link measured them, so queueing behind other traffic does not
+read as a slow link; RTT samples are heartbeat round trips, each counted once.
 """
 
 from __future__ import annotations
@@ -20,18 +27,25 @@ from pddgw.config import PolicyConfig
 class RobustEwma:
     """EWMA of the running median of the last `window` samples."""
 
-    def __init__(self, prior: float, alpha: float, window: int) -> None:
-        if not 0.0 < alpha <= 1.0 or window < 1:
-            raise ValueError("need 0 < alpha <= 1 and window >= 1")
+    def __init__(self, prior: float, alpha: float, window: int, shift: float = 0.25) -> None:
+        if not 0.0 < alpha <= 1.0 or window < 1 or shift <= 0:
+            raise ValueError("need 0 < alpha <= 1, window >= 1 and shift > 0")
         self.value = prior
         self.alpha = alpha
+        self.shift = shift
         self.samples = 0
         self._window: deque[float] = deque(maxlen=window)
 
     def update(self, x: float) -> float:
         self._window.append(x)
         self.samples += 1
-        self.value += self.alpha * (statistics.median(self._window) - self.value)
+        med = statistics.median(self._window)
+        w, v, k = self._window, self.value, self.shift
+        # A shift needs a few samples to tell it from an outlier: windows under 3 never shift.
+        if len(w) == w.maxlen >= 3 and (all(s > v * (1 + k) for s in w) or all(s < v * (1 - k) for s in w)):
+            self.value = med
+        else:
+            self.value += self.alpha * (med - self.value)
         return self.value
 
 

@@ -25,12 +25,13 @@ from pddgw.net.errors import LinkError
 from pddgw.net.link import Link, LinkState
 from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.decode import DecodeWorker, TokenEvent
-from pddgw.pipeline.policy import plan_handoff_round
+from pddgw.pipeline.handoff import relay_handoff, round_sender
 from pddgw.pipeline.prefill import KVTarget, PrefillWorker
 
 log = structlog.get_logger(__name__)
 
 Connect = Callable[[str], Awaitable[Link]]
+_CANCELLED_KEPT = 4096
 
 
 def to_wire(chunk: KVChunk, seq: int = 0, last: bool = False) -> m.KvChunk:
@@ -71,6 +72,8 @@ class WorkerNode:
         self._peers: dict[str, Link] = {}
         self._prefills: dict[str, asyncio.Task[pm.PrefillDone]] = {}
         self.kv_bytes_in_flight = 0
+        # Requests cancelled here lately (oldest first): their late KV frames are dropped quietly.
+        self._cancelled: dict[str, None] = {}
 
     # ---- lifecycle -----------------------------------------------------------------
     async def stop(self) -> None:
@@ -131,16 +134,22 @@ class WorkerNode:
                 return await self._submit(link, msg)
             case pm.Prefill():
                 return await self._run_prefill(msg)
+            case m.KvChunk(span=m.KvSpan(request_id=rid)) | pm.KvDone(request_id=rid) if rid in self._cancelled:
+                return None        # P's frames still in flight when the request was cancelled here
             case m.KvChunk():
                 await self._decoder().import_kv(from_wire(msg))
                 return None
-            case m.TokenIds(request_id=rid, start=0, ids=(first,)):
-                return await self._kv_done(rid, first)
+            case pm.KvDone(request_id=rid, first_token=first, hold=hold):
+                return await self._kv_done(rid, first, hold)
+            case pm.Demote(request_id=rid):
+                if self.prefill is not None:
+                    self.prefill.demote(rid)
+                return None
             case pm.Extend(request_id=rid, start=start, ids=ids, final=final):
                 await self._decoder().extend(rid, start, ids, final)
                 return m.Ack(rid, start + len(ids))
             case pm.HandOff():
-                return await self._hand_off(link, msg)
+                return await self._hand_off(msg)
             case m.Cancel(request_id=rid):
                 await self._cancel(rid)
                 return None
@@ -158,6 +167,10 @@ class WorkerNode:
     async def _submit(self, link: Link, msg: pm.Submit) -> pm.Opened:
         dec = self._decoder()
         rid = msg.request_id
+        for old in msg.supersedes:
+            if old in self._open:
+                await self._cancel(old)
+        self._cancelled.pop(rid, None)          # opened again (a re-drive): its frames count
         try:
             if msg.kv == "import":
                 cached = await dec.open(rid, msg.prompt, msg.sampling())
@@ -185,43 +198,33 @@ class WorkerNode:
             with contextlib.suppress(Exception):
                 await self._cancel(rid)
 
-    async def _kv_done(self, rid: str, first: int) -> None:
+    async def _kv_done(self, rid: str, first: int, hold: bool) -> None:
         op = self._open.get(rid)
         if op is None:
             raise RequestError(f"request {rid!r} is not open on {self.name}")
-        await self._decoder().kv_done(rid, first, decode=not op.hold)
-        if op.hold:
+        op.hold = hold
+        await self._decoder().kv_done(rid, first, decode=not hold)
+        if hold:
             await op.router.send(m.Ready(rid, "kv"))
 
-    async def _hand_off(self, link: Link, msg: pm.HandOff) -> pm.HandedOff:
+    async def _hand_off(self, msg: pm.HandOff) -> pm.HandedOff:
         rid = msg.request_id
         op = self._open.get(rid)
         if op is None:
             raise RequestError(f"request {rid!r} is not open on {self.name}")
-        md = await self.peer(msg.target)
-
-        def plan(generated: int, sent: int, rounds: int):
-            return plan_handoff_round(generated=generated, sent=sent, rounds_done=rounds, mode=msg.mode,
-                                      threshold=msg.threshold, max_chunk=msg.max_chunk,
-                                      max_rounds=msg.max_rounds)
-
-        async def send(start: int, ids: tuple[int, ...], final: bool) -> None:
-            # The router hears of the round before MD can emit anything after it.
-            await op.router.send(pm.HandoffRound(rid, start, start + len(ids), final))
-            await md.request(pm.Extend(rid, start, final, ids))
-
-        position = await self._decoder().hand_off(rid, plan, send)
+        done = await relay_handoff(self._decoder(), msg, round_sender(rid, op.router, await self.peer(msg.target)))
         self._open.pop(rid, None)
-        return pm.HandedOff(rid, position)
+        return done
 
     async def _run_prefill(self, msg: pm.Prefill) -> pm.PrefillDone:
         if self.prefill is None:
             raise RequestError(f"{self.role} node {self.name} does not prefill")
         rid = msg.request_id
         targets = []
-        for name, start in zip(msg.targets, msg.starts):
+        holds = msg.holds or (False,) * len(msg.targets)
+        for name, start, hold in zip(msg.targets, msg.starts, holds):
             link = await self.peer(name)
-            targets.append(self._target(rid, name, start, link))
+            targets.append(self._target(rid, name, start, hold, link))
         task = asyncio.current_task()
         assert task is not None
         self._prefills[rid] = task   # type: ignore[assignment]
@@ -234,32 +237,40 @@ class WorkerNode:
             await self._unpin(rid)
         ts = [res.targets[t.name] for t in targets]
         return pm.PrefillDone(rid, res.first_token, res.cached_tokens,
-                              tuple(t.sent_bytes for t in ts), tuple(t.error or "" for t in ts))
+                              tuple(t.sent_bytes for t in ts), tuple(t.error or "" for t in ts),
+                              tuple(t.service_s for t in ts))
 
-    def _target(self, rid: str, name: str, start: int, link: Link) -> KVTarget:
+    def _target(self, rid: str, name: str, start: int, hold: bool, link: Link) -> KVTarget:
         seq = 0
 
-        async def send(chunks: list[KVChunk]) -> None:
+        async def send(chunks: list[KVChunk]) -> float:
             nonlocal seq
             n = sum(c.expected_nbytes() for c in chunks)
             self.kv_bytes_in_flight += n
             try:
-                await link.send_all([to_wire(c, seq + i) for i, c in enumerate(chunks)])
+                # Read per frame: a Demote mid-transfer sends the rest as background.
+                service = await link.send_all([to_wire(c, seq + i) for i, c in enumerate(chunks)],
+                                              priority=lambda: target.priority)
             finally:
                 self.kv_bytes_in_flight -= n
             seq += len(chunks)
+            return service
 
         async def done(first_token: int) -> None:
-            await link.send(m.TokenIds(rid, 0, (first_token,)))
+            # In the KV's class: a background transfer's end must not overtake its last chunks.
+            await link.send(pm.KvDone(rid, first_token, hold), priority=target.priority)
 
-        return KVTarget(name, start, send, done)
+        target = KVTarget(name, start, send, done)
+        return target
 
     async def _cancel(self, rid: str) -> None:
         task = self._prefills.get(rid)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
-        if self.decode is not None:
-            await self.decode.cancel(rid)
+        if self.decode is not None and await self.decode.cancel(rid):
+            self._cancelled[rid] = None
+            while len(self._cancelled) > _CANCELLED_KEPT:
+                del self._cancelled[next(iter(self._cancelled))]
         self._open.pop(rid, None)
         await self._unpin(rid)
 

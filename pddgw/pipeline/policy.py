@@ -12,12 +12,12 @@ Pipeline choice (`choose_pipeline`), first matching rule wins:
 2. `PolicyConfig.pipeline` is not "auto" -> that pipeline (forced).
 3. singular traffic - at least `singular_min_uncached_tokens` prompt tokens
    missing on MD, at most `singular_max_output_tokens` output tokens, RLD
-   below `rld_max_load` and the limiter has credit -> "P-RLD" (singular).
+   has room and the limiter has credit -> "P-RLD" (singular).
 4. the missing KV crosses the WAN within `p_md_max_transfer_ms` (half an RTT
-   + bytes / bandwidth) and MD is below `md_busy_load` -> "P-MD"
-   (fits_budget).
-5. RLD at or above `rld_max_load` -> "P-MD" (rld_saturated): RLD cannot
-   absorb more, the request waits for the WAN.
+   + bytes / bandwidth, behind the foreground bytes already queued) and MD is
+   below `md_busy_load` -> "P-MD" (fits_budget).
+5. RLD has no room for one more relay (`rld_load` > 1: relay slots or KV
+   share exhausted) -> "P-MD" (rld_full): the request waits for the WAN.
 6. the transfer fits but MD is busy -> "P-RLD-MD" (md_busy).
 7. otherwise -> "P-RLD-MD" (transfer_over_budget).
 
@@ -29,11 +29,13 @@ loaded -> the heavier side decides; neither -> catch-up with
 tokens were generated.
 
 Catch-up rounds (`plan_handoff_round`): RLD asks, between two decode steps,
-what to send given g generated and s already sent tokens.
+what to send given g generated and s already sent tokens, and how many
+tokens RLD makes during one round (its measured tokens per round trip).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -43,7 +45,7 @@ from pddgw.pipeline.state import HandoffMode, Pipeline, Role
 
 __all__ = [
     "PolicyConfig", "LoadReport", "InstanceChoice", "NoInstanceError", "pick_instance",
-    "PipelineInputs", "PipelineDecision", "estimate_transfer_ms", "is_singular_candidate",
+    "PipelineInputs", "PipelineDecision", "relay_pressure", "estimate_transfer_ms", "is_singular_candidate",
     "choose_pipeline", "SingularLimiter", "decide_pipeline",
     "HandoffInputs", "HandoffModeDecision", "choose_handoff_mode",
     "HandoffChunk", "plan_handoff_round",
@@ -134,7 +136,7 @@ def pick_instance(reports: Iterable[LoadReport], role: Role,
 
 
 PipelineReason = Literal["md_unavailable", "rld_unavailable", "forced", "singular",
-                         "fits_budget", "rld_saturated", "md_busy", "transfer_over_budget"]
+                         "fits_budget", "rld_full", "md_busy", "transfer_over_budget"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,10 +151,12 @@ class PipelineInputs:
     # The WAN link's current estimate (estimator.LinkEstimate).
     bandwidth_bytes_per_s: float
     rtt_ms: float
-    # Load of the RLD / MD instance that would serve; None = no healthy one.
+    # RLD's relay pressure if it took this request (`relay_pressure`; > 1 = no
+    # room) and MD's load; None = no healthy instance of that role.
     rld_load: float | None
     md_load: float | None
-    # KV bytes of other requests still queued on the WAN ahead of this one.
+    # Foreground KV bytes of other requests queued on the WAN ahead of this one
+    # (background alignments yield to it and do not count).
     wan_backlog_bytes: int = 0
 
     def __post_init__(self) -> None:
@@ -202,6 +206,13 @@ class PipelineDecision:
         }
 
 
+def relay_pressure(relays: int, relay_tokens: int, kv_tokens: int, cfg: PolicyConfig) -> float:
+    """An RLD instance's fill as a relay: max(relays / `rld_max_relays`,
+    prompt tokens relayed / its KV share); `kv_tokens` 0 = pool size unknown yet."""
+    kv = relay_tokens / (cfg.rld_max_kv_share * kv_tokens) if kv_tokens else 0.0
+    return max(relays / cfg.rld_max_relays, kv)
+
+
 def estimate_transfer_ms(nbytes: int, bandwidth_bytes_per_s: float, rtt_ms: float) -> float:
     """Time for `nbytes` to land on the far side: one-way latency + serialisation."""
     return rtt_ms / 2.0 + nbytes * 1000.0 / bandwidth_bytes_per_s
@@ -217,7 +228,7 @@ def is_singular_candidate(inputs: PipelineInputs, cfg: PolicyConfig) -> bool:
 def choose_pipeline(inputs: PipelineInputs, cfg: PolicyConfig, *,
                     singular_allowed: bool = True) -> PipelineDecision:
     """Rules 1-7 of the module docstring.  `singular_allowed`: the rate cap's say."""
-    # The WAN is FIFO: this request's KV lands after what is queued ahead of it.
+    # This request's KV lands after the foreground bytes queued ahead of it.
     transfer = estimate_transfer_ms(inputs.missing_kv_bytes + inputs.wan_backlog_bytes,
                                     inputs.bandwidth_bytes_per_s, inputs.rtt_ms)
     candidate = is_singular_candidate(inputs, cfg)
@@ -234,14 +245,14 @@ def choose_pipeline(inputs: PipelineInputs, cfg: PolicyConfig, *,
         return out("P-MD", "rld_unavailable")
     if cfg.pipeline != "auto":
         return out(cfg.pipeline, "forced")
-    rld_room = inputs.rld_load < cfg.rld_max_load
+    rld_room = inputs.rld_load <= 1.0
     if candidate and rld_room and singular_allowed:
         return out("P-RLD", "singular")
     fits = transfer <= cfg.p_md_max_transfer_ms
     if fits and inputs.md_load < cfg.md_busy_load:
         return out("P-MD", "fits_budget")
     if not rld_room:
-        return out("P-MD", "rld_saturated")
+        return out("P-MD", "rld_full")
     return out("P-RLD-MD", "md_busy" if fits else "transfer_over_budget")
 
 
@@ -339,7 +350,7 @@ def choose_handoff_mode(inputs: HandoffInputs, cfg: PolicyConfig) -> HandoffMode
     return HandoffModeDecision("catch-up", threshold, "default", inputs)
 
 
-ChunkReason = Literal["one-shot", "under_threshold", "max_rounds", "catch-up"]
+ChunkReason = Literal["one-shot", "under_threshold", "max_rounds", "no_convergence", "catch-up"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +365,8 @@ class HandoffChunk:
     rounds_done: int
     mode: HandoffMode
     threshold: int
+    # RLD's tokens per round trip the plan assumed.
+    per_round: float = 0.0
 
     @property
     def count(self) -> int:
@@ -362,25 +375,35 @@ class HandoffChunk:
     def as_log(self) -> dict[str, object]:
         return {"decision": "handoff_round", "start": self.start, "end": self.end,
                 "final": self.final, "reason": self.reason, "generated": self.generated,
-                "rounds_done": self.rounds_done, "mode": self.mode, "threshold": self.threshold}
+                "rounds_done": self.rounds_done, "mode": self.mode, "threshold": self.threshold,
+                "per_round": round(self.per_round, 2)}
 
 
 def plan_handoff_round(*, generated: int, sent: int, rounds_done: int, mode: HandoffMode,
-                       threshold: int, max_chunk: int, max_rounds: int) -> HandoffChunk:
+                       threshold: int, max_chunk: int, max_rounds: int,
+                       per_round: float = 0.0, forced: bool = False) -> HandoffChunk:
     """The next handoff round, given g=`generated` tokens of which `sent` went already.
 
+    `per_round`: tokens RLD makes while one round is in flight (its measured
+    tokens per round trip), i.e. what will be unsent when the round is acked.
+
     one-shot: everything unsent, final.  catch-up: final when fewer than
-    `threshold` remain or `max_rounds` non-final rounds were done; otherwise
-    the unsent tokens, at most `max_chunk`, and RLD keeps decoding.
+    `threshold` remain or `max_rounds` non-final rounds were done, or when
+    RLD makes `threshold` or more tokens per round (catch-up would never
+    converge: one-shot now; not when catch-up was `forced` by the operator,
+    whose rounds end at `max_rounds`).  Otherwise a non-final chunk of the unsent
+    tokens, at most `max_chunk` unless the cap would leave the next round
+    non-final: sized so that what is left after this round (unsent + made
+    meanwhile) is under the threshold, hence the next round is the last.
     """
     if not 0 <= sent <= generated:
         raise ValueError(f"need 0 <= sent ({sent}) <= generated ({generated})")
-    if threshold < 1 or max_chunk < threshold or max_rounds < 1 or rounds_done < 0:
+    if threshold < 1 or max_chunk < threshold or max_rounds < 1 or rounds_done < 0 or per_round < 0:
         raise ValueError("need threshold >= 1, max_chunk >= threshold, max_rounds >= 1, "
-                         "rounds_done >= 0")
+                         "rounds_done >= 0, per_round >= 0")
 
     def out(end: int, final: bool, reason: ChunkReason) -> HandoffChunk:
-        return HandoffChunk(sent, end, final, reason, generated, rounds_done, mode, threshold)
+        return HandoffChunk(sent, end, final, reason, generated, rounds_done, mode, threshold, per_round)
 
     if mode == "one-shot":
         return out(generated, True, "one-shot")
@@ -389,4 +412,8 @@ def plan_handoff_round(*, generated: int, sent: int, rounds_done: int, mode: Han
         return out(generated, True, "under_threshold")
     if rounds_done >= max_rounds:
         return out(generated, True, "max_rounds")
-    return out(sent + min(remainder, max_chunk), False, "catch-up")
+    if per_round >= threshold and not forced:
+        return out(generated, True, "no_convergence")
+    # Left after this round = remainder - chunk + per_round; < threshold needs:
+    converging = remainder - threshold + math.floor(per_round) + 1
+    return out(sent + min(remainder, max(max_chunk, converging)), False, "catch-up")

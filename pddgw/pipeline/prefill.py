@@ -12,6 +12,9 @@ Lifecycle of one request on P:
      sampled, it gets `done(first_token)` (RLD does not wait for the WAN).
      The KV is released only when every target is served (it is pinned while
      in flight).  A target that fails is reported; the others go on.
+Transfers start as foreground traffic; `demote` turns what is left of a
+request's transfers into background traffic (nobody waits for them any
+more), frame by frame, so live requests' KV overtakes it on the wire.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import structlog
 
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams
+from pddgw.net.link import Priority
 
 log = structlog.get_logger(__name__)
 
@@ -35,11 +39,14 @@ class KVTarget:
 
     name: str
     start_token: int                                   # first prompt token it needs
-    # Sends chunks in order (striped over the link's connections where it has
-    # several); returns when the transport has their bytes (back-pressure).
-    send: Callable[[list[KVChunk]], Awaitable[None]]
+    # Sends chunks in order at the target's priority (striped over the link's
+    # connections where it has several); returns when the transport has their
+    # bytes (back-pressure), with the seconds they were in service on the wire.
+    send: Callable[[list[KVChunk]], Awaitable[float]]
     done: Callable[[int], Awaitable[None]]             # all sent; the first output token
+    priority: Priority = Priority.FOREGROUND
     sent_bytes: int = 0
+    service_s: float = 0.0
     error: str | None = None
 
 
@@ -69,7 +76,7 @@ class PrefillWorker:
         self.aeng = aeng
         self.engine = aeng.engine
         self.tokens_per_chunk = max(1, chunk_bytes // self.engine.kv_layout.bytes_per_token())
-        self.inflight: set[str] = set()
+        self.inflight: dict[str, list[KVTarget]] = {}
 
     async def prefill(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams,
                       targets: list[KVTarget]) -> PrefillResult:
@@ -82,7 +89,7 @@ class PrefillWorker:
         req = EngineRequest(rid, prompt, SamplingParams(
             max_tokens=1, temperature=sampling.temperature, top_k=sampling.top_k,
             top_p=sampling.top_p, seed=sampling.seed), retain_kv=True)
-        self.inflight.add(rid)
+        self.inflight[rid] = targets
         progress = _Progress()
         first: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         senders: list[asyncio.Task[None]] = []
@@ -109,7 +116,14 @@ class PrefillWorker:
                     await task
             # Retained KV is released (or the request aborted) whatever happened.
             await self.aeng.call(self.engine.abort, rid)
-            self.inflight.discard(rid)
+            self.inflight.pop(rid, None)
+
+    def demote(self, rid: str) -> bool:
+        """What is left of `rid`'s transfers goes as background traffic; False if none is in flight."""
+        targets = self.inflight.get(rid)
+        for t in targets or ():
+            t.priority = Priority.BACKGROUND
+        return targets is not None
 
     async def _serve_target(self, rid: str, n: int, target: KVTarget, progress: _Progress,
                             first: asyncio.Future[int]) -> None:
@@ -135,6 +149,6 @@ class PrefillWorker:
             bounds = [(a, min(upto, a + step)) for a in range(sent, upto, step)]
             chunks = await self.aeng.call(
                 lambda: [self.engine.export_kv(rid, a, b) for a, b in bounds])
-            await target.send(chunks)
+            target.service_s += await target.send(chunks)
             target.sent_bytes += sum(c.expected_nbytes() for c in chunks)
             sent = upto

@@ -6,10 +6,14 @@ validates them at decode through `__post_init__`; their meaning lives here.
 
 Who sends what (requests are answered; the rest are one-way):
 
-  router -> MD      PrefixQuery -> PrefixAnswer (net)     held blocks, pinned under the request id
-  router -> RLD/MD  Submit -> Opened                      open a request (import or compute, hold or not)
-  router -> P       Prefill -> PrefillDone                compute, stream KV to targets, first token
-  P -> RLD/MD       KvChunk (net) ..., then TokenIds(start=0, (t0,))  KV complete + first token
+  router -> P       PrefixQuery -> PrefixAnswer (net)     held blocks, pinned under the request id
+  router -> RLD/MD  Submit -> Opened                      open a request (import or compute, hold or
+                                                          not); Opened names its cached prefix, so
+                                                          MD's open doubles as its prefix query
+  router -> P       Prefill -> PrefillDone                compute, stream KV to targets, first token;
+                                                          bytes and wire seconds per target
+  router -> P       Demote                                its KV transfers become background traffic
+  P -> RLD/MD       KvChunk (net) ..., then KvDone        KV complete + first token (+ decode or hold)
   MD -> router      Ready(detail="kv")                    prompt KV is in; waiting for the handoff
   router -> RLD     HandOff -> HandedOff                  run the handoff rounds to MD `target`
   RLD -> MD         Extend(start, ids, final) -> Ack      a handoff round (router -> any: a re-drive)
@@ -25,7 +29,7 @@ from typing import Literal
 
 from pddgw.engines.types import SamplingParams
 from pddgw.net.messages import MAX_ID_CHARS, MAX_TEXT_CHARS, MAX_TOKEN_IDS, TOKEN_ID_LIMIT
-from pddgw.net.messages import _check, _flag, _int_tuple, _text, _uint
+from pddgw.net.messages import _check, _flag, _int_tuple, _number, _text, _uint
 
 MAX_STOP_IDS = 64
 MAX_TARGETS = 16
@@ -62,6 +66,15 @@ class _Sampled:
                               ignore_eos=self.ignore_eos)
 
 
+def _bools(obj: object, name: str, values: object, count: int) -> None:
+    """A per-target tuple of booleans (empty = all False)."""
+    _check(type(values) in (tuple, list) and len(values) in (0, count),  # type: ignore[arg-type]
+           f"{name} must have one entry per target")
+    object.__setattr__(obj, name, tuple(values))  # type: ignore[arg-type]
+    for v in values:  # type: ignore[union-attr]
+        _flag(v, f"{name}[]")
+
+
 def sampling_fields(sp: SamplingParams) -> dict[str, object]:
     """The `_Sampled` fields of a message carrying `sp` (pass as keyword arguments)."""
     return {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_k": sp.top_k,
@@ -74,16 +87,20 @@ class Submit(_Sampled):
     """Open a request on a decode node.
 
     kv="import": P will stream the prompt KV past this node's cached prefix,
-    then TokenIds(start=0, ids=(first token,)); hold=True keeps it from
-    sampling until a final handoff (MD in P-RLD-MD).  kv="compute": the node
-    computes the prompt itself (a re-drive); with hold=True the tokens already
-    emitted then arrive as one final Extend.
+    then KvDone, which says whether to decode at once (RLD; MD in P-MD) or
+    hold until a final handoff (MD in P-RLD-MD), so `hold` is ignored.
+    kv="compute": the node computes the prompt itself (a re-drive); with
+    hold=True the tokens already emitted then arrive as one final Extend.
+    `supersedes`: requests to cancel here first (background alignments this
+    one makes moot), so the prefix this request finds includes what they
+    had already imported.
     """
 
     request_id: str
     kv: Literal["import", "compute"]
     hold: bool
     prompt: tuple[int, ...]
+    supersedes: tuple[str, ...] = ()
     tag: Literal["submit"] = "submit"
 
     def __post_init__(self) -> None:
@@ -93,6 +110,11 @@ class Submit(_Sampled):
         self._check_sampling()
         _int_tuple(self, "prompt", self.prompt, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)
         _check(len(self.prompt) > 0, "prompt must not be empty")
+        _check(type(self.supersedes) in (tuple, list) and len(self.supersedes) <= MAX_TARGETS,
+               f"supersedes must list at most {MAX_TARGETS} request ids")
+        object.__setattr__(self, "supersedes", tuple(self.supersedes))
+        for r in self.supersedes:
+            _text(r, "supersedes[]", empty=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +132,16 @@ class Opened:
 
 @dataclass(frozen=True, slots=True)
 class Prefill(_Sampled):
-    """Compute the prompt on P; stream its KV to `targets` from `starts` on (parallel)."""
+    """Compute the prompt on P; stream its KV to `targets` from `starts` on (parallel).
+
+    `holds[i]`: target i holds after the KV (KvDone.hold), else decodes at once.
+    """
 
     request_id: str
     targets: tuple[str, ...]
     starts: tuple[int, ...]
     prompt: tuple[int, ...]
+    holds: tuple[bool, ...] = ()
     tag: Literal["prefill"] = "prefill"
 
     def __post_init__(self) -> None:
@@ -131,17 +157,21 @@ class Prefill(_Sampled):
         _int_tuple(self, "prompt", self.prompt, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)
         _check(len(self.prompt) > 0, "prompt must not be empty")
         _check(all(s <= len(self.prompt) for s in self.starts), "a start is past the prompt's end")
+        _bools(self, "holds", self.holds, len(self.targets))
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillDone:
-    """Reply to Prefill: the first token, P's own cache hit, KV bytes and errors per target."""
+    """Reply to Prefill: the first token, P's own cache hit, and per target the KV
+    bytes, the seconds they were in service on the wire (a bandwidth sample)
+    and the error ("" = none)."""
 
     request_id: str
     first_token: int
     cached_tokens: int
     sent_bytes: tuple[int, ...]
     errors: tuple[str, ...]
+    send_seconds: tuple[float, ...] = ()
     tag: Literal["prefill_done"] = "prefill_done"
 
     def __post_init__(self) -> None:
@@ -154,6 +184,39 @@ class PrefillDone:
         object.__setattr__(self, "errors", tuple(self.errors))
         for e in self.errors:
             _text(e, "errors[]", MAX_TEXT_CHARS)
+        _check(type(self.send_seconds) in (tuple, list) and len(self.send_seconds) in (0, len(self.sent_bytes)),
+               "send_seconds must have one entry per target")
+        object.__setattr__(self, "send_seconds", tuple(self.send_seconds))
+        for x in self.send_seconds:
+            _number(x, "send_seconds[]")
+
+
+@dataclass(frozen=True, slots=True)
+class KvDone:
+    """P -> decoder: the prompt KV is all sent; `first_token` (sampled by P) is
+    output position 0.  hold=False: decode on at once; True: wait for the handoff."""
+
+    request_id: str
+    first_token: int
+    hold: bool
+    tag: Literal["kv_done"] = "kv_done"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id", empty=False)
+        _uint(self.first_token, "first_token", TOKEN_ID_LIMIT)
+        _flag(self.hold, "hold")
+
+
+@dataclass(frozen=True, slots=True)
+class Demote:
+    """Router -> P: nobody waits for this request's KV any more (RLD answered it);
+    what is left of its transfers goes as background traffic, behind live requests."""
+
+    request_id: str
+    tag: Literal["demote"] = "demote"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id", empty=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +229,10 @@ class HandOff:
     threshold: int
     max_chunk: int
     max_rounds: int
+    # The router's WAN RTT estimate: RLD's first guess of a round's duration.
+    rtt_ms: float = 0.0
+    # The operator forced the mode: no one-shot fallback when catch-up cannot converge.
+    forced: bool = False
     tag: Literal["hand_off"] = "hand_off"
 
     def __post_init__(self) -> None:
@@ -176,6 +243,8 @@ class HandOff:
             _uint(getattr(self, name), name, 1 << 20)
         _check(1 <= self.threshold <= self.max_chunk and self.max_rounds >= 1,
                "need 1 <= threshold <= max_chunk and max_rounds >= 1")
+        _number(self.rtt_ms, "rtt_ms")
+        _flag(self.forced, "forced")
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +347,7 @@ class NodeState:
 PIPELINE_KINDS: dict[int, tuple[type, str]] = {
     100: (Submit, "prompt"), 101: (Opened, ""), 102: (Prefill, "prompt"), 103: (PrefillDone, ""),
     104: (HandOff, ""), 105: (HandedOff, ""), 106: (HandoffRound, ""), 107: (Extend, "ids"),
-    108: (StateQuery, ""), 109: (NodeState, ""),
+    108: (StateQuery, ""), 109: (NodeState, ""), 110: (KvDone, ""), 111: (Demote, ""),
 }
 
 

@@ -1,20 +1,29 @@
 """The router: one request's journey across the clusters, and the merge back to the user.
 
 For each request (`Router.run`), in order:
-  1. Ask MD which of the prompt's chained block hashes it holds (pinned).
-  2. Choose the pipeline from MD's hit, the missing KV bytes, the WAN
-     estimate and the loads (`policy.decide_pipeline`); log it with its inputs.
-  3. Open the request on the decoders of that pipeline (RLD: import, decode
-     at once; MD: import, decode at once in P-MD or hold for the handoff in
-     P-RLD-MD) and learn how much of the prompt each already caches.
-  4. Ask P to prefill and stream each decoder only the KV it misses.
+  1. Drop background MD alignments this request supersedes (alignment.py).
+     Pick MD by the prefix the router remembers there (`PrefixIndex`) and
+     by load, and open the request on it (Submit, holding): MD's answer is
+     its authoritative prefix hit.  Meanwhile P is picked (local prefix
+     queries).  One WAN round trip before prefill.
+  2. Choose the pipeline from MD's hit, the missing KV bytes, the measured
+     WAN (bandwidth and RTT), the foreground bytes queued ahead, RLD's relay
+     pressure and MD's load (`policy.decide_pipeline`); log it with its inputs.
+  3. P-RLD-MD / P-RLD: open the request on RLD (local fabric); RLD full ->
+     P-MD.  Cancel it on whichever opened decoder the path does not use.
+  4. Ask P to prefill and stream each decoder only the KV it misses; P says
+     per target whether it decodes at once (RLD, MD in P-MD) or holds (MD
+     in P-RLD-MD), and reports bytes and wire seconds per target (the WAN
+     estimator's samples).
   5. Merge the decoders' token streams by position (each position once, in
-     order) and pass every run to the caller as soon as it is in order.
-  6. P-RLD-MD: when MD reports the prompt KV in, pick one-shot or catch-up
-     and tell RLD to hand off by token IDs; MD continues from there.
+     order) and pass every run to the caller as soon as it is in order; the
+     pumps turn messages into typed events (events.py).
+  6. P-RLD-MD: when MD reports the prompt KV in, hand off by token IDs
+     (handoff.py); RLD's relay slot is free when the handoff ends.
   7. Finish when a decoder ends the sequence and every position before the
-     end was emitted.  Finally, Cancel on every node involved: it frees
-     whatever is left (pins, held requests) and is harmless otherwise.
+     end was emitted.  RLD finished before MD got the KV -> MD cache
+     alignment goes on in the background (alignment.py).  Finally, Cancel
+     on every node involved: it frees whatever is left.
 Failures re-drive: MD or the WAN lost while RLD still decodes -> RLD finishes
 alone; a decoder lost after the handoff, or P lost -> the request restarts
 on a healthy node from the tokens already emitted (their KV recomputed
@@ -41,10 +50,15 @@ from pddgw.net import messages as m
 from pddgw.net.errors import LinkError, RemoteError
 from pddgw.net.link import Link, LinkState
 from pddgw.pipeline import protocol as pm
+from pddgw.pipeline.affinity import PrefixIndex
+from pddgw.pipeline.alignment import AlignKey, Alignments
 from pddgw.pipeline.estimator import LinkEstimator
+from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, PrefillFinished, RoundSent,
+                                   Tokens, from_message)
+from pddgw.pipeline.handoff import drive_handoff
 from pddgw.pipeline.ordering import StreamMerger, TokenRun
-from pddgw.pipeline.policy import (HandoffInputs, LoadReport, NoInstanceError, PipelineInputs,
-                                   SingularLimiter, choose_handoff_mode, decide_pipeline, pick_instance)
+from pddgw.pipeline.policy import (LoadReport, NoInstanceError, PipelineInputs, SingularLimiter,
+                                   decide_pipeline, pick_instance, relay_pressure)
 from pddgw.pipeline.state import RequestRecord, RequestState, RequestTracker, Role
 
 log = structlog.get_logger(__name__)
@@ -75,6 +89,11 @@ class NodeHandle:
     # Prompt tokens this router has asked the node to prefill and not yet seen done
     # (beyond the node's prefix hits): the prefill queue a new request would wait behind.
     prefill_backlog: int = 0
+    # RLD: sequences this router relays on it now, and their prompt tokens (its KV).
+    relays: int = 0
+    relay_tokens: int = 0
+    # Heartbeat round trips of the link already fed to the WAN estimator.
+    pongs_seen: int = 0
 
     @property
     def name(self) -> str:
@@ -87,6 +106,11 @@ class NodeHandle:
     @property
     def healthy(self) -> bool:
         return self.link.state == LinkState.OPEN
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV the node's pool holds (0 until its first load report)."""
+        return self.load.total_blocks * self.block_size if self.load is not None else 0
 
     def report(self) -> LoadReport:
         """The policy's view of this node's last load report (idle until one arrived)."""
@@ -133,6 +157,10 @@ class _Flight:
     hashes: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # Prompt tokens the chosen P caches (what it need not compute).
     p_cached_tokens: int = 0
+    # The RLD relaying this request (its slot and KV are counted there) while it does.
+    relay: NodeHandle | None = None
+    # Foreground WAN bytes this request has queued (counted in Router.wan_backlog).
+    wan_queued: int = 0
 
     def block_hashes(self, block_size: int) -> tuple[int, ...]:
         if block_size not in self.hashes:
@@ -146,6 +174,10 @@ class _NodeLost(Exception):
         self.node = node
 
 
+class _NoRoom(Exception):
+    """A decoder refused to open the request for lack of KV room (not a failure)."""
+
+
 class Router:
     def __init__(self, cfg: Config, spec: ModelSpec, nodes: list[NodeHandle], kv_bytes_per_token: int):
         self.cfg = cfg
@@ -157,15 +189,16 @@ class Router:
         self.timeout = cfg.server.request_timeout_s
         self.control_timeout = cfg.net.request_timeout_s
         self.counts = {"P-MD": 0, "P-RLD-MD": 0, "P-RLD": 0, "redrives": 0, "fallbacks": 0,
-                       "md_alignments": 0}
-        self.background: set[asyncio.Task[None]] = set()
-        # KV bytes on their way to MD over the WAN (requests between Prefill and PrefillDone).
+                       "md_alignments": 0, "rld_full": 0}
+        self.alignments = Alignments(self.timeout, self.control_timeout)
+        self.md_index = PrefixIndex()
+        # Foreground KV bytes on their way to MD over the WAN (live requests between
+        # Prefill and PrefillDone); background alignments are not counted.
         self.wan_backlog = 0
 
     async def drain(self) -> None:
         """Wait for work that outlives responses (MD cache alignment)."""
-        while self.background:
-            await asyncio.gather(*list(self.background), return_exceptions=True)
+        await self.alignments.drain()
 
     # ---- loads ---------------------------------------------------------------------
     async def poll_loads(self, interval_s: float = 0.25) -> None:
@@ -179,13 +212,22 @@ class Router:
         reply = await node.link.request(ask, timeout=self.control_timeout)
         if isinstance(reply, m.LoadReport):
             node.load = reply
-        if node.role == "md" and node.link.stats.rtt_s > 0:
-            self.wan.observe_rtt(node.link.stats.rtt_s * 1000.0)
+        stats = node.link.stats
+        if node.role == "md" and stats.pongs > node.pongs_seen:
+            # Each heartbeat round trip once: re-feeding the last one would weigh it many times.
+            node.pongs_seen = stats.pongs
+            self.wan.observe_rtt(stats.rtt_s * 1000.0)
 
     def _pick(self, role: str, fl: _Flight) -> NodeHandle | None:
         choice = pick_instance([n.report() for n in self.nodes.values() if n.role == role],
                                role, exclude=fl.excluded)  # type: ignore[arg-type]
         return None if choice is None else self.nodes[choice.instance]
+
+    def _relay_pressure(self, rld: NodeHandle, extra_tokens: int | None = None) -> float:
+        """RLD's fill as a relay; with `extra_tokens`, if it took one more request of that size."""
+        more = extra_tokens is not None
+        return relay_pressure(rld.relays + more, rld.relay_tokens + (extra_tokens or 0), rld.kv_tokens,
+                              self.cfg.policy)
 
     # ---- one request ----------------------------------------------------------------
     async def run(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams, emit: Emit,
@@ -223,16 +265,30 @@ class Router:
             with contextlib.suppress(LinkError):
                 await node.link.request(m.Cancel(fl.rid, "request ended"), timeout=self.control_timeout)
 
+        self._unqueue_wan(fl)
         await asyncio.gather(*(cancel(self.nodes[n]) for n in fl.involved if self.nodes[n].healthy))
         for n in fl.involved:
             self.nodes[n].inflight -= 1
         fl.involved.clear()
+        self._end_relay(fl)
 
     @staticmethod
     def _involve(fl: _Flight, node: NodeHandle) -> None:
         if node.name not in fl.involved:
             fl.involved[node.name] = None
             node.inflight += 1
+
+    @staticmethod
+    def _end_relay(fl: _Flight) -> None:
+        """RLD no longer holds the request (handed off, finished, failed or cancelled)."""
+        if fl.relay is not None:
+            fl.relay.relays -= 1
+            fl.relay.relay_tokens -= len(fl.prompt)
+            fl.relay = None
+
+    def _unqueue_wan(self, fl: _Flight) -> None:
+        self.wan_backlog -= fl.wan_queued
+        fl.wan_queued = 0
 
     async def _ask_prefix(self, node: NodeHandle, fl: _Flight) -> int | None:
         """Blocks of the prompt `node` caches (now pinned for this request); None if unreachable."""
@@ -245,30 +301,25 @@ class Router:
             return None
         return ans.held if isinstance(ans, m.PrefixAnswer) else 0
 
-    async def _pick_cached(self, role: str, fl: _Flight, need_hit: bool) -> tuple[NodeHandle | None, int]:
-        """The instance of `role` for this request, and the prompt blocks it caches (pinned).
+    async def _pick_prefill(self, fl: _Flight) -> tuple[NodeHandle | None, int]:
+        """The P for this request, and the prompt blocks it caches (pinned).
 
-        With `policy.prefix_affinity` and several candidates, each is asked
-        (in parallel) and, among those below `affinity_max_load`, a P is
-        chosen by the tokens it would compute before this request's first
-        token (its prefill backlog plus the prompt past its hit: a shared
-        system prompt must not send every request to one P), an MD by the
-        longest hit (its decode batch absorbs one more sequence); ties go to
-        the least loaded, then the name.  The others' pins are released at
-        once.  Otherwise the least-loaded instance, asked only when
-        `need_hit` (MD: the policy weighs its hit).
+        With `policy.prefix_affinity` and several P instances, each is asked
+        (in parallel, over the local fabric) and, among those below
+        `affinity_max_load`, the one that would compute the fewest tokens
+        before this request's first token is chosen: its prefill backlog plus
+        the prompt past its hit (a shared system prompt must not send every
+        request to one P); ties go to the least loaded, then the name.  The
+        others' pins are released at once.  Otherwise the least-loaded P.
         """
         pol = self.cfg.policy
-        cands = [n for n in self.nodes.values() if n.role == role and n.healthy and n.name not in fl.excluded]
+        cands = [n for n in self.nodes.values()
+                 if n.role == "prefill" and n.healthy and n.name not in fl.excluded]
         if not (pol.prefix_affinity and len(cands) > 1):
-            node = self._pick(role, fl)
-            if node is None:
-                return None, 0
-            self._involve(fl, node)        # counted at once: concurrent picks spread out
-            if not need_hit:
-                return node, 0
-            held = await self._ask_prefix(node, fl)
-            return (None, 0) if held is None else (node, held)
+            node = self._pick("prefill", fl)
+            if node is not None:
+                self._involve(fl, node)        # counted at once: concurrent picks spread out
+            return node, 0
         for n in cands:
             self._involve(fl, n)           # each now holds a pin: released by _release if we fail here
         answers = await asyncio.gather(*(self._ask_prefix(n, fl) for n in cands))
@@ -277,9 +328,7 @@ class Router:
 
         def cost(a: tuple[NodeHandle, int]) -> tuple[float, float, str]:
             node, held = a
-            work = (node.prefill_backlog + len(fl.prompt) - held * node.block_size if role == "prefill"
-                    else -held * node.block_size)
-            return work, node.report().load, node.name
+            return node.prefill_backlog + len(fl.prompt) - held * node.block_size, node.report().load, node.name
 
         choice = min(roomy, key=cost, default=None)
         for n in cands:
@@ -288,6 +337,17 @@ class Router:
                 del fl.involved[n.name]
                 n.inflight -= 1
         return choice if choice is not None else (None, 0)
+
+    def _pick_md(self, fl: _Flight) -> NodeHandle | None:
+        """The MD to open on: with `prefix_affinity`, the longest prefix the router
+        remembers there among those below `affinity_max_load`; else the least loaded."""
+        pol = self.cfg.policy
+        cands = [n for n in self.nodes.values() if n.role == "md" and n.healthy and n.name not in fl.excluded]
+        if not (pol.prefix_affinity and len(cands) > 1):
+            return self._pick("md", fl)
+        roomy = [n for n in cands if n.report().load < pol.affinity_max_load] or cands
+        return min(roomy, key=lambda n: (-self.md_index.match(n.name, fl.block_hashes(n.block_size)),
+                                         n.report().load, n.name))
 
     async def _drive(self, fl: _Flight) -> None:
         for attempt in range(MAX_ATTEMPTS):
@@ -314,25 +374,76 @@ class Router:
 
     async def _pdd(self, fl: _Flight) -> None:
         rid, prompt = fl.rid, fl.prompt
-        # P and MD are chosen in parallel: one round trip for both prefix queries.
-        (p, p_held), (md, held) = await asyncio.gather(self._pick_cached("prefill", fl, need_hit=False),
-                                                       self._pick_cached("md", fl, need_hit=True))
-        if p is None:
-            raise RouterError("no healthy prefill node", "unavailable")
-        fl.p_cached_tokens = min(len(prompt), p_held * p.block_size)
-        rld = self._pick("rld", fl)
-        if rld is not None:
-            self._involve(fl, rld)
+        md = self._pick_md(fl)
+        supersedes = self.alignments.supersede(md.name, fl.block_hashes) if md is not None else ()
+        streams = {}
+        if md is not None:
+            streams[md.name] = md.link.stream(rid, timeout=self.timeout)
+        try:
+            # Step 1: one WAN round trip - MD's open is its prefix answer; P is picked meanwhile.
+            (p, p_held), md_cached = await asyncio.gather(self._pick_prefill(fl),
+                                                          self._open_md(md, fl, supersedes))
+            if p is None:
+                raise RouterError("no healthy prefill node", "unavailable")
+            fl.p_cached_tokens = min(len(prompt), p_held * p.block_size)
+            rld = self._pick("rld", fl)
+            decision = self._decide(fl, p, md, md_cached, rld)
+            pipeline = decision.pipeline
+            use_md = md if pipeline in ("P-MD", "P-RLD-MD") else None
+            use_rld = rld if pipeline in ("P-RLD-MD", "P-RLD") else None
+            if use_rld is not None:
+                streams[use_rld.name] = use_rld.link.stream(rid, timeout=self.timeout)
+                try:
+                    rld_cached = await self._open(use_rld, fl, hold=False)
+                except _NoRoom as e:
+                    if use_md is None:
+                        raise _NodeLost(use_rld, str(e)) from None
+                    # RLD is full: the request waits for the WAN instead.
+                    log.info("rld_full", request_id=rid, rld=use_rld.name, error=str(e))
+                    self.counts["rld_full"] += 1
+                    streams.pop(use_rld.name).close()
+                    pipeline, use_rld = "P-MD", None
+                else:
+                    fl.relay = use_rld
+                    use_rld.relays += 1
+                    use_rld.relay_tokens += len(prompt)
+            if md is not None and use_md is None:
+                await self._cancel_on(md, rid)
+                streams.pop(md.name).close()
+            if use_md is not None:
+                self.md_index.record(use_md.name, fl.block_hashes(use_md.block_size))
+            if fl.tracker.state == RequestState.RECEIVED:
+                fl.tracker.route(pipeline, decision.reason)
+            self.counts[pipeline] += 1
+            starts = {}
+            holds = []
+            if use_rld is not None:
+                starts[use_rld.name] = rld_cached
+                holds.append(False)
+            if use_md is not None:
+                starts[use_md.name] = md_cached
+                holds.append(pipeline == "P-RLD-MD")
+            fl.cached_tokens = md_cached if use_md is not None else 0
+            fl.tracker.advance(RequestState.PREFILLING, f"P {p.name}")
+            await self._run_streams(fl, p, starts, tuple(holds), use_rld, use_md, streams)
+        finally:
+            if fl.background is None:
+                for st in streams.values():
+                    st.close()
+
+    def _decide(self, fl: _Flight, p: NodeHandle, md: NodeHandle | None, md_cached: int,
+                rld: NodeHandle | None):  # type: ignore[no-untyped-def]
+        """Step 2: the policy's pipeline for this request, logged with its inputs."""
         # Without an MD nothing is held: any block size gives the same missing bytes.
         md_bs = md.block_size if md else p.block_size
-        missing = len(prompt) - held * md_bs
+        missing = len(fl.prompt) - md_cached
         est = self.wan.estimate()
         inputs = PipelineInputs(
-            prompt_tokens=len(prompt), block_size=md_bs, md_hit_blocks=held,
+            prompt_tokens=len(fl.prompt), block_size=md_bs, md_hit_blocks=md_cached // md_bs,
             missing_kv_bytes=missing * self.kv_bytes_per_token, max_output_tokens=fl.sampling.max_tokens,
             bandwidth_bytes_per_s=est.bandwidth_bytes_per_s, rtt_ms=est.rtt_ms,
-            rld_load=rld.report().load if rld else None, md_load=md.report().load if md else None,
-            wan_backlog_bytes=self.wan_backlog)
+            rld_load=self._relay_pressure(rld, len(fl.prompt)) if rld else None,
+            md_load=md.report().load if md else None, wan_backlog_bytes=max(0, self.wan_backlog))
         policy = self.cfg.policy
         if fl.force_pipeline:
             policy = dataclasses.replace(policy, pipeline=fl.force_pipeline)
@@ -340,39 +451,34 @@ class Router:
             decision = decide_pipeline(inputs, policy, self.limiter)
         except NoInstanceError as e:
             raise RouterError(str(e), "unavailable") from None
-        log.info("pipeline_decision", request_id=rid, p=p.name, md=md and md.name, rld=rld and rld.name,
+        log.info("pipeline_decision", request_id=fl.rid, p=p.name, md=md and md.name, rld=rld and rld.name,
                  **decision.as_log())
-        pipeline = decision.pipeline
-        use_md = md if pipeline in ("P-MD", "P-RLD-MD") else None
-        use_rld = rld if pipeline in ("P-RLD-MD", "P-RLD") else None
-        if md is not None and use_md is None:
-            await self._cancel_on(md, rid)
-        if fl.tracker.state == RequestState.RECEIVED:
-            fl.tracker.route(pipeline, decision.reason)
-        self.counts[pipeline] += 1
+        return decision
 
-        decoders = [(n, hold) for n, hold in ((use_rld, False), (use_md, pipeline == "P-RLD-MD")) if n]
-        streams = {n.name: n.link.stream(rid, timeout=self.timeout) for n, _ in decoders}
+    async def _open(self, node: NodeHandle, fl: _Flight, hold: bool, supersedes: tuple[str, ...] = ()) -> int:
+        """Open the request on a decoder for P's KV; -> the prompt tokens it caches."""
+        self._involve(fl, node)
+        return await self._submit(node, fl, "import", hold, supersedes)
+
+    async def _open_md(self, md: NodeHandle | None, fl: _Flight, supersedes: tuple[str, ...]) -> int:
+        """Open on MD, holding until P says otherwise; an MD without room counts as lost
+        for this request (the re-drive tries another)."""
+        if md is None:
+            return 0
         try:
-            starts = {}
-            for node, hold in decoders:
-                self._involve(fl, node)
-                starts[node.name] = await self._submit(node, fl, "import", hold)
-            fl.cached_tokens = starts.get(use_md.name if use_md else "", 0)
-            fl.tracker.advance(RequestState.PREFILLING, f"P {p.name}")
-            self._involve(fl, p)
-            await self._run_streams(fl, p, starts, use_rld, use_md, streams)
-        finally:
-            if fl.background is None:
-                for s in streams.values():
-                    s.close()
+            return await self._open(md, fl, True, supersedes)
+        except _NoRoom as e:
+            raise _NodeLost(md, str(e)) from None
 
-    async def _submit(self, node: NodeHandle, fl: _Flight, kv: str, hold: bool) -> int:
+    async def _submit(self, node: NodeHandle, fl: _Flight, kv: str, hold: bool,
+                      supersedes: tuple[str, ...] = ()) -> int:
         msg = pm.Submit(request_id=fl.rid, kv=kv, hold=hold, prompt=fl.prompt,  # type: ignore[arg-type]
-                        **pm.sampling_fields(fl.sampling))
+                        supersedes=supersedes, **pm.sampling_fields(fl.sampling))
         try:
             reply = await node.link.request(msg, timeout=self.control_timeout)
         except RemoteError as e:
+            if e.code == "capacity":
+                raise _NoRoom(f"{node.role} {node.name}: {e}") from None
             raise _NodeLost(node, f"refused the request: {e}") from None
         except LinkError as e:
             raise _NodeLost(node, f"unreachable: {e}") from None
@@ -383,148 +489,138 @@ class Router:
         with contextlib.suppress(LinkError):
             await node.link.send(m.Cancel(rid, "not on this path"), timeout=self.control_timeout)
 
-    async def _run_streams(self, fl: _Flight, p: NodeHandle, starts: dict[str, int],
+    async def _run_streams(self, fl: _Flight, p: NodeHandle, starts: dict[str, int], holds: tuple[bool, ...],
                            rld: NodeHandle | None, md: NodeHandle | None, streams) -> None:
         """Steps 4-7: prefill, merge, hand off, fall back."""
         rid = fl.rid
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue[Event] = asyncio.Queue()
 
         async def pump(node: NodeHandle) -> None:
             try:
                 async for msg in streams[node.name]:
-                    events.put_nowait((node, msg))
-            except LinkError as e:
-                events.put_nowait((node, e))
+                    ev = from_message(node, msg)
+                    if ev is not None:
+                        events.put_nowait(ev)
             except Exception as e:   # never lose a failure silently
-                events.put_nowait((node, LinkError(repr(e))))
+                events.put_nowait(NodeFailed(node, str(e) if isinstance(e, LinkError) else repr(e)))
 
         async def prefill() -> None:
             msg = pm.Prefill(request_id=rid, targets=tuple(starts), starts=tuple(starts.values()),  # type: ignore[arg-type]
-                             prompt=fl.prompt, **pm.sampling_fields(fl.sampling))
-            wan = sum((len(fl.prompt) - start) * self.kv_bytes_per_token for name, start in starts.items()
-                      if self.nodes[name].cfg.cluster != p.cfg.cluster)
+                             prompt=fl.prompt, holds=holds, **pm.sampling_fields(fl.sampling))
+            fl.wan_queued = sum((len(fl.prompt) - start) * self.kv_bytes_per_token
+                                for name, start in starts.items() if self._crosses_wan(p, name))
+            self.wan_backlog += fl.wan_queued
             work = len(fl.prompt) - fl.p_cached_tokens
-            self.wan_backlog += wan
             p.prefill_backlog += work
             try:
-                events.put_nowait((p, await p.link.request(msg, timeout=self.timeout)))
+                done = await p.link.request(msg, timeout=self.timeout)
+                assert isinstance(done, pm.PrefillDone), done
+                events.put_nowait(PrefillFinished(p, done))
             except LinkError as e:
-                events.put_nowait((p, e))
+                events.put_nowait(NodeFailed(p, str(e)))
             finally:
-                self.wan_backlog -= wan
+                self._unqueue_wan(fl)
                 p.prefill_backlog -= work
 
         tasks = [asyncio.create_task(pump(n)) for n in (rld, md) if n is not None]
-        tasks.append(asyncio.create_task(prefill()))
+        prefill_task = asyncio.create_task(prefill())
+        tasks.append(prefill_task)
         handoff: asyncio.Task | None = None
         md_alive = md is not None
         md_ready = False
         try:
             while not fl.merger.complete:
-                node, ev = await events.get()
-                if isinstance(ev, (LinkError, m.Error)):
-                    why = ev.message if isinstance(ev, m.Error) else str(ev)
-                    if node is p:
-                        raise _NodeLost(p, f"prefill failed: {why}")
-                    if node is md and md_alive and rld is not None and fl.tracker.state in (
-                            RequestState.PREFILLING, RequestState.RLD_DECODING,
-                            RequestState.HANDOFF_PENDING, RequestState.CATCHING_UP):
-                        # RLD still holds the KV: it finishes the request alone.
-                        md_alive = False
-                        self.counts["fallbacks"] += 1
+                ev = await events.get()
+                match ev:
+                    case NodeFailed(node=node, why=why):
+                        if node is p:
+                            raise _NodeLost(p, f"prefill failed: {why}")
+                        if node is md and md_alive and rld is not None and fl.tracker.state in (
+                                RequestState.PREFILLING, RequestState.RLD_DECODING,
+                                RequestState.HANDOFF_PENDING, RequestState.CATCHING_UP):
+                            # RLD still holds the KV: it finishes the request alone.
+                            md_alive = False
+                            self.counts["fallbacks"] += 1
+                            if fl.tracker.state == RequestState.PREFILLING:
+                                fl.tracker.advance(RequestState.RLD_DECODING, "RLD decodes")
+                            fl.tracker.fall_back_to_rld(f"MD {node.name} lost: {why}")
+                            fl.excluded.add(node.name)
+                            if handoff is not None:
+                                handoff.cancel()
+                            continue
+                        raise _NodeLost(node, why)
+                    case PrefillFinished(done=done):
+                        self._on_prefill_done(fl, done, p, list(starts))
+                        for name, err in zip(starts, done.errors):
+                            if err and md is not None and name == md.name and rld is not None and md_alive:
+                                events.put_nowait(NodeFailed(md, f"KV transfer failed: {err}"))
+                            elif err:
+                                raise _NodeLost(self.nodes[name], f"KV transfer failed: {err}")
+                    case Tokens(node=node, item=item):
+                        await self._on_tokens(fl, item, "rld" if node is rld else "md")
+                        if node is rld and item.done:
+                            self._end_relay(fl)
+                    case KvReady(node=node) if node is md and md_alive and rld is not None:
+                        md_ready = True
                         if fl.tracker.state == RequestState.PREFILLING:
                             fl.tracker.advance(RequestState.RLD_DECODING, "RLD decodes")
-                        fl.tracker.fall_back_to_rld(f"MD {node.name} lost: {why}")
-                        fl.excluded.add(node.name)
-                        if handoff is not None:
-                            handoff.cancel()
-                        continue
-                    raise _NodeLost(node, why)
-                if isinstance(ev, pm.PrefillDone):
-                    self._on_prefill_done(fl, ev, p, list(starts))
-                    for name, err in zip(starts, ev.errors):
-                        if err and name == (md.name if md else None) and rld is not None and md_alive:
-                            events.put_nowait((md, LinkError(f"KV transfer failed: {err}")))
-                        elif err:
-                            raise _NodeLost(self.nodes[name], f"KV transfer failed: {err}")
-                elif isinstance(ev, m.TokenItem):
-                    role: Role = "rld" if node is rld else "md"
-                    await self._on_tokens(fl, ev, role)
-                elif isinstance(ev, m.Ready) and node is md and md_alive and rld is not None:
-                    md_ready = True
-                    if fl.tracker.state == RequestState.PREFILLING:
-                        fl.tracker.advance(RequestState.RLD_DECODING, "RLD decodes")
-                    if fl.tracker.state == RequestState.RLD_DECODING:
-                        fl.tracker.md_ready(held=1)   # P's first token went with the KV
-                        handoff = asyncio.create_task(self._hand_off(fl, rld, md, events))
-                elif isinstance(ev, pm.HandoffRound):
-                    if fl.tracker.state in (RequestState.HANDOFF_PENDING, RequestState.CATCHING_UP):
-                        fl.tracker.handoff_round(ev.start, ev.end, ev.final)
-                elif isinstance(ev, pm.HandedOff):
-                    pass
+                        if fl.tracker.state == RequestState.RLD_DECODING:
+                            fl.tracker.md_ready(held=1)   # P's first token went with the KV
+                            handoff = asyncio.create_task(self._hand_off(fl, rld, md, events))
+                    case RoundSent(round=r):
+                        if fl.tracker.state in (RequestState.HANDOFF_PENDING, RequestState.CATCHING_UP):
+                            fl.tracker.handoff_round(r.start, r.end, r.final)
+                    case HandoffEnded():
+                        self._end_relay(fl)
             if md is not None and md_alive and rld is not None and handoff is None:
-                # RLD finished before MD got the KV: MD still takes the
-                # conversation into its prefix cache, after the response.
-                fl.background = asyncio.create_task(
-                    self._align_md(fl, md, md_ready, events, tasks, streams), name=f"align-{rid}")
-                self.background.add(fl.background)
-                fl.background.add_done_callback(self.background.discard)
-                self.counts["md_alignments"] += 1
+                self._align_md(fl, p, md, md_ready, starts[md.name], prefill_task, events, tasks, streams)
         finally:
             if fl.background is None:
                 await _cancel_all(tasks + ([handoff] if handoff else []))
             elif handoff is not None:
                 await _cancel_all([handoff])
 
-    async def _align_md(self, fl: _Flight, md: NodeHandle, ready: bool, events: asyncio.Queue,
-                        tasks: list[asyncio.Task], streams) -> None:
-        """Keep MD's prefix cache aligned with P's when RLD served the whole request.
+    def _crosses_wan(self, p: NodeHandle, target: str) -> bool:
+        return self.nodes[target].cfg.cluster != p.cfg.cluster
 
-        The KV keeps crossing the WAN; once MD has it, MD extends the output
-        tokens on hold (their KV is computed, nothing sampled) and the request
-        is released, leaving prompt and output in MD's cache.
-        """
-        try:
-            async with asyncio.timeout(self.timeout):
-                while not ready:
-                    node, ev = await events.get()
-                    if node is md and isinstance(ev, m.Ready):
-                        ready = True
-                    elif node is md and isinstance(ev, (LinkError, m.Error)):
-                        return
-                out = fl.merger.emitted_tokens
-                if len(out) > 1:
-                    await md.link.request(pm.Extend(fl.rid, 1, False, out[1:]), timeout=self.control_timeout)
-        except (LinkError, TimeoutError) as e:
-            log.info("md_alignment_failed", request_id=fl.rid, error=str(e))
-        finally:
+    def _align_md(self, fl: _Flight, p: NodeHandle, md: NodeHandle, ready: bool, md_start: int,
+                  prefill_task: asyncio.Task, events: asyncio.Queue[Event], tasks: list[asyncio.Task],
+                  streams) -> None:
+        """RLD finished before MD got the KV: MD takes the conversation into its
+        prefix cache in the background (alignment.py); nobody waits for it, so
+        its bytes leave the foreground backlog."""
+        hashes = fl.block_hashes(md.block_size)
+        idx = md_start // md.block_size
+        key = AlignKey(md.name, md.block_size, idx, hashes[idx]) if idx < len(hashes) else None
+        self._unqueue_wan(fl)
+
+        async def cleanup() -> None:
             await _cancel_all(tasks)
-            for s in streams.values():
-                s.close()
+            for st in streams.values():
+                st.close()
             await self._release(fl)
 
-    async def _hand_off(self, fl: _Flight, rld: NodeHandle, md: NodeHandle, events: asyncio.Queue) -> None:
-        pol = self.cfg.policy
-        if fl.force_handoff:
-            pol = dataclasses.replace(pol, handoff_mode=fl.force_handoff)
-        decision = choose_handoff_mode(HandoffInputs(fl.merger.next_position, rld.report().load,
-                                                     md.report().load), pol)
-        log.info("handoff_decision", request_id=fl.rid, **decision.as_log())
-        msg = pm.HandOff(fl.rid, md.name, decision.mode, decision.threshold,
-                         max(pol.catchup_max_chunk, decision.threshold), pol.catchup_max_rounds)
+        fl.background = self.alignments.start(
+            fl.rid, key, None if prefill_task.done() else p.link, md.link, md, ready,
+            fl.merger.emitted_tokens, events.get, cleanup)
+        self.counts["md_alignments"] += 1
+
+    async def _hand_off(self, fl: _Flight, rld: NodeHandle, md: NodeHandle, events: asyncio.Queue[Event]) -> None:
         try:
-            events.put_nowait((rld, await rld.link.request(msg, timeout=self.timeout)))
-        except RemoteError as e:
-            # RLD already finished (or lost the request): nothing to hand off.
-            log.info("handoff_skipped", request_id=fl.rid, reason=str(e))
+            handed = await drive_handoff(fl.rid, rld.link, md.name, self.cfg.policy, fl.merger.next_position,
+                                         self._relay_pressure(rld), md.report().load,
+                                         self.wan.estimate().rtt_ms, self.timeout, fl.force_handoff)
+            events.put_nowait(HandoffEnded(rld, handed))
         except LinkError as e:
-            events.put_nowait((rld, e))
+            events.put_nowait(NodeFailed(rld, str(e)))
 
     def _on_prefill_done(self, fl: _Flight, ev: pm.PrefillDone, p: NodeHandle, targets: list[str]) -> None:
-        """Count the KV bytes that crossed the WAN (targets in another cluster than P)."""
-        for name, sent in zip(targets, ev.sent_bytes):
-            if self.nodes[name].cfg.cluster != p.cfg.cluster:
+        """Count the KV bytes that crossed the WAN, and feed the estimator the wire's rate."""
+        seconds = ev.send_seconds or (0.0,) * len(targets)
+        for name, sent, secs in zip(targets, ev.sent_bytes, seconds):
+            if self._crosses_wan(p, name):
                 fl.tracker.add_wan_kv_bytes(sent)
+                self.wan.observe_transfer(sent, secs)
 
     async def _on_tokens(self, fl: _Flight, ev: m.TokenItem, role: Role) -> None:
         tr = fl.tracker
@@ -550,7 +646,10 @@ class Router:
         stream = node.link.stream(fl.rid, timeout=self.timeout)
         self._involve(fl, node)
         try:
-            await self._submit(node, fl, "compute", bool(emitted))
+            try:
+                await self._submit(node, fl, "compute", bool(emitted))
+            except _NoRoom as e:
+                raise _NodeLost(node, str(e)) from None
             if emitted:
                 try:
                     await node.link.request(pm.Extend(fl.rid, 0, True, emitted), timeout=self.control_timeout)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pddgw.config import Config
 from pddgw.engines.costmodel import CostModelEngine
 from pddgw.engines.types import SamplingParams
+from pddgw.net.link import Priority
+from pddgw.net.shaping import Shaper
 from pddgw.pipeline.deploy import Embedded
 from pddgw.pipeline.ordering import TokenRun
 from pddgw.pipeline.router import Router, RouterError
@@ -69,11 +71,24 @@ class RunResult:
     # role -> mean share of the run its engines spent in forward passes
     engine_busy: dict[str, float]
     md_alignments: int
+    # started / completed / superseded (dropped: the next turn came first) / failed
+    alignments: dict[str, int]
+    rld_full: int                     # requests sent P-MD because RLD had no room
+    # "name src->dst" -> per class ("foreground", "background") bytes and wire seconds,
+    # and the QoS proof: background bytes serialized while a foreground frame waited
+    wan_classes: dict[str, dict[str, float]]
     redrives: int                     # requests the router restarted on another path
     # role -> recompute preemptions (a full pool evicting a running sequence)
     preemptions: dict[str, int]
     leaked_blocks: int                # KV blocks still in use on any node at the end (must be 0)
     leaked_pins: int
+
+
+def _classes(sh: Shaper) -> dict[str, float]:
+    fg, bg = sh.classes[Priority.FOREGROUND], sh.classes[Priority.BACKGROUND]
+    return {"foreground_gb": round(fg.bytes_booked / 1e9, 3), "foreground_busy_s": round(fg.busy_s, 3),
+            "background_gb": round(bg.bytes_booked / 1e9, 3), "background_busy_s": round(bg.busy_s, 3),
+            "bg_bytes_ahead_of_fg": sh.bg_bytes_ahead_of_fg}
 
 
 def token_digest(token_ids: list[int] | tuple[int, ...]) -> str:
@@ -184,10 +199,12 @@ async def run_deployment(cfg: Config, conversations: list[Conversation], shared_
         # Utilisation over the whole run, background transfers after the last answer included.
         util = {f"{name} {src}->{dst}": round(sh.busy_s / max(duration + drain, 1e-9), 4)
                 for (name, src, dst), sh in sorted(emb.net.shapers.items())}
+        classes = {f"{name} {src}->{dst}": _classes(sh) for (name, src, dst), sh in sorted(emb.net.shapers.items())}
         results.sort(key=lambda r: (r.arrival_s, r.rid))
         return RunResult(results, duration, drain, time.perf_counter() - wall0, emb.wan_kv_bytes(), util,
                          {r: sum(v) / len(v) for r, v in sorted(busy.items())},
-                         router.counts["md_alignments"], router.counts["redrives"], dict(sorted(preempted.items())),
+                         router.counts["md_alignments"], dict(router.alignments.counts), router.counts["rld_full"],
+                         classes, router.counts["redrives"], dict(sorted(preempted.items())),
                          leaked, pins)
     finally:
         await emb.stop()

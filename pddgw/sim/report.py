@@ -86,6 +86,14 @@ def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:
         "catchup_rounds": {"median": percentile([r.catchup_rounds for r in handoffs if r.handoff_mode == "catch-up"], 50),
                            "histogram": {str(k): v for k, v in sorted(rounds.items())}},
         "md_alignments": run.md_alignments,
+        "alignments": run.alignments,
+        "rld_full": run.rld_full,
+        "wan_classes": run.wan_classes,
+        # Over every wire: foreground / background GB, and background bytes that went
+        # on the wire while a foreground frame waited (QoS holds: 0).
+        "wan_qos": {"fg_gb": round(sum(c["foreground_gb"] for c in run.wan_classes.values()), 3),
+                    "bg_gb": round(sum(c["background_gb"] for c in run.wan_classes.values()), 3),
+                    "bg_ahead_of_fg": sum(c["bg_bytes_ahead_of_fg"] for c in run.wan_classes.values())},
         "redrives": run.redrives,
         "preemptions": run.preemptions,
         "engine_busy": {k: round(v, 4) for k, v in run.engine_busy.items()},

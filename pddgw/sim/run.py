@@ -224,7 +224,8 @@ def format_report(rep: dict[str, Any], private: dict[str, Any]) -> str:
                ("link utilisation", "link_utilisation"), ("handoffs", "handoff_modes"),
                ("handoff stall P50 (ms)", "handoff_stall_ms.p50"), ("handoff stall P99 (ms)", "handoff_stall_ms.p99"),
                ("handoff stall max (ms)", "handoff_stall_ms.max"), ("catch-up rounds (median)", "catchup_rounds.median"),
-               ("MD alignments", "md_alignments"), ("re-drives", "redrives"), ("preemptions", "preemptions"),
+               ("MD alignments", "alignments"), ("RLD full -> P-MD", "rld_full"),
+               ("WAN QoS (GB; bg ahead of fg)", "wan_qos"), ("re-drives", "redrives"), ("preemptions", "preemptions"),
                ("background drain (s)", "drain_s"),
                ("engine busy", "engine_busy"), ("leaked blocks", "leaked_blocks")]
     for var in rep["variants"]:
@@ -272,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", help="replay this Mooncake-format trace instead of the scenario's workload")
     p.add_argument("--requests", type=int, help="override the workload's request count")
     p.add_argument("--seed", type=int, help="override the scenario's seed")
+    p.add_argument("--rate", type=float, help="override the agentic workload's request rate (req/s)")
+    p.add_argument("--wan-gbps", type=float, nargs="+", help="override the scenario's WAN variants")
     p.add_argument("--no-goodput", action="store_true", help="skip the SLA goodput search")
     p.add_argument("--no-bathtub", action="store_true", help="skip the bathtub sweep")
     p.add_argument("--jobs", type=int, default=2, help="parallel processes (default 2)")
@@ -310,7 +313,11 @@ def _overrides(sc: Scenario, args: argparse.Namespace) -> Scenario:
     if args.requests:
         wl = dataclasses.replace(wl, agentic=dataclasses.replace(wl.agentic, requests=args.requests),
                                  trace=dataclasses.replace(wl.trace, requests=args.requests))
+    if args.rate:
+        wl = dataclasses.replace(wl, agentic=dataclasses.replace(wl.agentic, rate=args.rate))
     sc = dataclasses.replace(sc, workload=wl, seed=sc.seed if args.seed is None else args.seed)
+    if args.wan_gbps:
+        sc = dataclasses.replace(sc, wan_gbps=tuple(args.wan_gbps))
     if args.no_goodput:
         sc = dataclasses.replace(sc, goodput=dataclasses.replace(sc.goodput, enabled=False))
     if args.no_bathtub:

@@ -341,7 +341,9 @@ async def test_silent_peer_is_detected_by_heartbeats():
 
 
 async def test_inproc_network_connect_errors():
-    net = InProcNetwork(cfg_for())
+    # An emulated WAN given explicitly: the default "wan" entry has no figures of
+    # its own (the embedded deployment derives them, pipeline/regime.py).
+    net = InProcNetwork(cfg_for(links=(ShapingConfig(name="wan", gbps=0.004, latency_ms=15.0),)))
     with pytest.raises(LinkClosed, match="no node 'ghost' is listening"):
         await net.connect("cli", "ghost")
     net.listen("srv")
@@ -349,6 +351,47 @@ async def test_inproc_network_connect_errors():
         net.listen("srv")
     with pytest.raises(ValueError, match="no \\[\\[net.links\\]\\] entry named 'nope'"):
         await net.connect("cli", "srv", shaping="nope")
-    link = await net.connect("cli", "srv", shaping="wan")      # the default emulated WAN
+    link = await net.connect("cli", "srv", shaping="wan")
     assert link._pipe is not None and link._pipe.shaper.cfg == net.cfg.shaping("wan")
     await net.close()
+
+
+async def test_shaped_link_foreground_overtakes_background(make_pair):
+    """Both transports: live KV preempts a background transfer on the emulated wire.
+
+    Over WebSocket a frame is numbered when it leaves the wire, so the receiver
+    (which restores frame order by number) does not hold it back.
+    """
+    from pddgw.net import frames
+    from pddgw.net.inproc import wire_size
+    from pddgw.net.link import Priority
+    from pddgw.net.ws import WsLink
+    from pddgw.net.wsproto import ws_header_size
+
+    # 16 KiB chunks take 65 ms each at 2 Mbps: the live transfer, sent when the first
+    # bulk chunk has arrived (70 ms), finds the second one on the wire.
+    cfg = cfg_for(links=(ShapingConfig(name="emu", gbps=0.002, latency_ms=5.0),))
+    p = await make_pair(cfg, stripes=2, shaping="emu")
+    span = lambda rid, i: m.KvSpan(rid, 0, 1, i * 4, (i + 1) * 4, "float16", (1, 2, 4, 8, 128))
+    bulk = [m.KvChunk(span("bulk", i), kv_payload(span("bulk", i), salt=i), i, i == 3) for i in range(4)]
+    live = [m.KvChunk(span("live", i), kv_payload(span("live", i), salt=50 + i), i, i == 1) for i in range(2)]
+    background = asyncio.ensure_future(p.client.send_all(bulk, priority=Priority.BACKGROUND))
+    await p.speer.wait_for(1)
+    live_service = await p.client.send_all(live)
+    bulk_service = await background
+    await p.speer.wait_for(6)
+    assert [(x.span.request_id, x.seq) for x in p.speer.got] == [
+        ("bulk", 0), ("live", 0), ("live", 1), ("bulk", 1), ("bulk", 2), ("bulk", 3)]
+    by_id = {(x.span.request_id, x.seq): bytes(x.payload) for x in p.speer.got}
+    assert all(by_id[(c.span.request_id, c.seq)] == bytes(c.payload) for c in bulk + live)
+
+    def wire(c: m.KvChunk) -> int:
+        if not isinstance(p.client, WsLink):
+            return wire_size(c)
+        head, payload = frames.encode(c)
+        n = len(head) + payload.nbytes
+        return ws_header_size(n, masked=True) + n
+
+    # Service seconds are the frames' own serialization times (bulk chunk 1 was preempted).
+    assert live_service == pytest.approx(sum(wire(c) for c in live) * 8 / 2e6, rel=1e-9)
+    assert bulk_service == pytest.approx(sum(wire(c) for c in bulk) * 8 / 2e6, rel=1e-9)

@@ -21,6 +21,7 @@ from pddgw.pipeline.policy import (
     is_singular_candidate,
     pick_instance,
     plan_handoff_round,
+    relay_pressure,
 )
 
 CFG = PolicyConfig()
@@ -136,15 +137,25 @@ def test_md_busy_threshold():
     assert (d.pipeline, d.reason) == ("P-MD", "fits_budget")
 
 
-def test_rld_saturation_threshold():
+def test_rld_full_threshold():
     slow = dict(missing_kv_bytes=10_000_000)
-    d = choose_pipeline(inputs(rld_load=0.9, **slow), CFG)
-    assert (d.pipeline, d.reason) == ("P-MD", "rld_saturated")
-    d = choose_pipeline(inputs(rld_load=0.8999, **slow), CFG)
+    d = choose_pipeline(inputs(rld_load=1.0001, **slow), CFG)
+    assert (d.pipeline, d.reason) == ("P-MD", "rld_full")
+    d = choose_pipeline(inputs(rld_load=1.0, **slow), CFG)
     assert (d.pipeline, d.reason) == ("P-RLD-MD", "transfer_over_budget")
-    # A saturated RLD also blocks the md_busy detour.
-    d = choose_pipeline(inputs(rld_load=0.95, md_load=0.95), CFG)
-    assert (d.pipeline, d.reason) == ("P-MD", "rld_saturated")
+    # A full RLD also blocks the md_busy detour: the request waits for the WAN.
+    d = choose_pipeline(inputs(rld_load=1.5, md_load=0.95), CFG)
+    assert (d.pipeline, d.reason) == ("P-MD", "rld_full")
+
+
+def test_relay_pressure_counts_slots_and_kv_share():
+    cfg = dataclasses.replace(CFG, rld_max_relays=4, rld_max_kv_share=0.5)
+    assert relay_pressure(0, 0, 1000, cfg) == 0.0
+    assert relay_pressure(4, 0, 1000, cfg) == 1.0          # the 4th relay fits
+    assert relay_pressure(5, 0, 1000, cfg) == 1.25
+    assert relay_pressure(1, 500, 1000, cfg) == 1.0        # half the pool is the KV share
+    assert relay_pressure(1, 501, 1000, cfg) == 1.002
+    assert relay_pressure(2, 10**9, 0, cfg) == 0.5         # pool size unknown: slots only
 
 
 def test_availability_and_forcing():
@@ -183,8 +194,8 @@ def test_singular_candidate_thresholds():
     assert (d.pipeline, d.reason) == ("P-RLD", "singular")
     d = choose_pipeline(singular_inputs(), CFG, singular_allowed=False)
     assert (d.pipeline, d.reason, d.singular_allowed) == ("P-RLD-MD", "transfer_over_budget", False)
-    d = choose_pipeline(singular_inputs(rld_load=0.9), CFG)
-    assert (d.pipeline, d.reason) == ("P-MD", "rld_saturated")
+    d = choose_pipeline(singular_inputs(rld_load=1.1), CFG)
+    assert (d.pipeline, d.reason) == ("P-MD", "rld_full")
     d = choose_pipeline(singular_inputs(md_hit_blocks=2), CFG)
     assert (d.pipeline, d.reason, d.singular_candidate) == ("P-RLD-MD", "transfer_over_budget", False)
 
@@ -279,9 +290,9 @@ def test_handoff_mode_forced():
 # ---------------------------------------------------------------- catch-up planner
 
 
-def plan(g, s, rounds=0, mode="catch-up", t=64, max_chunk=256, max_rounds=8):
+def plan(g, s, rounds=0, mode="catch-up", t=64, max_chunk=256, max_rounds=8, per_round=0.0):
     c = plan_handoff_round(generated=g, sent=s, rounds_done=rounds, mode=mode, threshold=t,
-                           max_chunk=max_chunk, max_rounds=max_rounds)
+                           max_chunk=max_chunk, max_rounds=max_rounds, per_round=per_round)
     return c.start, c.end, c.final, c.reason
 
 
@@ -296,7 +307,9 @@ def plan(g, s, rounds=0, mode="catch-up", t=64, max_chunk=256, max_rounds=8):
     ((310, 256, 1), (256, 310, True, "under_threshold")),
     ((320, 256, 1), (256, 320, False, "catch-up")),
     ((500, 100, 8), (100, 500, True, "max_rounds")),
-    ((500, 100, 7), (100, 356, False, "catch-up")),
+    # 400 unsent: a 256 cap would leave 144 >= 64 for the next round, so the
+    # chunk grows until the next round is the last (400 - 337 = 63 < 64).
+    ((500, 100, 7), (100, 437, False, "catch-up")),
     ((0, 0), (0, 0, True, "under_threshold")),
     ((40, 40, 2), (40, 40, True, "under_threshold")),
 ])
@@ -316,29 +329,44 @@ def test_plan_other_thresholds(t, g, expected):
     assert plan(g, 0, t=t, max_chunk=256) == expected
 
 
-def run_catch_up(g0, per_round, t, max_chunk, max_rounds):
-    """RLD makes `per_round` tokens while MD extends each chunk."""
+def run_catch_up(g0, per_round, t, max_chunk, max_rounds, told=None):
+    """RLD makes `per_round` tokens while MD extends each chunk; the plan is told
+    `told` tokens per round (default: the truth, as RLD measures it)."""
     g, sent, rounds, out = g0, 0, 0, []
     while True:
         c = plan_handoff_round(generated=g, sent=sent, rounds_done=rounds, mode="catch-up",
-                               threshold=t, max_chunk=max_chunk, max_rounds=max_rounds)
-        out.append((c.start, c.end, c.final))
+                               threshold=t, max_chunk=max_chunk, max_rounds=max_rounds,
+                               per_round=per_round if told is None else told)
+        out.append((c.start, c.end, c.final, c.reason))
         if c.final:
             return out
         sent, rounds, g = c.end, rounds + 1, g + per_round
 
 
-def test_catch_up_converges_when_md_keeps_up():
-    assert run_catch_up(200, 20, 64, 256, 8) == [(0, 200, False), (200, 220, True)]
-    assert run_catch_up(600, 10, 64, 256, 8) == [
-        (0, 256, False), (256, 512, False), (512, 620, False), (620, 630, True)]
+def test_catch_up_converges_in_two_rounds_when_md_keeps_up():
+    assert run_catch_up(200, 20, 64, 256, 8) == [(0, 200, False, "catch-up"),
+                                                 (200, 220, True, "under_threshold")]
+    # Past max_chunk the first chunk grows just enough that the rest is one final round.
+    assert run_catch_up(600, 10, 64, 256, 8) == [(0, 547, False, "catch-up"),
+                                                 (547, 610, True, "under_threshold")]
+    # The paper's regime: WAN RTT ~ one decode step, so ~2 tokens per round.
+    for g0 in range(64, 1025, 7):
+        rounds = run_catch_up(g0, 2, 64, 256, 8)
+        assert len(rounds) == 2 and rounds[-1][2], (g0, rounds)
 
 
-def test_catch_up_ends_at_max_rounds_when_rld_outruns_md():
-    assert run_catch_up(200, 40, 32, 64, 8) == [
-        (0, 64, False), (64, 128, False), (128, 192, False), (192, 256, False),
-        (256, 320, False), (320, 384, False), (384, 440, False), (440, 480, False),
-        (480, 520, True)]
+def test_catch_up_goes_one_shot_when_rld_outruns_a_round_trip():
+    # RLD makes 40 tokens per round, the threshold is 32: chasing never converges.
+    assert run_catch_up(200, 40, 32, 64, 8) == [(0, 200, True, "no_convergence")]
+    assert run_catch_up(200, 64, 64, 256, 8) == [(0, 200, True, "no_convergence")]
+    assert run_catch_up(200, 63, 64, 256, 8)[-1] == (200, 263, True, "under_threshold")
+
+
+def test_catch_up_ends_at_max_rounds_when_the_rate_was_underestimated():
+    # Told 0 tokens per round, RLD really makes 40 against a threshold of 32.
+    assert run_catch_up(200, 40, 32, 64, 3, told=0) == [
+        (0, 169, False, "catch-up"), (169, 233, False, "catch-up"), (233, 280, False, "catch-up"),
+        (280, 320, True, "max_rounds")]
 
 
 def test_plan_rejects_bad_arguments():
@@ -350,3 +378,5 @@ def test_plan_rejects_bad_arguments():
         plan(10, 0, t=64, max_chunk=32)
     with pytest.raises(ValueError):
         plan(10, 0, rounds=-1)
+    with pytest.raises(ValueError):
+        plan(10, 0, per_round=-1.0)

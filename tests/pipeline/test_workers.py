@@ -20,7 +20,8 @@ from pddgw.engines.types import SamplingParams
 from pddgw.engines.weights import build_tiny
 from pddgw.pipeline.decode import DecodeWorker, TokenEvent
 from pddgw.pipeline.ordering import StreamMerger
-from pddgw.pipeline.policy import plan_handoff_round
+from pddgw.pipeline import protocol as pm
+from pddgw.pipeline.handoff import relay_handoff
 from pddgw.pipeline.prefill import KVTarget, PrefillWorker
 
 
@@ -65,6 +66,7 @@ class Cluster:
         async def send(chunks):
             for c in chunks:
                 await worker.import_kv(c)
+            return 0.0
 
         return KVTarget(name, start, send, lambda t0: worker.kv_done(self.rid, t0, decode))
 
@@ -115,20 +117,20 @@ def test_p_rld_md_handoff(model, mode, threshold, temperature):
             await asyncio.sleep(0.001)
         rounds = []
 
-        def plan(generated, sent, done):
-            chunk = plan_handoff_round(generated=generated, sent=sent, rounds_done=done, mode=mode,
-                                       threshold=threshold, max_chunk=max(4, threshold), max_rounds=8)
-            rounds.append(chunk)
-            return chunk
+        async def send(start, ids, final):
+            rounds.append((start, start + len(ids), final))
+            await c.md.extend("r1", start, ids, final)
 
-        at = await asyncio.wait_for(
-            c.rld.hand_off("r1", plan, lambda s, ids, final: c.md.extend("r1", s, ids, final)), 30)
+        # Forced: rounds go on whatever RLD's rate (the tiny model out-decodes any round trip).
+        msg = pm.HandOff("r1", "md", mode, threshold, max(4, threshold), 8, 0.0, forced=True)
+        at = (await asyncio.wait_for(relay_handoff(c.rld, msg, send), 30)).position
         await asyncio.wait_for(c.finished.wait(), 30)
         rld = tokens_of(c.events["rld"])
         md = tokens_of(c.events["md"])
         assert c.events["md"][0].position == at and len(rld) >= at
         assert rld[:at] + md == expected
-        assert rounds[-1].final and (len(rounds) > 1) == (mode == "catch-up")
+        assert rounds[-1] == (rounds[-1][0], at, True) and (len(rounds) > 1) == (mode == "catch-up")
+        assert [r[0] for r in rounds] == [1] + [r[1] for r in rounds[:-1]]     # contiguous from 1
         await c.stop()
 
     asyncio.run(main())
