@@ -71,7 +71,7 @@ class InProcLink(LinkBase):
             raise self._closed_error()
         item = self._prepare(msg, corr, flags)
         if self._pipe is not None:
-            return await self._pipe.put(item, item[3], priority)
+            return await self._pipe.put(item, item[3], priority, control=not isinstance(msg, m.KvChunk))
         other._receive(item)
         return None
 

@@ -24,6 +24,13 @@ two strict-priority traffic classes (`Priority`) feeding a pipe:
    the same pipe: frames whose serialization ended in order are not
    reordered, and a foreground frame overtakes the background frames it
    preempted.
+5. Control frames (`control`: anything but KV - requests, tokens, handoffs,
+   heartbeats) are serialized at once at the rate of the moment and queue
+   behind nobody's bulk frames: on a real WAN they ride their own
+   connections and meet the bottleneck's short buffer, not the KV backlog
+   that other links hold in their send queues.  They still never overtake
+   an earlier frame of their own pipe (a KV transfer's end follows its KV).
+   Their bytes are negligible and only counted (`control_bytes`).
 
 `ShapedPipe` applies the schedule to one link direction: `put` waits until the
 frame has left the emulated NIC (the sender feels the bandwidth and the
@@ -110,6 +117,8 @@ class Shaper:
         # wire between its queueing and the end of its serialization, summed:
         # 0 with preemption, > 0 if background traffic ever delayed foreground.
         self.bg_bytes_ahead_of_fg = 0.0
+        self.control_bytes = 0                # control frames (step 5): counted, not queued
+        self.control_frames = 0
 
     # -- totals (both classes) -------------------------------------------------
 
@@ -222,6 +231,14 @@ class Shaper:
             self._restart_bg(done)
             self._kick(now)
         return start, done, arrival
+
+    def control(self, nbytes: int, now: float, pipe: ShapedPipe | None = None, item: Any = None) -> float:
+        """Step 5: a control frame sent at `now` -> its serialization end."""
+        done = self._end_of_bits(now, nbytes * 8.0)
+        self.control_bytes += nbytes
+        self.control_frames += 1
+        self._arrive(done, pipe, item)
+        return done
 
     def _arrive(self, done: float, pipe: ShapedPipe | None, item: Any) -> float:
         """Arrival of a frame whose serialization ends at `done`; a pipe gets the item, in arrival order."""
@@ -352,14 +369,16 @@ class ShapedPipe:
         self.closed = False
 
     def put_nowait(self, item: Any, nbytes: int) -> float:
-        """Queue `item` as foreground (heartbeats, control); -> the time its serialization ends."""
+        """Send a control frame (heartbeats); -> the time its serialization ends."""
         now = self._loop.time()
         if self.closed:
             return now
-        return self.shaper.schedule(nbytes, now, self, item)[0]
+        return self.shaper.control(nbytes, now, self, item)
 
-    async def put(self, item: Any, nbytes: int, priority: Priority = Priority.FOREGROUND) -> float:
-        """Queue `item` in its class and wait until it has left the emulated NIC.
+    async def put(self, item: Any, nbytes: int, priority: Priority = Priority.FOREGROUND,
+                  control: bool = False) -> float:
+        """Queue `item` in its class (a `control` frame: step 5) and wait until
+        it has left the emulated NIC.
 
         -> the seconds the frame itself was on the wire (its serialization
         time; not the time it waited for other frames).
@@ -367,6 +386,11 @@ class ShapedPipe:
         now = self._loop.time()
         if self.closed:
             return 0.0
+        if control:
+            done = self.shaper.control(nbytes, now, self, item)
+            if done - now >= _MIN_SLEEP_S:
+                await asyncio.sleep(done - now)
+            return done - now
         if priority == Priority.FOREGROUND:
             start, done, _ = self.shaper._book(nbytes, now, self, item)
             if done - now >= _MIN_SLEEP_S:

@@ -173,7 +173,7 @@ class WsLink(LinkBase):
         conn = self._pick(msg, stripe)
         if self._pipe is not None:
             item, wire = self._shaped_item(conn, msg, corr, flags)
-            return await self._pipe.put(item, wire, priority)
+            return await self._pipe.put(item, wire, priority, control=not isinstance(msg, m.KvChunk))
         bufs, wire, zero_copy = self._frame(conn, msg, corr, flags)
         conn.write(bufs)
         await conn.drain(empty=zero_copy)

@@ -57,8 +57,8 @@ from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, Pre
                                    Tokens, from_message)
 from pddgw.pipeline.handoff import drive_handoff
 from pddgw.pipeline.ordering import StreamMerger, TokenRun
-from pddgw.pipeline.policy import (LoadReport, NoInstanceError, PipelineInputs, SingularLimiter,
-                                   decide_pipeline, pick_instance, relay_pressure)
+from pddgw.pipeline.policy import (LoadReport, NoInstanceError, PipelineDecision, PipelineInputs,
+                                   SingularLimiter, decide_pipeline, pick_instance, relay_pressure)
 from pddgw.pipeline.state import RequestRecord, RequestState, RequestTracker, Role
 
 log = structlog.get_logger(__name__)
@@ -391,22 +391,25 @@ class Router:
             pipeline = decision.pipeline
             use_md = md if pipeline in ("P-MD", "P-RLD-MD") else None
             use_rld = rld if pipeline in ("P-RLD-MD", "P-RLD") else None
+            if decision.reason == "rld_full":
+                self.counts["rld_full"] += 1
             if use_rld is not None:
+                # The relay slot is taken before the first await: concurrent decisions see it.
+                fl.relay = use_rld
+                use_rld.relays += 1
+                use_rld.relay_tokens += len(prompt)
                 streams[use_rld.name] = use_rld.link.stream(rid, timeout=self.timeout)
                 try:
                     rld_cached = await self._open(use_rld, fl, hold=False)
                 except _NoRoom as e:
+                    self._end_relay(fl)
                     if use_md is None:
                         raise _NodeLost(use_rld, str(e)) from None
-                    # RLD is full: the request waits for the WAN instead.
+                    # RLD is full after all (its pool, not this router's count): wait for the WAN.
                     log.info("rld_full", request_id=rid, rld=use_rld.name, error=str(e))
                     self.counts["rld_full"] += 1
                     streams.pop(use_rld.name).close()
                     pipeline, use_rld = "P-MD", None
-                else:
-                    fl.relay = use_rld
-                    use_rld.relays += 1
-                    use_rld.relay_tokens += len(prompt)
             if md is not None and use_md is None:
                 await self._cancel_on(md, rid)
                 streams.pop(md.name).close()
@@ -432,7 +435,7 @@ class Router:
                     st.close()
 
     def _decide(self, fl: _Flight, p: NodeHandle, md: NodeHandle | None, md_cached: int,
-                rld: NodeHandle | None):  # type: ignore[no-untyped-def]
+                rld: NodeHandle | None) -> PipelineDecision:
         """Step 2: the policy's pipeline for this request, logged with its inputs."""
         # Without an MD nothing is held: any block size gives the same missing bytes.
         md_bs = md.block_size if md else p.block_size
