@@ -16,7 +16,6 @@ def test_longest_remembered_prefix_per_instance():
     assert idx.match("md1", shared + a + [12]) == 3
     assert idx.match("md1", shared + b) == 6
     assert idx.match("md2", shared) == 0
-    assert idx.match("md0", [2, 3]) == 0   # chained hashes: leading blocks only
     assert len(idx) == 11                  # 5 on md0, 6 on md1
 
 
