@@ -50,10 +50,9 @@ def from_wire(msg: m.KvChunk) -> KVChunk:
 
 @dataclass(slots=True)
 class _Open:
-    """A request open on this decode node: who to report to, whether it holds."""
+    """A request open on this decode node: who to report to."""
 
     router: Link
-    hold: bool
 
 
 class WorkerNode:
@@ -179,7 +178,7 @@ class WorkerNode:
         finally:
             # The request now holds its cached blocks itself (or failed): the pin has done its job.
             await self._unpin(rid)
-        self._open[rid] = _Open(link, msg.hold)
+        self._open[rid] = _Open(link)
         self._watch(link)
         return pm.Opened(rid, cached)
 
@@ -202,7 +201,6 @@ class WorkerNode:
         op = self._open.get(rid)
         if op is None:
             raise RequestError(f"request {rid!r} is not open on {self.name}")
-        op.hold = hold
         await self._decoder().kv_done(rid, first, decode=not hold)
         if hold:
             await op.router.send(m.Ready(rid, "kv"))

@@ -192,6 +192,25 @@ def test_finish_import_requires_every_token(tiny64):
     e.check_integrity()
 
 
+def test_a_cancelled_import_keeps_its_complete_leading_blocks(tiny64):
+    """Tokens [0, 30) of 40 arrived (block size 8): blocks 0-2 are whole and go to the
+    prefix cache when the import is dropped; the half-filled block 3 does not."""
+    e = make_engine(tiny64, block_size=8)
+    src = make_engine(tiny64, block_size=8)
+    prompt = list(range(50, 90))
+    src.add_request(req("r", prompt, max_tokens=1, retain_kv=True))
+    run_to_end(src)
+    e.add_request(req("r", prompt, max_tokens=4, kv_source="import"))
+    e.import_kv(src.export_kv("r", 0, 30))
+    assert e.abort("r")
+    st = e.stats()
+    assert (st.used_blocks, st.cached_blocks) == (0, 3)
+    assert e.match_prefix(chain_hashes(prompt, 8)) == 3
+    # The next turn imports on top of them: only tokens [24, 40) are needed.
+    assert e.add_request(req("r2", prompt, max_tokens=4, kv_source="import")).num_cached_tokens == 24
+    e.check_integrity()
+
+
 def test_preemption_under_block_pressure_keeps_outputs_exact(tiny64):
     prompts = [[random.Random(i).randrange(32, 127) for _ in range(30)] for i in range(6)]
     engine = make_engine(tiny64, num_blocks=12, block_size=8, max_num_batched_tokens=64)
