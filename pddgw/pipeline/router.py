@@ -364,10 +364,12 @@ class Router:
                             emitted=fl.merger.next_position)
                 # Old paths must be gone before the request opens again somewhere.
                 await self._release(fl)
-                if fl.tracker.state == RequestState.ROUTED:
-                    fl.tracker.advance(RequestState.PREFILLING, "opening failed")
-                if fl.tracker.state != RequestState.REDRIVING:
-                    fl.tracker.redrive(str(e))
+                # Lost before it was routed (MD's open is step 1): nothing to re-drive yet.
+                if fl.tracker.state != RequestState.RECEIVED:
+                    if fl.tracker.state == RequestState.ROUTED:
+                        fl.tracker.advance(RequestState.PREFILLING, "opening failed")
+                    if fl.tracker.state != RequestState.REDRIVING:
+                        fl.tracker.redrive(str(e))
                 self.counts["redrives"] += 1
         raise RouterError(f"request {fl.rid}: no healthy path left after {MAX_ATTEMPTS} attempts",
                           "unavailable")

@@ -122,8 +122,13 @@ class IllegalTransition(RuntimeError):
         self.request_id = request_id
         self.src = src
         self.dst = dst
+        self.why = why
         detail = f": {why}" if why else ""
         super().__init__(f"request {request_id}: illegal transition {src.name} -> {dst.name}{detail}")
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        # Crosses process boundaries intact (the simulator runs jobs in worker processes).
+        return (IllegalTransition, (self.request_id, self.src, self.dst, self.why))
 
 
 @dataclass(frozen=True, slots=True)

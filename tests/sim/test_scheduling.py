@@ -154,3 +154,25 @@ def test_foreground_never_waits_behind_background_on_the_wan():
     assert qos["bg_gb"] > 0 and qos["fg_gb"] > 0
     assert qos["bg_ahead_of_fg"] == 0
     assert run.leaked_blocks == 0 and run.leaked_pins == 0
+
+
+def test_an_md_without_room_is_skipped_before_routing():
+    """md0's pool cannot hold the prompt: its open (step 1, before routing) is refused for
+    capacity, and the request opens on md1 instead, with a legal timeline."""
+    sc = load_scenario(TINY)
+    dep = sc.deployment("pdd")
+    nodes = tuple(dataclasses.replace(g, count=2) if g.role == "md" else g for g in dep.nodes)
+    cfg = deployment_config(sc, dataclasses.replace(dep, nodes=nodes, policy=PolicyConfig()), wan_gbps=1.0)
+    small = dataclasses.replace(cfg.engine_for(cfg.nodes[-2]), num_blocks=8)
+    cfg = dataclasses.replace(cfg, nodes=tuple(dataclasses.replace(n, engine=small) if n.name == "md0" else n
+                                               for n in cfg.nodes))
+
+    async def main():
+        out, router, emb, leaked = await serve(cfg, [("r1", prompt(1500), 16)])
+        return out["r1"], router.counts["redrives"], leaked
+
+    outcome, redrives, leaked = run_virtual(main())
+    rec = outcome.record
+    assert (rec.pipeline, rec.final_state.name, rec.output_tokens, rec.redrives) == ("P-RLD-MD", "FINISHED", 16, ())
+    assert [s for s, _, _ in rec.states][:2] == ["RECEIVED", "ROUTED"]
+    assert redrives == 1 and leaked == 0
