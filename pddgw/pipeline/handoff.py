@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
+
 import structlog
 
 from pddgw.config import PolicyConfig

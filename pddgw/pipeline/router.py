@@ -188,8 +188,7 @@ class Router:
         self.wan = LinkEstimator.from_config(cfg.policy)
         self.timeout = cfg.server.request_timeout_s
         self.control_timeout = cfg.net.request_timeout_s
-        self.counts = {"P-MD": 0, "P-RLD-MD": 0, "P-RLD": 0, "redrives": 0, "fallbacks": 0,
-                       "md_alignments": 0, "rld_full": 0}
+        self.counts = {"P-MD": 0, "P-RLD-MD": 0, "P-RLD": 0, "redrives": 0, "fallbacks": 0, "rld_full": 0}
         self.alignments = Alignments(self.timeout, self.control_timeout)
         self.md_index = PrefixIndex()
         # Foreground KV bytes on their way to MD over the WAN (live requests between
@@ -608,7 +607,6 @@ class Router:
         fl.background = self.alignments.start(
             fl.rid, key, None if prefill_task.done() else p.link, md.link, md, ready,
             fl.merger.emitted_tokens, events.get, cleanup)
-        self.counts["md_alignments"] += 1
 
     async def _hand_off(self, fl: _Flight, rld: NodeHandle, md: NodeHandle, events: asyncio.Queue[Event]) -> None:
         try:

@@ -70,7 +70,6 @@ class RunResult:
     link_utilisation: dict[str, float]
     # role -> mean share of the run its engines spent in forward passes
     engine_busy: dict[str, float]
-    md_alignments: int
     # started / completed / superseded (dropped: the next turn came first) / failed
     alignments: dict[str, int]
     rld_full: int                     # requests sent P-MD because RLD had no room
@@ -203,7 +202,7 @@ async def run_deployment(cfg: Config, conversations: list[Conversation], shared_
         results.sort(key=lambda r: (r.arrival_s, r.rid))
         return RunResult(results, duration, drain, time.perf_counter() - wall0, emb.wan_kv_bytes(), util,
                          {r: sum(v) / len(v) for r, v in sorted(busy.items())},
-                         router.counts["md_alignments"], dict(router.alignments.counts), router.counts["rld_full"],
+                         dict(router.alignments.counts), router.counts["rld_full"],
                          classes, router.counts["redrives"], dict(sorted(preempted.items())),
                          leaked, pins)
     finally:

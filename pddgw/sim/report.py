@@ -85,7 +85,6 @@ def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:
         "handoff_stall_ms": {**_pcts(stalls, 1.0, 2), "max": round(max(stalls), 2) if stalls else None},
         "catchup_rounds": {"median": percentile([r.catchup_rounds for r in handoffs if r.handoff_mode == "catch-up"], 50),
                            "histogram": {str(k): v for k, v in sorted(rounds.items())}},
-        "md_alignments": run.md_alignments,
         "alignments": run.alignments,
         "rld_full": run.rld_full,
         "wan_classes": run.wan_classes,
