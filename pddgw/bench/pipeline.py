@@ -13,7 +13,7 @@ traffic and the same WAN (derived once from the measured decode step, see
   whole prompt KV to cross the WAN before its first token.
 
 Traffic: N conversations arrive as a Poisson process and overlap; each starts with a long system
-prompt (a few hundred uncached tokens, different per conversation), then T
+prompt (900-1,500 uncached tokens, different per conversation), then T
 turns, each re-sending the conversation so far plus a new user message,
 after a short think time.  With `--trace`, a Mooncake-format trace
 is replayed instead (block ids -> shared token blocks, lengths scaled to
@@ -76,7 +76,9 @@ async def _conversation(client: TestClient, conv: int, turns: int, out_tokens: i
                         results: list[dict], start_s: float) -> None:
     await asyncio.sleep(start_s)
     ws = await client.ws_connect("/v1/responses")
-    system = [rng.randrange(32, 127) for _ in range(rng.randrange(250, 450))]
+    # An agent's system prompt with tool definitions: past the embedded WAN's ~713-token
+    # P-MD threshold (README, "The embedded default's WAN"), so first turns relay.
+    system = [rng.randrange(32, 127) for _ in range(rng.randrange(900, 1500))]
     history = list(system)
     try:
         for turn in range(turns):
