@@ -30,7 +30,6 @@ two strict-priority traffic classes (`Priority`) feeding a pipe:
    connections and meet the bottleneck's short buffer, not the KV backlog
    that other links hold in their send queues.  They still never overtake
    an earlier frame of their own pipe (a KV transfer's end follows its KV).
-   Their bytes are negligible and only counted (`control_bytes`).
 
 `ShapedPipe` applies the schedule to one link direction: `put` waits until the
 frame has left the emulated NIC (the sender feels the bandwidth and the
@@ -117,8 +116,6 @@ class Shaper:
         # wire between its queueing and the end of its serialization, summed:
         # 0 with preemption, > 0 if background traffic ever delayed foreground.
         self.bg_bytes_ahead_of_fg = 0.0
-        self.control_bytes = 0                # control frames (step 5): counted, not queued
-        self.control_frames = 0
 
     # -- totals (both classes) -------------------------------------------------
 
@@ -235,8 +232,6 @@ class Shaper:
     def control(self, nbytes: int, now: float, pipe: ShapedPipe | None = None, item: Any = None) -> float:
         """Step 5: a control frame sent at `now` -> its serialization end."""
         done = self._end_of_bits(now, nbytes * 8.0)
-        self.control_bytes += nbytes
-        self.control_frames += 1
         self._arrive(done, pipe, item)
         return done
 
@@ -387,16 +382,14 @@ class ShapedPipe:
         if self.closed:
             return 0.0
         if control:
-            done = self.shaper.control(nbytes, now, self, item)
-            if done - now >= _MIN_SLEEP_S:
-                await asyncio.sleep(done - now)
-            return done - now
-        if priority == Priority.FOREGROUND:
+            start, done = now, self.shaper.control(nbytes, now, self, item)
+        elif priority == Priority.FOREGROUND:
             start, done, _ = self.shaper._book(nbytes, now, self, item)
-            if done - now >= _MIN_SLEEP_S:
-                await asyncio.sleep(done - now)
-            return done - start
-        return await self.shaper._queue_background(self, item, nbytes, now)
+        else:
+            return await self.shaper._queue_background(self, item, nbytes, now)
+        if done - now >= _MIN_SLEEP_S:
+            await asyncio.sleep(done - now)
+        return done - start
 
     def _arrive(self, arrival: float, item: Any) -> None:
         """The shaper hands over a serialized frame (arrivals never decrease)."""

@@ -1,9 +1,10 @@
 """What the router's stream loop consumes: one typed event per thing that happened.
 
 The pumps of a request (P's Prefill reply, each decoder's token stream, the
-handoff) turn link messages and link failures into these at the edge
-(`from_message`), so the loop in router.py matches on meaning, not on wire
-types.  `node` is the router's handle of the node it came from.
+handoff) turn what they get into these at the edge - a decoder's stream
+messages through `from_message`, replies and link failures directly - so the
+loop in router.py matches on meaning, not on wire types.  `node` is the
+router's handle of the node it came from.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pddgw.net import messages as m
-from pddgw.net.errors import LinkError
 from pddgw.pipeline import protocol as pm
 
 
@@ -66,23 +66,15 @@ class NodeFailed:
 Event = Tokens | PrefillFinished | KvReady | RoundSent | HandoffEnded | NodeFailed
 
 
-def from_message(node: Any, msg: m.Message | LinkError | BaseException) -> Event | None:
-    """A pumped message or failure -> its event (None: nothing the loop acts on)."""
+def from_message(node: Any, msg: m.Message) -> Event | None:
+    """A decoder's stream message -> its event (None: nothing the loop acts on).
+
+    A stream raises on an `Error` (the pump turns it into `NodeFailed`)."""
     match msg:
         case m.TokenItem():
             return Tokens(node, msg)
-        case pm.PrefillDone():
-            return PrefillFinished(node, msg)
         case m.Ready():
             return KvReady(node)
         case pm.HandoffRound():
             return RoundSent(node, msg)
-        case pm.HandedOff():
-            return HandoffEnded(node, msg)
-        case m.Error(message=why):
-            return NodeFailed(node, why)
-        case LinkError():
-            return NodeFailed(node, str(msg))
-        case BaseException():
-            return NodeFailed(node, repr(msg))
     return None

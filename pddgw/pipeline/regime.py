@@ -54,8 +54,15 @@ class DerivedWan:
     kv_bytes_per_token: int
     shaping: ShapingConfig              # the "wan" link: gbps and one-way latency
     p_md_max_transfer_ms: float
-    link_prior_mbps: float
-    link_prior_rtt_ms: float
+
+    @property
+    def link_prior_mbps(self) -> float:
+        """The estimator's bandwidth prior: the derived WAN's own."""
+        return self.shaping.gbps * 1000.0
+
+    @property
+    def link_prior_rtt_ms(self) -> float:
+        return 2.0 * self.shaping.latency_ms
 
     def apply(self, cfg: Config) -> Config:
         """`cfg` with this WAN in `[[net.links]]` (replacing or adding "wan") and the policy figures."""
@@ -88,8 +95,7 @@ def derive(regime: RegimeConfig, step_s: float, kv_bytes_per_token: int,
     shaping = dataclasses.replace(base or ShapingConfig(name=WAN), name=WAN, gbps=bits_per_s / 1e9,
                                   latency_ms=rtt_ms / 2.0, trace=(), trace_period_s=0.0)
     return DerivedWan(step_ms=step_ms, kv_bytes_per_token=kv_bytes_per_token, shaping=shaping,
-                      p_md_max_transfer_ms=regime.budget_steps * step_ms,
-                      link_prior_mbps=bits_per_s / 1e6, link_prior_rtt_ms=rtt_ms)
+                      p_md_max_transfer_ms=regime.budget_steps * step_ms)
 
 
 def regime_applies(cfg: Config) -> bool:
