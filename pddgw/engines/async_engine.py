@@ -47,6 +47,11 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
+    @property
+    def pending(self) -> int:
+        """Requests whose output queue is registered (added and not yet streamed to the end)."""
+        return len(self._queues)
+
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) on the engine thread, between steps."""
         if self._closed:

@@ -94,7 +94,8 @@ class RouterSide:
                 return {"node": n.name, "role": n.role, "healthy": False, "error": str(e)}
 
         nodes = await asyncio.gather(*(one(n) for n in self.router.nodes.values()))
-        return {"router": {"active_requests": self.door.active, "pipelines": self.router.counts},
+        return {"router": {"active_requests": self.door.active, "pipelines": self.router.counts,
+                           "inflight": self.router.inflight()},
                 "nodes": {n["node"]: n for n in nodes}}
 
     def start(self) -> None:

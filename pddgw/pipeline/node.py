@@ -98,7 +98,7 @@ class WorkerNode:
         sessions = len(self.decode.sessions) if self.decode is not None else 0
         return pm.NodeState(self.name, self.role, st.used_blocks, st.num_blocks, st.cached_blocks,
                             st.running + st.waiting + st.importing + st.retained, len(self._prefills),
-                            max(sessions, len(self._open)), st.pins, st.prefix_hit_tokens,
+                            max(sessions, len(self._open)), st.pins, self.aeng.pending, st.prefix_hit_tokens,
                             st.prefix_query_tokens)
 
     async def load(self) -> m.LoadReport:

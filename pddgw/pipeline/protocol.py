@@ -323,6 +323,7 @@ class NodeState:
     transfers: int         # KV transfers (prefills) in flight
     sessions: int          # requests open for decode / handoff
     pins: int              # prefix pins awaiting a transfer
+    streams: int           # engine output queues still registered (one per live engine request)
     prefix_hit_tokens: int
     prefix_query_tokens: int
     tag: Literal["node_state"] = "node_state"
@@ -331,14 +332,14 @@ class NodeState:
         _text(self.node, "node")
         _text(self.role, "role")
         for name in ("kv_blocks_in_use", "kv_blocks_total", "kv_blocks_cached", "requests", "transfers",
-                     "sessions", "pins", "prefix_hit_tokens", "prefix_query_tokens"):
+                     "sessions", "pins", "streams", "prefix_hit_tokens", "prefix_query_tokens"):
             _uint(getattr(self, name), name)
 
     def to_dict(self) -> dict[str, object]:
         return {"node": self.node, "role": self.role, "kv_blocks_in_use": self.kv_blocks_in_use,
                 "kv_blocks_total": self.kv_blocks_total, "kv_blocks_cached": self.kv_blocks_cached,
                 "inflight": {"requests": self.requests, "transfers": self.transfers,
-                             "sessions": self.sessions, "pins": self.pins},
+                             "sessions": self.sessions, "pins": self.pins, "streams": self.streams},
                 "prefix_hit_tokens": self.prefix_hit_tokens,
                 "prefix_query_tokens": self.prefix_query_tokens}
 

@@ -194,6 +194,15 @@ class Router:
         # Foreground KV bytes on their way to MD over the WAN (live requests between
         # Prefill and PrefillDone); background alignments are not counted.
         self.wan_backlog = 0
+        self.live = 0                 # requests inside `run`
+
+    def inflight(self) -> dict[str, int]:
+        """What the router holds now: all zero when it is idle (the leak checks read this)."""
+        return {"requests": self.live, "alignments": len(self.alignments),
+                "relays": sum(n.relays for n in self.nodes.values()),
+                "node_requests": sum(n.inflight for n in self.nodes.values()),
+                "prefill_backlog": sum(n.prefill_backlog for n in self.nodes.values()),
+                "wan_backlog_bytes": self.wan_backlog}
 
     async def drain(self) -> None:
         """Wait for work that outlives responses (MD cache alignment)."""
@@ -235,6 +244,7 @@ class Router:
         tracker = RequestTracker(rid, clock=asyncio.get_running_loop().time)
         fl = _Flight(rid, prompt, sampling, tracker, StreamMerger(rid), emit,
                      force_pipeline=pipeline, force_handoff=handoff_mode)
+        self.live += 1
         try:
             async with asyncio.timeout(self.timeout):
                 await self._drive(fl)
@@ -251,6 +261,7 @@ class Router:
                 fl.tracker.fail(str(e))
             raise
         finally:
+            self.live -= 1
             if fl.background is None:
                 await asyncio.shield(self._release(fl))
             log.info("request_done", request_id=rid, state=fl.tracker.state.name,

@@ -45,7 +45,7 @@ async def deploy(aiohttp_client):
         await emb.stop()
         for name, st in state["nodes"].items():
             assert st["kv_blocks_in_use"] == 0, (name, st)
-            assert st["inflight"] == {"requests": 0, "transfers": 0, "sessions": 0, "pins": 0}, (name, st)
+            assert st["inflight"] == {"requests": 0, "transfers": 0, "sessions": 0, "pins": 0, "streams": 0}, (name, st)
 
 
 def prompt_of(n: int, start: int = 40) -> list[int]:
