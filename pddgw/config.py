@@ -235,9 +235,18 @@ class ServerConfig:
     max_streams_per_connection: int = 64
     # A request that has not completed by then ends with an error event.
     request_timeout_s: float = 600.0
+    # Requests waiting for KV room on a full decoder (FIFO); one more is refused
+    # with an `overloaded` error, as is one that waited max_queue_wait_s.
+    max_queued_requests: int = 256
+    max_queue_wait_s: float = 120.0
+    # No healthy node of a role a request needs (a P restarting): wait this long for one.
+    node_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port must be in [0, 65535]")
+        _check(self.max_queued_requests >= 0, "max_queued_requests must be >= 0")
+        _check(self.max_queue_wait_s > 0, "max_queue_wait_s must be > 0")
+        _check(self.node_wait_s >= 0, "node_wait_s must be >= 0")
         _check(self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024")
         _check(self.max_concurrent_requests > 0, "max_concurrent_requests must be > 0")
         _check(self.max_streams_per_connection > 0, "max_streams_per_connection must be > 0")

@@ -32,6 +32,8 @@ log = structlog.get_logger(__name__)
 
 Connect = Callable[[str], Awaitable[Link]]
 _CANCELLED_KEPT = 4096
+# Messages nobody waits a reply for: their failures are reported to the request's router.
+_ONE_WAY = (m.KvChunk, pm.KvDone)
 
 
 def to_wire(chunk: KVChunk, seq: int = 0, last: bool = False) -> m.KvChunk:
@@ -114,9 +116,31 @@ class WorkerNode:
         except (RequestError, CapacityError, LinkError) as e:
             rid = getattr(msg, "request_id", "")
             code = "capacity" if isinstance(e, CapacityError) else "link" if isinstance(e, LinkError) else "request"
-            log.warning("node_request_failed", node=self.name, request_id=rid, kind=type(msg).__name__,
-                        error=str(e))
-            return m.Error(rid, code, str(e)[:4000])
+            # A full pool is back-pressure (the router queues the request), not a failure.
+            report = log.info if isinstance(e, CapacityError) else log.warning
+            report("node_full" if isinstance(e, CapacityError) else "node_request_failed", node=self.name,
+                   request_id=rid, kind=type(msg).__name__, error=str(e))
+            err = m.Error(rid, code, str(e)[:4000])
+            if isinstance(msg, _ONE_WAY):
+                # Nobody waits for a reply to P's KV: the request's router hears it at once.
+                await self._fail_open(rid, err)
+            return err
+
+    async def _fail_open(self, rid: str, err: m.Error) -> None:
+        """The request open here failed outside any reply: tell its router, free it here."""
+        op = self._open.get(rid)
+        if op is None:
+            return
+        with contextlib.suppress(LinkError):
+            await op.router.send(err)
+        await self._cancel(rid)
+
+    def _tombstone(self, rid: str) -> None:
+        """Remember a cancel: P's frames still in flight are dropped, and an open or pin that
+        was in progress when it arrived is undone when it completes."""
+        self._cancelled[rid] = None
+        while len(self._cancelled) > _CANCELLED_KEPT:
+            del self._cancelled[next(iter(self._cancelled))]
 
     async def _dispatch(self, link: Link, msg: m.Message) -> m.Message | None:
         match msg:
@@ -125,9 +149,13 @@ class WorkerNode:
             case pm.StateQuery():
                 return await self.state()
             case m.PrefixQuery(request_id=rid, hashes=hashes):
+                self._cancelled.pop(rid, None)      # asked again (a re-drive)
                 held = await self.aeng.call(self.engine.match_prefix, hashes, rid)
                 self._pins[rid] = link
                 self._watch(link)
+                if rid in self._cancelled:          # cancelled while matching: the pin goes now
+                    await self._unpin(rid)
+                    raise RequestError(f"request {rid!r} was cancelled")
                 return m.PrefixAnswer(rid, held)
             case pm.Submit():
                 return await self._submit(link, msg)
@@ -178,6 +206,10 @@ class WorkerNode:
         finally:
             # The request now holds its cached blocks itself (or failed): the pin has done its job.
             await self._unpin(rid)
+        if rid in self._cancelled:
+            # The router gave up on it while it opened (its Cancel found nothing yet): undo.
+            await dec.cancel(rid)
+            raise RequestError(f"request {rid!r} was cancelled while opening")
         self._open[rid] = _Open(link)
         self._watch(link)
         return pm.Opened(rid, cached)
@@ -218,11 +250,15 @@ class WorkerNode:
         if self.prefill is None:
             raise RequestError(f"{self.role} node {self.name} does not prefill")
         rid = msg.request_id
+        self._cancelled.pop(rid, None)          # a re-drive asks again
         targets = []
         holds = msg.holds or (False,) * len(msg.targets)
         for name, start, hold in zip(msg.targets, msg.starts, holds):
             link = await self.peer(name)
             targets.append(self._target(rid, name, start, hold, link))
+        if rid in self._cancelled:              # cancelled while dialing: nothing to compute
+            await self._unpin(rid)
+            raise RequestError(f"request {rid!r} was cancelled")
         task = asyncio.current_task()
         assert task is not None
         self._prefills[rid] = task   # type: ignore[assignment]
@@ -262,13 +298,12 @@ class WorkerNode:
         return target
 
     async def _cancel(self, rid: str) -> None:
+        self._tombstone(rid)
         task = self._prefills.get(rid)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
-        if self.decode is not None and await self.decode.cancel(rid):
-            self._cancelled[rid] = None
-            while len(self._cancelled) > _CANCELLED_KEPT:
-                del self._cancelled[next(iter(self._cancelled))]
+        if self.decode is not None:
+            await self.decode.cancel(rid)
         self._open.pop(rid, None)
         await self._unpin(rid)
 

@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import secrets
 from collections.abc import Awaitable, Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import structlog
@@ -50,6 +51,7 @@ from pddgw.net import messages as m
 from pddgw.net.errors import LinkError, RemoteError
 from pddgw.net.link import Link, LinkState
 from pddgw.pipeline import protocol as pm
+from pddgw.pipeline.admission import Overloaded, RoomQueue
 from pddgw.pipeline.affinity import PrefixIndex
 from pddgw.pipeline.alignment import AlignKey, Alignments
 from pddgw.pipeline.estimator import LinkEstimator
@@ -195,10 +197,12 @@ class Router:
         # Prefill and PrefillDone); background alignments are not counted.
         self.wan_backlog = 0
         self.live = 0                 # requests inside `run`
+        self.room = RoomQueue(cfg.server.max_queued_requests, cfg.server.max_queue_wait_s)
+        self.node_wait_s = cfg.server.node_wait_s
 
     def inflight(self) -> dict[str, int]:
         """What the router holds now: all zero when it is idle (the leak checks read this)."""
-        return {"requests": self.live, "alignments": len(self.alignments),
+        return {"requests": self.live, "queued": len(self.room), "alignments": len(self.alignments),
                 "relays": sum(n.relays for n in self.nodes.values()),
                 "node_requests": sum(n.inflight for n in self.nodes.values()),
                 "prefill_backlog": sum(n.prefill_backlog for n in self.nodes.values()),
@@ -281,6 +285,7 @@ class Router:
             self.nodes[n].inflight -= 1
         fl.involved.clear()
         self._end_relay(fl)
+        self.room.wake()        # its blocks are free: a request waiting for room may fit now
 
     @staticmethod
     def _involve(fl: _Flight, node: NodeHandle) -> None:
@@ -360,7 +365,12 @@ class Router:
                                          n.report().load, n.name))
 
     async def _drive(self, fl: _Flight) -> None:
-        for attempt in range(MAX_ATTEMPTS):
+        attempt = 0
+        queued = False
+        if len(self.room):
+            # Others wait for KV room: no overtaking them.
+            queued = await self._queue(fl, "requests ahead are waiting for KV room")
+        while True:
             try:
                 # Nothing emitted yet and a P left: the full PDD path again (another P / decoder).
                 if attempt == 0 or (fl.merger.next_position == 0 and self._pick("prefill", fl)):
@@ -368,6 +378,10 @@ class Router:
                 else:
                     await self._redrive(fl)
                 return
+            except _NoRoom as e:
+                # A full decoder, not a lost one: free what the request holds and wait in line.
+                await self._release(fl)
+                queued = await self._queue(fl, str(e), front=queued)
             except _NodeLost as e:
                 fl.excluded.add(e.node.name)
                 log.warning("node_lost", request_id=fl.rid, node=e.node.name, error=str(e),
@@ -381,11 +395,44 @@ class Router:
                     if fl.tracker.state != RequestState.REDRIVING:
                         fl.tracker.redrive(str(e))
                 self.counts["redrives"] += 1
-        raise RouterError(f"request {fl.rid}: no healthy path left after {MAX_ATTEMPTS} attempts",
-                          "unavailable")
+                attempt += 1
+                if attempt >= MAX_ATTEMPTS:
+                    raise RouterError(f"request {fl.rid}: no healthy path left after {MAX_ATTEMPTS} attempts",
+                                      "unavailable") from None
+
+    async def _queue(self, fl: _Flight, why: str, front: bool = False) -> bool:
+        """Wait in the room queue (see admission.py); -> True (the request has queued)."""
+        try:
+            await self.room.wait(fl.rid, why, front=front)
+        except Overloaded as e:
+            raise RouterError(f"server overloaded: {e}", "overloaded") from None
+        return True
+
+    async def _await_node(self, fl: _Flight, roles: tuple[str, ...]) -> bool:
+        """A healthy node of one of `roles` for this request, waiting up to `node_wait_s`
+        (a node restarting: its link redials); -> whether one is there."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.node_wait_s
+
+        def there() -> bool:
+            return any(n.role in roles and n.healthy and n.name not in fl.excluded for n in self.nodes.values())
+
+        if not there():
+            log.info("waiting_for_node", request_id=fl.rid, roles=roles, wait_s=self.node_wait_s)
+        while not there():
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(min(0.1, deadline - loop.time()))
+        return True
 
     async def _pdd(self, fl: _Flight) -> None:
         rid, prompt = fl.rid, fl.prompt
+        if not await self._await_node(fl, ("prefill",)):
+            raise RouterError(f"no healthy prefill node within {self.node_wait_s:g} s (server.node_wait_s)",
+                              "unavailable")
+        if not await self._await_node(fl, ("md", "rld")):
+            raise RouterError(f"no healthy MD or RLD node within {self.node_wait_s:g} s (server.node_wait_s)",
+                              "unavailable")
         md = self._pick_md(fl)
         supersedes = self.alignments.supersede(md.name, fl.block_hashes) if md is not None else ()
         streams = {}
@@ -393,8 +440,7 @@ class Router:
             streams[md.name] = md.link.stream(rid, timeout=self.timeout)
         try:
             # Step 1: one WAN round trip - MD's open is its prefix answer; P is picked meanwhile.
-            (p, p_held), md_cached = await asyncio.gather(self._pick_prefill(fl),
-                                                          self._open_md(md, fl, supersedes))
+            (p, p_held), md_cached = await _both(self._pick_prefill(fl), self._open_md(md, fl, supersedes))
             if p is None:
                 raise RouterError("no healthy prefill node", "unavailable")
             fl.p_cached_tokens = min(len(prompt), p_held * p.block_size)
@@ -416,7 +462,7 @@ class Router:
                 except _NoRoom as e:
                     self._end_relay(fl)
                     if use_md is None:
-                        raise _NodeLost(use_rld, str(e)) from None
+                        raise
                     # RLD is full after all (its pool, not this router's count): wait for the WAN.
                     log.info("rld_full", request_id=rid, rld=use_rld.name, error=str(e))
                     self.counts["rld_full"] += 1
@@ -476,14 +522,13 @@ class Router:
         return await self._submit(node, fl, "import", hold, supersedes)
 
     async def _open_md(self, md: NodeHandle | None, fl: _Flight, supersedes: tuple[str, ...]) -> int:
-        """Open on MD, holding until P says otherwise; an MD without room counts as lost
-        for this request (the re-drive tries another)."""
+        """Open on MD, holding until P says otherwise (_NoRoom: MD is full)."""
         if md is None:
             return 0
-        try:
-            return await self._open(md, fl, True, supersedes)
-        except _NoRoom as e:
-            raise _NodeLost(md, str(e)) from None
+        cached = await self._open(md, fl, True, supersedes)
+        if len(self.room):
+            self.room.wake()      # it fit: the next one in line may too
+        return cached
 
     async def _submit(self, node: NodeHandle, fl: _Flight, kv: str, hold: bool,
                       supersedes: tuple[str, ...] = ()) -> int:
@@ -681,6 +726,16 @@ class Router:
             raise _NodeLost(node, "stream ended before the request finished")
         finally:
             stream.close()
+
+
+async def _both(a: Awaitable[Any], b: Awaitable[Any]) -> tuple[Any, Any]:
+    """Both results; when one fails, the other is cancelled (and awaited) before the error
+    propagates, so nothing it does runs on after the request released what it held."""
+    ta, tb = asyncio.ensure_future(a), asyncio.ensure_future(b)
+    try:
+        return await ta, await tb
+    finally:
+        await _cancel_all([t for t in (ta, tb) if not t.done()])
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:
