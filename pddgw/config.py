@@ -372,6 +372,7 @@ class NetConfig:
     max_frame_bytes: int = 8 << 20              # largest frame accepted (KV chunks)
     max_control_bytes: int = 1 << 20            # largest frame of any other kind
     inbound_buffer_bytes: int = 64 << 20        # unread inbound bytes before reading pauses
+    max_inflight_requests: int = 1024           # requests a link serves at once; more are refused "overloaded"
     connect_timeout_s: float = 5.0
     auth_timeout_s: float = 5.0
     request_timeout_s: float = 30.0
@@ -395,6 +396,7 @@ class NetConfig:
         _check(4096 <= self.max_control_bytes <= self.max_frame_bytes,
                "max_control_bytes must be in [4096, max_frame_bytes]")
         _check(self.inbound_buffer_bytes >= self.max_frame_bytes, "inbound_buffer_bytes must be >= max_frame_bytes")
+        _check(self.max_inflight_requests >= 1, "max_inflight_requests must be >= 1")
         for name in ("connect_timeout_s", "auth_timeout_s", "request_timeout_s", "send_timeout_s",
                      "dead_after_s", "reconnect_max_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")

@@ -12,9 +12,10 @@ Link lifecycle (`LinkState`):
 1. CONNECTING: the transport is being set up (dial, TLS, challenge/response).
 2. OPEN: frames flow; operations proceed.  Inbound frames are dispatched in
    order: a reply resolves its request; a request runs the handler in its own
-   task and its return value is sent back; a message whose request_id has an
-   open stream goes to that stream; anything else goes to the handler, one at
-   a time, in arrival order.  Heartbeats run; silence beyond `dead_after_s`
+   task and its return value is sent back (beyond `max_inflight_requests`
+   running at once, a request is answered `Error(code="overloaded")` at
+   once); a message whose request_id has an open stream goes to that stream;
+   anything else goes to the handler, one at a time, in arrival order.  Heartbeats run; silence beyond `dead_after_s`
    counts as a lost connection.
 3. RECONNECTING (dialing side only): the connection was lost.  Requests and
    streams that were in flight fail with `LinkClosed`; new operations wait for
@@ -268,6 +269,7 @@ class LinkBase(Link):
         self._inbox_wake = asyncio.Event()
         self._inbound_bytes = 0
         self._reading = True
+        self._serving = 0                       # request handler tasks running
         self._tasks: set[asyncio.Task] = set()
         # Unshaped links: foreground frames waiting for or inside `_transmit`;
         # background frames wait for `_fg_idle` (shaped links preempt on the wire instead).
@@ -497,7 +499,15 @@ class LinkBase(Link):
                 log.debug("late reply dropped", peer=self.peer, corr=corr, kind=type(msg).__name__)
             return
         if corr:
-            self._spawn(self._serve_request(msg, corr), "request")
+            cap = self.cfg.max_inflight_requests
+            if self._serving >= cap:
+                # Refused without a task: a flood of requests costs a reply each, not a task each.
+                self._transmit_nowait(m.Error(getattr(msg, "request_id", ""), "overloaded",
+                                              f"{self.local} serves at most {cap} requests at once "
+                                              f"(net.max_inflight_requests)"), corr, _FLAG_REPLY)
+                return
+            self._serving += 1
+            self._spawn(self._serve_request(msg, corr), "request").add_done_callback(self._request_done)
             return
         if isinstance(msg, m.Ping):
             self._transmit_nowait(m.Pong(msg.sent_ns))
@@ -545,6 +555,10 @@ class LinkBase(Link):
                 log.warning("link handler failed", peer=self.peer, kind=type(msg).__name__, error=repr(e))
             finally:
                 self._consumed(nbytes)
+
+    def _request_done(self, task: asyncio.Task) -> None:
+        # A done callback, not a `finally`: a task cancelled before it starts never runs its body.
+        self._serving -= 1
 
     async def _serve_request(self, msg: m.Message, corr: int) -> None:
         rid = getattr(msg, "request_id", "")

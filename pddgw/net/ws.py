@@ -4,10 +4,14 @@ One link = `stripes` parallel WebSocket connections.  Each connection is
 upgraded by aiohttp, authenticated (`auth.py`: Hello, Challenge, Auth,
 Welcome) and then carried by `wsproto.WsConnection`.  Frames carry a per-link
 sequence number; bulk (`send_all`) is striped over the connections and the
-receiver restores the order, so striping is invisible to the link's user.  On
-a shaped link a frame gets its number when it leaves the emulated wire, so a
-foreground frame that overtook background ones there is not held back by the
-receiver's reordering.
+receiver restores the order, so striping is invisible to the link's user.
+Frames held for reordering count against `inbound_buffer_bytes`; over it, the
+connections that delivered frames ahead of the missing one stop reading until
+their held frames are delivered (each connection is in order, so the missing
+frame is on another one: an honest sender cannot deadlock).  On a shaped link
+a frame gets its number when it leaves the emulated wire, so a foreground
+frame that overtook background ones there is not held back by the receiver's
+reordering.
 
 The dialing side owns reconnection: when a connection drops (or the peer falls
 silent) the link fails what was in flight, redials with back-off up to
@@ -35,13 +39,12 @@ from pddgw.net.errors import AuthError, CloseCode, FrameError, FrameTooLarge, Li
 from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, Priority, PriorityLike, ServiceMeter
 from pddgw.net.shaping import ShapedPipe
 from pddgw.net.tls import client_context, server_context
-from pddgw.net.wsproto import ConnState, WsConnection, ws_header_size
+from pddgw.net.wsproto import HANDSHAKE_MAX, ConnState, WsConnection, ws_header_size
 
 log = structlog.get_logger("pddgw.net")
 
 LINK_PATH = "/pddgw/link"
 _WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-_HELLO_MAX = 4096            # bytes aiohttp accepts from a peer before it is authenticated
 _SEQ_MASK = 0xFFFF_FFFF
 _MAX_REORDER = 1 << 16
 
@@ -69,7 +72,11 @@ class WsLink(LinkBase):
         self._pipe: ShapedPipe | None = None
         self._tx_seq = 0
         self._rx_seq = 0
-        self._reorder: dict[int, tuple[frames.FrameHead, m.Message, int]] = {}
+        # seq -> (head, message, owned bytes, connection it came on, wire bytes)
+        self._reorder: dict[int, tuple[frames.FrameHead, m.Message, int, WsConnection, int]] = {}
+        self._held_bytes = 0                          # wire bytes of the frames in _reorder
+        self._held_by: dict[WsConnection, int] = {}   # frames in _reorder per connection
+        self._ahead_paused: set[WsConnection] = set()
         self._rr = 0
         self.on_closed: Callable[[WsLink], None] | None = None
 
@@ -84,6 +91,9 @@ class WsLink(LinkBase):
         self._conns = conns
         self._tx_seq = self._rx_seq = 0
         self._reorder.clear()
+        self._held_bytes = 0
+        self._held_by.clear()
+        self._ahead_paused.clear()
         if self._shaping is not None:
             self._pipe = ShapedPipe(self._shaping, self._deliver)
         for c in conns:
@@ -239,7 +249,13 @@ class WsLink(LinkBase):
                 conn._violation(CloseCode.PROTOCOL_ERROR, f"frame sequence {head.seq} unexpected "
                                                           f"(next is {self._rx_seq})")
                 return
-            self._reorder[head.seq] = (head, msg, owned)
+            self._reorder[head.seq] = (head, msg, owned, conn, wire)
+            self._held_bytes += wire
+            self._held_by[conn] = self._held_by.get(conn, 0) + 1
+            if (self._inbound_bytes + self._held_bytes > self.cfg.inbound_buffer_bytes
+                    and conn not in self._ahead_paused):
+                self._ahead_paused.add(conn)
+                conn.transport.pause_reading()
             return
         self._rx_seq = (self._rx_seq + 1) & _SEQ_MASK
         self._on_message(msg, head.corr, head.is_reply, owned)
@@ -248,7 +264,16 @@ class WsLink(LinkBase):
             if item is None:
                 break
             self._rx_seq = (self._rx_seq + 1) & _SEQ_MASK
-            h, mm, ow = item
+            h, mm, ow, c, w = item
+            self._held_bytes -= w
+            self._held_by[c] -= 1
+            if not self._held_by[c]:
+                del self._held_by[c]
+                # Nothing of it is ahead any more: the next missing frame may be on it.
+                if c in self._ahead_paused:
+                    self._ahead_paused.discard(c)
+                    if self._reading and c.state == ConnState.OPEN:
+                        c.transport.resume_reading()
             self._on_message(mm, h.corr, h.is_reply, ow)
 
     def _set_reading(self, on: bool) -> None:
@@ -256,7 +281,8 @@ class WsLink(LinkBase):
             if c.state != ConnState.OPEN:
                 continue
             if on:
-                c.transport.resume_reading()
+                if c not in self._ahead_paused:
+                    c.transport.resume_reading()
             else:
                 c.transport.pause_reading()
 
@@ -487,7 +513,7 @@ class WsServer:
             self._runner = None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(max_msg_size=_HELLO_MAX, compress=False, autoping=False)
+        ws = web.WebSocketResponse(max_msg_size=HANDSHAKE_MAX, compress=False, autoping=False)
         await ws.prepare(request)
         peer = f"{request.remote}"
         if self._closing:
@@ -507,7 +533,7 @@ class WsServer:
             await ws.close(code=code, message=b"expected a hello frame")
             return ws
         try:
-            hello = frames.decode(first.data, max_control=_HELLO_MAX).msg
+            hello = frames.decode(first.data, max_control=HANDSHAKE_MAX).msg
             if not isinstance(hello, m.Hello):
                 raise FrameError(f"expected Hello, got {type(hello).__name__}")
             if hello.shaping and not any(s.name == hello.shaping for s in self.cfg.links):

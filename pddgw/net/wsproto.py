@@ -18,10 +18,17 @@ pings answered.  Text, fragmented, compressed or reserved-bit frames, unmasked
 client frames and oversized frames close the connection with a close code and
 a log line; the process carries on.
 
+Nothing is allocated for a peer before it authenticates beyond the frame
+itself: until READY a message may have at most `HANDSHAKE_MAX` bytes (longer:
+TOO_BIG) and only handshake kinds (others, KV chunks included: PROTOCOL_ERROR),
+both checked before anything is allocated, and the read buffer is small.
+
 Connection lifecycle (`ConnState`):
 
 1. HANDSHAKE: frames are queued for the auth handshake (`next_handshake`).
-2. READY: authenticated; frames are held until the link has every stripe.
+2. READY: authenticated (a client is READY as soon as the Welcome arrives, so
+   frames right behind it are held, not taken for handshake frames); frames
+   are held until the link has every stripe.
 3. OPEN (`open`): held frames, then every new one, go to `on_frame` (the link).
 4. CLOSING: a close frame was sent; inbound data is discarded until the peer
    closes, or `CLOSE_GRACE_S` passes and the connection is aborted.
@@ -50,11 +57,13 @@ log = structlog.get_logger("pddgw.net")
 
 OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 _SCRATCH_BYTES = 256 << 10
+HANDSHAKE_MAX = 4096          # largest message accepted before authentication
 _DIRECT_MIN = 16 << 10        # payload reads at least this large go straight to the destination
 _COPY_BELOW = 16 << 10        # smaller payloads are joined with their header into one write
 CLOSE_GRACE_S = 2.0
 _SOFT_LIMIT = 1 << 20         # bytes a transport may buffer before senders wait
 _MAX_EARLY = 4096             # frames held between authentication and link attach
+_UNBOUNDED = 1 << 40          # parse_head's size limits off (the caller bounds the frame otherwise)
 
 _PACK_LEN2 = struct.Struct("!BBH").pack
 _PACK_LEN8 = struct.Struct("!BBQ").pack
@@ -109,7 +118,7 @@ class WsConnection(asyncio.BufferedProtocol):
         self.closed: asyncio.Future[LinkClosed] = self._loop.create_future()
         self._tls = transport.get_extra_info("ssl_object") is not None
         # reader
-        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        self._scratch = memoryview(bytearray(HANDSHAKE_MAX))   # the full size once authenticated
         self._rstate = _WS_HEAD
         self._acc = bytearray()
         self._need = 2
@@ -157,6 +166,8 @@ class WsConnection(asyncio.BufferedProtocol):
                 self._direct = True
                 return self._dest[self._filled:]
         self._direct = False
+        if len(self._scratch) < _SCRATCH_BYTES and ConnState.READY <= self.state <= ConnState.OPEN:
+            self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -205,12 +216,19 @@ class WsConnection(asyncio.BufferedProtocol):
             self._ws_head()
         elif st == _FRAME_HEAD:
             self._unmask_acc(0)
+            hs = self.state == ConnState.HANDSHAKE
+            # Before authentication the WebSocket length (<= HANDSHAKE_MAX) already bounds the
+            # frame, so the kind is judged first and a larger size claim is a mismatch with it.
+            max_frame, max_control = (_UNBOUNDED, _UNBOUNDED) if hs else (self._max_frame, self._max_control)
             try:
-                head = frames.parse_head(self._acc, max_frame=self._max_frame, max_control=self._max_control)
+                head = frames.parse_head(self._acc, max_frame=max_frame, max_control=max_control)
             except FrameTooLarge as e:
                 return self._violation(CloseCode.TOO_BIG, str(e))
             except FrameError as e:
                 return self._violation(CloseCode.BAD_FRAME, str(e))
+            if hs and head.kind not in m.HANDSHAKE_KINDS:
+                return self._violation(CloseCode.PROTOCOL_ERROR, f"{m.KINDS[head.kind].__name__} frame "
+                                                                 f"before authentication")
             if head.size != self._ws_len:
                 return self._violation(CloseCode.BAD_FRAME, f"frame header says {head.size} bytes, "
                                                             f"WebSocket message has {self._ws_len}")
@@ -283,6 +301,9 @@ class WsConnection(asyncio.BufferedProtocol):
             if ln == 0:
                 self._control()
             return
+        if self.state == ConnState.HANDSHAKE and ln > HANDSHAKE_MAX:
+            return self._violation(CloseCode.TOO_BIG, f"frame of {ln} bytes before authentication "
+                                                      f"(limit {HANDSHAKE_MAX})")
         if ln > self._max_frame:
             return self._violation(CloseCode.TOO_BIG, f"frame of {ln} bytes exceeds the limit of {self._max_frame}")
         if ln < frames.HEADER_SIZE:
@@ -331,6 +352,8 @@ class WsConnection(asyncio.BufferedProtocol):
             if len(self._hs_frames) > 4:
                 return self._violation(CloseCode.PROTOCOL_ERROR, "frames before authentication")
             self._hs_frames.append(msg)
+            if self.client and isinstance(msg, m.Welcome):
+                self.state = ConnState.READY     # the server's link frames may follow in this same read
             if self._hs_waiter is not None and not self._hs_waiter.done():
                 self._hs_waiter.set_result(None)
 

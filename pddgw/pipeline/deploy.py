@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import signal
 from typing import Any
 
@@ -226,7 +227,13 @@ async def run_worker(cfg: Config, me: NodeConfig, host: str | None = None, port:
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "node": me.name, "role": me.role})
 
+    # Anyone who can reach a peer can reach this port: the node's state is for the deployment only.
+    expected = f"Bearer {cfg.net.load_secret()}".encode()
+
     async def state(request: web.Request) -> web.Response:
+        if not hmac.compare_digest(request.headers.get("Authorization", "").encode(errors="replace"), expected):
+            return web.json_response({"error": "/debug/state needs Authorization: Bearer <net secret>"},
+                                     status=401, headers={"WWW-Authenticate": "Bearer"})
         return web.json_response((await worker.state()).to_dict())
 
     app.router.add_get("/health", health)

@@ -217,7 +217,8 @@ async def test_router_death_frees_every_worker(fresh):
     async with aiohttp.ClientSession() as s:
         for name, port in ports.items():
             while True:
-                async with s.get(f"http://127.0.0.1:{port}/debug/state") as resp:
+                async with s.get(f"http://127.0.0.1:{port}/debug/state",
+                                 headers={"Authorization": f"Bearer {Cluster.SECRET}"}) as resp:
                     st = await resp.json()
                 if st["kv_blocks_in_use"] == 0 and not any(st["inflight"].values()):
                     break

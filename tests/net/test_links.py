@@ -167,6 +167,36 @@ async def test_handler_failure_becomes_remote_error(make_pair):
     assert (ei.value.code, ei.value.message, ei.value.request_id) == ("ValueError", "bad prompt", "r9")
 
 
+async def test_requests_beyond_the_cap_are_refused_overloaded_without_a_task(make_pair):
+    with pytest.raises(ValueError, match="max_inflight_requests must be >= 1"):
+        cfg_for(max_inflight_requests=0)
+    p = await make_pair(cfg_for(max_inflight_requests=3))
+    gate, started = asyncio.Event(), []
+
+    async def hold(link, msg):
+        started.append(msg.request_id)
+        await gate.wait()
+
+    p.speer.on_message = hold
+    held = [asyncio.ensure_future(p.client.request(m.Ready(f"r{i}"))) for i in range(3)]
+    async with asyncio.timeout(5):
+        while len(started) < 3:
+            await asyncio.sleep(0.01)
+    with pytest.raises(RemoteError) as ei:
+        await p.client.request(m.Ready("r3"))
+    assert (ei.value.code, ei.value.request_id) == ("overloaded", "r3")
+    assert ei.value.message == "srv serves at most 3 requests at once (net.max_inflight_requests)"
+    assert started == ["r0", "r1", "r2"] and p.server._serving == 3
+    assert sum(t.get_name().endswith(" request") for t in p.server._tasks) == 3
+    p.speer.on_message = None
+    gate.set()
+    assert [r.request_id for r in await asyncio.gather(*held)] == ["r0", "r1", "r2"]
+    assert (await p.client.request(m.Ready("r4"))).request_id == "r4"
+    async with asyncio.timeout(5):
+        while p.server._serving:        # the last handler task ends right after its reply
+            await asyncio.sleep(0)
+
+
 async def test_request_timeout_then_link_still_works(make_pair):
     p = await make_pair()
     gate = asyncio.Event()

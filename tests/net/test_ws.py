@@ -313,3 +313,47 @@ async def test_shaping_accuracy_server_to_client_striped(served):
     assert got == list(range(10))
     assert 0.81 <= elapsed <= 0.95, elapsed
     await link.close()
+
+
+async def test_a_stalled_stripe_bounds_the_frames_held_for_reordering_and_the_transfer_completes(served):
+    """Stripe 0 stops reading: what the other stripes deliver ahead of it is held only up to
+    inbound_buffer_bytes (plus what their last read had taken), then they stop too; once stripe 0
+    reads again everything arrives, in order (an honest striped sender never deadlocks)."""
+    bound = 256 << 10
+    cfg = cfg_for(max_frame_bytes=128 << 10, kv_frame_bytes=64 << 10, max_control_bytes=64 << 10,
+                  inbound_buffer_bytes=bound, send_timeout_s=60.0)
+    accepted = []
+
+    def stall_stripe0(link):
+        accepted.append(link)
+        link._conns[0].transport.pause_reading()
+
+    server, url = await served(cfg, on_link=stall_stripe0)
+    link = await connect(url, "cli", cfg, stripes=3)
+    srv = accepted[0]
+    n = 400                                                   # 26 MB: more than stripe 0's socket buffers
+    span = lambda i: m.KvSpan("bulk", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))  # 64 KiB
+
+    def chunks():
+        for i in range(n):
+            payload = bytearray(span(i).nbytes)
+            payload[:4] = i.to_bytes(4, "little")
+            yield m.KvChunk(span(i), payload, i, i == n - 1)
+
+    sending = asyncio.ensure_future(link.send_all(chunks(), timeout=60))
+    async with asyncio.timeout(30):
+        while len(srv._ahead_paused) < 2:
+            await asyncio.sleep(0.01)
+    assert srv._ahead_paused == set(srv._conns[1:]) and srv._reorder
+    # Each paused stripe may finish the read it was in: one scratch buffer plus the frame that crossed.
+    assert bound < srv._held_bytes <= bound + 2 * ((256 << 10) + cfg.max_frame_bytes)
+    got = []
+    async with srv.stream("bulk", timeout=30) as st:
+        srv._conns[0].transport.resume_reading()
+        async for c in st:
+            got.append((c.seq, bytes(c.payload[:4])))
+    await sending
+    assert got == [(i, i.to_bytes(4, "little")) for i in range(n)]
+    assert srv._held_bytes == 0 and srv._ahead_paused == set() and srv._reorder == {}
+    assert all(c.transport.is_reading() for c in srv._conns)
+    await link.close()

@@ -1,8 +1,10 @@
-"""The WebSocket frame reader without sockets: chunking, control frames, violations, fuzzing."""
+"""The WebSocket frame reader without sockets: chunking, control frames, violations, fuzzing,
+bounds before authentication, frame boundaries, and a striped link's reordering."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import struct
 
 import pytest
@@ -10,10 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from net_samples import SPAN, every_message, kv_payload, same
 
-from pddgw.net import frames
+import orjson
+
+from pddgw.config import NetConfig
+from pddgw.net import frames, wsproto
 from pddgw.net import messages as m
 from pddgw.net.errors import CloseCode
-from pddgw.net.wsproto import OP_PING, ConnState, WsConnection, ws_header
+from pddgw.net.ws import WsLink
+from pddgw.net.wsproto import HANDSHAKE_MAX, OP_PING, ConnState, WsConnection, ws_header
 
 
 class FakeTransport:
@@ -184,3 +190,209 @@ def test_fuzz_reader_mutated_frames(flips, chunk):
 def _close_loop():
     yield
     _LOOP.close()
+
+
+# ---------------------------------------------------------------------------
+# Before authentication: nothing allocated beyond the frame itself
+
+KEY = b"\x1f\x2e\x3d\x4c"
+HUGE = m.KvSpan("huge", 0, 1, 0, 1024, "float16", (1, 2, 1024, 100, 512))     # 200 MiB
+MID = m.KvSpan("mid", 0, 1, 0, 4, "float16", (1, 2, 4, 8, 128))                # 16 KiB
+
+
+def masked_msg(body: bytes, ws_len: int | None = None) -> bytes:
+    """A client message carrying `body` whose WebSocket header claims `ws_len` bytes (default: the truth)."""
+    n = len(body) if ws_len is None else ws_len
+    return ws_header(n, True) + KEY + bytes(b ^ KEY[i % 4] for i, b in enumerate(body))
+
+
+def kv_head(span: m.KvSpan, payload_len: int | None = None, seq: int = 0) -> bytes:
+    """Header + metadata of a KvChunk over `span`, claiming `payload_len` payload bytes (default: the span's)."""
+    meta = orjson.dumps({f.name: getattr(span, f.name) for f in dataclasses.fields(m.KvSpan)}
+                        | {"seq": 0, "last": True})
+    n = span.payload_nbytes if payload_len is None else payload_len
+    return frames.HEADER.pack(frames.MAGIC, frames.VERSION, m.KV_KIND, 0, 0, len(meta), 0, seq, n) + meta
+
+
+def with_payload_len(frame: bytes, n: int) -> bytes:
+    return frame[:16] + struct.pack("<I", n) + frame[20:]
+
+
+async def _hs_conn(client: bool = False) -> tuple[WsConnection, FakeTransport]:
+    t = FakeTransport()
+    c = WsConnection(t, Prev(), client=client, max_frame=1 << 20, max_control=1 << 16, peer="stranger")
+    c.attach()
+    return c, t
+
+
+AUTH = frames.encode_bytes(m.Auth("e" * 64))
+
+
+@pytest.mark.parametrize("wire, code", [
+    # 200 MiB KvChunk claimed by the WebSocket length: over the handshake bound
+    (masked_msg(kv_head(HUGE), ws_len=len(kv_head(HUGE)) + HUGE.nbytes), CloseCode.TOO_BIG),
+    # a 16 KiB KvChunk: within max_frame_bytes, over the handshake bound
+    (masked_msg(kv_head(MID), ws_len=len(kv_head(MID)) + MID.nbytes), CloseCode.TOO_BIG),
+    # an honest WebSocket length, a frame header and metadata claiming 200 MiB: KV before auth
+    (masked_msg(kv_head(HUGE)), CloseCode.PROTOCOL_ERROR),
+    # a whole, valid, tiny KvChunk: still KV before auth
+    (masked_msg(frames.encode_bytes(m.KvChunk(SPAN, kv_payload()))), CloseCode.PROTOCOL_ERROR),
+    (masked_msg(frames.encode_bytes(m.Ready("r"))), CloseCode.PROTOCOL_ERROR),
+    # a handshake kind whose header claims 200 MiB of payload it cannot carry
+    (masked_msg(with_payload_len(AUTH, HUGE.nbytes)), CloseCode.BAD_FRAME),
+    (masked_msg(AUTH + b"x", ws_len=len(AUTH) + 1), CloseCode.BAD_FRAME),
+    (masked_msg(AUTH[:-1], ws_len=len(AUTH) - 1), CloseCode.BAD_FRAME),
+], ids=["ws-200MiB-kv", "ws-16KiB-kv", "head-200MiB-kv", "tiny-kv", "ready", "auth-claims-payload",
+        "ws-longer", "ws-shorter"])
+@pytest.mark.parametrize("chunk", [1, 1 << 20])
+def test_before_authentication_claims_close_before_any_allocation(wire, code, chunk, monkeypatch):
+    sinks = []
+    monkeypatch.setattr(wsproto, "sink_buffer", lambda *a: sinks.append(a))
+    conn, t = run(_hs_conn())
+    feed(conn, wire, chunk)
+    assert conn.state == ConnState.CLOSING and close_code(bytes(t.out)) == code
+    assert sinks == [] and conn._dest.nbytes == 0 and not conn._hs_frames
+    assert len(conn._scratch) == HANDSHAKE_MAX and len(conn.get_buffer(-1)) == HANDSHAKE_MAX
+
+
+def test_handshake_frames_pass_and_the_full_read_buffer_comes_with_authentication():
+    conn, t = run(_hs_conn())
+    feed(conn, masked_msg(AUTH), 7)
+    assert list(conn._hs_frames) == [m.Auth("e" * 64)] and conn.state == ConnState.HANDSHAKE and not t.out
+    assert len(conn.get_buffer(-1)) == HANDSHAKE_MAX
+    conn.state = ConnState.READY
+    assert len(conn.get_buffer(-1)) == 256 << 10
+
+
+def test_frames_right_behind_the_welcome_are_link_frames_not_handshake_frames():
+    conn, t = run(_hs_conn(client=True))
+    hs = [m.Challenge("srv", "1" * 64, "f" * 64), m.Welcome()]
+    link = [m.Ready("r", "kv"), m.KvChunk(SPAN, kv_payload(), 0, True)]
+    wire = b"".join(ws_header(len(f), False) + f
+                    for f in (frames.encode_bytes(x, seq=i) for i, x in enumerate(hs + link)))
+    feed(conn, wire, 1 << 20)                       # one read: nothing in between
+    assert list(conn._hs_frames) == hs and conn.state == ConnState.READY and not t.out
+    got: list = []
+    conn.open(lambda c, head, msg, w, owned: got.append(msg))
+    assert len(got) == 2 and all(same(x, y) for x, y in zip(got, link))
+
+
+# ---------------------------------------------------------------------------
+# Frame boundaries: the header's sizes, the metadata and the WebSocket length agree
+
+
+READY = frames.encode_bytes(m.Ready("r", "x"))
+TOKENS = frames.encode_bytes(m.TokenIds("r", 0, (1, 2, 3)))
+
+
+@pytest.mark.parametrize("wire", [
+    masked_msg(READY + b"\0", ws_len=len(READY) + 1),          # WebSocket message longer than the frame
+    masked_msg(READY[:-1], ws_len=len(READY) - 1),             # shorter
+    masked_msg(TOKENS + bytes(4), ws_len=len(TOKENS) + 4),     # one more int32 than the header says
+    masked_msg(with_payload_len(TOKENS, 16)),                  # header says 4 ids, the message carries 3
+    # KV: header payload_len and WebSocket length agree, the span's payload size does not
+    masked_msg(kv_head(SPAN, SPAN.nbytes + 4) + bytes(SPAN.nbytes + 4)),
+    masked_msg(kv_head(SPAN, SPAN.nbytes - 4) + bytes(SPAN.nbytes - 4)),
+], ids=["ws-longer", "ws-shorter", "ws-extra-item", "head-extra-item", "kv-over-span", "kv-under-span"])
+def test_a_size_mismatch_closes_bad_frame_and_delivers_nothing(wire, monkeypatch):
+    sinks = []
+    monkeypatch.setattr(wsproto, "sink_buffer", lambda *a: sinks.append(a))
+    conn, t, got = run(_conn(client=False))
+    follow = masked_msg(frames.encode_bytes(m.Ready("next")))     # would be swallowed by a wrong boundary
+    feed(conn, wire + follow, 1 << 20)
+    assert close_code(bytes(t.out)) == CloseCode.BAD_FRAME and conn.state == ConnState.CLOSING
+    assert got == [] and sinks == []
+
+
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_back_to_back_frames_split_at_their_boundary_are_both_delivered_whole(delta):
+    msgs = [m.KvChunk(SPAN, kv_payload(), 0, True), m.Ready("next", "kv")]
+    wire = run(_client_wire(msgs))
+    n1 = len(frames.encode_bytes(msgs[0]))
+    first = wsproto.ws_header_size(n1, masked=True) + n1
+    conn, t, got = run(_conn(client=False))
+    cut = first + delta
+    feed(conn, wire[:cut], 1 << 20)
+    assert len(got) == (0 if delta < 0 else 1)
+    feed(conn, wire[cut:], 1 << 20)
+    assert [w for _, _, w in got] == [first, len(wire) - first]
+    assert all(same(x, y) for (_, x, _), y in zip(got, msgs)) and len(got) == 2 and not t.out
+
+
+# ---------------------------------------------------------------------------
+# A striped link's reordering: held frames count, only connections ahead pause
+
+
+class LinkTransport(FakeTransport):
+    """Tracks reading and, once closed, tells the protocol (as a real transport does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = True
+
+    def set_protocol(self, p):
+        self.proto = p
+
+    def pause_reading(self):
+        self.reading = False
+
+    def resume_reading(self):
+        self.reading = True
+
+    def close(self):
+        if not self.closing:
+            self.closing = True
+            asyncio.get_running_loop().call_soon(self.proto.connection_lost, None)
+
+    abort = close
+
+
+KV64 = lambda i: m.KvSpan("bulk", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))  # 64 KiB
+
+
+def test_reordered_frames_count_and_pause_only_the_connection_ahead():
+    async def scenario() -> None:
+        bound = 256 << 10
+        cfg = NetConfig(secret="test-secret-0123456789", heartbeat_s=0, max_frame_bytes=128 << 10,
+                        kv_frame_bytes=64 << 10, max_control_bytes=64 << 10, inbound_buffer_bytes=bound)
+        link = WsLink("srv", "cli", cfg, None)
+        a, b = (WsConnection(LinkTransport(), Prev(), client=False, max_frame=cfg.max_frame_bytes,
+                             max_control=cfg.max_control_bytes, peer=f"cli/{i}") for i in range(2))
+        for c in (a, b):
+            c.attach()
+            c.state = ConnState.READY
+        link._attach([a, b])
+        got: list[int] = []
+
+        async def handler(lk, msg):
+            got.append(msg.seq)
+
+        link.set_handler(handler)
+        wires = {}
+        for i in range(6):
+            head, payload = frames.encode(m.KvChunk(KV64(i), kv_payload(KV64(i), salt=i), i), seq=i)
+            wires[i] = masked_msg(head + payload.tobytes())
+        w = len(wires[2])
+        # seq 0 and 1 travel on a, which is slow; b delivers 2..5 ahead of them
+        for i, held in ((2, 1), (3, 2), (4, 3)):
+            feed(b, wires[i], 1 << 20)
+            assert (len(link._reorder), link._held_bytes, b.transport.reading) == (held, held * w, True)
+        feed(b, wires[5], 1 << 20)                       # 4 frames > 256 KiB: b stops, a reads on
+        assert link._held_bytes == 4 * w > bound and not b.transport.reading and a.transport.reading
+        link._set_reading(False)
+        link._set_reading(True)                          # the inbox's resume leaves b paused
+        assert not b.transport.reading and a.transport.reading
+        feed(a, wires[0], 1 << 20)                       # seq 1 still missing: b still has frames ahead
+        assert link._held_bytes == 4 * w and not b.transport.reading
+        feed(a, wires[1], 1 << 20)
+        assert link._held_bytes == 0 and link._reorder == {} and link._ahead_paused == set()
+        # All six now wait in the inbox (6 x 64 KiB > 256 KiB): the link pauses both until it drains.
+        assert not link._reading and not a.transport.reading and not b.transport.reading
+        async with asyncio.timeout(30):
+            while len(got) < 6 or link._inbound_bytes:
+                await asyncio.sleep(0)
+        assert got == list(range(6)) and link._inbound_bytes == 0
+        assert link._reading and a.transport.reading and b.transport.reading
+        await link.close()
+
+    run(scenario())
