@@ -48,7 +48,7 @@ from pddgw.engines.block_manager import chain_hashes
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.types import SamplingParams
 from pddgw.net import messages as m
-from pddgw.net.errors import LinkError, RemoteError
+from pddgw.net.errors import LinkClosed, LinkError, RemoteError
 from pddgw.net.link import Link, LinkState
 from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.admission import Overloaded, RoomQueue
@@ -535,6 +535,7 @@ class Router:
         msg = pm.Submit(request_id=fl.rid, kv=kv, hold=hold, prompt=fl.prompt,  # type: ignore[arg-type]
                         supersedes=supersedes, **pm.sampling_fields(fl.sampling))
         try:
+            _up(node)
             reply = await node.link.request(msg, timeout=self.control_timeout)
         except RemoteError as e:
             if e.code == "capacity":
@@ -573,6 +574,7 @@ class Router:
             work = len(fl.prompt) - fl.p_cached_tokens
             p.prefill_backlog += work
             try:
+                _up(p)
                 done = await p.link.request(msg, timeout=self.timeout)
                 assert isinstance(done, pm.PrefillDone), done
                 events.put_nowait(PrefillFinished(p, done))
@@ -726,6 +728,13 @@ class Router:
             raise _NodeLost(node, "stream ended before the request finished")
         finally:
             stream.close()
+
+
+def _up(node: NodeHandle) -> None:
+    """A node whose link is down now is lost for this attempt: a request sent on a
+    reconnecting link would wait for it (a dead node: the whole request timeout)."""
+    if not node.healthy:
+        raise LinkClosed(f"link to {node.name} is {node.link.state.name}")
 
 
 async def _both(a: Awaitable[Any], b: Awaitable[Any]) -> tuple[Any, Any]:

@@ -80,6 +80,10 @@ class TcpProxy:
                 w.transport.abort()
         self._loop.call_soon_threadsafe(do)
 
+    def heal(self) -> None:
+        """The WAN is back: new connections go through again."""
+        self._loop.call_soon_threadsafe(setattr, self, "cut_off", False)
+
     def close(self) -> None:
         self.cut()
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -89,7 +93,8 @@ class TcpProxy:
 class Cluster:
     SECRET = "e2e-test-secret-0123456789"
 
-    def __init__(self, tmp: Path, policy: str = "", p_engine: str = "", gbps: float = 0.05):
+    def __init__(self, tmp: Path, policy: str = "", p_engine: str = "", gbps: float = 0.05, server: str = "",
+                 wan: str = ""):
         self.tmp = tmp
         self.ports = {n: free_port() for n in ("router", "p0", "rld0", "md0")}
         self.proxy = TcpProxy(self.ports["md0"])
@@ -106,6 +111,7 @@ max_num_batched_tokens = 256
 host = "127.0.0.1"
 port = {self.ports["router"]}
 request_timeout_s = 60
+{server}
 
 [net]
 secret = "{self.SECRET}"
@@ -116,8 +122,8 @@ request_timeout_s = 10.0
 
 [[net.links]]
 name = "wan"
-gbps = {gbps}
 latency_ms = 20.0
+{wan or f"gbps = {gbps}"}
 
 [policy]
 {policy}
@@ -155,15 +161,25 @@ max_num_batched_tokens = 256
         self.procs: dict[str, subprocess.Popen] = {}
         self.url = f"http://127.0.0.1:{self.ports['router']}"
 
+    ROLES = {"md0": "md", "rld0": "rld", "p0": "prefill", "router": "router"}
+
+    def _spawn(self, name: str) -> None:
+        args = [sys.executable, "-m", "pddgw", "serve", "--role", self.ROLES[name], "--node", name,
+                "--config", str(self.config)]
+        if name == "md0":
+            args += ["--port", str(self.ports["md0"])]      # the others dial it via the proxy
+        log = open(self.tmp / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def restart(self, name: str) -> None:
+        """Start a killed node again (same port: its peers' links redial it)."""
+        assert self.procs[name].poll() is not None, f"{name} is still running"
+        self._spawn(name)
+
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for name, role in (("md0", "md"), ("rld0", "rld"), ("p0", "prefill"), ("router", "router")):
-            args = [sys.executable, "-m", "pddgw", "serve", "--role", role, "--node", name,
-                    "--config", str(self.config)]
-            if name == "md0":
-                args += ["--port", str(self.ports["md0"])]      # the others dial it via the proxy
-            log = open(self.tmp / f"{name}.log", "wb")
-            self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        for name in self.ROLES:
+            self._spawn(name)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             for name, p in self.procs.items():
