@@ -42,7 +42,9 @@ async def drive_handoff(rid: str, rld: Link, md_name: str, policy: PolicyConfig,
                         rld_load: float, md_load: float, rtt_ms: float, timeout: float,
                         force_mode: str | None = None) -> pm.HandedOff | None:
     """Steps 1-2 of the router side -> RLD's HandedOff, or None when RLD had
-    nothing left to hand off (it finished first).  Link failures propagate."""
+    nothing left to hand off (it finished first: RLD refuses with code "request").
+    Any other failure propagates: a round MD did not take may have frozen RLD,
+    so the request must be re-driven, not left waiting for tokens."""
     if force_mode:
         policy = dataclasses.replace(policy, handoff_mode=force_mode)
     decision = choose_handoff_mode(HandoffInputs(generated, rld_load, md_load), policy)
@@ -53,6 +55,8 @@ async def drive_handoff(rid: str, rld: Link, md_name: str, policy: PolicyConfig,
     try:
         reply = await rld.request(msg, timeout=timeout)
     except RemoteError as e:
+        if e.code != "request":
+            raise
         log.info("handoff_skipped", request_id=rid, reason=str(e))
         return None
     assert isinstance(reply, pm.HandedOff), reply

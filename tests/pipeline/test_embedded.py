@@ -97,6 +97,31 @@ async def test_p_rld_md_handoff_same_tokens(deploy, mode):
         assert len(tl["handoff_positions"]) == 3        # two catch-up rounds, then the final one
 
 
+async def test_a_final_handoff_round_md_refuses_is_redriven(deploy, monkeypatch):
+    """RLD froze for the final round and MD refused it: the request is re-driven from the
+    emitted tokens (it used to wait for tokens nobody would send)."""
+    ws, side, _ = await deploy(make_cfg(pipeline="P-RLD-MD", handoff_mode="one-shot"))
+    from pddgw.engines.types import RequestError
+    from pddgw.pipeline.decode import DecodeWorker
+
+    extend = DecodeWorker.extend
+    refused: list[str] = []
+
+    async def refuse_first_final(self, rid, start, ids, final):
+        if final and not refused:            # the handoff's final round (the re-drive's passes)
+            refused.append(rid)
+            raise RequestError(f"request {rid!r}: MD refuses the final round (test)")
+        return await extend(self, rid, start, ids, final)
+
+    monkeypatch.setattr(DecodeWorker, "extend", refuse_first_final)
+    p = prompt_of(120)
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=200, temperature=0.8, seed=5)
+    assert r.final["type"] == "response.completed", r.final
+    assert r.token_ids == reference(p, 200, temperature=0.8, seed=5)
+    r.assert_positions_once_in_order()
+    assert r.timeline["redrives"], r.timeline
+
+
 async def test_rld_local_and_eager_tokens_first(deploy):
     ws, side, _ = await deploy(make_cfg(pipeline="P-RLD"))
     p = prompt_of(60)
