@@ -10,7 +10,9 @@ the kernel offers) and the WebSocket link transfers (1..4 stripes, bulk
 server -> client and client -> server) run side by side, interleaved and
 repeated; the best of the repeats is reported, and each WebSocket rate as a
 ratio of the raw rate for the same frame size.  Also: bytes on the wire and
-round-trip latency of a 100-token token-ID handoff.
+round-trip latency of a 100-token token-ID handoff.  (The whole path from P's
+KV pool into a decoder's pool through the production workers, on an idle and
+a busy decoder: `python -m pddgw.bench.kvpath`.)
 """
 
 from __future__ import annotations

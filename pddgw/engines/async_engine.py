@@ -7,9 +7,21 @@ work and fans the outputs out to per-request streams.  An engine that only
 models time (`Engine.runs_inline`, the cost model) is called on the loop
 itself, and each step's outputs are released once the step's modeled
 duration has passed on the loop's clock: real seconds in a deployment,
-virtual ones in `pddgw sim`.  Closing a stream early (`contextlib.aclosing`
-around it, or cancelling the task reading it) aborts the request and frees
-its blocks.
+virtual ones in `pddgw sim`.
+
+A request's output entry (its queue; `pending` counts them) has one owner,
+this class, and one lifecycle:
+
+  1. `add` registers it (a failed add, or one cancelled while the engine
+     admits the request, leaves nothing: the request is aborted as soon as
+     the engine has it).
+  2. `stream` attaches the one reader; outputs produced before that wait in
+     the entry.  The stream object holds the entry from the call on, iterated
+     or not.
+  3. The entry ends exactly once: when its stream has handed out the final
+     output, when its stream is closed early (`aclose`, or cancelling the task
+     reading it; the request is aborted and its blocks freed), when `abort`
+     ends a request nobody streams, or when the engine stops.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from typing import Any, TypeVar
 import structlog
 
 from pddgw.engines.base import Engine
-from pddgw.engines.types import AddResult, EngineRequest, RequestOutput
+from pddgw.engines.types import AddResult, EngineRequest, RequestError, RequestOutput
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -37,20 +49,74 @@ class EngineStopped(RuntimeError):
     """The engine loop stopped (shut down or crashed) while a request was live."""
 
 
+class _Entry:
+    """The outputs of one added request, until they are read to the end or given up."""
+
+    __slots__ = ("queue", "streamed")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.streamed = False
+
+
+class RequestStream:
+    """The outputs of one request, in order, until it finishes (see `AsyncEngine.stream`).
+
+    An async iterator with `aclose`: closing it before the final output (or
+    cancelling the task iterating it) aborts the request.  Safe to close
+    whether or not it was ever iterated, and more than once.
+    """
+
+    def __init__(self, aeng: AsyncEngine, request_id: str, entry: _Entry) -> None:
+        self._aeng = aeng
+        self.request_id = request_id
+        self._entry: _Entry | None = entry
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        entry = self._entry
+        if entry is None:
+            raise StopAsyncIteration
+        try:
+            item = await entry.queue.get()
+        except BaseException:
+            await self.aclose()       # cancelled while waiting: the request is given up
+            raise
+        if isinstance(item, BaseException):
+            self._aeng._end(self.request_id, entry)
+            self._entry = None
+            raise item
+        if item.finished:
+            self._aeng._end(self.request_id, entry)
+            self._entry = None
+        return item
+
+    async def aclose(self) -> None:
+        entry, self._entry = self._entry, None
+        if entry is None:
+            return
+        self._aeng._end(self.request_id, entry)
+        if not self._aeng._closed:
+            # Shielded: the abort must reach the engine even if we are being cancelled.
+            await asyncio.shield(self._aeng._abort_engine(self.request_id))
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, name: str = "engine"):
         self.engine = engine
         self.name = name
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"pddgw-{name}")
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._entries: dict[str, _Entry] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
     @property
     def pending(self) -> int:
-        """Requests whose output queue is registered (added and not yet streamed to the end)."""
-        return len(self._queues)
+        """Requests whose output entry is registered (added and not yet streamed to the end)."""
+        return len(self._entries)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) on the engine thread, between steps."""
@@ -59,6 +125,31 @@ class AsyncEngine:
         result = await self._on_engine(fn, *args)
         self._wake.set()
         return result
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Queue fn(*args) on the engine thread after what is queued already, without waiting.
+
+        An inline engine runs it now.  fn reports its own failures (they are
+        only logged here).  -> False if the engine is stopped (fn never runs).
+        """
+        if self._closed:
+            return False
+        if self.engine.runs_inline:
+            try:
+                fn(*args)
+            except Exception as e:
+                log.error("engine_post_failed", engine=self.name, error=repr(e))
+            return True
+        try:
+            fut = self._executor.submit(fn, *args)
+        except RuntimeError:          # shut down meanwhile
+            return False
+        fut.add_done_callback(self._log_failure)
+        return True
+
+    def _log_failure(self, fut: concurrent.futures.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("engine_post_failed", engine=self.name, error=repr(fut.exception()))
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         if self.engine.runs_inline:
@@ -82,34 +173,50 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
 
     async def add(self, request: EngineRequest) -> AddResult:
-        """Register a request (its outputs queue up until `stream` reads them)."""
-        self._queues[request.request_id] = asyncio.Queue()
+        """Register a request; its outputs wait in its entry until `stream` reads them.
+
+        The caller then either streams it (`stream`, at once) or gives it up
+        (`abort`).  Cancelled while the engine admits it: the engine still
+        admits it on its thread, and it is aborted right after.
+        """
+        rid = request.request_id
+        if rid in self._entries:
+            raise RequestError(f"request {rid!r} already exists")
+        entry = self._entries[rid] = _Entry()
+        if self.engine.runs_inline:
+            admit = None          # called at once, on the loop: no moment to be cancelled in
+        else:
+            admit = asyncio.ensure_future(self.call(self.engine.add_request, request))
         try:
-            result = await self.call(self.engine.add_request, request)
+            result = await (self.call(self.engine.add_request, request) if admit is None
+                            else asyncio.shield(admit))
+        except asyncio.CancelledError:
+            if admit is None:
+                self._end(rid, entry)
+            else:
+                admit.add_done_callback(lambda f: self._undo_add(rid, entry, f))
+            raise
         except BaseException:
-            self._queues.pop(request.request_id, None)
+            self._end(rid, entry)
             raise
         self.start()
         return result
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of an added request until it finishes; leaving early aborts it."""
-        queue = self._queues[request_id]
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished and not self._closed:
-                # Shielded: the abort must reach the engine even if we are being cancelled.
-                await asyncio.shield(self.call(self.engine.abort, request_id))
+    def _undo_add(self, rid: str, entry: _Entry, admitted: asyncio.Future) -> None:
+        """An add whose caller was cancelled has completed: give the request up."""
+        self._end(rid, entry)
+        if not admitted.cancelled() and admitted.exception() is None and not self._closed:
+            asyncio.get_running_loop().create_task(self._abort_engine(rid), name=f"{self.name}-undo-{rid}")
+
+    def stream(self, request_id: str) -> RequestStream:
+        """The outputs of an added request (see `RequestStream`); one stream per request."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            raise RequestError(f"request {request_id!r} is not registered here (never added, or given up)")
+        if entry.streamed:
+            raise RequestError(f"request {request_id!r} is streamed already")
+        entry.streamed = True
+        return RequestStream(self, request_id, entry)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         await self.add(request)
@@ -118,7 +225,23 @@ class AsyncEngine:
                 yield out
 
     async def abort(self, request_id: str) -> bool:
+        """Drop the request in the engine (False if the engine did not know it).
+
+        A stream reading it gets the abort output and ends; a request nobody
+        streams is given up here (its entry ends)."""
+        entry = self._entries.get(request_id)
+        if entry is not None and not entry.streamed:
+            self._end(request_id, entry)
         return await self.call(self.engine.abort, request_id)
+
+    async def _abort_engine(self, request_id: str) -> None:
+        with contextlib.suppress(EngineStopped):
+            await self.call(self.engine.abort, request_id)
+
+    def _end(self, request_id: str, entry: _Entry) -> None:
+        """The one place an entry ends (module docstring, 3)."""
+        if self._entries.get(request_id) is entry:
+            del self._entries[request_id]
 
     async def _run(self) -> None:
         try:
@@ -132,9 +255,9 @@ class AsyncEngine:
                 if modeled > 0:
                     await asyncio.sleep(modeled)
                 for out in outputs:
-                    q = self._queues.get(out.request_id)
-                    if q is not None:
-                        q.put_nowait(out)
+                    entry = self._entries.get(out.request_id)
+                    if entry is not None:
+                        entry.queue.put_nowait(out)
                 if not outputs:
                     try:
                         await asyncio.wait_for(self._wake.wait(), _IDLE_POLL_S)
@@ -148,5 +271,9 @@ class AsyncEngine:
             self._fail_all(EngineStopped(f"{self.name} crashed: {e!r}"))
 
     def _fail_all(self, err: BaseException) -> None:
-        for q in self._queues.values():
-            q.put_nowait(err)
+        """Streams raise `err` (and end their entries); entries nobody streams end now."""
+        for rid, entry in list(self._entries.items()):
+            if entry.streamed:
+                entry.queue.put_nowait(err)
+            else:
+                self._end(rid, entry)

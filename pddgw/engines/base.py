@@ -13,7 +13,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pddgw.engines.types import AddResult, EngineRequest, EngineStats, KVChunk, KVLayout, RequestOutput
+from pddgw.engines.types import (AddResult, EngineRequest, EngineStats, KVChunk, KVLayout, KVSpan,
+                                 RequestOutput)
 
 
 class Engine(ABC):
@@ -26,7 +27,10 @@ class Engine(ABC):
          if the pool cannot hold them even after eviction).
       2. "import" requests wait until `finish_import`; `import_kv` writes
          chunks into their blocks meanwhile.  Imported blocks are published to
-         the prefix cache only when the import is confirmed complete.
+         the prefix cache only when the import is confirmed complete.  A
+         receiver may first ask `import_buffer` where a chunk's payload should
+         land and, once it has, commit it with `accept_kv` from any thread:
+         a payload already in its place in the pool needs no engine step.
       3. `step` runs one forward over a token budget mixing prefill chunks,
          extends (output tokens given by `output_token_ids` or
          `append_tokens`, computed in one forward) and decodes, samples where
@@ -39,6 +43,10 @@ class Engine(ABC):
     Under block pressure the engine never crashes: it queues (back-pressure)
     or preempts a running request and recomputes it later.
 
+    Threads: every method runs on the caller's one engine thread, except
+    `import_buffer` and `accept_kv`, which the network side calls on its own
+    thread (the event loop) while a step may be running.
+
     Time: an engine that computes (`runs_inline` False) takes real time in
     `step`, so its driver runs every call off the event loop.  An engine that
     models hardware (`runs_inline` True) does bookkeeping only; its calls may
@@ -48,6 +56,8 @@ class Engine(ABC):
     """
 
     runs_inline: bool = False
+    # Its KV chunks carry sizes, no data (a cost model): nothing can land in place.
+    virtual_kv: bool = False
 
     def step_seconds(self) -> float:
         """Modeled duration of the last `step` (0 for an engine whose steps take real time)."""
@@ -121,6 +131,33 @@ class Engine(ABC):
 
         Tokens that already came from this engine's prefix cache are skipped.
         """
+
+    def import_buffer(self, span: KVSpan) -> memoryview | None:
+        """Thread-safe: where an arriving chunk's payload should be received, or None.
+
+        Called when a chunk's description has arrived and before its payload
+        has.  The answer is a writable, C-contiguous byte view of exactly
+        `span.nbytes()` bytes: ideally the chunk's destination in the KV pool
+        itself (then `accept_kv` only marks the tokens present), otherwise a
+        buffer the import copies from.  None (unknown request, not importing,
+        a span this engine would refuse, or no such buffer): the caller
+        allocates, and `import_kv` reports what is wrong.  Pool memory handed
+        out here stays reserved for that payload (never freed, reused or read
+        by a step) until `accept_kv` or `import_kv` takes the chunk or the
+        returned view is dropped undelivered.
+        """
+        return None
+
+    def accept_kv(self, chunk: KVChunk) -> bool:
+        """Thread-safe: validate an arrived chunk and commit it if its payload is already in place.
+
+        Raises RequestError as `import_kv` would for a chunk it refuses.
+        -> True: the payload was received into its destination in the pool
+        (`import_buffer`) and the tokens are now present (or, if the import
+        was aborted meanwhile, the reserved memory is given back): done.
+        False: `import_kv` must still copy it, on the engine thread.
+        """
+        return False
 
     @abstractmethod
     def finish_import(self, request_id: str) -> None:

@@ -61,6 +61,7 @@ def model_profile(model: ModelConfig) -> profiles.ModelProfile:
 @register_engine("costmodel")
 class CostModelEngine(PagedEngine):
     runs_inline = True
+    virtual_kv = True
 
     def __init__(self, profile: profiles.ModelProfile, hardware: profiles.HardwareProfile, cfg: EngineConfig,
                  max_model_len: int = 0):

@@ -11,15 +11,47 @@ subclass supplies the three things that touch KV data or logits:
   `_export(seq, ...)`      the KV payload of a token x layer range
   `_import(seq, chunk, start)`  write an arriving chunk's tokens [start, end)
 
-The torch engine computes them with a real model over a real KV pool; the
-cost-model engine (`costmodel.py`) replaces them by their time on modeled
-hardware, so both run the very same control logic.
+and, optionally, where arriving payloads can be received (`_block_array`:
+one block of every layer in the wire layout; `_staging_array`: a buffer to
+copy from).  The torch engine computes them with a real model over a real KV
+pool; the cost-model engine (`costmodel.py`) replaces them by their time on
+modeled hardware, so both run the very same control logic.
+
+Receiving KV in place (`import_buffer` / `accept_kv`, called on the event
+loop while the engine thread may be stepping).  Ownership, step by step:
+
+  1. `import_buffer` (under `_import_lock`) leases one block of an IMPORTING
+     request for a chunk of exactly that block's tokens, all layers, this
+     pool's dtype, past the cached prefix, none of its tokens present and
+     not leased already.  The block was allocated to this request alone at
+     admission and is not published: no step reads or writes it (an
+     importing request is never scheduled) and nothing else holds it.
+  2. The network writes the payload into the block.  `accept_kv` (under the
+     lock) then marks its tokens present and ends the lease; no copy, no
+     engine step.  `finish_import` refuses while a lease is open, so a
+     request never runs on a block still being written.
+  3. `abort` of an import with open leases frees every other block and
+     parks the leased ones: they stay referenced until their payload's end
+     (`accept_kv` of the dropped chunk, or the view being released
+     undelivered, e.g. a connection lost mid-frame: a weakref finalizer),
+     then go back on the engine thread (`_reclaim`).  So a freed block is
+     never written by a late frame.
+  4. Only the engine thread touches the BlockManager; the other thread only
+     moves leases between states under the lock.  Finalizers may run on
+     any thread at any moment: they only append to a deque.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from abc import abstractmethod
+from collections import deque
 from collections.abc import Sequence as Seq
+from collections.abc import Set
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
 
 from pddgw.config import EngineConfig
 from pddgw.engines.base import Engine
@@ -28,7 +60,31 @@ from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.scheduler import Chunk, Scheduler
 from pddgw.engines.sequence import Sequence, SeqStatus
 from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, CapacityError, EngineRequest, EngineStats,
-                                 KVChunk, KVLayout, RequestError, RequestOutput)
+                                 KVChunk, KVLayout, KVSpan, RequestError, RequestOutput)
+
+
+class LeaseState(IntEnum):
+    OPEN = 1      # handed out by import_buffer: the payload may be arriving
+    PARKED = 2    # its import was aborted while open: the block waits for the payload's end
+    DONE = 3      # committed, dropped or given back
+
+
+@dataclass(slots=True, eq=False)
+class _Lease:
+    """One pool block handed out for one chunk's payload (see the module docstring)."""
+
+    seq: Sequence | None            # None once parked
+    block_index: int
+    block_id: int
+    token_start: int
+    token_end: int
+    exporter: weakref.ref           # the array the network writes through
+    state: LeaseState = LeaseState.OPEN
+
+
+def _exporter(data: Any) -> object | None:
+    """The object that exports a payload buffer (a memoryview's `obj`), if known."""
+    return data.obj if isinstance(data, memoryview) else None
 
 
 class PagedEngine(Engine):
@@ -45,6 +101,14 @@ class PagedEngine(Engine):
         self._eos = frozenset(spec.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._events: list[RequestOutput] = []   # outputs produced outside step (aborts)
+        # Receiving KV in place (module docstring): the lock guards leases, IMPORTING status and
+        # `Sequence.imported` against the network thread; it is never held across a step.
+        self._import_lock = threading.Lock()
+        self._parked: set[_Lease] = set()
+        self._gone: deque[_Lease] = deque()       # leases whose view was released (any thread)
+        self._returned: list[int] = []            # parked blocks to release on the engine thread
+        self.kv_bytes_landed = 0                  # imported payload bytes received in place
+        self.kv_bytes_copied = 0                  # imported payload bytes copied into the pool
 
     # ---- what a subclass computes ---------------------------------------------------
     @abstractmethod
@@ -63,6 +127,17 @@ class PagedEngine(Engine):
     def _check_chunk_data(self, chunk: KVChunk) -> None:
         """Subclass hook: refuse a payload this engine cannot store (RequestError)."""
 
+    def _block_array(self, block_id: int) -> Any | None:
+        """Subclass hook (any thread): a new writable byte array over one block's KV of every
+        layer in the wire layout [layers, 2, block_size, kv_heads, head_dim], or None.  A fresh
+        object per call that supports weak references: its death ends a lease."""
+        return None
+
+    def _staging_array(self, nbytes: int) -> Any | None:
+        """Subclass hook (any thread): a new writable byte buffer to receive a payload that
+        `_import` then copies from, or None."""
+        return None
+
     # ---- contract: properties -------------------------------------------------
     @property
     def kv_layout(self) -> KVLayout:
@@ -74,6 +149,7 @@ class PagedEngine(Engine):
 
     # ---- contract: requests -------------------------------------------------------
     def add_request(self, request: EngineRequest) -> AddResult:
+        self._reclaim()
         rid = request.request_id
         if rid in self.seqs:
             raise RequestError(f"request {rid!r} already exists")
@@ -97,6 +173,9 @@ class PagedEngine(Engine):
             self._admit_import(seq)
         else:
             self.scheduler.waiting.append(seq)
+        # An earlier request of this id that was aborted but not yet stepped: its abort
+        # output must not reach the new one.
+        self._events = [e for e in self._events if e.request_id != rid]
         self.seqs[rid] = seq
         return AddResult(rid, seq.num_cached_tokens)
 
@@ -129,13 +208,23 @@ class PagedEngine(Engine):
         if seq is None:
             return False
         was_retained = seq.status == SeqStatus.RETAINED
+        parked: set[int] = set()
         if seq.status == SeqStatus.IMPORTING and seq.imported is not None:
-            # A cancelled import keeps its complete leading blocks: the conversation's
-            # next turn finds them cached instead of moving them again.
-            arrived = seq.imported.find(0, seq.num_cached_tokens)
+            with self._import_lock:
+                self._collect_gone()
+                # Blocks a payload may still be landing in wait for its end (module docstring, 3).
+                for lease in seq.leases.values():
+                    lease.state, lease.seq = LeaseState.PARKED, None
+                    self._parked.add(lease)
+                    parked.add(lease.block_id)
+                seq.leases.clear()
+                seq.status = SeqStatus.FINISHED      # import_buffer hands out nothing more
+                # A cancelled import keeps its complete leading blocks: the conversation's
+                # next turn finds them cached instead of moving them again.
+                arrived = seq.imported.find(0, seq.num_cached_tokens)
             seq.num_computed = seq.num_prompt if arrived == -1 else arrived
             self._publish(seq)
-        self._free(seq)
+        self._free(seq, parked)
         if not was_retained:
             self._events.append(RequestOutput(request_id, (), seq.num_outputs, seq.num_computed,
                                               True, "abort"))
@@ -148,9 +237,9 @@ class PagedEngine(Engine):
         self._free(seq)
         return True
 
-    def _free(self, seq: Sequence) -> None:
+    def _free(self, seq: Sequence, parked: Set[int] = frozenset()) -> None:
         self.scheduler.remove(seq)
-        self.blocks.release(seq.block_ids)
+        self.blocks.release([b for b in seq.block_ids if b not in parked] if parked else seq.block_ids)
         seq.block_ids = []
         seq.status = SeqStatus.FINISHED
         del self.seqs[seq.request_id]
@@ -184,6 +273,7 @@ class PagedEngine(Engine):
 
     # ---- contract: prefix cache -----------------------------------------------
     def match_prefix(self, block_hashes: Seq[int], pin_key: str | None = None) -> int:
+        self._reclaim()
         blocks = self.blocks.match(block_hashes)
         if pin_key is not None:
             self.blocks.pin(pin_key, blocks)
@@ -204,51 +294,166 @@ class PagedEngine(Engine):
             raise RequestError(f"layers [{layer_start}, {layer_end}) outside [0, {self.spec.num_layers})")
         return self._export(seq, token_start, token_end, layer_start, layer_end)
 
-    def import_kv(self, chunk: KVChunk) -> None:
-        seq = self._get(chunk.request_id)
-        rid = chunk.request_id
+    def _check_span(self, seq: Sequence, span: KVSpan) -> None:
+        """RequestError unless `span` fits this importing request and this model."""
+        rid = span.request_id
         if seq.status != SeqStatus.IMPORTING:
             raise RequestError(f"request {rid!r} is {seq.status.name}, not importing")
-        if (chunk.num_kv_heads, chunk.head_dim) != (self.spec.num_kv_heads, self.spec.head_dim):
-            raise RequestError(f"request {rid!r}: KV shape heads={chunk.num_kv_heads} "
-                               f"head_dim={chunk.head_dim} does not match this model's "
+        if (span.num_kv_heads, span.head_dim) != (self.spec.num_kv_heads, self.spec.head_dim):
+            raise RequestError(f"request {rid!r}: KV shape heads={span.num_kv_heads} "
+                               f"head_dim={span.head_dim} does not match this model's "
                                f"{self.spec.num_kv_heads}x{self.spec.head_dim}")
-        if chunk.dtype not in DTYPE_ITEMSIZE:
-            raise RequestError(f"request {rid!r}: unknown KV dtype {chunk.dtype!r}")
-        if not 0 <= chunk.layer_start < chunk.layer_end <= self.spec.num_layers:
-            raise RequestError(f"request {rid!r}: layers [{chunk.layer_start}, {chunk.layer_end}) "
+        if span.dtype not in DTYPE_ITEMSIZE:
+            raise RequestError(f"request {rid!r}: unknown KV dtype {span.dtype!r}")
+        if not 0 <= span.layer_start < span.layer_end <= self.spec.num_layers:
+            raise RequestError(f"request {rid!r}: layers [{span.layer_start}, {span.layer_end}) "
                                f"outside [0, {self.spec.num_layers})")
-        if not 0 <= chunk.token_start < chunk.token_end <= seq.num_prompt:
-            raise RequestError(f"request {rid!r}: tokens [{chunk.token_start}, {chunk.token_end}) "
+        if not 0 <= span.token_start < span.token_end <= seq.num_prompt:
+            raise RequestError(f"request {rid!r}: tokens [{span.token_start}, {span.token_end}) "
                                f"outside the prompt [0, {seq.num_prompt})")
+
+    def _check_chunk(self, seq: Sequence, chunk: KVChunk) -> None:
+        self._check_span(seq, chunk.span)
         if len(chunk.data) != chunk.payload_nbytes:
-            raise RequestError(f"request {rid!r}: KV payload is {len(chunk.data)} bytes, "
+            raise RequestError(f"request {chunk.request_id!r}: KV payload is {len(chunk.data)} bytes, "
                                f"expected {chunk.payload_nbytes}")
         self._check_chunk_data(chunk)
+
+    def import_buffer(self, span: KVSpan) -> memoryview | None:
+        staging = False
+        with self._import_lock:
+            self._collect_gone()
+            seq = self.seqs.get(span.request_id)
+            if seq is None or seq.status != SeqStatus.IMPORTING or seq.imported is None:
+                return None
+            try:
+                self._check_span(seq, span)
+            except RequestError:
+                return None                  # import_kv reports it
+            arr = self._lease(seq, span)
+            if arr is not None:
+                return memoryview(arr)
+            staging = True
+        buf = self._staging_array(span.nbytes()) if staging else None
+        return None if buf is None else memoryview(buf)
+
+    def _lease(self, seq: Sequence, span: KVSpan) -> Any | None:
+        """Under the lock: the pool block `span` covers exactly, leased to its payload; or None."""
+        bs = self.blocks.block_size
+        if ((span.layer_start, span.layer_end) != (0, self.spec.num_layers) or span.dtype != self._layout.dtype
+                or span.token_start % bs or span.num_tokens != bs or span.token_start < seq.num_cached_tokens):
+            return None
+        index = span.token_start // bs
+        if index in seq.leases or seq.imported.find(1, span.token_start, span.token_end) != -1:
+            return None                      # a duplicate: never two writers for one block
+        block = seq.block_ids[index]
+        arr = self._block_array(block)
+        if arr is None:
+            return None
+        lease = _Lease(seq, index, block, span.token_start, span.token_end, weakref.ref(arr))
+        weakref.finalize(arr, self._gone.append, lease)
+        seq.leases[index] = lease
+        return arr
+
+    def _find_lease(self, chunk: KVChunk) -> _Lease | None:
+        """Under the lock: the lease whose memory holds this chunk's payload, if any."""
+        exporter = _exporter(chunk.data)
+        if exporter is None:
+            return None
+        seq = self.seqs.get(chunk.request_id)
+        if seq is not None:
+            lease = seq.leases.get(chunk.token_start // self.blocks.block_size)
+            if (lease is not None and lease.exporter() is exporter
+                    and (lease.token_start, lease.token_end) == (chunk.token_start, chunk.token_end)):
+                return lease
+        for lease in self._parked:
+            if lease.exporter() is exporter:
+                return lease
+        return None
+
+    def accept_kv(self, chunk: KVChunk) -> bool:
+        with self._import_lock:
+            self._collect_gone()
+            lease = self._find_lease(chunk)
+            if lease is not None and lease.state == LeaseState.PARKED:
+                self._end_parked(lease)      # the import was aborted: the block goes back
+                return True
+            seq = self._get(chunk.request_id)
+            self._check_chunk(seq, chunk)
+            if lease is None:
+                return False
+            # The payload is in its block: commit = mark its tokens present (the lease covers
+            # every layer of tokens past the cached prefix).
+            del seq.leases[lease.block_index]
+            lease.state = LeaseState.DONE
+            seq.imported[lease.token_start : lease.token_end] = b"\x01" * (lease.token_end - lease.token_start)
+            self.kv_bytes_landed += chunk.payload_nbytes
+            return True
+
+    def import_kv(self, chunk: KVChunk) -> None:
+        if self.accept_kv(chunk):
+            return
+        seq = self.seqs[chunk.request_id]      # accept_kv checked it is importing
         # Tokens from this engine's prefix cache live in shared blocks: never overwrite them.
         start = max(chunk.token_start, seq.num_cached_tokens)
         if start >= chunk.token_end:
             return
         self._import(seq, chunk, start)
+        self.kv_bytes_copied += chunk.payload_nbytes * (chunk.token_end - start) // chunk.num_tokens
         if chunk.layer_end == self.spec.num_layers:
             # A token counts as arrived once its last layer has (chunks of a range come in layer order).
-            seq.imported[start : chunk.token_end] = b"\x01" * (chunk.token_end - start)
+            with self._import_lock:
+                seq.imported[start : chunk.token_end] = b"\x01" * (chunk.token_end - start)
 
     def finish_import(self, request_id: str) -> None:
         seq = self._get(request_id)
-        if seq.status != SeqStatus.IMPORTING:
-            raise RequestError(f"request {request_id!r} is {seq.status.name}, not importing")
-        missing = seq.imported.find(0, seq.num_cached_tokens)
-        if missing != -1:
-            raise RequestError(f"request {request_id!r}: KV of prompt token {missing} never arrived")
-        seq.num_computed = seq.num_prompt
-        seq.imported = None
-        seq.status = SeqStatus.RUNNING
+        with self._import_lock:
+            self._collect_gone()
+            if seq.status != SeqStatus.IMPORTING:
+                raise RequestError(f"request {request_id!r} is {seq.status.name}, not importing")
+            if seq.leases:
+                lease = min(seq.leases.values(), key=lambda x: x.token_start)
+                raise RequestError(f"request {request_id!r}: KV of prompt tokens [{lease.token_start}, "
+                                   f"{lease.token_end}) is still arriving")
+            missing = seq.imported.find(0, seq.num_cached_tokens)
+            if missing != -1:
+                raise RequestError(f"request {request_id!r}: KV of prompt token {missing} never arrived")
+            seq.num_computed = seq.num_prompt
+            seq.imported = None
+            seq.status = SeqStatus.RUNNING
         self.scheduler.running.append(seq)
         self._publish(seq)
 
+    # ---- leases: the network thread's side ends here ------------------------------------
+    def _collect_gone(self) -> None:
+        """Under the lock: settle leases whose view was released (by whatever thread)."""
+        while self._gone:
+            lease = self._gone.popleft()
+            if lease.state == LeaseState.OPEN:
+                # Released undelivered (e.g. its connection was lost mid-frame): the block may
+                # be leased again; its tokens are still missing.
+                if lease.seq is not None and lease.seq.leases.get(lease.block_index) is lease:
+                    del lease.seq.leases[lease.block_index]
+                lease.state = LeaseState.DONE
+            elif lease.state == LeaseState.PARKED:
+                self._end_parked(lease)
+
+    def _end_parked(self, lease: _Lease) -> None:
+        self._parked.discard(lease)
+        lease.state = LeaseState.DONE
+        self._returned.append(lease.block_id)
+
+    def _reclaim(self) -> None:
+        """Engine thread: release parked blocks whose payload has ended."""
+        with self._import_lock:
+            self._collect_gone()
+            blocks, self._returned = self._returned, []
+        if blocks:
+            self.blocks.release(blocks)
+
     # ---- contract: step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._reclaim()
         outputs, self._events = self._events, []
         chunks = self.scheduler.schedule()
         if not chunks:
@@ -309,6 +514,7 @@ class PagedEngine(Engine):
 
     # ---- contract: introspection ----------------------------------------------------
     def stats(self) -> EngineStats:
+        self._reclaim()
         statuses = [s.status for s in self.seqs.values()]
         return EngineStats(
             num_blocks=self.blocks.num_blocks, free_blocks=self.blocks.num_free,
@@ -320,4 +526,7 @@ class PagedEngine(Engine):
             preemptions=self.scheduler.num_preemptions)
 
     def check_integrity(self) -> None:
-        self.blocks.check_integrity(s.block_ids for s in self.seqs.values())
+        self._reclaim()
+        with self._import_lock:
+            network = [lease.block_id for lease in self._parked] + self._returned
+        self.blocks.check_integrity([*(s.block_ids for s in self.seqs.values()), network])

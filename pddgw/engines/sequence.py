@@ -31,7 +31,7 @@ class SeqStatus(IntEnum):
 class Sequence:
     __slots__ = ("request_id", "sampling", "tokens", "num_prompt", "block_ids", "num_computed",
                  "num_cached_tokens", "kv_source", "hold", "retain", "status", "finish_reason",
-                 "_hashes", "num_published", "imported", "last_reported")
+                 "_hashes", "num_published", "imported", "last_reported", "leases")
 
     def __init__(self, req: EngineRequest):
         self.request_id = req.request_id
@@ -50,6 +50,7 @@ class Sequence:
         self.num_published = 0         # leading blocks published to the prefix cache
         self.imported: bytearray | None = None   # per prompt token: arrived via import_kv
         self.last_reported = 0         # num_computed last reported in a RequestOutput
+        self.leases: dict = {}         # IMPORTING: block index -> pool lease (PagedEngine.import_buffer)
 
     @property
     def num_outputs(self) -> int:

@@ -57,8 +57,7 @@ class TorchEngine(PagedEngine):
     # ---- KV data ------------------------------------------------------------------
     def _export(self, seq: Sequence, token_start: int, token_end: int, layer_start: int,
                 layer_end: int) -> KVChunk:
-        slots = self.pool.slots(seq.block_ids, token_start, token_end)
-        data = self.pool.gather(slots, layer_start, layer_end)     # [L, 2, n, kvh, hd]
+        data = self.pool.read(seq.block_ids, token_start, token_end, layer_start, layer_end)  # [L, 2, n, kvh, hd]
         return KVChunk(seq.request_id, token_start, token_end, layer_start, layer_end,
                        self.spec.num_kv_heads, self.spec.head_dim, self._layout.dtype,
                        tensor_to_buffer(data))
@@ -68,13 +67,19 @@ class TorchEngine(PagedEngine):
             raise RequestError(f"request {chunk.request_id!r}: a virtual KV chunk (sized, no data, "
                                "from a cost-model engine) cannot fill a real KV pool")
 
+    def _block_array(self, block_id: int):
+        return self.pool.block_array(block_id)
+
+    def _staging_array(self, nbytes: int):
+        return self.pool.staging_array(nbytes)
+
     def _import(self, seq: Sequence, chunk: KVChunk, start: int) -> None:
         data = buffer_to_tensor(chunk.data, chunk.dtype,
                                 (chunk.layer_end - chunk.layer_start, 2, chunk.num_tokens,
-                                 chunk.num_kv_heads, chunk.head_dim))
-        data = data[:, :, start - chunk.token_start :]
-        self.pool.scatter(self.pool.slots(seq.block_ids, start, chunk.token_end).to(self.device),
-                          data.to(self.device), chunk.layer_start)
+                                 chunk.num_kv_heads, chunk.head_dim))   # [L, 2, n, kvh, hd], no copy
+        # The one copy of a payload that did not land in place: into the pool's pages (with a
+        # dtype conversion if the sender's differs; host -> device on a GPU).
+        self.pool.write(seq.block_ids, start, data[:, :, start - chunk.token_start :], chunk.layer_start)
 
     # ---- the forward ------------------------------------------------------------------
     def _forward(self, chunks: list[Chunk]) -> dict[str, int]:

@@ -122,6 +122,33 @@ class KVLayout:
 
 
 @dataclass(frozen=True, slots=True)
+class KVSpan:
+    """Which KV a chunk carries, known before its payload (see `Engine.import_buffer`).
+
+    Tokens [token_start, token_end) of layers [layer_start, layer_end), laid
+    out as `KVChunk.data` is: [layers, 2 (K, V), tokens, kv_heads, head_dim]
+    contiguous in `dtype`.
+    """
+
+    request_id: str
+    token_start: int
+    token_end: int
+    layer_start: int
+    layer_end: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    def nbytes(self) -> int:
+        return ((self.layer_end - self.layer_start) * 2 * self.num_tokens * self.num_kv_heads
+                * self.head_dim * DTYPE_ITEMSIZE[self.dtype])
+
+
+@dataclass(frozen=True, slots=True)
 class KVChunk:
     """KV of tokens [token_start, token_end) of layers [layer_start, layer_end).
 
@@ -157,6 +184,11 @@ class KVChunk:
     def payload_nbytes(self) -> int:
         """Bytes `data` must hold: all of them, or none for a virtual chunk."""
         return 0 if self.virtual else self.expected_nbytes()
+
+    @property
+    def span(self) -> KVSpan:
+        return KVSpan(self.request_id, self.token_start, self.token_end, self.layer_start, self.layer_end,
+                      self.num_kv_heads, self.head_dim, self.dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,7 +92,12 @@ def _tiny_tensor(name: str, shape: torch.Size, spec: ModelSpec, g: torch.Generat
 
 def build_tiny(seed: int, dtype: torch.dtype | str, device: str | torch.device) -> LlamaModel:
     """The built-in tiny model; identical for a given seed on every machine and process."""
-    spec = tiny_spec()
+    return build_random(tiny_spec(), seed, dtype, device)
+
+
+def build_random(spec: ModelSpec, seed: int, dtype: torch.dtype | str, device: str | torch.device) -> LlamaModel:
+    """A model of any dense spec with the tiny model's seeded random weights (benchmarks
+    that need another KV shape); identical for a given spec and seed everywhere."""
     model = LlamaModel(spec, resolve_dtype(dtype), device)
     g = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():

@@ -19,20 +19,32 @@ Lifecycle of one request here (DecodeState, ordered):
 Position-keyed sampling makes the positions a node emits identical to what
 any other node would emit for the same request, so the router may merge
 overlapping streams.
+
+P's KV lands without waiting for engine steps: the node's links receive each
+payload where `kv_destination` says (for a chunk of one whole block, the
+block itself in the engine's pool: `accept_kv` then only marks it present,
+on the loop); any other payload is copied into the pool on the engine thread
+between steps, every chunk that arrived meanwhile in one go (`import_kv`),
+never one chunk per step.
+
+Each session owns its request's output stream from `open` on (`outputs`):
+closing the session closes the stream, so nothing stays registered in the
+AsyncEngine whatever point a request is cancelled at.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
 import structlog
 
-from pddgw.engines.async_engine import AsyncEngine
-from pddgw.engines.types import EngineRequest, KVChunk, RequestError, RequestOutput, SamplingParams
+from pddgw.engines.async_engine import AsyncEngine, EngineStopped, RequestStream
+from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, RequestOutput, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -62,10 +74,11 @@ Emit = Callable[[TokenEvent], Awaitable[None]]
 
 class _Session:
     __slots__ = ("rid", "state", "tokens", "task", "emitted", "frozen", "num_prompt", "num_computed",
-                 "progress", "decode_start")
+                 "progress", "decode_start", "outputs")
 
-    def __init__(self, rid: str, num_prompt: int):
+    def __init__(self, rid: str, num_prompt: int, outputs: RequestStream):
         self.rid = rid
+        self.outputs = outputs           # the engine's outputs of this request: closed with the session
         self.state = DecodeState.IMPORTING
         self.tokens: list[int] = []      # output positions 0.. known here
         self.task: asyncio.Task[None] | None = None
@@ -83,6 +96,10 @@ class DecodeWorker:
         self.engine = aeng.engine
         self._emit = emit
         self.sessions: dict[str, _Session] = {}
+        # Chunks whose payload must still be copied into the pool: appended on the loop, taken
+        # on the engine thread by `_drain_imports` (posted at most once while one is queued).
+        self._imports: deque[KVChunk] = deque()
+        self._drain_posted = False
 
     def _get(self, rid: str) -> _Session:
         s = self.sessions.get(rid)
@@ -97,14 +114,52 @@ class DecodeWorker:
             raise RequestError(f"request {rid!r} already open here")
         req = EngineRequest(rid, prompt, sampling, kv_source="import", hold=True)
         res = await self.aeng.add(req)
-        self.sessions[rid] = _Session(rid, len(prompt))
+        self.sessions[rid] = _Session(rid, len(prompt), self.aeng.stream(rid))
         return res.num_cached_tokens
 
+    def kv_destination(self, span: KVSpan) -> memoryview | None:
+        """Where an arriving chunk's payload should be received (the engine's `import_buffer`);
+        None unless the request is importing here.  On the loop, before the payload arrives."""
+        s = self.sessions.get(span.request_id)
+        if s is None or s.state != DecodeState.IMPORTING:
+            return None
+        return self.engine.import_buffer(span)
+
     async def import_kv(self, chunk: KVChunk) -> None:
+        """Take one arrived chunk; RequestError for one the request cannot take.
+
+        Returns without waiting for the engine: a payload already in its
+        place in the pool is committed here and now; any other is queued and
+        copied on the engine thread right after the step in progress, with
+        every other chunk queued by then (`kv_done` waits for them).
+        """
         s = self._get(chunk.request_id)
         if s.state != DecodeState.IMPORTING:
             raise RequestError(f"request {s.rid!r} is {s.state.name}, not importing")
-        await self.aeng.call(self.engine.import_kv, chunk)
+        if self.engine.accept_kv(chunk):       # validated; committed if it landed in place
+            return
+        self._imports.append(chunk)
+        if not self._drain_posted:
+            self._drain_posted = True
+            if not self.aeng.post(self._drain_imports):
+                self._drain_posted = False
+                raise EngineStopped("the engine is stopped")
+
+    def drop_kv(self, chunk: KVChunk) -> None:
+        """A chunk of a request cancelled here: a payload that landed in the pool gives its memory back."""
+        with contextlib.suppress(RequestError):
+            self.engine.accept_kv(chunk)
+
+    def _drain_imports(self) -> None:
+        """Engine thread, between steps: copy every queued chunk into the pool, oldest first."""
+        self._drain_posted = False           # from here on a new chunk posts another drain
+        while self._imports:
+            chunk = self._imports.popleft()
+            try:
+                self.engine.import_kv(chunk)
+            except RequestError as e:
+                # Checked on arrival, so the request was cancelled since (or it is a bug).
+                log.info("kv_import_dropped", request_id=chunk.request_id, error=str(e))
 
     async def kv_done(self, rid: str, first_token: int, decode: bool) -> None:
         """All prompt KV sent; the first output token (P's) is extended here.
@@ -117,6 +172,7 @@ class DecodeWorker:
             raise RequestError(f"request {rid!r} is {s.state.name}, not importing")
 
         def finish() -> None:
+            self._drain_imports()            # every chunk that arrived before this message
             self.engine.finish_import(rid)
             self.engine.append_tokens(rid, (first_token,), final=decode)
 
@@ -180,7 +236,7 @@ class DecodeWorker:
         """Stop decoding `rid` and emit every token made; -> the end position."""
         s = self._get(rid)
         s.frozen = True                # RLD's output ends here...
-        await self.aeng.call(self.engine.abort, rid)
+        await self.aeng.abort(rid)
         await self._emit_new(s)        # ...and every token up to it is emitted
         return len(s.tokens)
 
@@ -196,7 +252,7 @@ class DecodeWorker:
         if rid in self.sessions:
             raise RequestError(f"request {rid!r} already open here")
         await self.aeng.add(EngineRequest(rid, prompt, sampling, hold=hold))
-        s = self.sessions[rid] = _Session(rid, len(prompt))
+        s = self.sessions[rid] = _Session(rid, len(prompt), self.aeng.stream(rid))
         s.state = DecodeState.HOLDING if hold else DecodeState.DECODING
         if not hold:
             s.decode_start = (asyncio.get_running_loop().time(), 0)
@@ -208,7 +264,7 @@ class DecodeWorker:
         if s is None:
             return False
         s.frozen = True
-        await self.aeng.call(self.engine.abort, rid)
+        await self.aeng.abort(rid)
         await self._close(s)
         return True
 
@@ -216,7 +272,7 @@ class DecodeWorker:
     async def _consume(self, s: _Session) -> None:
         """Forward engine outputs of one request, in order, until it ends."""
         try:
-            async with contextlib.aclosing(self.aeng.stream(s.rid)) as outputs:
+            async with contextlib.aclosing(s.outputs) as outputs:
                 async for out in outputs:
                     if s.frozen or not await self._on_output(s, out):
                         return
@@ -264,3 +320,6 @@ class DecodeWorker:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        # However far the request got (importing, or its reader never started), its stream
+        # ends here: the engine's entry for it goes, and the request is aborted if still live.
+        await s.outputs.aclose()

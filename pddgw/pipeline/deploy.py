@@ -28,7 +28,7 @@ from pddgw.engines.weights import load_spec_for
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.inproc import InProcNetwork
-from pddgw.net.link import Link
+from pddgw.net.link import KvSink, Link
 from pddgw.net.ws import WsServer
 from pddgw.net.ws import connect as ws_connect
 from pddgw.pipeline import protocol as pm
@@ -159,7 +159,7 @@ class Embedded:
 
             worker = await _build_worker(cfg, n, connect)
             self.workers[n.name] = worker
-            self.net.listen(n.name, worker.handle)
+            self.net.listen(n.name, worker.handle, kv_sink=worker.kv_sink)
         router_cfg = next(n for n in cfg.nodes if n.role == "router")
         handles = [_handle(n, cfg, await self._dial(router_cfg, n, _router_link_handler))
                    for n in cfg.nodes if n.role != "router"]
@@ -170,7 +170,9 @@ class Embedded:
     async def _dial(self, me: NodeConfig, peer: NodeConfig, handler=None) -> Link:
         if handler is None:
             handler = self.workers[me.name].handle if me.name in self.workers else None
+        worker = self.workers.get(me.name)
         return await self.net.connect(me.name, peer.name, handler=handler,
+                                      kv_sink=worker.kv_sink if worker is not None else None,
                                       shaping=shaping_between(self.cfg, me, peer) or None,
                                       groups=(me.cluster, peer.cluster))
 
@@ -197,13 +199,14 @@ def link_url(n: NodeConfig, tls: bool) -> str:
     return f"{'wss' if tls else 'ws'}://{n.host}:{n.port}/pddgw/link"
 
 
-async def dial(cfg: Config, me: NodeConfig, peer: NodeConfig, handler, wait_s: float = 60.0) -> Link:
-    """Dial a peer node, retrying while it starts up."""
+async def dial(cfg: Config, me: NodeConfig, peer: NodeConfig, handler, wait_s: float = 60.0,
+               kv_sink: KvSink | None = None) -> Link:
+    """Dial a peer node, retrying while it starts up; KV it sends us lands where `kv_sink` says."""
     deadline = asyncio.get_running_loop().time() + wait_s
     while True:
         try:
             return await ws_connect(link_url(peer, cfg.net.tls.enabled), me.name, cfg.net, handler,
-                                    shaping=shaping_between(cfg, me, peer))
+                                    shaping=shaping_between(cfg, me, peer), kv_sink=kv_sink)
         except LinkError as e:
             if asyncio.get_running_loop().time() > deadline:
                 raise LinkError(f"cannot reach {peer.role} node {peer.name}: {e}") from None
@@ -217,10 +220,11 @@ async def run_worker(cfg: Config, me: NodeConfig, host: str | None = None, port:
     worker: WorkerNode | None = None
 
     def connect(remote: str):
-        return dial(cfg, me, by_name[remote], worker.handle if worker else None)
+        return dial(cfg, me, by_name[remote], worker.handle if worker else None,
+                    kv_sink=worker.kv_sink if worker else None)
 
     worker = await _build_worker(cfg, me, connect)
-    server = WsServer(me.name, cfg.net, worker.handle)
+    server = WsServer(me.name, cfg.net, worker.handle, kv_sink=worker.kv_sink)
     app = web.Application()
     server.add_routes(app)
 

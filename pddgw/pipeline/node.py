@@ -19,7 +19,7 @@ import structlog
 
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.base import Engine
-from pddgw.engines.types import CapacityError, KVChunk, RequestError
+from pddgw.engines.types import CapacityError, KVChunk, KVSpan, RequestError
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.link import Link, LinkState
@@ -45,9 +45,19 @@ def to_wire(chunk: KVChunk, seq: int = 0, last: bool = False) -> m.KvChunk:
 
 
 def from_wire(msg: m.KvChunk) -> KVChunk:
+    """The engine's view of a received chunk; its data is the received payload itself (no copy),
+    so a payload received into the pool (`WorkerNode.kv_sink`) is recognised there."""
     s = msg.span
     return KVChunk(s.request_id, s.token_start, s.token_end, s.layer_start, s.layer_end, s.shape[3],
                    s.shape[4], s.dtype, memoryview(msg.payload).cast("B"), s.virtual)
+
+
+def span_from_wire(s: m.KvSpan) -> KVSpan | None:
+    """The engine's view of a chunk's description; None if its shape does not describe its ranges."""
+    if len(s.shape) != 5 or tuple(s.shape[:3]) != (s.layer_end - s.layer_start, 2, s.token_end - s.token_start):
+        return None
+    return KVSpan(s.request_id, s.token_start, s.token_end, s.layer_start, s.layer_end, s.shape[3], s.shape[4],
+                  s.dtype)
 
 
 @dataclass(slots=True)
@@ -131,9 +141,9 @@ class WorkerNode:
         op = self._open.get(rid)
         if op is None:
             return
+        await self._cancel(rid)          # freed before the router hears: it may re-drive at once
         with contextlib.suppress(LinkError):
             await op.router.send(err)
-        await self._cancel(rid)
 
     def _tombstone(self, rid: str) -> None:
         """Remember a cancel: P's frames still in flight are dropped, and an open or pin that
@@ -161,11 +171,17 @@ class WorkerNode:
                 return await self._submit(link, msg)
             case pm.Prefill():
                 return await self._run_prefill(msg)
-            case m.KvChunk(span=m.KvSpan(request_id=rid)) | pm.KvDone(request_id=rid) if rid in self._cancelled:
-                return None        # P's frames still in flight when the request was cancelled here
-            case m.KvChunk():
+            case m.KvChunk(span=m.KvSpan(request_id=rid)):
+                if rid in self._cancelled:
+                    # P's frames still in flight when the request was cancelled here: dropped (a
+                    # payload that landed in the pool gives its blocks back).
+                    if self.decode is not None:
+                        self.decode.drop_kv(from_wire(msg))
+                    return None
                 await self._decoder().import_kv(from_wire(msg))
                 return None
+            case pm.KvDone(request_id=rid) if rid in self._cancelled:
+                return None        # P's frames still in flight when the request was cancelled here
             case pm.KvDone(request_id=rid, first_token=first, hold=hold):
                 return await self._kv_done(rid, first, hold)
             case pm.Demote(request_id=rid):
@@ -181,6 +197,20 @@ class WorkerNode:
                 await self._cancel(rid)
                 return None
         raise RequestError(f"{self.role} node {self.name} does not handle {type(msg).__name__}")
+
+    def kv_sink(self, span: m.KvSpan) -> memoryview | None:
+        """The KV sink of this node's links (`net.link.KvSink`), on the loop, before a payload.
+
+        For a request importing here: where the payload should land, ideally
+        its block in the engine's pool (see `Engine.import_buffer`), so that
+        the import only commits it.  None (not a decoder, unknown, cancelled
+        or not importing, a malformed span): the link allocates and the
+        import reports what is wrong.
+        """
+        if self.decode is None or span.virtual or span.request_id in self._cancelled:
+            return None
+        es = span_from_wire(span)
+        return None if es is None else self.decode.kv_destination(es)
 
     def _decoder(self) -> DecodeWorker:
         if self.decode is None:
@@ -302,6 +332,8 @@ class WorkerNode:
         task = self._prefills.get(rid)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
+            # Done when P has let go of it: a re-drive's Prefill right after finds P clean.
+            await asyncio.wait([task])
         if self.decode is not None:
             await self.decode.cancel(rid)
         self._open.pop(rid, None)

@@ -15,18 +15,26 @@ Lifecycle of one request on P:
 Transfers start as foreground traffic; `demote` turns what is left of a
 request's transfers into background traffic (nobody waits for them any
 more), frame by frame, so live requests' KV overtakes it on the wire.
+
+Chunks are cut at block boundaries (absolute token positions), and when one
+block's KV makes a frame of a sensible size (within 4x of `chunk_bytes`)
+each chunk is exactly one block: a decoder with the same block size then
+receives it straight into that block of its pool, with no copy.  Until the
+prompt is complete only whole blocks go out (the partial last block waits
+for the next prefill step).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
-from pddgw.engines.async_engine import AsyncEngine
+from pddgw.engines.async_engine import AsyncEngine, RequestStream
 from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams
 from pddgw.net.link import Priority
 
@@ -75,7 +83,9 @@ class PrefillWorker:
     def __init__(self, aeng: AsyncEngine, chunk_bytes: int = 512 * 1024):
         self.aeng = aeng
         self.engine = aeng.engine
-        self.tokens_per_chunk = max(1, chunk_bytes // self.engine.kv_layout.bytes_per_token())
+        self.block_size = self.engine.kv_layout.block_size
+        self.tokens_per_chunk = tokens_per_chunk(self.engine.kv_layout.bytes_per_token(), self.block_size,
+                                                 chunk_bytes, in_place=not self.engine.virtual_kv)
         self.inflight: dict[str, list[KVTarget]] = {}
 
     async def prefill(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams,
@@ -93,11 +103,13 @@ class PrefillWorker:
         progress = _Progress()
         first: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         senders: list[asyncio.Task[None]] = []
+        outputs: RequestStream | None = None
         try:
             result = await self.aeng.add(req)
+            outputs = self.aeng.stream(rid)
             senders = [asyncio.create_task(self._serve_target(rid, n, t, progress, first),
                                            name=f"kv-{rid}-{t.name}") for t in targets]
-            async with contextlib.aclosing(self.aeng.stream(rid)) as outputs:
+            async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     if out.new_token_ids and not first.done():
                         first.set_result(out.new_token_ids[0])
@@ -107,16 +119,24 @@ class PrefillWorker:
             await asyncio.gather(*senders)
             return PrefillResult(first.result(), result.num_cached_tokens, {t.name: t for t in targets})
         finally:
-            if not first.done():
-                first.cancel()
-            for task in senders:
-                task.cancel()
-            for task in senders:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            # Retained KV is released (or the request aborted) whatever happened.
-            await self.aeng.call(self.engine.abort, rid)
-            self.inflight.pop(rid, None)
+            # To the end even when cancelled again meanwhile (a Cancel and the link's own
+            # cancellation): an interrupted abort would leave the retained KV on P for good.
+            await _uninterrupted(self._release(rid, first, senders, outputs))
+
+    async def _release(self, rid: str, first: asyncio.Future[int], senders: list[asyncio.Task[None]],
+                       outputs: RequestStream | None) -> None:
+        if not first.done():
+            first.cancel()
+        for task in senders:
+            task.cancel()
+        for task in senders:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        # Retained KV is released (or the request aborted) whatever happened.
+        if outputs is not None:
+            await outputs.aclose()
+            await self.aeng.abort(rid)
+        self.inflight.pop(rid, None)
 
     def demote(self, rid: str) -> bool:
         """What is left of `rid`'s transfers goes as background traffic; False if none is in flight."""
@@ -140,15 +160,60 @@ class PrefillWorker:
     async def _send_all(self, rid: str, n: int, target: KVTarget, progress: _Progress) -> None:
         """Send [start_token, n) in chunks as the computed watermark passes them."""
         sent = target.start_token
+        bs = self.block_size
+
+        def sendable() -> int:
+            """Computed tokens that may go out: whole blocks only until the prompt is complete."""
+            c = min(progress.computed, n)
+            return c if c == n or progress.finished else c - c % bs
+
         while sent < n:
             async with progress.cond:
-                await progress.cond.wait_for(lambda: progress.computed > sent or progress.finished)
-                upto = progress.computed
-            # Everything newly computed goes out as one batch of chunks.
+                await progress.cond.wait_for(lambda: sendable() > sent or progress.finished)
+                upto = sendable()
+            if upto <= sent:
+                raise RequestError(f"request {rid!r} ended on P before tokens [{sent}, {n}) were computed")
+            # Everything newly computed goes out as one batch of chunks, cut at multiples of
+            # the chunk size (whole blocks when that is a block multiple).
             step = self.tokens_per_chunk
-            bounds = [(a, min(upto, a + step)) for a in range(sent, upto, step)]
+            bounds = []
+            a = sent
+            while a < upto:
+                b = min(upto, (a // step + 1) * step)
+                bounds.append((a, b))
+                a = b
             chunks = await self.aeng.call(
                 lambda: [self.engine.export_kv(rid, a, b) for a, b in bounds])
             target.service_s += await target.send(chunks)
             target.sent_bytes += sum(c.expected_nbytes() for c in chunks)
             sent = upto
+
+
+async def _uninterrupted(coro: Coroutine[Any, Any, None]) -> None:
+    """Run `coro` to its end; a cancellation meanwhile is re-raised once it is done."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
+
+
+def tokens_per_chunk(bytes_per_token: int, block_size: int, chunk_bytes: int, in_place: bool = True) -> int:
+    """Tokens per KV chunk for chunks of about `chunk_bytes`.
+
+    One block when a block's KV is within 4x of `chunk_bytes` and payloads
+    are real (`in_place`: the receiver can take it into its pool as is);
+    else whole blocks while a block is smaller; else (a block too big for one
+    frame, or virtual KV) about `chunk_bytes` worth of tokens.
+    """
+    block_bytes = block_size * bytes_per_token
+    if in_place and chunk_bytes // 4 <= block_bytes <= 4 * chunk_bytes:
+        return block_size
+    if block_bytes < chunk_bytes:
+        return chunk_bytes // block_bytes * block_size
+    return max(1, chunk_bytes // bytes_per_token)

@@ -1,0 +1,468 @@
+"""End-to-end KV path: P's pool -> a WebSocket link (loopback) -> the decoder's pool.
+
+    python -m pddgw.bench.kvpath [--json] [--layers 8 --kv-heads 8 --head-dim 64 --block-size 16]
+                                 [--prompt 2048] [--chunk-kb 1024] [--repeat 3] [--busy-seqs 4 --busy-context 512]
+
+Production code end to end: a P `WorkerNode` (its own process, like a real
+node) prefills the prompt and streams its KV with `PrefillWorker` over a
+pddgw WebSocket link it dials; two decoder `WorkerNode`s in this process
+import it through `DecodeWorker`, behind a `WsServer` set up as `run_worker`
+sets it up; this process plays the router (Submit, Prefill, Cancel) and
+times each transfer from the Prefill request until the decoder reports the
+KV complete (Ready after KvDone: every chunk committed).  The model is a
+generated Llama spec with random weights, big enough per token that one
+block is a frame of the size links move well (8 layers x 8 KV heads x 64 x
+fp32 = 32 KiB a token, 512 KiB a block); P's prefix cache holds the prompt
+after a warm-up, so a transfer costs P only its last block.
+
+Side by side, interleaved, on every repeat:
+  production  the decoder's links receive each payload where `WorkerNode.kv_sink`
+              says: a one-block chunk straight into its block of the pool; the
+              import only marks it present (no copy, no engine step)
+  old         the path before: the link allocates each payload, and each chunk
+              is copied into the pool by one engine call of its own (behind the
+              step in progress on a busy decoder)
+  raw         the ceiling: the same bytes in frames of the same size over a raw
+              TCP socket between the same two processes, received into
+              preallocated memory (`recv_into`)
+each on an idle decoder and on a busy one (`--busy-seqs` sequences of
+`--busy-context` tokens decoding throughout).  Reported: GB/s (KV bytes /
+seconds, best of the repeats), ratios, and the decoder's copies per KV byte
+(1 = received straight into the pool; the kernel's socket copy counts as
+the one), from the engines' own counters.  Both paths must leave
+bit-identical KV in their pools (exported back and compared).  P dials the
+decoders, so KV frames are masked client -> server on both paths alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import orjson
+import torch
+
+from pddgw.config import EngineConfig, NetConfig
+from pddgw.engines.model_spec import ModelSpec
+from pddgw.engines.torch_engine import TorchEngine
+from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams
+from pddgw.engines.weights import build_random
+from pddgw.logs import setup_logging
+from pddgw.net import messages as m
+from pddgw.net.link import Link
+from pddgw.net.ws import WsServer
+from pddgw.net.ws import connect as ws_connect
+from pddgw.pipeline import protocol as pm
+from pddgw.pipeline.decode import DecodeState, DecodeWorker
+from pddgw.pipeline.node import WorkerNode
+from pddgw.pipeline.prefill import tokens_per_chunk
+
+PATHS = ("production", "old")
+SEED = 7
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    prompt: int
+    chunk_bytes: int
+    busy_seqs: int
+    busy_context: int
+
+    def spec(self) -> ModelSpec:
+        # Small hidden size, real KV shape: P computes little, every token carries its KV.
+        return ModelSpec(arch="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                         num_layers=self.layers, num_heads=self.kv_heads, num_kv_heads=self.kv_heads,
+                         head_dim=self.head_dim, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                         tie_word_embeddings=False, attention_bias=False, qk_norm=False,
+                         max_position_embeddings=1 << 16, bos_token_id=None, eos_token_ids=(1,))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 4
+
+    @property
+    def frame_bytes(self) -> int:
+        """KV bytes of P's chunks (`PrefillWorker`'s rule)."""
+        return tokens_per_chunk(self.bytes_per_token, self.block_size, self.chunk_bytes) * self.bytes_per_token
+
+    def engine_cfg(self, prefix_caching: bool) -> EngineConfig:
+        tokens = self.prompt * 3 + self.busy_seqs * (self.busy_context + 4096)
+        return EngineConfig(num_blocks=-(-tokens // self.block_size), block_size=self.block_size,
+                            max_num_seqs=max(8, 2 * self.busy_seqs), max_num_batched_tokens=512,
+                            enable_prefix_caching=prefix_caching, cpu_threads=1)
+
+    def prompt_ids(self, k: int = 0) -> tuple[int, ...]:
+        return tuple((37 * i + 11 * k) % 500 + 2 for i in range(self.prompt))
+
+
+def _net(secret: str, shape: Shape) -> NetConfig:
+    return NetConfig(secret=secret, max_frame_bytes=max(16 << 20, 2 * shape.chunk_bytes),
+                     kv_frame_bytes=shape.chunk_bytes, inbound_buffer_bytes=256 << 20, heartbeat_s=0,
+                     request_timeout_s=300, send_timeout_s=300)
+
+
+def _engine(shape: Shape, prefix_caching: bool) -> TorchEngine:
+    spec = shape.spec()
+    return TorchEngine(build_random(spec, SEED, torch.float32, "cpu"), spec, shape.engine_cfg(prefix_caching),
+                       torch.float32)
+
+
+def _sampled(**kw) -> dict:
+    return dict(max_tokens=4, temperature=0.0, top_k=0, top_p=1.0, seed=0, ignore_eos=True, stop_token_ids=(),
+                **kw)
+
+
+# ---------------------------------------------------------------------------
+# P: its own process
+
+
+def _raw_sender(sock: socket.socket, src: memoryview) -> None:
+    """Raw TCP ceiling: on each connection, read (total, frame) and send total bytes in frames."""
+    while True:
+        try:
+            c, _ = sock.accept()
+        except OSError:
+            return
+        with c:
+            total, frame = (int(x) for x in c.recv(64, socket.MSG_WAITALL).decode().split())
+            done = 0
+            while done < total:
+                c.sendall(src[:frame])
+                done += frame
+
+
+async def _peer_main(shape: Shape, secret: str, decoders: dict[str, str]) -> None:
+    torch.set_num_threads(1)
+    cfg = _net(secret, shape)
+    worker: WorkerNode | None = None
+
+    async def connect(name: str) -> Link:   # as deploy.dial does, minus the start-up retries
+        assert worker is not None
+        return await ws_connect(decoders[name], "p", cfg, worker.handle, kv_sink=worker.kv_sink)
+
+    worker = WorkerNode("p", "prefill", _engine(shape, prefix_caching=True), connect, shape.chunk_bytes)
+    server = WsServer("p", cfg, worker.handle, kv_sink=worker.kv_sink)
+    url = await server.start("127.0.0.1", 0)
+    raw = socket.create_server(("127.0.0.1", 0))
+    src = memoryview(os.urandom(max(shape.frame_bytes, 1 << 20)))
+    threading.Thread(target=_raw_sender, args=(raw, src), daemon=True).start()
+    print(orjson.dumps({"ws": url, "raw": raw.getsockname()[1]}).decode(), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)   # until the parent is done
+    raw.close()
+    await worker.stop()
+    await server.close()
+
+
+# ---------------------------------------------------------------------------
+# Decoders and the router: this process
+
+
+def _use_old_import(dec: DecodeWorker) -> None:
+    """The import path before: each chunk copied into the pool by an engine call of its own."""
+
+    async def import_kv(chunk: KVChunk) -> None:
+        s = dec.sessions.get(chunk.request_id)
+        if s is None or s.state != DecodeState.IMPORTING:
+            raise RequestError(f"request {chunk.request_id!r} is not importing")
+        await dec.aeng.call(dec.engine.import_kv, chunk)
+
+    dec.import_kv = import_kv   # type: ignore[method-assign]
+
+
+class _Decoder:
+    def __init__(self, name: str, shape: Shape, cfg: NetConfig, production: bool) -> None:
+        async def no_dial(peer: str) -> Link:
+            raise RuntimeError("the bench decoders dial nobody")
+
+        self.name = name
+        self.engine = _engine(shape, prefix_caching=False)    # every transfer imports the whole prompt
+        self.node = WorkerNode(name, "md", self.engine, no_dial, shape.chunk_bytes)
+        self.first_chunk: dict[str, float] = {}               # request -> when its first chunk was handed over
+        if production:
+            self.server = WsServer(name, cfg, self._handle, kv_sink=self.node.kv_sink)
+        else:
+            self.server = WsServer(name, cfg, self._handle)
+            assert self.node.decode is not None
+            _use_old_import(self.node.decode)
+        self.url = ""
+        self.link: Link | None = None
+
+    async def _handle(self, link: Link, msg: m.Message) -> m.Message | None:
+        """The node's handler, noting when each request's first KV chunk was delivered."""
+        if isinstance(msg, m.KvChunk):
+            self.first_chunk.setdefault(msg.span.request_id, time.perf_counter())
+        return await self.node.handle(link, msg)
+
+    def counters(self) -> tuple[int, int]:
+        return self.engine.kv_bytes_landed, self.engine.kv_bytes_copied
+
+
+class _Load:
+    """Sequences decoding on a decoder throughout a measurement (a busy decoder)."""
+
+    def __init__(self, dec: _Decoder, shape: Shape) -> None:
+        self.dec, self.shape = dec, shape
+        self.tokens = 0
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        aeng = self.dec.node.aeng
+        started = []
+        for i in range(self.shape.busy_seqs):
+            rid = f"load-{i}"
+            prompt = tuple((13 * j + i) % 500 + 2 for j in range(self.shape.busy_context))
+            await aeng.add(EngineRequest(rid, prompt, SamplingParams(max_tokens=1 << 15, ignore_eos=True)))
+            first = asyncio.get_running_loop().create_future()
+            started.append(first)
+            self.tasks.append(asyncio.create_task(self._read(aeng.stream(rid), first)))
+        await asyncio.gather(*started)          # every sequence is decoding
+
+    async def _read(self, outputs, first: asyncio.Future) -> None:
+        try:
+            async for out in outputs:
+                if out.new_token_ids:
+                    self.tokens += 1
+                    if not first.done():
+                        first.set_result(None)
+        finally:
+            await outputs.aclose()
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def _transfer(p_link: Link, dec: _Decoder, rid: str, prompt: tuple[int, ...]) -> tuple[dict, bytes]:
+    """One request's prompt KV from P's pool into `dec`'s pool; -> (timings and counters, the KV
+    read back from the pool)."""
+    assert dec.link is not None
+    link = dec.link
+    async with link.stream(rid, timeout=300) as st:
+        await link.request(pm.Submit(**_sampled(request_id=rid, kv="import", hold=True, prompt=prompt)))
+        landed0, copied0 = dec.counters()
+        t0 = time.perf_counter()
+        done = await p_link.request(pm.Prefill(**_sampled(request_id=rid, targets=(dec.name,), starts=(0,),
+                                                          prompt=prompt, holds=(True,))), timeout=300)
+        ready = await st.__anext__()
+        t1 = time.perf_counter()
+    seconds = t1 - t0
+    receive_s = t1 - dec.first_chunk.pop(rid)
+    assert isinstance(done, pm.PrefillDone) and done.errors == ("",), done
+    assert isinstance(ready, m.Ready) and ready.detail == "kv", ready
+    landed, copied = (a - b for a, b in zip(dec.counters(), (landed0, copied0)))
+    eng = dec.engine
+    kv = await dec.node.aeng.call(lambda: bytes(eng.export_kv(rid, 0, len(prompt)).data))
+    await link.request(m.Cancel(rid))
+    return {"seconds": seconds, "receive_seconds": receive_s, "kv_bytes": len(kv), "landed_bytes": landed,
+            "copied_bytes": copied, "digest": hashlib.blake2b(kv, digest_size=16).hexdigest(),
+            "nonzero": any(kv[::4097])}, kv
+
+
+def _raw(port: int, total: int, frame: int, buf: memoryview) -> float:
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        t0 = time.perf_counter()
+        c.sendall(f"{total} {frame}".encode().ljust(64))
+        done = 0
+        while done < total:
+            n = c.recv_into(buf)
+            if n == 0:
+                raise ConnectionError("raw peer closed early")
+            done += n
+        return time.perf_counter() - t0
+
+
+def _spawn_peer(shape: Shape, secret: str, decoders: dict[str, str]) -> tuple[subprocess.Popen, dict]:
+    peer = {"shape": {f: getattr(shape, f) for f in Shape.__slots__}, "decoders": decoders}
+    env = dict(os.environ, PDDGW_BENCH_SECRET=secret, PDDGW_KVPATH_PEER=orjson.dumps(peer).decode())
+    proc = subprocess.Popen([sys.executable, "-m", "pddgw.bench.kvpath", "--peer"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError("kvpath peer failed to start")
+    return proc, orjson.loads(line)
+
+
+async def _suite(shape: Shape, repeat: int) -> dict:
+    torch.set_num_threads(1)
+    secret = secrets.token_hex(16)
+    cfg = _net(secret, shape)
+    decs = {path: _Decoder(f"d-{path}", shape, cfg, path == "production") for path in PATHS}
+    for d in decs.values():
+        d.url = await d.server.start("127.0.0.1", 0)
+    proc, addr = _spawn_peer(shape, secret, {d.name: d.url for d in decs.values()})
+    runs: dict[str, dict[str, list[dict]]] = {phase: {p: [] for p in PATHS} for phase in ("idle", "busy")}
+    raw_s: list[float] = []
+    step_ms: list[float] = []
+    p_link: Link | None = None
+    try:
+        p_link = await ws_connect(addr["ws"], "router", cfg)
+        for d in decs.values():
+            d.link = await ws_connect(d.url, "router", cfg)
+        prompt = shape.prompt_ids()
+        total = shape.prompt * shape.bytes_per_token
+        frame = shape.frame_bytes
+        buf = memoryview(bytearray(max(frame, 4 << 20)))
+        for d in decs.values():        # warm-up: P caches the prompt; allocators, links warm
+            await _transfer(p_link, d, f"warm-{d.name}", prompt)
+        reference: bytes | None = None    # every measured transfer must leave exactly these bytes
+        n = 0
+        for r in range(repeat):
+            raw_s.append(await asyncio.to_thread(_raw, addr["raw"], total // frame * frame, frame, buf))
+            for phase in ("idle", "busy"):
+                for path in (PATHS if r % 2 == 0 else PATHS[::-1]):
+                    d = decs[path]
+                    load = _Load(d, shape) if phase == "busy" else None
+                    if load is not None:
+                        await load.start()
+                        tokens0 = load.tokens
+                    n += 1
+                    res, kv = await _transfer(p_link, d, f"{phase}-{path}-{n}", prompt)
+                    reference = kv if reference is None else reference
+                    res["identical"] = kv == reference
+                    del kv
+                    if load is not None:
+                        made = (load.tokens - tokens0) / shape.busy_seqs
+                        if made:
+                            step_ms.append(res["seconds"] / made * 1e3)
+                        await load.stop()
+                    runs[phase][path].append(res)
+        leaks = {}
+        for d in decs.values():
+            st = await d.node.state()
+            await d.node.aeng.call(d.engine.check_integrity)
+            leaks[d.name] = {"used_blocks": st.kv_blocks_in_use, "pending": st.streams}
+    finally:
+        for link in [p_link, *(d.link for d in decs.values())]:
+            if link is not None:
+                await link.close()
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for d in decs.values():
+            await d.node.stop()
+            await d.server.close()
+    return _report(shape, runs, raw_s, step_ms, leaks, repeat)
+
+
+def _report(shape: Shape, runs: dict, raw_s: list[float], step_ms: list[float], leaks: dict, repeat: int) -> dict:
+    total = shape.prompt * shape.bytes_per_token
+    raw_bytes = total // shape.frame_bytes * shape.frame_bytes
+    raw_gbps = max(raw_bytes / s for s in raw_s) / 1e9
+    out: dict = {
+        "benchmark": "kvpath",
+        "config": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+                   "dtype": "float32", "block_size": shape.block_size, "prompt_tokens": shape.prompt,
+                   "kv_bytes_per_token": shape.bytes_per_token, "kv_bytes": total,
+                   "frame_bytes": shape.frame_bytes, "chunk_bytes": shape.chunk_bytes,
+                   "repeat": repeat, "busy_seqs": shape.busy_seqs, "busy_context": shape.busy_context},
+        "raw": {"gb_per_s": raw_gbps, "copies_per_byte": 1.0},
+    }
+    identical = True
+    for phase in ("idle", "busy"):
+        ph: dict = {}
+        for path in PATHS:
+            rs = runs[phase][path]
+            identical = identical and all(r["identical"] for r in rs)
+            best = min(r["seconds"] for r in rs)
+            best_rx = min(r["receive_seconds"] for r in rs)
+            ph[path] = {
+                "gb_per_s": total / best / 1e9, "seconds_best": best,
+                "seconds_median": statistics.median(r["seconds"] for r in rs),
+                # From the first chunk's delivery on (P's compute and first frame excluded):
+                # the rest of the KV over the link into the pool, committed.
+                "receive_gb_per_s": (total - shape.frame_bytes) / best_rx / 1e9, "receive_seconds_best": best_rx,
+                "copies_per_byte": 1.0 + sum(r["copied_bytes"] for r in rs) / sum(r["kv_bytes"] for r in rs),
+                "landed_fraction": sum(r["landed_bytes"] for r in rs) / sum(r["kv_bytes"] for r in rs),
+                "kv_digest": rs[0]["digest"], "kv_nonzero": all(r["nonzero"] for r in rs),
+            }
+        for key, name in (("gb_per_s", ""), ("receive_gb_per_s", "receive_")):
+            prod, old = ph["production"][key], ph["old"][key]
+            ph[f"{name}production_to_old"] = prod / old
+            ph[f"{name}production_to_raw"] = prod / raw_gbps
+            ph[f"{name}old_to_raw"] = old / raw_gbps
+        out[phase] = ph
+    out["busy"]["decode_step_ms"] = statistics.median(step_ms) if step_ms else None
+    out["kv_identical"] = identical       # byte for byte, every transfer, both paths
+    out["leaks"] = leaks
+    return out
+
+
+def _table(rep: dict) -> str:
+    c = rep["config"]
+    lines = [f"KV path P pool -> WebSocket (loopback) -> decoder pool: {c['prompt_tokens']} tokens x "
+             f"{c['kv_bytes_per_token']} B = {c['kv_bytes'] / 2**20:.1f} MiB a request, "
+             f"frames of {c['frame_bytes'] / 1024:.0f} KiB, blocks of {c['block_size']} tokens, best of {c['repeat']}",
+             f"{'':>20} {'end to end (Prefill -> KV in pool)':^27}  {'receive (1st chunk -> KV in pool)':^27}",
+             f"{'decoder':>8} {'path':>11} {'GB/s':>9} {'vs old':>8} {'vs raw':>8}  {'GB/s':>9} {'vs old':>8} "
+             f"{'vs raw':>8} {'copies/B':>9} {'landed':>7}"]
+    raw = rep["raw"]["gb_per_s"]
+    for phase in ("idle", "busy"):
+        ph = rep[phase]
+        for path in PATHS:
+            x = ph[path]
+            e2e = ph["production_to_old"] if path == "production" else 1.0
+            rx = ph["receive_production_to_old"] if path == "production" else 1.0
+            lines.append(f"{phase:>8} {path:>11} {x['gb_per_s']:>9.3f} {e2e:>8.2f} {x['gb_per_s'] / raw:>8.2f}  "
+                         f"{x['receive_gb_per_s']:>9.3f} {rx:>8.2f} {x['receive_gb_per_s'] / raw:>8.2f} "
+                         f"{x['copies_per_byte']:>9.2f} {x['landed_fraction']:>7.0%}")
+    lines.append(f"{'-':>8} {'raw TCP':>11} {raw:>9.3f} {'':>8} {1.0:>8.2f}  {raw:>9.3f} {'':>8} {1.0:>8.2f} "
+                 f"{1.0:>9.2f}")
+    step = rep["busy"]["decode_step_ms"]
+    lines.append(f"busy decoder: {c['busy_seqs']} sequences of {c['busy_context']} tokens decoding, "
+                 f"step ~{step:.1f} ms" if step else "busy decoder: no step completed during the transfers")
+    lines.append(f"KV in both pools bit-identical: {rep['kv_identical']}; leaks: {rep['leaks']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pddgw.bench.kvpath", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print machine-readable results")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens")
+    ap.add_argument("--chunk-kb", type=int, default=1024, help="P's KV chunk size (net.kv_frame_bytes)")
+    ap.add_argument("--repeat", type=int, default=3, help="repeats; the best is kept")
+    ap.add_argument("--busy-seqs", type=int, default=4, help="sequences decoding on a busy decoder")
+    ap.add_argument("--busy-context", type=int, default=512, help="their context tokens")
+    ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    import uvloop
+
+    setup_logging("warning")      # logs go to stderr; stdout is the table / JSON
+    if args.peer:
+        peer = orjson.loads(os.environ["PDDGW_KVPATH_PEER"])
+        uvloop.run(_peer_main(Shape(**peer["shape"]), os.environ["PDDGW_BENCH_SECRET"], peer["decoders"]))
+        return 0
+    shape = Shape(args.layers, args.kv_heads, args.head_dim, args.block_size, args.prompt, args.chunk_kb << 10,
+                  args.busy_seqs, args.busy_context)
+    rep = uvloop.run(_suite(shape, args.repeat))
+    print(orjson.dumps(rep, option=orjson.OPT_INDENT_2).decode() if args.json else _table(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
