@@ -12,6 +12,7 @@ Server events: `response.created`, `response.output_text.delta` (with the
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,15 +22,34 @@ MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_LEN = 64
 MAX_METADATA_VALUE_LEN = 512
 _ROLES = ("system", "developer", "user", "assistant")
+MAX_STREAM_ID_LEN = 128
+
+# Error messages quote what the client sent; a bounded quote keeps a 1 MiB
+# field from coming back as a larger error event.
+_QUOTE_LEN = 64
+_quote = reprlib.Repr()
+_quote.maxstring = _quote.maxother = _quote.maxlong = _QUOTE_LEN
+_quote.maxlist = _quote.maxdict = 4
+_quote.maxlevel = 2
+
+
+def brief(value: Any) -> str:
+    """repr(value) cut to a few dozen characters, for quoting client input in error messages."""
+    return _quote.repr(value)
 
 
 class ApiError(ValueError):
-    """A client event is invalid; `param` names the offending field."""
+    """A client event is invalid; `param` names the offending field.
+
+    `stream_id` is the event's own, when it had a valid one, so that a
+    client multiplexing responses knows which of its requests failed.
+    """
 
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error"):
         super().__init__(message)
         self.param = param
         self.code = code
+        self.stream_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +82,9 @@ _CREATE_KEYS = {"type", "model", "input", "instructions", "prompt_token_ids", "m
 
 
 def _extension(d: dict[str, Any]) -> tuple[Any, Any]:
-    ext = d.get("pddgw") or {}
+    ext = d.get("pddgw")
+    if ext is None:
+        return None, None
     if not isinstance(ext, dict) or set(ext) - {"pipeline", "handoff_mode"}:
         raise ApiError("'pddgw' may only set 'pipeline' and 'handoff_mode'", "pddgw")
     pipeline, mode = ext.get("pipeline"), ext.get("handoff_mode")
@@ -78,7 +100,7 @@ def _number(d: dict[str, Any], key: str, default: float, lo: float, hi: float) -
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise ApiError(f"'{key}' must be a number in [{lo}, {hi}], got {v!r}", key)
+        raise ApiError(f"'{key}' must be a number in [{lo}, {hi}], got {brief(v)}", key)
     return float(v)
 
 
@@ -123,12 +145,14 @@ def _messages(d: dict[str, Any]) -> tuple[tuple[str, str], ...]:
 
 
 def _metadata(d: dict[str, Any]) -> dict[str, str]:
-    md = d.get("metadata") or {}
+    md = d.get("metadata")
+    if md is None:
+        return {}
     if not isinstance(md, dict) or len(md) > MAX_METADATA_KEYS:
         raise ApiError(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string pairs", "metadata")
     for k, v in md.items():
         if not isinstance(v, str) or len(k) > MAX_METADATA_KEY_LEN or len(v) > MAX_METADATA_VALUE_LEN:
-            raise ApiError(f"metadata[{k!r}]: keys up to {MAX_METADATA_KEY_LEN} chars, string values up "
+            raise ApiError(f"metadata[{brief(k)}]: keys up to {MAX_METADATA_KEY_LEN} chars, string values up "
                            f"to {MAX_METADATA_VALUE_LEN}", "metadata")
     return dict(md)
 
@@ -141,6 +165,16 @@ def parse_client_event(raw: str | bytes, max_prompt_tokens: int) -> ClientEvent:
         raise ApiError(f"event is not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise ApiError("event must be a JSON object")
+    try:
+        return _event(d, max_prompt_tokens)
+    except ApiError as e:
+        sid = d.get("stream_id")
+        if isinstance(sid, str) and len(sid) <= MAX_STREAM_ID_LEN:
+            e.stream_id = sid
+        raise
+
+
+def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
     kind = d.get("type")
     if kind == "response.cancel":
         rid = d.get("response_id")
@@ -148,10 +182,12 @@ def parse_client_event(raw: str | bytes, max_prompt_tokens: int) -> ClientEvent:
             raise ApiError("'response_id' must be a non-empty string", "response_id")
         return CancelResponse("response.cancel", rid)
     if kind != "response.create":
-        raise ApiError(f"unknown event type {kind!r} (expected response.create or response.cancel)", "type")
+        raise ApiError(f"unknown event type {brief(kind)} (expected response.create or response.cancel)", "type")
     unknown = set(d) - _CREATE_KEYS
     if unknown:
-        raise ApiError(f"unsupported field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
+        names = sorted(unknown)
+        raise ApiError(f"unsupported field(s): {', '.join(map(brief, names[:4]))}{', ...' if names[4:] else ''}",
+                       names[0][:_QUOTE_LEN])
     if d.get("stream") is not None or d.get("background"):
         raise ApiError("'stream' is implicit over WebSocket and must not be sent", "stream")
     ids = d.get("prompt_token_ids")
@@ -176,11 +212,14 @@ def parse_client_event(raw: str | bytes, max_prompt_tokens: int) -> ClientEvent:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise ApiError("'seed' must be an integer in [0, 2**63)", "seed")
     stream_id = d.get("stream_id")
-    if stream_id is not None and (not isinstance(stream_id, str) or len(stream_id) > 128):
-        raise ApiError("'stream_id' must be a string of at most 128 characters", "stream_id")
+    if stream_id is not None and (not isinstance(stream_id, str) or len(stream_id) > MAX_STREAM_ID_LEN):
+        raise ApiError(f"'stream_id' must be a string of at most {MAX_STREAM_ID_LEN} characters", "stream_id")
     model = d.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError("'model' must be a string", "model")
+    store = d.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise ApiError("'store' must be a boolean", "store")
     pipeline, handoff_mode = _extension(d)
     return CreateResponse(
         type="response.create", messages=messages, prompt_token_ids=ids,

@@ -3,9 +3,26 @@
 One aiohttp app on the router.  A WebSocket at /v1/responses carries any
 number of responses at once (each `response.create` runs as its own task;
 `stream_id` tells them apart on the client side); `response.cancel` or a
-closed socket cancels them, which frees them on every node.  Every event is
-decoded and validated at the edge; a bad one gets an `error` event naming
-the field and the socket keeps serving.
+closed socket cancels them, which frees them on every node.  Every event
+(a text or binary frame holding UTF-8 JSON) is decoded and validated at the
+edge; a bad one gets an `error` event naming the problem (and echoing its
+`stream_id` when it had a valid one) and the socket keeps serving.
+
+A frame that breaks the WebSocket protocol itself is not an event: the
+connection fails with the RFC 6455 close code (1002 protocol error, 1007 a
+text frame that is not UTF-8, 1009 a message over `max_message_bytes`,
+refused from its header before the payload is read), and only that
+connection ends.
+
+Unmasked client frames.  RFC 6455 section 5.1: "The server MUST close the
+connection upon receiving a frame that is not masked."  aiohttp's reader is
+direction-agnostic (its THREAT_MODEL.md lists this as item 3.1) and has no
+hook for it; the compiled reader keeps the frame's mask bit in a C field
+that a subclass cannot read.  So `_StrictWebSocketResponse` installs
+aiohttp's pure-Python reader with one override, `_MaskedFrameReader`, which
+fails any unmasked frame with 1002.  Client frames here are small JSON
+events, so the Python reader costs nothing that matters; the unmasking
+itself stays in aiohttp's compiled `websocket_mask`.
 """
 
 from __future__ import annotations
@@ -19,9 +36,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
-from aiohttp import WSMsgType, web
+from aiohttp import WebSocketError, WSCloseCode, WSMsgType, web
+from aiohttp._websocket import reader_py
+from aiohttp.helpers import DEFAULT_CHUNK_SIZE
 
-from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, completed_event, created_event,
+from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, brief, completed_event, created_event,
                                  delta_event, error_event, parse_client_event, response_object)
 from pddgw.config import Config
 from pddgw.engines.tokenizer import Tokenizer
@@ -59,6 +78,40 @@ class _Detok:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(done):]
+
+
+class _MaskedFrameReader(reader_py.WebSocketReader):
+    """aiohttp's Python WebSocket reader; an unmasked client frame fails the connection with 1002.
+
+    `_handle_frame` runs once per frame, when its payload is complete and
+    while `_has_mask` still describes that frame.  The payload was already
+    bounded by max_msg_size from the header, as for a masked frame.
+    """
+
+    def _handle_frame(self, fin: bool, opcode: int, payload: bytes | bytearray, compressed: int) -> None:
+        if not self._has_mask:
+            raise WebSocketError(WSCloseCode.PROTOCOL_ERROR, "client frame not masked (RFC 6455 section 5.1)")
+        super()._handle_frame(fin, opcode, payload, compressed)
+
+
+class _StrictWebSocketResponse(web.WebSocketResponse):
+    """A WebSocketResponse that reads client frames with `_MaskedFrameReader`."""
+
+    def _post_start(self, request: web.BaseRequest, protocol: str | None, writer: Any) -> None:
+        # aiohttp 3.14's _post_start with the Python queue and reader in place of the compiled
+        # ones (the Python reader needs the Python queue).  The reader must be in place before
+        # set_parser, which feeds it any frames that arrived with the upgrade request.
+        self._ws_protocol = protocol
+        self._writer = writer
+        self._reset_heartbeat()
+        assert self._loop is not None
+        queue = reader_py.WebSocketDataQueue(request._protocol, DEFAULT_CHUNK_SIZE, loop=self._loop)
+        self._reader = queue
+        self._parser = _MaskedFrameReader(queue, self._max_msg_size, compress=bool(self._compress),
+                                          decode_text=self._decode_text)
+        cb = None if self._heartbeat is None else self._on_data_received
+        request.protocol.set_parser(self._parser, data_received_cb=cb)
+        request.protocol.keep_alive(False)
 
 
 class FrontDoor:
@@ -104,8 +157,9 @@ class FrontDoor:
             return web.json_response({"error": {"type": "invalid_api_key", "message":
                                                 "invalid or missing API key (Authorization: Bearer KEY)"}},
                                      status=401)
-        ws = web.WebSocketResponse(max_msg_size=self.cfg.server.max_message_bytes, heartbeat=30.0,
-                                   compress=False)
+        # aiohttp refuses a message of max_msg_size bytes itself; max_message_bytes is the largest accepted.
+        ws = _StrictWebSocketResponse(max_msg_size=self.cfg.server.max_message_bytes + 1, heartbeat=30.0,
+                                      compress=False)
         await ws.prepare(request)
         conn = _Connection(self, ws)
         try:
@@ -113,7 +167,8 @@ class FrontDoor:
                 if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
                     await conn.on_event(msg.data)
                 elif msg.type == WSMsgType.ERROR:
-                    log.warning("client_ws_error", error=str(ws.exception()))
+                    # A protocol error (msg.data) has already closed the socket with its code.
+                    log.warning("client_ws_error", error=str(msg.data), code=getattr(msg.data, "code", None))
         finally:
             await conn.close()
         return ws
@@ -136,16 +191,23 @@ class _Connection:
                 await self.ws.send_str(make(self.seq, *args, **kwargs).decode())
 
     async def on_event(self, raw: str | bytes) -> None:
+        try:
+            await self._on_event(raw)
+        except Exception as e:   # a bug: the client hears of it and the socket keeps serving
+            log.exception("client_event_failed")
+            await self.send(error_event, None, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    async def _on_event(self, raw: str | bytes) -> None:
         door = self.door
         try:
             ev = parse_client_event(raw, door.max_prompt)
         except ApiError as e:
-            await self.send(error_event, None, str(e), e.code, e.param)
+            await self.send(error_event, e.stream_id, str(e), e.code, e.param)
             return
         if isinstance(ev, CancelResponse):
             task = self.tasks.get(ev.response_id)
             if task is None:
-                await self.send(error_event, None, f"no response {ev.response_id!r} in flight on this "
+                await self.send(error_event, None, f"no response {brief(ev.response_id)} in flight on this "
                                 "connection", param="response_id")
             else:
                 task.cancel()
@@ -194,21 +256,19 @@ class _Connection:
         door = self.door
         sid = req.stream_id
         created = int(time.time())
+        counted = False
         try:
             ids, sampling = self._prepare(req)
-        except ApiError as e:
-            await self.send(error_event, sid, str(e), e.code, e.param, response_id=rid)
-            self.tasks.pop(rid, None)
-            return
-        door.active += 1
-        detok = _Detok(door.tok)
-        await self.send(created_event, sid, response_object(rid, "in_progress", created, door.model_name, req))
+            door.active += 1
+            counted = True
+            detok = _Detok(door.tok)
+            await self.send(created_event, sid, response_object(rid, "in_progress", created, door.model_name,
+                                                                 req))
 
-        async def emit(run: TokenRun) -> None:
-            text = detok.push(run.token_ids)
-            await self.send(delta_event, sid, rid, text, run.position, list(run.token_ids), run.role)
+            async def emit(run: TokenRun) -> None:
+                text = detok.push(run.token_ids)
+                await self.send(delta_event, sid, rid, text, run.position, list(run.token_ids), run.role)
 
-        try:
             out: Outcome = await door.router.run(rid, ids, sampling, emit, req.pipeline, req.handoff_mode)
             usage = {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": out.cached_tokens},
                      "output_tokens": len(out.output_ids),
@@ -218,6 +278,8 @@ class _Connection:
             obj = response_object(rid, "completed", created, door.model_name, req,
                                   text=door.tok.decode(list(out.output_ids)), usage=usage, pddgw=timeline)
             await self.send(completed_event, sid, obj)
+        except ApiError as e:
+            await self.send(error_event, sid, str(e), e.code, e.param, response_id=rid)
         except asyncio.CancelledError:
             await self.send(error_event, sid, f"response {rid} was cancelled", "cancelled", response_id=rid)
         except RouterError as e:
@@ -227,5 +289,6 @@ class _Connection:
             await self.send(error_event, sid, f"internal error: {type(e).__name__}: {e}", "server_error",
                             response_id=rid)
         finally:
-            door.active -= 1
+            if counted:
+                door.active -= 1
             self.tasks.pop(rid, None)

@@ -91,3 +91,38 @@ def test_incremental_detokenizer_matches_full_decode():
     d2 = _Detok(tok)
     check = tok.encode("✓")
     assert [d2.push((t,)) for t in check] == ["", "", "✓"]
+
+
+@pytest.mark.parametrize("field,value", [("metadata", 0), ("metadata", ""), ("metadata", []), ("metadata", False),
+                                         ("pddgw", False), ("pddgw", 0), ("store", "yes"), ("store", 1)])
+def test_falsy_and_wrong_typed_fields_are_not_taken_as_absent(field, value):
+    with pytest.raises(ApiError) as ei:
+        parse_client_event(ev(input="x", **{field: value}), 10)
+    assert ei.value.param == field
+    assert parse_client_event(ev(input="x", store=True, metadata=None, pddgw=None), 10).metadata == {}
+
+
+def test_error_carries_the_events_own_valid_stream_id():
+    def stream_of(raw):
+        with pytest.raises(ApiError) as ei:
+            parse_client_event(raw, 10)
+        return ei.value.stream_id
+
+    assert stream_of(ev(input="x", seed=-1, stream_id="s9")) == "s9"
+    assert stream_of(orjson.dumps({"type": "nope", "stream_id": "s9"})) == "s9"
+    assert stream_of(ev(input="x", stream_id="s" * 129)) is None
+    assert stream_of(ev(input="x", seed=-1, stream_id=7)) is None
+    assert stream_of(b"[]") is None
+
+
+@pytest.mark.parametrize("raw,param", [
+    (orjson.dumps({"type": "t" * 100_000}), "type"),
+    (ev(input="x", temperature=list(range(100_000))), "temperature"),
+    (ev(input="x", metadata={"k" * 100_000: "v"}), "metadata"),
+    (ev(input="x", **{f"f{i}" + "x" * 1000: 1 for i in range(100)}), "f0" + "x" * 62),
+])
+def test_error_messages_quote_client_input_briefly(raw, param):
+    with pytest.raises(ApiError) as ei:
+        parse_client_event(raw, 10)
+    assert len(str(ei.value)) < 400
+    assert ei.value.param == param

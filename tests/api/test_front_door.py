@@ -1,0 +1,161 @@
+"""The front door over a real socket: bad events get error events, broken frames close with RFC codes.
+
+An embedded deployment (tiny model) behind `aiohttp_client`, which serves on
+a real TCP port, so `RawWs` can send frames no client library would.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from pddgw.api import server
+from pddgw.config import Config, ServerConfig
+from pddgw.pipeline.deploy import Embedded
+from tests.reliability.quiet import wait_quiescent
+
+from .ws_raw import BINARY, PING, TEXT, RawWs, frame
+
+MAX_MESSAGE = 4096
+
+
+@pytest.fixture
+async def door(aiohttp_client):
+    """-> (RouterSide, test client); after the test nothing may be left in use."""
+    emb = Embedded(Config(server=ServerConfig(max_message_bytes=MAX_MESSAGE, max_streams_per_connection=1)))
+    side = await emb.start()
+    client = await aiohttp_client(side.door.app())
+    yield side, client
+    await wait_quiescent(side.state)
+    await emb.stop()
+
+
+async def raw(client) -> RawWs:
+    return await RawWs.connect(client.server.host, client.server.port)
+
+
+def create(**fields) -> bytes:
+    return orjson.dumps({"type": "response.create", **fields})
+
+
+async def completes(client, **fields) -> dict:
+    """A fresh client connection runs one small request to its end -> the final event."""
+    ws = await client.ws_connect("/v1/responses")
+    await ws.send_bytes(create(input="hi", max_output_tokens=2, temperature=0, **fields))
+    while (ev := orjson.loads((await ws.receive(timeout=60)).data))["type"] not in ("response.completed", "error"):
+        pass
+    await ws.close()
+    assert ev["type"] == "response.completed", ev
+    return ev
+
+
+@pytest.mark.parametrize("opcode,payload", [(TEXT, create(input="hi", max_output_tokens=1)), (PING, b"ping")],
+                         ids=["text", "ping"])
+async def test_unmasked_client_frame_closes_with_1002_and_the_server_keeps_serving(door, opcode, payload):
+    side, client = door
+    ws = await raw(client)
+    # A masked event first: it is answered; the unmasked frame after it fails the connection.
+    await ws.send(frame(TEXT, b"[]"), frame(opcode, payload, mask=False))
+    assert await ws.close_code() == 1002
+    assert [(e["type"], e["error"]["message"]) for e in ws.events] == [("error", "event must be a JSON object")]
+    assert await ws.at_eof()
+    assert side.door.active == 0
+    await completes(client)
+
+
+@pytest.mark.parametrize("frames,code", [
+    ([frame(TEXT, b'{"type": "\xff"}')], 1007),                         # text frames must be UTF-8
+    ([frame(TEXT, length=MAX_MESSAGE + 1)], 1009),                        # refused from the header alone
+    ([frame(TEXT, b"{", fin=False), frame(BINARY, b"}")], 1002),          # a new message inside a fragmented one
+    ([frame(TEXT, b"{}", rsv=2)], 1002),                                  # reserved bit, nothing negotiated
+    ([frame(0x3, b"{}")], 1002),                                          # reserved opcode
+], ids=["invalid-utf8-text", "oversized", "interleaved-fragments", "rsv2", "opcode-3"])
+async def test_protocol_errors_close_with_their_rfc_code(door, frames, code):
+    side, client = door
+    ws = await raw(client)
+    await ws.send(*frames)
+    assert await ws.close_code() == code
+    assert ws.events == []
+    assert await ws.at_eof()
+    await completes(client)
+
+
+async def test_a_message_of_exactly_max_message_bytes_is_read(door):
+    # Padding a metadata value past its own limit makes the message's answer name that field.
+    def sized(n: int) -> bytes:
+        base = create(input="x", metadata={"k": ""})
+        return create(input="x", metadata={"k": "v" * (n - len(base))})
+
+    assert len(sized(MAX_MESSAGE)) == MAX_MESSAGE
+    ws = await raw(door[1])
+    await ws.send(frame(TEXT, sized(MAX_MESSAGE)), frame(TEXT, sized(MAX_MESSAGE + 1)))
+    assert await ws.close_code() == 1009
+    assert [(e["type"], e["error"]["param"]) for e in ws.events] == [("error", "metadata")]
+
+
+async def test_bad_create_gets_an_error_event_that_echoes_its_stream_id(door):
+    _, client = door
+    ws = await client.ws_connect("/v1/responses")
+    await ws.send_bytes(create(input="x", seed=-1, stream_id="s1"))
+    await ws.send_str('{"type": "response.cancel", "response_id": "resp_nope"}')
+    assert orjson.loads((await ws.receive()).data) == {
+        "type": "error", "sequence_number": 1, "stream_id": "s1",
+        "error": {"type": "invalid_request_error", "code": "invalid_request_error",
+                  "message": "'seed' must be an integer in [0, 2**63)", "param": "seed"}}
+    assert orjson.loads((await ws.receive()).data) == {
+        "type": "error", "sequence_number": 2,
+        "error": {"type": "invalid_request_error", "code": "invalid_request_error",
+                  "message": "no response 'resp_nope' in flight on this connection", "param": "response_id"}}
+    await ws.close()
+
+
+async def test_a_bug_while_decoding_an_event_is_an_error_event_and_the_socket_keeps_serving(door, monkeypatch):
+    _, client = door
+    real = server.parse_client_event
+    calls = []
+
+    def breaks_once(raw, max_prompt):
+        calls.append(raw)
+        if len(calls) == 1:
+            raise KeyError("boom")
+        return real(raw, max_prompt)
+
+    monkeypatch.setattr(server, "parse_client_event", breaks_once)
+    ws = await client.ws_connect("/v1/responses")
+    await ws.send_bytes(create(input="hi"))
+    ev = orjson.loads((await ws.receive()).data)
+    assert (ev["type"], ev["error"]["code"], ev["error"]["message"]) == (
+        "error", "server_error", "internal error: KeyError: 'boom'")
+    await ws.send_bytes(create(input="hi", max_output_tokens=2, temperature=0, stream_id="after"))
+    while (ev := orjson.loads((await ws.receive(timeout=60)).data))["type"] not in ("response.completed", "error"):
+        pass
+    assert (ev["type"], ev["stream_id"]) == ("response.completed", "after")
+    await ws.close()
+
+
+async def test_a_bug_while_preparing_a_response_ends_it_with_an_error_and_frees_its_slot(door, monkeypatch):
+    side, client = door
+    tok = side.door.tok
+    real = tok.apply_chat_template
+    calls = []
+
+    def breaks_once(messages):
+        calls.append(messages)
+        if len(calls) == 1:
+            raise UnicodeError("boom")
+        return real(messages)
+
+    monkeypatch.setattr(tok, "apply_chat_template", breaks_once)
+    ws = await client.ws_connect("/v1/responses")
+    await ws.send_bytes(create(input="hi", stream_id="first"))
+    ev = orjson.loads((await ws.receive()).data)
+    assert (ev["type"], ev["stream_id"], ev["error"]["code"], ev["error"]["message"]) == (
+        "error", "first", "server_error", "internal error: UnicodeError: boom")
+    assert ev["response_id"].startswith("resp")
+    # max_streams_per_connection is 1: the failed response must have given its slot back.
+    await ws.send_bytes(create(input="hi", max_output_tokens=2, temperature=0, stream_id="second"))
+    while (ev := orjson.loads((await ws.receive(timeout=60)).data))["type"] not in ("response.completed", "error"):
+        pass
+    assert (ev["type"], ev["stream_id"]) == ("response.completed", "second")
+    assert side.door.active == 0
+    await ws.close()
