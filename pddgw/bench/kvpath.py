@@ -452,7 +452,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import uvloop
 
-    setup_logging("warning")      # logs go to stderr; stdout is the table / JSON
     if args.peer:
         peer = orjson.loads(os.environ["PDDGW_KVPATH_PEER"])
         uvloop.run(_peer_main(Shape(**peer["shape"]), os.environ["PDDGW_BENCH_SECRET"], peer["decoders"]))
@@ -465,4 +464,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Here, not in main(): a test calling main() must not reconfigure its process's logging.
+    setup_logging("warning")      # logs go to stderr; stdout is the table / JSON
     raise SystemExit(main())

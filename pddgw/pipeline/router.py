@@ -29,6 +29,10 @@ alone; a decoder lost after the handoff, or P lost -> the request restarts
 on a healthy node from the tokens already emitted (their KV recomputed
 there); sampling is position-keyed, so the user sees the same tokens.  When
 no path is left the caller gets a RouterError that says why.
+A full decoder is not a failure: the request frees what it holds and waits
+in the room queue for KV room (admission.py; `overloaded` past its bounds).
+A role with no healthy node (one restarting) is waited for, up to
+`server.node_wait_s`.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ import contextlib
 import dataclasses
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -413,10 +417,14 @@ class Router:
         (a node restarting: its link redials); -> whether one is there."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.node_wait_s
+        # Nodes this request already lost are not waited for.
+        cands = [n for n in self.nodes.values() if n.role in roles and n.name not in fl.excluded]
 
         def there() -> bool:
-            return any(n.role in roles and n.healthy and n.name not in fl.excluded for n in self.nodes.values())
+            return any(n.healthy for n in cands)
 
+        if not cands:
+            return False
         if not there():
             log.info("waiting_for_node", request_id=fl.rid, roles=roles, wait_s=self.node_wait_s)
         while not there():
@@ -428,10 +436,12 @@ class Router:
     async def _pdd(self, fl: _Flight) -> None:
         rid, prompt = fl.rid, fl.prompt
         if not await self._await_node(fl, ("prefill",)):
-            raise RouterError(f"no healthy prefill node within {self.node_wait_s:g} s (server.node_wait_s)",
+            raise RouterError(f"no healthy prefill node for this request (a down one is waited for "
+                              f"up to server.node_wait_s = {self.node_wait_s:g} s)",
                               "unavailable")
         if not await self._await_node(fl, ("md", "rld")):
-            raise RouterError(f"no healthy MD or RLD node within {self.node_wait_s:g} s (server.node_wait_s)",
+            raise RouterError(f"no healthy MD or RLD node for this request (a down one is waited for "
+                              f"up to server.node_wait_s = {self.node_wait_s:g} s)",
                               "unavailable")
         md = self._pick_md(fl)
         supersedes = self.alignments.supersede(md.name, fl.block_hashes) if md is not None else ()
