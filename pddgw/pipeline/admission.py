@@ -58,7 +58,8 @@ class RoomQueue:
             self._waiters.appendleft(fut)
         else:
             self._waiters.append(fut)
-        log.info("request_queued", request_id=rid, waiting=len(self._waiters), why=why)
+        # Once per request: a head refused again is still the same wait.
+        (log.debug if front else log.info)("request_queued", request_id=rid, waiting=len(self._waiters), why=why)
         deadline = loop.time() + self.max_wait_s
         try:
             while not fut.done():

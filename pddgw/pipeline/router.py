@@ -167,6 +167,8 @@ class _Flight:
     relay: NodeHandle | None = None
     # Foreground WAN bytes this request has queued (counted in Router.wan_backlog).
     wan_queued: int = 0
+    # A decoder opened it (holds KV for it): its release frees room others may wait for.
+    holds_room: bool = False
 
     def block_hashes(self, block_size: int) -> tuple[int, ...]:
         if block_size not in self.hashes:
@@ -289,7 +291,9 @@ class Router:
             self.nodes[n].inflight -= 1
         fl.involved.clear()
         self._end_relay(fl)
-        self.room.wake()        # its blocks are free: a request waiting for room may fit now
+        if fl.holds_room:
+            fl.holds_room = False
+            self.room.wake()    # its blocks are free: a request waiting for room may fit now
 
     @staticmethod
     def _involve(fl: _Flight, node: NodeHandle) -> None:
@@ -554,6 +558,7 @@ class Router:
         except LinkError as e:
             raise _NodeLost(node, f"unreachable: {e}") from None
         assert isinstance(reply, pm.Opened), reply
+        fl.holds_room = True
         return reply.cached_tokens
 
     async def _cancel_on(self, node: NodeHandle, rid: str) -> None:
