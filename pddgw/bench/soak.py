@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import os
 import random
 import secrets
@@ -1089,7 +1088,7 @@ def _rows(rep: SoakReport) -> list[tuple[str, Any]]:
 
 
 def table(rep: SoakReport) -> str:
-    """The human report: rich tables when rich is installed, plain aligned text otherwise."""
+    """The human report: aligned tables like the other benches'."""
     head = (f"soak: {rep.deployment} deployment ({rep.dtype}), {rep.concurrency} clients for "
             f"{rep.duration_s:g} s, up to {rep.max_tokens} output tokens; load {rep.load_s:g} s, "
             f"wall {rep.wall_s:g} s -> {'OK' if rep.ok else 'FAILED'}")
@@ -1105,38 +1104,10 @@ def table(rep: SoakReport) -> str:
     extra += [f"{e['what']}: {orjson.dumps(e).decode()}" for e in rep.examples]
     if rep.logs:
         extra.append(f"node logs: {rep.logs}")
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        parts = [head, "", format_table(["metric", "value"], _rows(rep)), "", format_table(rss_head, rss_rows)]
-        if fault_rows:
-            parts += ["", format_table(["fault", "at (s)", "what happened"], fault_rows)]
-        return "\n".join(parts + ([""] + extra if extra else []))
-    console = Console(width=120, record=True, file=io.StringIO(), color_system=None)
-    console.print(head, markup=False, highlight=False)
-    t = Table()
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    for k, v in _rows(rep):
-        t.add_row(k, "-" if v is None else str(v))
-    console.print(t)
-    r = Table()
-    for i, h in enumerate(rss_head):
-        r.add_column(h, justify="left" if i == 0 else "right")
-    for row in rss_rows:
-        r.add_row(*("-" if v is None else str(v) for v in row))
-    console.print(r)
+    parts = [head, "", format_table(["metric", "value"], _rows(rep)), "", format_table(rss_head, rss_rows)]
     if fault_rows:
-        f = Table()
-        for h in ("fault", "at (s)", "what happened"):
-            f.add_column(h)
-        for row in fault_rows:
-            f.add_row(*("-" if v is None else str(v) for v in row))
-        console.print(f)
-    for line in extra:
-        console.print(line, markup=False, highlight=False)
-    return console.export_text().rstrip()
+        parts += ["", format_table(["fault", "at (s)", "what happened"], fault_rows)]
+    return "\n".join(parts + ([""] + extra if extra else []))
 
 
 def build_parser() -> argparse.ArgumentParser:
