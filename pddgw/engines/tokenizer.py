@@ -4,8 +4,13 @@ Two implementations of one contract: `ByteTokenizer` for the built-in tiny
 model (UTF-8 bytes plus a few special tokens) and `HFTokenizer` for a
 checkpoint's `tokenizer.json`.
 
-Chat template.  Every tokenizer renders a conversation with the same built-in
-ChatML-like template (a checkpoint's own Jinja template is not used):
+Chat template.  An `HFTokenizer` whose checkpoint has a chat template
+(tokenizer_config.json `chat_template`, or `chat_template.jinja`) renders it
+with Jinja2 in a sandbox and tokenizes the text as transformers'
+`apply_chat_template(tokenize=True)` does (`add_special_tokens=False`, so the
+template alone decides on bos); see `pddgw.engines.chat_template`.  The tiny
+model's `ByteTokenizer` and checkpoints without a template use the built-in
+ChatML-like template:
 
     [bos]  <|im_start|>{role}\\n{content}<|im_end|>\\n   (per message)
            <|im_start|>assistant\\n                      (generation prompt)
@@ -19,11 +24,20 @@ becomes a special id.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+from pddgw.engines.chat_template import ChatTemplate, ControlTokens, normalize_messages
+from pddgw.engines.types import RequestError
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
+# Conversations with more text than this are templated off the event loop by
+# `apply_chat_template_async` (a Jinja template always is).
+INLINE_TEMPLATE_CHARS = 4096
 
 
 class Tokenizer(ABC):
@@ -35,8 +49,13 @@ class Tokenizer(ABC):
       sequence decodes to U+FFFD rather than raising.
     * `vocab_size` >= every id either method produces or accepts.
     * `bos_token_id` (or None) and `eos_token_ids` (the ids that end generation).
-    * `apply_chat_template([(role, content), ...])` -> prompt ids ending with
-      the assistant generation prompt (template in the module docstring).
+    * `apply_chat_template(messages, *, add_generation_prompt=True, tools=None,
+      documents=None, template_kwargs=None)` -> prompt ids (template in the
+      module docstring).  `messages`: `(role, content)` pairs or message dicts
+      (`{"role", "content", ...}`; the built-in template needs string content
+      and takes no tools/documents).  RequestError when the conversation cannot
+      be templated (the template's `raise_exception`, a sandbox refusal, ...).
+      CPU-bound and blocking: on an event loop use `apply_chat_template_async`.
     Implementations are immutable after construction and safe to share
     between threads.
     """
@@ -67,15 +86,51 @@ class Tokenizer(ABC):
     @abstractmethod
     def _add_bos(self) -> bool: ...
 
-    def apply_chat_template(self, messages: list[tuple[str, str]]) -> list[int]:
+    @property
+    def renders_jinja(self) -> bool:
+        """True when `apply_chat_template` runs a checkpoint's Jinja template."""
+        return False
+
+    def apply_chat_template(self, messages: Sequence[tuple[str, str] | Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True, tools: list | None = None,
+                            documents: list | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        if tools is not None or documents is not None:
+            raise RequestError("this model's chat template takes no tools or documents")
         start, end = self._marker(IM_START), self._marker(IM_END)
         ids: list[int] = []
         if self._add_bos and self.bos_token_id is not None:
             ids.append(self.bos_token_id)
-        for role, content in messages:
+        for i, m in enumerate(normalize_messages(messages)):
+            role, content = m.get("role"), m.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise RequestError(f"messages[{i}]: role and content must be strings")
             ids += start + self.encode(f"{role}\n{content}") + end + self.encode("\n")
-        ids += start + self.encode("assistant\n")
+        if add_generation_prompt:
+            ids += start + self.encode("assistant\n")
         return ids
+
+    async def apply_chat_template_async(self, messages: Sequence[tuple[str, str] | Mapping[str, Any]],
+                                        **kwargs: Any) -> list[int]:
+        """`apply_chat_template` for event-loop code: run in a worker thread
+        (`asyncio.to_thread`) for a Jinja template or a conversation of more
+        than INLINE_TEMPLATE_CHARS characters, inline otherwise."""
+        if self.renders_jinja or _text_chars(messages) > INLINE_TEMPLATE_CHARS:
+            return await asyncio.to_thread(self.apply_chat_template, messages, **kwargs)
+        return self.apply_chat_template(messages, **kwargs)
+
+
+def _text_chars(messages: Sequence[Any]) -> int:
+    n = 0
+    for m in messages:
+        if isinstance(m, Mapping):
+            content = m.get("content")
+            if not isinstance(content, str):
+                return INLINE_TEMPLATE_CHARS + 1         # structured content: off the loop
+            n += len(content)
+        elif isinstance(m, (tuple, list)):
+            n += sum(len(x) for x in m if isinstance(x, str))
+    return n
 
 
 class ByteTokenizer(Tokenizer):
@@ -119,17 +174,28 @@ class ByteTokenizer(Tokenizer):
 
 class HFTokenizer(Tokenizer):
     """A `tokenizers` tokenizer.json; bos/eos come from the checkpoint's configs
-    (see `from_dir`)."""
+    and the chat template from its tokenizer_config.json / chat_template.jinja
+    (see `from_dir`); `chat_template` None = the built-in template."""
 
     def __init__(self, tokenizer_json: str | Path, bos_token_id: int | None,
-                 eos_token_ids: tuple[int, ...], vocab_size: int | None = None) -> None:
+                 eos_token_ids: tuple[int, ...], vocab_size: int | None = None,
+                 chat_template: ChatTemplate | None = None) -> None:
         from tokenizers import Tokenizer as _Tok
 
-        tok = _Tok.from_file(str(tokenizer_json))
+        data = Path(tokenizer_json).read_text(encoding="utf-8")
+        tok = _Tok.from_str(data)
         # Users' text must never turn into control tokens (prompt injection of
         # <|im_end|> etc.); specials are only placed by the template.
         tok.encode_special_tokens = True
         self._tok = tok
+        self._template = chat_template
+        if chat_template is not None:
+            # The rendered template is encoded with special tokens recognised
+            # (a second instance: encode_special_tokens is per instance).
+            self._tok_tpl = _Tok.from_str(data)
+            self._control = ControlTokens(t.content for t in tok.get_added_tokens_decoder().values()
+                                          if t.special)
+            self._newline = self._tok_tpl.encode("\n", add_special_tokens=False).ids
         self._bos = bos_token_id
         self._eos = tuple(eos_token_ids)
         self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True), vocab_size or 0)
@@ -140,7 +206,8 @@ class HFTokenizer(Tokenizer):
     @classmethod
     def from_dir(cls, directory: str | Path, vocab_size: int | None = None) -> HFTokenizer:
         """tokenizer.json of a checkpoint directory; eos from generation_config.json
-        if present, else config.json; bos from config.json."""
+        if present, else config.json; bos from config.json; the chat template as
+        `ChatTemplate.from_dir` reads it (ChatTemplateError if it does not compile)."""
         import json
 
         d = Path(directory)
@@ -152,7 +219,8 @@ class HFTokenizer(Tokenizer):
         eos = merged.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         bos = merged.get("bos_token_id")
-        return cls(d / "tokenizer.json", None if bos is None else int(bos), eos_ids, vocab_size)
+        return cls(d / "tokenizer.json", None if bos is None else int(bos), eos_ids, vocab_size,
+                   ChatTemplate.from_dir(d))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -171,6 +239,42 @@ class HFTokenizer(Tokenizer):
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
+
+    @property
+    def renders_jinja(self) -> bool:
+        return self._template is not None
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._template
+
+    def apply_chat_template(self, messages: Sequence[tuple[str, str] | Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True, tools: list | None = None,
+                            documents: list | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        if self._template is None:
+            return super().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                               tools=tools, documents=documents,
+                                               template_kwargs=template_kwargs)
+        text = self._template.render(messages, add_generation_prompt=add_generation_prompt,
+                                     tools=tools, documents=documents, control_tokens=self._control,
+                                     **dict(template_kwargs or {}))
+        pieces = self._control.split(text)
+        if len(pieces) == 1 and not pieces[0][1]:
+            return self._tok_tpl.encode(text, add_special_tokens=False).ids
+        # A user typed a control token: it is encoded as text, the rest as usual.
+        # Pieces after the first are encoded after a newline that is then cut
+        # off (no SentencePiece prefix space), as transformers does.
+        ids: list[int] = []
+        for i, (piece, as_text) in enumerate(pieces):
+            tok = self._tok if as_text else self._tok_tpl
+            if i == 0:
+                ids += tok.encode(piece, add_special_tokens=False).ids
+                continue
+            got = tok.encode("\n" + piece, add_special_tokens=False).ids
+            nl = len(self._newline)
+            ids += got[nl:] if got[:nl] == self._newline else tok.encode(piece, add_special_tokens=False).ids
+        return ids
 
     def _marker(self, text: str) -> list[int]:
         tid = self._tok.token_to_id(text)
