@@ -230,6 +230,10 @@ class ServerConfig:
     port: int = 8000
     # Accepted API keys (Authorization: Bearer KEY); empty = no key required.
     api_keys: tuple[str, ...] = ()
+    # Keys that may also steer a request (force its pipeline / handoff mode with the
+    # `pddgw` extension); they are accepted API keys too.  Or let everyone steer:
+    admin_keys: tuple[str, ...] = ()
+    allow_request_steering: bool = False
     max_message_bytes: int = 1 << 20
     max_concurrent_requests: int = 256
     max_streams_per_connection: int = 64
@@ -251,6 +255,7 @@ class ServerConfig:
         _check(self.max_concurrent_requests > 0, "max_concurrent_requests must be > 0")
         _check(self.max_streams_per_connection > 0, "max_streams_per_connection must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        _check(all(k for k in self.admin_keys), "admin_keys must be non-empty strings")
 
 
 @dataclass(frozen=True, slots=True)

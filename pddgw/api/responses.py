@@ -7,7 +7,12 @@ multiplexed on one socket) and `response.cancel` (`response_id`).
 
 Server events: `response.created`, `response.output_text.delta` (with the
 `pddgw` extension: position, token_ids, role), `response.completed` (with
-`usage` and the `pddgw` timeline) and `error`.
+`usage` and the `pddgw` timeline) and `error`.  The final event is
+`response.completed` also when the response is `"status": "incomplete"`
+(cut at the context length, see openai_http.py).
+
+`parse_create_body` decodes the same fields from a POST /v1/responses body
+(HTTP: no `type`, `stream` a boolean).
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ _CREATE_KEYS = {"type", "model", "input", "instructions", "prompt_token_ids", "m
                 "temperature", "top_p", "seed", "metadata", "stream_id", "store", "stream", "pddgw"}
 
 
-def _extension(d: dict[str, Any]) -> tuple[Any, Any]:
+def parse_extension(d: dict[str, Any]) -> tuple[Any, Any]:
+    """The `pddgw` extension of a request -> (pipeline, handoff_mode), each None when not forced."""
     ext = d.get("pddgw")
     if ext is None:
         return None, None
@@ -174,6 +180,24 @@ def parse_client_event(raw: str | bytes, max_prompt_tokens: int) -> ClientEvent:
         raise
 
 
+def parse_create_body(d: Any, max_prompt_tokens: int) -> tuple[CreateResponse, bool]:
+    """A POST /v1/responses body -> (the request, whether to stream it as SSE)."""
+    if not isinstance(d, dict):
+        raise ApiError("the request body must be a JSON object")
+    if "type" in d or "stream_id" in d:
+        raise ApiError(f"unsupported field {'type' if 'type' in d else 'stream_id'!r} (WebSocket mode only)",
+                       "type" if "type" in d else "stream_id")
+    stream = d.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError("'stream' must be a boolean", "stream")
+    if d.get("background"):
+        raise ApiError("background responses are not supported", "background")
+    body = {k: v for k, v in d.items() if k not in ("stream", "background")}
+    ev = _event({**body, "type": "response.create"}, max_prompt_tokens)
+    assert isinstance(ev, CreateResponse)
+    return ev, bool(stream)
+
+
 def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
     kind = d.get("type")
     if kind == "response.cancel":
@@ -220,7 +244,7 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
     store = d.get("store")
     if store is not None and not isinstance(store, bool):
         raise ApiError("'store' must be a boolean", "store")
-    pipeline, handoff_mode = _extension(d)
+    pipeline, handoff_mode = parse_extension(d)
     return CreateResponse(
         type="response.create", messages=messages, prompt_token_ids=ids,
         max_output_tokens=max_out, temperature=_number(d, "temperature", 1.0, 0.0, 2.0),
@@ -238,17 +262,25 @@ def _envelope(kind: str, seq: int, stream_id: str | None, **fields: Any) -> byte
     return orjson.dumps(ev)
 
 
+def output_message(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """The response's one output item: an assistant message with one output_text part."""
+    return {"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
 def response_object(rid: str, status: str, created_at: int, model: str, req: CreateResponse,
                     text: str = "", usage: dict[str, Any] | None = None,
                     pddgw: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`status` "incomplete" (cut at the context length) adds incomplete_details: max_output_tokens."""
     obj: dict[str, Any] = {
         "id": rid, "object": "response", "created_at": created_at, "status": status, "model": model,
         "output": [], "metadata": req.metadata, "temperature": req.temperature, "top_p": req.top_p,
-        "max_output_tokens": req.max_output_tokens,
+        "max_output_tokens": req.max_output_tokens, "error": None, "incomplete_details": None,
     }
-    if status == "completed":
-        obj["output"] = [{"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": "completed",
-                          "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+    if status in ("completed", "incomplete"):
+        obj["output"] = [output_message(rid, text, status)]
+    if status == "incomplete":
+        obj["incomplete_details"] = {"reason": "max_output_tokens"}
     if usage is not None:
         obj["usage"] = usage
     if pddgw is not None:

@@ -1,4 +1,11 @@
-"""The front door: Responses API over WebSocket, health and debug state.
+"""The front door: Responses API over WebSocket, the OpenAI HTTP API, health and debug state.
+
+`FrontDoor.app()` is the one place routes are registered; the OpenAI HTTP
+routes live in openai_http.py (its docstring: behaviours and errors).
+Shared by every route: API keys (`authorized`), who may steer a request
+(`check_steering`: forcing a pipeline or handoff mode needs an admin key or
+`[server] allow_request_steering`), the prompt and sampling (`prepare`:
+output tokens clamped to the context, `Prepared.clamped` says so).
 
 One aiohttp app on the router.  A WebSocket at /v1/responses carries any
 number of responses at once (each `response.create` runs as its own task;
@@ -33,6 +40,7 @@ import hmac
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -40,8 +48,10 @@ from aiohttp import WebSocketError, WSCloseCode, WSMsgType, web
 from aiohttp._websocket import reader_py
 from aiohttp.helpers import DEFAULT_CHUNK_SIZE
 
+from pddgw.api.openai_http import OpenAIRoutes, openai_not_found
 from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, brief, completed_event, created_event,
                                  delta_event, error_event, parse_client_event, response_object)
+from pddgw.api.webchat import add_webchat_routes
 from pddgw.config import Config
 from pddgw.engines.tokenizer import Tokenizer
 from pddgw.engines.types import RequestError, SamplingParams
@@ -114,6 +124,17 @@ class _StrictWebSocketResponse(web.WebSocketResponse):
         request.protocol.keep_alive(False)
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request ready for the router."""
+
+    ids: tuple[int, ...]
+    sampling: SamplingParams
+    # The max output tokens asked for (or the default) did not fit in the context:
+    # sampling.max_tokens is the room left, and an output that reaches it was cut there.
+    clamped: bool
+
+
 class FrontDoor:
     def __init__(self, cfg: Config, router: Router, tokenizer: Tokenizer, model_name: str, state: StateFn):
         self.cfg = cfg
@@ -125,35 +146,98 @@ class FrontDoor:
         self.max_prompt = router.spec.max_position_embeddings
         if cfg.model.max_model_len:
             self.max_prompt = min(self.max_prompt, cfg.model.max_model_len)
+        self.openai = OpenAIRoutes(self)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.server.max_message_bytes)
-        app.router.add_get("/v1/responses", self.responses_ws)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/debug/state", self.debug_state)
+        """The front door's aiohttp app: every route is registered here."""
+        app = web.Application(client_max_size=self.cfg.server.max_message_bytes, middlewares=[openai_not_found])
+        r = app.router
+        # Responses API, WebSocket mode (GET upgrade) and HTTP (POST, optionally SSE).
+        r.add_get("/v1/responses", self.responses_ws)
+        r.add_post("/v1/responses", self.openai.responses)
+        # OpenAI HTTP API (openai_http.py).
+        r.add_post("/v1/chat/completions", self.openai.chat_completions)
+        r.add_post("/v1/completions", self.openai.completions)
+        r.add_get("/v1/models", self.openai.models)
+        r.add_get("/v1/models/{model}", self.openai.model)
+        # Operations.
+        r.add_get("/health", self.health)
+        r.add_get("/debug/state", self.debug_state)
+        # ---- further routes (metrics, web page, ...) are registered below this line ----
+        add_webchat_routes(app)
         return app
 
     # ---- auth ------------------------------------------------------------------------
-    def _authorized(self, request: web.Request) -> bool:
-        keys = self.cfg.server.api_keys
-        if not keys:
-            return True
+    @staticmethod
+    def _bearer(request: web.Request) -> bytes:
         auth = request.headers.get("Authorization", "")
-        given = auth[7:] if auth.startswith("Bearer ") else ""
-        return any(hmac.compare_digest(given.encode(), k.encode()) for k in keys)
+        return auth[7:].encode() if auth.startswith("Bearer ") else b""
+
+    @staticmethod
+    def _matches(given: bytes, keys: tuple[str, ...]) -> bool:
+        found = False
+        for k in keys:      # no early exit: the time taken does not say which key matched
+            found |= hmac.compare_digest(given, k.encode())
+        return found
+
+    def authorized(self, request: web.Request) -> bool:
+        """An accepted API key, or none needed ([server] api_keys empty); an admin key is an API key too."""
+        srv = self.cfg.server
+        return not srv.api_keys or self._matches(self._bearer(request), srv.api_keys + srv.admin_keys)
+
+    _authorized = authorized
+
+    def may_steer(self, request: web.Request) -> bool:
+        """Whether this client may force a request's pipeline / handoff mode (an operator's tool)."""
+        srv = self.cfg.server
+        return srv.allow_request_steering or (bool(srv.admin_keys)
+                                              and self._matches(self._bearer(request), srv.admin_keys))
+
+    def check_steering(self, request: web.Request, pipeline: str | None, handoff_mode: str | None) -> None:
+        """ApiError (403 permission_denied) naming the forced field, unless this client may steer."""
+        if (pipeline is None and handoff_mode is None) or self.may_steer(request):
+            return
+        name = "pddgw.pipeline" if pipeline is not None else "pddgw.handoff_mode"
+        raise ApiError(f"forcing {name} needs an admin key ([server] admin_keys) or "
+                       "[server] allow_request_steering = true", name, "permission_denied")
+
+    # ---- requests --------------------------------------------------------------------
+    def detokenizer(self) -> _Detok:
+        return _Detok(self.tok)
+
+    def prepare(self, ids: tuple[int, ...] | None, messages: tuple[tuple[str, str], ...], max_tokens: int | None,
+                temperature: float, top_p: float, seed: int | None, input_param: str = "input") -> Prepared:
+        """Prompt ids (given, or the chat template of `messages`) and sampling; ApiError names the field."""
+        if ids is not None:
+            vocab = self.router.spec.vocab_size
+            if any(t >= vocab for t in ids):
+                raise ApiError(f"{input_param} must be < vocab size {vocab}", input_param)
+        else:
+            ids = tuple(self.tok.apply_chat_template(list(messages)))
+        room = self.max_prompt - len(ids)
+        if room < 1:
+            raise ApiError(f"prompt is {len(ids)} tokens; the context length is {self.max_prompt}",
+                           input_param, "context_length_exceeded")
+        want = max_tokens or DEFAULT_MAX_OUTPUT_TOKENS
+        seed = seed if seed is not None else secrets.randbits(63)
+        try:
+            sampling = SamplingParams(max_tokens=min(want, room), temperature=temperature, top_p=top_p, seed=seed)
+        except RequestError as e:
+            raise ApiError(str(e)) from None
+        return Prepared(ids, sampling, want > room)
 
     # ---- plain HTTP ----------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "role": "router", "active_requests": self.active})
 
     async def debug_state(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
+        if not self.authorized(request):
             return web.json_response({"error": "invalid or missing API key"}, status=401)
         return web.json_response(await self._state())
 
     # ---- WebSocket ---------------------------------------------------------------------
     async def responses_ws(self, request: web.Request) -> web.StreamResponse:
-        if not self._authorized(request):
+        if not self.authorized(request):
             return web.json_response({"error": {"type": "invalid_api_key", "message":
                                                 "invalid or missing API key (Authorization: Bearer KEY)"}},
                                      status=401)
@@ -161,7 +245,7 @@ class FrontDoor:
         ws = _StrictWebSocketResponse(max_msg_size=self.cfg.server.max_message_bytes + 1, heartbeat=30.0,
                                       compress=False)
         await ws.prepare(request)
-        conn = _Connection(self, ws)
+        conn = _Connection(self, ws, self.may_steer(request))
         try:
             async for msg in ws:
                 if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
@@ -177,9 +261,10 @@ class FrontDoor:
 class _Connection:
     """One client socket: its responses in flight and its event sequence."""
 
-    def __init__(self, door: FrontDoor, ws: web.WebSocketResponse):
+    def __init__(self, door: FrontDoor, ws: web.WebSocketResponse, may_steer: bool):
         self.door = door
         self.ws = ws
+        self.may_steer = may_steer
         self.seq = 0
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -212,6 +297,11 @@ class _Connection:
             else:
                 task.cancel()
             return
+        if (ev.pipeline is not None or ev.handoff_mode is not None) and not self.may_steer:
+            name = "pddgw.pipeline" if ev.pipeline is not None else "pddgw.handoff_mode"
+            await self.send(error_event, ev.stream_id, f"forcing {name} needs an admin key ([server] admin_keys) "
+                            "or [server] allow_request_steering = true", "permission_denied", name)
+            return
         if len(self.tasks) >= door.cfg.server.max_streams_per_connection:
             await self.send(error_event, ev.stream_id, "too many responses in flight on this connection",
                             "rate_limit_exceeded")
@@ -231,34 +321,15 @@ class _Connection:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
 
-    def _prepare(self, req: CreateResponse) -> tuple[tuple[int, ...], SamplingParams]:
-        door = self.door
-        if req.prompt_token_ids is not None:
-            ids = req.prompt_token_ids
-            vocab = door.router.spec.vocab_size
-            if any(t >= vocab for t in ids):
-                raise ApiError(f"prompt_token_ids must be < vocab size {vocab}", "prompt_token_ids")
-        else:
-            ids = tuple(door.tok.apply_chat_template(list(req.messages)))
-        room = door.max_prompt - len(ids)
-        if room < 1:
-            raise ApiError(f"prompt is {len(ids)} tokens; the context length is {door.max_prompt}",
-                           "input", "context_length_exceeded")
-        max_out = min(req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS, room)
-        seed = req.seed if req.seed is not None else secrets.randbits(63)
-        try:
-            return ids, SamplingParams(max_tokens=max_out, temperature=req.temperature, top_p=req.top_p,
-                                       seed=seed)
-        except RequestError as e:
-            raise ApiError(str(e)) from None
-
     async def _respond(self, rid: str, req: CreateResponse) -> None:
         door = self.door
         sid = req.stream_id
         created = int(time.time())
         counted = False
         try:
-            ids, sampling = self._prepare(req)
+            prep = door.prepare(req.prompt_token_ids, req.messages, req.max_output_tokens, req.temperature,
+                                req.top_p, req.seed, "input" if req.prompt_token_ids is None else "prompt_token_ids")
+            ids, sampling = prep.ids, prep.sampling
             door.active += 1
             counted = True
             detok = _Detok(door.tok)
@@ -275,7 +346,8 @@ class _Connection:
                      "total_tokens": len(ids) + len(out.output_ids)}
             timeline = {**out.record.to_dict(), "seed": sampling.seed, "finish_reason": out.finish_reason,
                         "output_token_ids": list(out.output_ids)}
-            obj = response_object(rid, "completed", created, door.model_name, req,
+            status = "incomplete" if prep.clamped and out.finish_reason == "length" else "completed"
+            obj = response_object(rid, status, created, door.model_name, req,
                                   text=door.tok.decode(list(out.output_ids)), usage=usage, pddgw=timeline)
             await self.send(completed_event, sid, obj)
         except ApiError as e:

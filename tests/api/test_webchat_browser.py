@@ -90,8 +90,6 @@ async def served(request):
     emb = Embedded(_cfg(getattr(request, "param", ())))
     side = await emb.start()
     app = side.door.app()
-    if not any(r.canonical == "/" for r in app.router.resources()):   # until FrontDoor.app() serves the page
-        add_webchat_routes(app)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

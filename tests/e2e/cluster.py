@@ -111,6 +111,7 @@ max_num_batched_tokens = 256
 host = "127.0.0.1"
 port = {self.ports["router"]}
 request_timeout_s = 60
+allow_request_steering = true
 {server}
 
 [net]

@@ -24,6 +24,9 @@ CONFIG = '''
 [model]
 dtype = "float64"
 
+[server]
+allow_request_steering = true       # the storms force each pipeline per request
+
 [engine]
 num_blocks = 128
 block_size = 16

@@ -1,0 +1,423 @@
+"""The OpenAI HTTP API through the official `openai` client, against the embedded deployment.
+
+The tiny model in float64 (clear margins), so greedy outputs must equal what
+one local engine generates (`reference`) token for token.  The app serves on
+a real 127.0.0.1 port (`aiohttp_client`), which `AsyncOpenAI` dials.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from openai import AsyncOpenAI
+
+from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, PolicyConfig, ServerConfig, ShapingConfig
+from pddgw.pipeline.deploy import Embedded
+from pddgw.pipeline.ordering import TokenRun
+from pddgw.pipeline.router import RouterError
+from tests.pipeline.pdd_client import reference
+from tests.reliability.quiet import wait_quiescent
+
+KEY, ADMIN = "sk-user", "sk-admin"
+SYSTEM = "You are a terse assistant. Answer in one short line, then stop. " * 2
+
+
+def make_cfg(**server) -> Config:
+    return Config(model=ModelConfig(dtype="float64"),
+                  engine=EngineConfig(num_blocks=256, block_size=16, max_num_batched_tokens=256),
+                  net=NetConfig(links=(ShapingConfig(name="wan", gbps=0.05, latency_ms=5.0),)),
+                  policy=PolicyConfig(pipeline="P-MD"),
+                  server=ServerConfig(api_keys=(KEY,), admin_keys=(ADMIN,), **server))
+
+
+@pytest.fixture
+async def served(aiohttp_client):
+    """-> start(cfg) -> (side, aiohttp test client, AsyncOpenAI); afterwards nothing may be left in use."""
+    started = []
+
+    async def start(cfg: Config | None = None):
+        emb = Embedded(cfg or make_cfg())
+        side = await emb.start()
+        client = await aiohttp_client(side.door.app())
+        oai = AsyncOpenAI(api_key=KEY, base_url=f"http://{client.server.host}:{client.server.port}/v1",
+                          max_retries=0, timeout=60)
+        started.append((emb, side, oai))
+        return side, client, oai
+
+    yield start
+    for emb, side, oai in started:
+        await oai.close()
+        await wait_quiescent(side.state)
+        await emb.stop()
+
+
+def chat_ids(side, messages: list[tuple[str, str]]) -> list[int]:
+    """The prompt the server builds for these messages (its chat template)."""
+    return side.door.tok.apply_chat_template(messages)
+
+
+async def test_chat_completions_greedy_stream_and_not_and_a_second_turn_hits_md_cache(served):
+    side, _, oai = await served()
+    tok = side.door.tok
+    msgs = [("system", SYSTEM), ("user", "Name a colour.")]
+    ids1 = chat_ids(side, msgs)
+    ref1 = reference(ids1, 12)
+    r = await oai.chat.completions.create(model=side.door.model_name, max_tokens=12, temperature=0,
+                                          messages=[{"role": r, "content": c} for r, c in msgs])
+    assert r.object == "chat.completion" and r.model == side.door.model_name
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and ch.message.content == tok.decode(ref1)
+    assert ch.finish_reason == ("length" if len(ref1) == 12 else "stop")
+    assert r.pddgw["output_token_ids"] == ref1
+    assert [t for run in r.pddgw["runs"] for t in run["token_ids"]] == ref1
+    assert r.usage.prompt_tokens == len(ids1) and r.usage.completion_tokens == len(ref1)
+    assert r.usage.total_tokens == len(ids1) + len(ref1)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0          # MD held nothing yet
+    await side.router.drain()
+
+    # Turn 2 extends turn 1 (its answer as text, then a new question), streamed with usage.
+    msgs2 = [*msgs, ("assistant", ch.message.content), ("user", "And another?")]
+    ids2 = chat_ids(side, msgs2)
+    ref2 = reference(ids2, 10)
+    stream = await oai.chat.completions.create(
+        model=side.door.model_name, max_completion_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, messages=[{"role": r, "content": c} for r, c in msgs2])
+    chunks = [c async for c in stream]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    runs = [c.pddgw for c in chunks if c.choices and getattr(c, "pddgw", None) and "position" in c.pddgw]
+    assert [t for run in runs for t in run["token_ids"]] == ref2
+    assert [run["position"] for run in runs] == [sum(len(x["token_ids"]) for x in runs[:i]) for i in range(len(runs))]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tok.decode(ref2)
+    last, usage = chunks[-2], chunks[-1]
+    assert last.choices[0].finish_reason in ("length", "stop") and last.pddgw["output_token_ids"] == ref2
+    assert usage.choices == [] and usage.usage.prompt_tokens == len(ids2)
+    assert usage.usage.completion_tokens == len(ref2)
+    cached = usage.usage.prompt_tokens_details.cached_tokens
+    turn1 = [*ids1, *ref1]
+    common = next((i for i, (a, b) in enumerate(zip(turn1, ids2, strict=False)) if a != b), len(turn1))
+    assert 0 < cached <= common and cached % 16 == 0, (cached, common)
+
+
+async def test_completions_with_text_and_token_id_prompts(served):
+    side, _, oai = await served()
+    tok = side.door.tok
+    text = "Once upon a time"
+    ref = reference(tok.encode(text), 8)
+    r = await oai.completions.create(model=side.door.model_name, prompt=text, max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text == tok.decode(ref)
+    assert r.pddgw["output_token_ids"] == ref and r.usage.prompt_tokens == len(tok.encode(text))
+
+    ids = [40 + (i * 7) % 80 for i in range(50)]
+    ref = reference(ids, 9)
+    stream = await oai.completions.create(model=side.door.model_name, prompt=ids, max_tokens=9, temperature=0,
+                                          stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    got = [t for c in chunks if c.choices and "position" in (getattr(c, "pddgw", None) or {})
+           for t in c.pddgw["token_ids"]]
+    assert got == ref
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tok.decode(ref)
+    assert chunks[-1].usage.completion_tokens == len(ref) and chunks[-1].usage.prompt_tokens == 50
+
+
+async def test_responses_stream_and_not(served):
+    side, _, oai = await served()
+    tok = side.door.tok
+    ids = chat_ids(side, [("system", "Be brief."), ("user", "Hello")])
+    ref = reference(ids, 10)
+    events = [e async for e in await oai.responses.create(
+        model=side.door.model_name, instructions="Be brief.", input="Hello", max_output_tokens=10, temperature=0,
+        stream=True)]
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [t for d in deltas for t in d.pddgw["token_ids"]] == ref
+    final = events[-1].response
+    assert final.status == "completed" and final.output_text == tok.decode(ref)
+    assert final.usage.input_tokens == len(ids) and final.usage.output_tokens == len(ref)
+    assert final.usage.input_tokens_details.cached_tokens == 0
+    assert final.pddgw["output_token_ids"] == ref and final.pddgw["pipeline"] == "P-MD"
+
+    r = await oai.responses.create(model=side.door.model_name, instructions="Be brief.", input="Hello",
+                                   max_output_tokens=10, temperature=0)
+    assert r.status == "completed" and r.output_text == tok.decode(ref) and r.pddgw["output_token_ids"] == ref
+    assert r.usage.input_tokens_details.cached_tokens > 0         # the same prompt again: MD holds it
+
+
+async def test_models(served):
+    side, _, oai = await served()
+    models = [m async for m in oai.models.list()]
+    assert [(m.id, m.object, m.owned_by) for m in models] == [(side.door.model_name, "model", "pddgw")]
+    assert (await oai.models.retrieve(side.door.model_name)).id == side.door.model_name
+    with pytest.raises(openai.NotFoundError) as ei:
+        await oai.models.retrieve("gpt-nope")
+    assert ei.value.body["code"] == "model_not_found"
+
+
+async def test_responses_connect_over_websocket(served):
+    if importlib.util.find_spec("websockets") is None:      # openai's responses.connect() dials with it
+        pytest.skip("openai.responses.connect() needs the `websockets` package (the openai[realtime] extra), "
+                    "which is not installed")
+    side, _, oai = await served()
+    ids = chat_ids(side, [("user", "Hi there")])
+    ref = reference(ids, 8)
+    async with oai.responses.connect() as conn:
+        await conn.response.create(model=side.door.model_name, input="Hi there", max_output_tokens=8,
+                                   temperature=0)
+        events = []
+        async for ev in conn:
+            events.append(ev)
+            if ev.type in ("response.completed", "error"):
+                break
+    assert events[-1].type == "response.completed", events[-1]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [t for d in deltas for t in d.pddgw["token_ids"]] == ref
+    assert events[-1].response.usage.output_tokens == len(ref)
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+
+async def test_error_shapes_401_400_404(served):
+    side, client, oai = await served()
+    name = side.door.model_name
+    bad = AsyncOpenAI(api_key="sk-wrong", base_url=str(oai.base_url), max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as ei:
+        await bad.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}])
+    assert ei.value.status_code == 401
+    assert ei.value.body == {"message": "invalid or missing API key (Authorization: Bearer KEY)",
+                             "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+    with pytest.raises(openai.AuthenticationError):
+        await bad.models.list()
+    await bad.close()
+
+    cases = [
+        (dict(n=2), "n", "invalid_request_error"),
+        (dict(stop=["\n"]), "stop", "unsupported_parameter"),
+        (dict(temperature=3), "temperature", "invalid_request_error"),
+        (dict(seed=-1), "seed", "invalid_request_error"),
+        (dict(max_tokens=0), "max_tokens", "invalid_request_error"),
+        (dict(stream_options={"include_usage": True}), "stream_options", "invalid_request_error"),
+        (dict(logit_bias={"1": 2}), "logit_bias", "unsupported_parameter"),
+    ]
+    for extra, param, code in cases:
+        with pytest.raises(openai.BadRequestError) as ei:
+            await oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], **extra)
+        assert (ei.value.status_code, ei.value.body["param"], ei.value.body["code"]) == (400, param, code), extra
+        assert ei.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as ei:
+        await oai.chat.completions.create(model=name, messages=[{"role": "tool", "content": "x"}])
+    assert ei.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as ei:
+        await oai.completions.create(model=name, prompt=[[1, 2], [3]])
+    assert ei.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as ei:
+        await oai.completions.create(model=name, prompt=[1] * 5000)
+    assert (ei.value.body["param"], ei.value.body["code"]) == ("prompt", "context_length_exceeded")
+    with pytest.raises(openai.NotFoundError) as ei:
+        await oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert (ei.value.body["code"], ei.value.body["param"]) == ("model_not_found", "model")
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with client.post("/v1/chat/completions", data=b"{not json", headers=auth) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["type"] == "invalid_request_error"
+    async with client.post("/v1/completions", data=b" " * ((1 << 20) + 1), headers=auth) as resp:
+        assert resp.status == 413 and (await resp.json())["error"]["code"] == "request_too_large"
+    async with client.get("/v1/nope", headers=auth) as resp:
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
+    async with client.get("/v1/chat/completions", headers=auth) as resp:
+        assert resp.status == 405 and (await resp.json())["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("code,status,exc", [("overloaded", 429, openai.RateLimitError),
+                                             ("unavailable", 503, openai.InternalServerError),
+                                             ("server_error", 500, openai.InternalServerError)])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_router_errors_map_to_http_status(served, monkeypatch, code, status, exc, stream):
+    """Before the first token even a streamed answer is a plain HTTP error with its status."""
+    side, _, oai = await served()
+
+    async def refuses(*args, **kwargs):
+        raise RouterError("server overloaded: test", code)
+
+    monkeypatch.setattr(side.router, "run", refuses)
+    with pytest.raises(exc) as ei:
+        r = await oai.chat.completions.create(model=side.door.model_name, stream=stream,
+                                              messages=[{"role": "user", "content": "x"}])
+        [c async for c in r]
+    assert ei.value.status_code == status
+    assert ei.value.body["code"] == code and ei.value.body["message"] == "server overloaded: test"
+    assert side.door.active == 0
+
+
+async def test_an_error_after_the_first_token_ends_the_stream_with_an_error_event(served, monkeypatch):
+    side, _, oai = await served()
+
+    async def fails_midway(rid, prompt, sampling, emit, *rest):
+        await emit(TokenRun(0, (104, 105), "rld"))
+        raise RouterError("no healthy decode node left", "unavailable")
+
+    monkeypatch.setattr(side.router, "run", fails_midway)
+    stream = await oai.chat.completions.create(model=side.door.model_name, stream=True,
+                                               messages=[{"role": "user", "content": "x"}])
+    got = []
+    with pytest.raises(openai.APIError) as ei:
+        async for c in stream:
+            got.append(c)
+    assert [c.choices[0].delta.content for c in got] == ["", "hi"] and got[1].pddgw["role"] == "rld"
+    assert ei.value.body == {"message": "no healthy decode node left", "type": "server_error", "param": None,
+                             "code": "unavailable"}
+    events = [e async for e in await oai.responses.create(model=side.door.model_name, input="x", stream=True)]
+    assert [e.type for e in events][-2:] == ["response.output_text.delta", "error"]
+    assert (events[-1].code, events[-1].message, events[-1].sequence_number) == (
+        "unavailable", "no healthy decode node left", len(events))
+
+
+async def test_front_door_bound_is_429_rate_limit_exceeded(served):
+    side, _, oai = await served(make_cfg(max_concurrent_requests=1))
+    side.door.active = 1                 # one request in flight elsewhere
+    try:
+        with pytest.raises(openai.RateLimitError) as ei:
+            await oai.completions.create(model=side.door.model_name, prompt="x", max_tokens=1)
+        assert ei.value.body["code"] == "rate_limit_exceeded"
+    finally:
+        side.door.active = 0
+
+
+# ---- who may steer --------------------------------------------------------------------
+
+
+async def test_steering_needs_an_admin_key_or_allow_request_steering(served):
+    side, client, oai = await served()
+    name = side.door.model_name
+    steer = {"pddgw": {"pipeline": "P-RLD"}}
+    with pytest.raises(openai.PermissionDeniedError) as ei:
+        await oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                          extra_body=steer)
+    assert ei.value.body == {"message": "forcing pddgw.pipeline needs an admin key ([server] admin_keys) or "
+                                        "[server] allow_request_steering = true",
+                             "type": "permission_error", "param": "pddgw.pipeline", "code": "permission_denied"}
+    with pytest.raises(openai.PermissionDeniedError) as ei:
+        await oai.responses.create(model=name, input="x", max_output_tokens=2,
+                                   extra_body={"pddgw": {"handoff_mode": "one-shot"}})
+    assert ei.value.body["param"] == "pddgw.handoff_mode"
+    # An invalid value is still a 400 naming it, whoever asks.
+    with pytest.raises(openai.BadRequestError) as ei:
+        await oai.completions.create(model=name, prompt="x", extra_body={"pddgw": {"pipeline": "P-X"}})
+    assert ei.value.body["param"] == "pddgw.pipeline"
+
+    admin = AsyncOpenAI(api_key=ADMIN, base_url=str(oai.base_url), max_retries=0)
+    r = await admin.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                            temperature=0, extra_body=steer)
+    assert r.pddgw["pipeline"] == "P-RLD"
+    await admin.close()
+
+    # The WebSocket route: an error event naming the field, and the socket keeps serving.
+    for key, ok in ((KEY, False), (ADMIN, True)):
+        ws = await client.ws_connect("/v1/responses", headers={"Authorization": f"Bearer {key}"})
+        await ws.send_str(orjson.dumps({"type": "response.create", "input": "x", "max_output_tokens": 2,
+                                        "temperature": 0, "pddgw": {"pipeline": "P-RLD"}}).decode())
+        while (ev := orjson.loads((await ws.receive(timeout=60)).data))["type"] not in ("response.completed",
+                                                                                        "error"):
+            pass
+        if ok:
+            assert ev["type"] == "response.completed" and ev["response"]["pddgw"]["pipeline"] == "P-RLD", ev
+        else:
+            assert (ev["type"], ev["error"]["code"], ev["error"]["param"]) == (
+                "error", "permission_denied", "pddgw.pipeline")
+        await ws.close()
+
+
+async def test_allow_request_steering_lets_any_client_steer(served):
+    side, _, oai = await served(make_cfg(allow_request_steering=True))
+    r = await oai.completions.create(model=side.door.model_name, prompt="x", max_tokens=2, temperature=0,
+                                     extra_body={"pddgw": {"pipeline": "P-RLD"}})
+    assert r.pddgw["pipeline"] == "P-RLD"
+
+
+# ---- the context, disconnects ---------------------------------------------------------
+
+
+async def test_max_tokens_past_the_context_is_clamped_and_says_so(served):
+    cfg = make_cfg()
+    cfg = Config(model=ModelConfig(dtype="float64", max_model_len=64), engine=cfg.engine, net=cfg.net,
+                 policy=cfg.policy, server=cfg.server)
+    side, client, oai = await served(cfg)
+    ids = [40 + (i * 7) % 80 for i in range(50)]
+    ref = reference(ids, 14)
+    assert len(ref) == 14                # no stop token before the context is full
+    r = await oai.completions.create(model=side.door.model_name, prompt=ids, max_tokens=1000, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.pddgw["output_token_ids"] == ref
+    events = [e async for e in await oai.responses.create(
+        model=side.door.model_name, max_output_tokens=1000, temperature=0, stream=True,
+        extra_body={"prompt_token_ids": ids})]
+    assert events[-1].type == "response.incomplete"
+    resp = events[-1].response
+    assert (resp.status, resp.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert resp.pddgw["output_token_ids"] == ref
+    # Asking for exactly the room left is not a cut.
+    r = await oai.responses.create(model=side.door.model_name, max_output_tokens=14, temperature=0,
+                                   extra_body={"prompt_token_ids": ids})
+    assert r.status == "completed" and r.pddgw["finish_reason"] == "length"
+    # Over the WebSocket the last event stays response.completed; its status says incomplete.
+    ws = await client.ws_connect("/v1/responses", headers={"Authorization": f"Bearer {KEY}"})
+    await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": ids, "temperature": 0}).decode())
+    while (ev := orjson.loads((await ws.receive(timeout=60)).data))["type"] not in ("response.completed", "error"):
+        pass
+    await ws.close()
+    assert ev["type"] == "response.completed", ev
+    assert (ev["response"]["status"], ev["response"]["incomplete_details"]) == (
+        "incomplete", {"reason": "max_output_tokens"})
+    assert ev["response"]["pddgw"]["output_token_ids"] == ref
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me everything."}], "stream": True}),
+    ("/v1/responses", {"input": "Tell me everything.", "stream": True}),
+    ("/v1/completions", {"prompt": "Tell me everything.", "stream": False}),
+], ids=["chat-stream", "responses-stream", "completions-not-streamed"])
+async def test_client_disconnect_cancels_the_request_everywhere(served, route, body):
+    side, client, _ = await served()
+    real = side.router.run
+    ended: asyncio.Future[type] = asyncio.get_running_loop().create_future()
+    first = asyncio.Event()
+
+    async def run(rid, prompt, sampling, emit, *rest):
+        async def spy(r):
+            first.set()
+            await emit(r)
+        try:
+            return await real(rid, prompt, sampling, spy, *rest)
+        except BaseException as e:
+            ended.set_result(type(e))
+            raise
+
+    side.router.run = run
+    url = f"http://{client.server.host}:{client.server.port}{route}"
+    async with aiohttp.ClientSession() as s:
+        limit = "max_output_tokens" if route == "/v1/responses" else "max_tokens"
+        resp_cm = s.post(url, json={**body, limit: 3000, "temperature": 0}, headers={"Authorization": f"Bearer {KEY}"})
+        if body["stream"]:
+            resp = await resp_cm
+            assert resp.status == 200
+            await resp.content.readline()          # the first event is out
+            resp.close()                           # drops the connection mid-stream
+        else:
+            task = asyncio.create_task(resp_cm.__aenter__())
+            await first.wait()                     # generating
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    assert await asyncio.wait_for(ended, 60) is asyncio.CancelledError
+    await wait_quiescent(side.state)
+    assert side.door.active == 0

@@ -1,0 +1,100 @@
+"""OpenAI HTTP request bodies, decoded at the edge: what is accepted, what is refused and which field it names."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from pddgw.api.openai_http import ERRORS, error_body, parse_chat, parse_completion, parse_response
+from pddgw.api.responses import ApiError
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_body():
+    r = parse_chat({"model": "m", "messages": [{"role": "developer", "content": "be brief"},
+                                               {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                            {"type": "text", "text": "b"}]},
+                                               {"role": "assistant", "content": None, "name": "x"}],
+                    "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3,
+                    "stream": True, "stream_options": {"include_usage": True}, "n": 1, "stop": None,
+                    "pddgw": {"pipeline": "P-MD"}})
+    assert r.messages == (("system", "be brief"), ("user", "ab"), ("assistant", ""))
+    assert (r.max_tokens, r.temperature, r.top_p, r.seed, r.stream, r.include_usage, r.model) == (
+        7, 0.0, 0.5, 3, True, True, "m")
+    assert (r.pipeline, r.handoff_mode, r.input_param) == ("P-MD", None, "messages")
+    d = parse_chat({"messages": USER})
+    assert (d.max_tokens, d.temperature, d.top_p, d.seed, d.stream, d.include_usage) == (None, 1.0, 1.0, None,
+                                                                                          False, False)
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ([], None, "invalid_request_error"),
+    ({"messages": []}, "messages", "invalid_request_error"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_request_error"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls",
+     "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
+     "invalid_request_error"),
+    ({"messages": USER, "n": 2}, "n", "invalid_request_error"),
+    ({"messages": USER, "n": True}, "n", "invalid_request_error"),
+    ({"messages": USER, "stop": "x"}, "stop", "unsupported_parameter"),
+    ({"messages": USER, "logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"messages": USER, "tools": []}, "tools", "unsupported_parameter"),
+    ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", "invalid_request_error"),
+    ({"messages": USER, "top_p": 0}, "top_p", "invalid_request_error"),
+    ({"messages": USER, "seed": 2**63}, "seed", "invalid_request_error"),
+    ({"messages": USER, "stream": "yes"}, "stream", "invalid_request_error"),
+    ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", "invalid_request_error"),
+    ({"messages": USER, "stream": True, "stream_options": {"x": 1}}, "stream_options", "invalid_request_error"),
+    ({"messages": USER, "model": 3}, "model", "invalid_request_error"),
+    ({"messages": USER, "pddgw": {"pipeline": "P-X"}}, "pddgw.pipeline", "invalid_request_error"),
+])
+def test_chat_body_refused(body, param, code):
+    with pytest.raises(ApiError) as ei:
+        parse_chat(body)
+    assert (ei.value.param, ei.value.code) == (param, code)
+
+
+def test_completion_body():
+    assert parse_completion({"prompt": "abc"}, 384).prompt_text == "abc"
+    assert parse_completion({"prompt": [1, 2, 383]}, 384).prompt_token_ids == (1, 2, 383)
+    assert parse_completion({"prompt": [[5, 6]]}, 384).prompt_token_ids == (5, 6)       # a batch of one
+    assert parse_completion({"prompt": ["x"], "best_of": 1, "echo": False}, 384).prompt_text == "x"
+    for body, param in [({"prompt": ""}, "prompt"), ({"prompt": [1, 384]}, "prompt"), ({"prompt": [1, -1]}, "prompt"),
+                        ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [True]}, "prompt"), ({}, "prompt"),
+                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "suffix": "y"}, "suffix"),
+                        ({"prompt": "x", "best_of": 2}, "best_of"), ({"prompt": "x", "messages": USER}, "messages")]:
+        with pytest.raises(ApiError) as ei:
+            parse_completion(body, 384)
+        assert ei.value.param == param, body
+
+
+def test_responses_body():
+    r = parse_response({"model": "m", "input": "hi", "instructions": "sys", "max_output_tokens": 4,
+                        "stream": True, "temperature": 0}, 100)
+    assert (r.kind, r.messages, r.max_tokens, r.stream, r.input_param) == (
+        "response", (("system", "sys"), ("user", "hi")), 4, True, "input")
+    assert r.create is not None and r.create.metadata == {}
+    r = parse_response({"prompt_token_ids": [1, 2]}, 100)
+    assert (r.prompt_token_ids, r.stream, r.input_param) == ((1, 2), False, "prompt_token_ids")
+    for body, param in [({"input": "x", "stream": 1}, "stream"), ({"input": "x", "type": "response.create"}, "type"),
+                        ({"input": "x", "stream_id": "s"}, "stream_id"), ({"input": "x", "background": True},
+                                                                          "background"),
+                        ({"input": "x", "tools": []}, "tools")]:
+        with pytest.raises(ApiError) as ei:
+            parse_response(body, 100)
+        assert ei.value.param == param, body
+
+
+def test_error_body_and_statuses():
+    assert error_body("m", "overloaded") == {"error": {"message": "m", "type": "rate_limit_exceeded", "param": None,
+                                                       "code": "overloaded"}}
+    assert error_body("m", "no_such_code", "p")["error"]["type"] == "server_error"
+    assert {c: s for c, (s, _) in ERRORS.items()} == {
+        "invalid_request_error": 400, "context_length_exceeded": 400, "unsupported_parameter": 400,
+        "invalid_api_key": 401, "permission_denied": 403, "not_found": 404, "model_not_found": 404,
+        "method_not_allowed": 405, "request_too_large": 413, "rate_limit_exceeded": 429, "overloaded": 429,
+        "unavailable": 503, "timeout": 504, "server_error": 500}
+    assert orjson.loads(orjson.dumps(error_body("m", "timeout")))["error"]["type"] == "server_error"
