@@ -35,6 +35,7 @@ itself stays in aiohttp's compiled `websocket_mask`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import secrets
@@ -88,6 +89,15 @@ class _Detok:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(done):]
+
+
+KEY_PROTOCOL = "pddgw.key."
+
+
+def _key_protocol(request: web.Request) -> str:
+    """The offered `pddgw.key.*` WebSocket subprotocol ("" if none): echoed when accepted."""
+    offered = request.headers.get("Sec-WebSocket-Protocol", "")
+    return next((p.strip() for p in offered.split(",") if p.strip().startswith(KEY_PROTOCOL)), "")
 
 
 class _MaskedFrameReader(reader_py.WebSocketReader):
@@ -170,8 +180,17 @@ class FrontDoor:
     # ---- auth ------------------------------------------------------------------------
     @staticmethod
     def _bearer(request: web.Request) -> bytes:
+        """The key of `Authorization: Bearer KEY`, or of a WebSocket subprotocol
+        `pddgw.key.<base64url(KEY)>` (a browser cannot set headers on a WebSocket)."""
         auth = request.headers.get("Authorization", "")
-        return auth[7:].encode() if auth.startswith("Bearer ") else b""
+        if auth.startswith("Bearer "):
+            return auth[7:].encode()
+        proto = _key_protocol(request)
+        if proto:
+            b64 = proto[len(KEY_PROTOCOL):]
+            with contextlib.suppress(ValueError):
+                return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4))
+        return b""
 
     @staticmethod
     def _matches(given: bytes, keys: tuple[str, ...]) -> bool:
@@ -242,8 +261,9 @@ class FrontDoor:
                                                 "invalid or missing API key (Authorization: Bearer KEY)"}},
                                      status=401)
         # aiohttp refuses a message of max_msg_size bytes itself; max_message_bytes is the largest accepted.
+        proto = _key_protocol(request)
         ws = _StrictWebSocketResponse(max_msg_size=self.cfg.server.max_message_bytes + 1, heartbeat=30.0,
-                                      compress=False)
+                                      compress=False, protocols=(proto,) if proto else ())
         await ws.prepare(request)
         conn = _Connection(self, ws, self.may_steer(request))
         try:

@@ -159,3 +159,25 @@ async def test_a_bug_while_preparing_a_response_ends_it_with_an_error_and_frees_
     assert (ev["type"], ev["stream_id"]) == ("response.completed", "second")
     assert side.door.active == 0
     await ws.close()
+
+
+async def test_a_browser_key_in_the_websocket_subprotocol_is_accepted_and_echoed(aiohttp_client):
+    """Browsers cannot set Authorization on a WebSocket: `pddgw.key.<base64url(key)>` stands in."""
+    import base64
+
+    import aiohttp
+
+    emb = Embedded(Config(server=ServerConfig(api_keys=("k\u00e9y-1",))))
+    side = await emb.start()
+    try:
+        client = await aiohttp_client(side.door.app())
+        good = "pddgw.key." + base64.urlsafe_b64encode("k\u00e9y-1".encode()).decode().rstrip("=")
+        ws = await client.ws_connect("/v1/responses", protocols=("other", good))
+        assert ws.protocol == good
+        await ws.close()
+        for offered in (("pddgw.key." + base64.urlsafe_b64encode(b"nope").decode(),), ("pddgw.key.%%%",), ()):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                await client.ws_connect("/v1/responses", protocols=offered)
+            assert e.value.status == 401
+    finally:
+        await emb.stop()

@@ -266,8 +266,9 @@ async def test_web_chat_streams_colours_tokens_by_role_and_shows_the_timeline(se
 
 
 @pytest.mark.parametrize("served", [("secret-key",)], indirect=True, ids=["api_keys"])
-async def test_with_api_keys_the_page_cannot_connect_and_says_why(served):
-    """Browsers cannot set Authorization on a WebSocket and the front door takes keys only there."""
+async def test_with_api_keys_the_page_connects_once_given_a_key(served):
+    """Browsers cannot set Authorization on a WebSocket: the page sends the key as the
+    subprotocol pddgw.key.<base64url(key)>, which the front door accepts."""
     async_api, chromium = _browser_or_skip()
     url, _ = served
     async with async_api.async_playwright() as pw:
@@ -277,7 +278,15 @@ async def test_with_api_keys_the_page_cannot_connect_and_says_why(served):
             page.set_default_timeout(30_000)
             await page.goto(url)              # the page itself needs no key
             await page.wait_for_selector("body[data-conn=closed]")
-            assert "api_keys" in await page.inner_text("#conn-text")
+            assert "Settings" in await page.inner_text("#conn-text")
             assert await page.is_disabled("#send")
+            await page.click("#settings summary")
+            await page.fill("#api-key", "wrong-key")
+            await page.dispatch_event("#api-key", "change")
+            await page.wait_for_selector("body[data-conn=closed]")
+            await page.fill("#api-key", "secret-key")
+            await page.dispatch_event("#api-key", "change")
+            await page.wait_for_selector("body[data-conn=open]")
+            assert not await page.is_disabled("#send")
         finally:
             await browser.close()

@@ -12,7 +12,7 @@
     log: $("log"), empty: $("empty"), form: $("form"), input: $("input"), send: $("send"),
     stop: $("stop"), newChat: $("new-chat"), dot: $("conn-dot"), connText: $("conn-text"),
     instructions: $("instructions"), maxTokens: $("max-tokens"), temperature: $("temperature"),
-    pipeline: $("pipeline"), handoff: $("handoff"),
+    pipeline: $("pipeline"), handoff: $("handoff"), apiKey: $("api-key"),
   };
 
   /** @type {{role: "user"|"assistant", content: string}[]} */
@@ -36,9 +36,18 @@
     ui.send.disabled = kind !== "open" || turn !== null;
   }
 
+  // A browser cannot set Authorization on a WebSocket: the key travels as the subprotocol
+  // pddgw.key.<base64url(key)>, which the front door accepts (and echoes) instead.
+  function keyProtocol(key) {
+    let bin = "";
+    for (const b of new TextEncoder().encode(key)) bin += String.fromCharCode(b);
+    return "pddgw.key." + btoa(bin).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+  }
+
   function connect() {
     setConn("connecting", "connecting…");
-    const sock = new WebSocket(wsUrl());
+    const key = ui.apiKey.value.trim();
+    const sock = key ? new WebSocket(wsUrl(), [keyProtocol(key)]) : new WebSocket(wsUrl());
     ws = sock;
     sock.onopen = () => {
       everOpen = true;
@@ -60,12 +69,20 @@
       ws = null;
       if (turn) failTurn(`connection closed (code ${e.code})`);
       // A refused upgrade (e.g. 401 when [server] api_keys is set) looks like 1006 before any open.
-      const hint = everOpen ? "" : " — if the server sets [server] api_keys, a browser cannot send the key";
+      const hint = everOpen ? "" : " — if the server sets [server] api_keys, enter a key in Settings";
       setConn("closed", `disconnected, retrying${hint}`);
       setTimeout(connect, retryMs);
       retryMs = Math.min(retryMs * 2, 10000);
     };
   }
+
+  ui.apiKey.value = sessionStorage.getItem("pddgw.apiKey") || "";
+  ui.apiKey.addEventListener("change", () => {
+    sessionStorage.setItem("pddgw.apiKey", ui.apiKey.value.trim());
+    retryMs = 500;
+    if (ws) ws.close(1000, "API key changed");      // onclose reconnects with the new key
+    else connect();
+  });
 
   // ---- rendering ------------------------------------------------------------------------
   function el(tag, cls, text) {
