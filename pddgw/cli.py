@@ -1,14 +1,38 @@
-"""pddgw command line: generate (one request on a local engine), serve, chat, sim."""
+"""pddgw command line: serve, chat, keys, generate, sim.
+
+A mistake in what the user gave (a config key, a --model path, a device this
+machine lacks, an unreadable secret or certificate) prints `pddgw: error: ...`
+naming the key or file to stderr and exits 2; a deployment that cannot start
+or a chat that cannot reach its router (an address in use, a peer that never
+answers, a refused connection, a bad API key) prints the same way and exits 1.
+Neither prints a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 
 import orjson
 
-from pddgw.config import Config, ConfigError, load_config
+from pddgw.config import Config, ConfigError, NodeConfig, StartupError, load_config
+
+PROG = "pddgw"
+
+
+class ChatError(Exception):
+    """`pddgw chat` cannot talk to the router; the message says why and what to do."""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pddgw")
+    except PackageNotFoundError:        # a source tree that was never installed
+        return "unknown (not installed: pip install -e .)"
 
 
 def _parse_ids(text: str) -> tuple[int, ...]:
@@ -19,8 +43,6 @@ def _parse_ids(text: str) -> tuple[int, ...]:
 
 
 def _config_with_overrides(args: argparse.Namespace) -> Config:
-    import dataclasses
-
     cfg = load_config(args.config)
     if args.model:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=args.model))
@@ -29,13 +51,84 @@ def _config_with_overrides(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def _model_key(args: argparse.Namespace) -> str:
+    return "--model" if getattr(args, "model", None) else "model.path"
+
+
+def check_device(key: str, device: str, node: str = "") -> None:
+    """A ConfigError naming `key` when torch on this machine cannot run an engine on `device`."""
+    import torch
+
+    on = f" (node {node})" if node else ""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f'{key}: "{device}" is not a device torch knows{on}; use "cpu", '
+                          '"cuda" or "cuda:N"') from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f'{key}: "{device}", but this machine has no CUDA device that torch can use{on}; '
+                              'use device = "cpu"')
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f'{key}: "{device}", but this machine has {count} CUDA device(s){on}: '
+                              f'use "cuda:0" .. "cuda:{count - 1}"')
+        return
+    backend = getattr(torch, dev.type, None) if dev.type != "mps" else torch.backends.mps
+    if backend is None or not backend.is_available():
+        raise ConfigError(f'{key}: "{device}": this machine has no {dev.type} device that torch can use{on}; '
+                          'use device = "cpu"')
+
+
+def _engine_key(cfg: Config, node: NodeConfig | None) -> str:
+    if node is not None and node.engine is not None and node in cfg.nodes:
+        return f"nodes[{cfg.nodes.index(node)}].engine.device"
+    return "engine.device"
+
+
+def preflight(cfg: Config, nodes: Sequence[NodeConfig | None], model_key: str = "model.path",
+              links: bool = False, front_door: bool = False) -> None:
+    """Check, before anything starts, what this process will need: the model directory, a
+    device for each of `nodes`' engines (None: [engine]), with `links` the net secret and
+    the node-link certificates, with `front_door` the front door's certificate.  Each
+    failure is a ConfigError naming the key (and the file)."""
+    from pddgw.engines.weights import WeightsError, load_spec_for
+
+    try:
+        load_spec_for(cfg.model)
+    except WeightsError as e:
+        raise ConfigError(f"{model_key}: {e}") from None
+    for n in nodes:
+        ecfg = cfg.engine_for(n)
+        if n is not None and n.role == "router":
+            continue
+        if ecfg.implementation == "torch":
+            check_device(_engine_key(cfg, n), ecfg.device, n.name if n is not None and cfg.nodes else "")
+    if links:
+        from pddgw.net.tls import client_context, server_context
+
+        if not cfg.net.load_secret():
+            raise ConfigError("net.secret: node links need a shared secret: set net.secret_file "
+                              "(`pddgw keys DIR --config CFG` writes one) or net.secret")
+        server_context(cfg.net.tls)
+        client_context(cfg.net.tls)
+    if front_door:
+        from pddgw.net.tls import front_door_context
+
+        front_door_context(cfg.net.tls)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from pddgw.engines.base import create_engine
     from pddgw.engines.types import EngineRequest, RequestError, SamplingParams
 
-    engine, tokenizer = create_engine(_config_with_overrides(args))
+    cfg = _config_with_overrides(args)
+    preflight(cfg, [None], _model_key(args))
+    engine, tokenizer = create_engine(cfg)
     ids = args.prompt_ids if args.prompt_ids is not None else tuple(tokenizer.encode(args.prompt))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -62,9 +155,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import dataclasses
-
-    from pddgw.pipeline import deploy
 
     from pddgw.logs import setup_logging
 
@@ -75,6 +165,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "all":
         if args.node:
             raise ConfigError("--node names one node of a multi-node config; --role all runs them all")
+        if cfg.nodes:
+            nodes: list[NodeConfig | None] = list(cfg.nodes)
+        else:
+            nodes = [None]      # the embedded topology: every engine from [engine] (MD: twice the block size)
+        preflight(cfg, nodes, _model_key(args), front_door=True)
+        from pddgw.pipeline import deploy
+
         main = deploy.run_embedded(cfg, args.host, args.port)
     else:
         if not cfg.nodes:
@@ -84,6 +181,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             names = ", ".join(n.name for n in cfg.nodes if n.role == args.role) or "none"
             raise ConfigError(f"--role {args.role}: pick one node with --node (nodes of that role: {names})")
         me = candidates[0]
+        # One config for every node: "{node}" in the certificate paths is this node's name.
+        cfg = dataclasses.replace(cfg, net=dataclasses.replace(cfg.net, tls=cfg.net.tls.for_node(me.name)))
+        preflight(cfg, [me], _model_key(args), links=True, front_door=me.role == "router")
+        from pddgw.pipeline import deploy
+
         runner = deploy.run_router if me.role == "router" else deploy.run_worker
         main = runner(cfg, me, args.host, args.port)
     try:
@@ -127,6 +229,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     import aiohttp
 
+    url = args.url
     colour = {"rld": "\x1b[33m", "md": "\x1b[36m"} if sys.stdout.isatty() and not args.json else {}
     reset = "\x1b[0m" if colour else ""
 
@@ -135,11 +238,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
                                         "instructions": args.system, "max_output_tokens": args.max_tokens,
                                         "temperature": args.temperature}).decode())
         while True:
-            ev = orjson.loads((await ws.receive()).data)
+            msg = await ws.receive()
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                raise ChatError(f"{url}: the router closed the connection mid-answer "
+                                f"({msg.type.name.lower()}, code {ws.close_code}): see its log")
+            ev = orjson.loads(msg.data)
             if ev["type"] == "response.output_text.delta" and not args.json:
                 print(colour.get(ev["pddgw"]["role"], "") + ev["delta"] + reset, end="", flush=True)
             elif ev["type"] == "error":
-                raise SystemExit(f"error: {ev['error']['message']}")
+                err = ev.get("error") or {}
+                raise ChatError(f"the router answered with an error ({err.get('code', '?')}): "
+                                f"{err.get('message', ev)}")
             elif ev["type"] == "response.completed":
                 tl = ev["response"]["pddgw"]
                 if args.json:
@@ -152,31 +261,156 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        async with aiohttp.ClientSession() as s, s.ws_connect(args.url, headers=headers) as ws:
-            history: list[dict] = []
-            for msg in args.message or []:
-                history.append({"role": "user", "content": msg})
-                history.append({"role": "assistant", "content": await turn(ws, history)})
-            if args.message:
-                return
-            while True:
+        ssl_ctx = None
+        if args.ca_file:
+            import ssl
+
+            try:
+                ssl_ctx = ssl.create_default_context(cafile=args.ca_file)
+            except (OSError, ssl.SSLError) as e:
+                raise ChatError(f"--ca-file: cannot read {args.ca_file}: "
+                                f"{getattr(e, 'strerror', None) or e}") from None
+        try:
+            async with aiohttp.ClientSession() as s:
                 try:
-                    line = await asyncio.to_thread(input, "> ")
-                except EOFError:
-                    return
-                history.append({"role": "user", "content": line})
-                history.append({"role": "assistant", "content": await turn(ws, history)})
+                    ws = await connect(s, headers, ssl_ctx)
+                except aiohttp.WSServerHandshakeError as e:
+                    raise ChatError(_handshake_message(url, e.status, e.message, bool(args.api_key))) from None
+                except aiohttp.ClientConnectorError as e:
+                    raise ChatError(_connect_message(url, e)) from None
+                except aiohttp.ServerDisconnectedError:
+                    hint = (": a router with [net.tls] front_door = true needs wss:// (and --ca-file)"
+                            if url.startswith("ws://") else "")
+                    raise ChatError(f"{url}: the server closed the connection before the WebSocket "
+                                    f"handshake{hint}") from None
+                except (aiohttp.InvalidURL, ValueError) as e:
+                    raise ChatError(f"--url {url}: not a ws:// or wss:// URL ({e})") from None
+                async with ws:
+                    await conversation(ws)
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise ChatError(f"{url}: connection lost: {e or type(e).__name__}") from None
+
+    async def connect(s, headers: dict, ssl_ctx):
+        """Connect; with --wait, retry a refused connection (a router still starting) that long."""
+        deadline = asyncio.get_running_loop().time() + args.wait
+        while True:
+            try:
+                return await s.ws_connect(url, headers=headers, **({"ssl": ssl_ctx} if ssl_ctx else {}))
+            except aiohttp.ClientConnectorError as e:
+                if not isinstance(e.os_error, ConnectionRefusedError) or \
+                        asyncio.get_running_loop().time() > deadline:
+                    raise
+            await asyncio.sleep(0.5)
+
+    async def conversation(ws) -> None:
+        history: list[dict] = []
+        for msg in args.message or []:
+            history.append({"role": "user", "content": msg})
+            history.append({"role": "assistant", "content": await turn(ws, history)})
+        if args.message:
+            return
+        while True:
+            try:
+                line = await asyncio.to_thread(input, "> ")
+            except EOFError:
+                return
+            history.append({"role": "user", "content": line})
+            history.append({"role": "assistant", "content": await turn(ws, history)})
 
     asyncio.run(main())
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pddgw", description=__doc__)
-    p.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _handshake_message(url: str, status: int, reason: str, had_key: bool) -> str:
+    if status == 401:
+        what = "the router refused the API key" if had_key else "the router needs an API key"
+        return (f"{url}: 401 Unauthorized: {what}: pass --api-key KEY "
+                "(one of the router config's [server] api_keys)")
+    if status == 404:
+        return (f"{url}: 404 Not Found: wrong URL path; the router's chat endpoint is "
+                "ws://HOST:PORT/v1/responses")
+    return f"{url}: the server answered HTTP {status} instead of a WebSocket upgrade: is this a pddgw router?"
 
-    g = sub.add_parser("generate", help="run one request on a local engine and print the output")
+
+def _connect_message(url: str, e: Exception) -> str:
+    import ssl
+
+    os_error = getattr(e, "os_error", None)
+    if isinstance(os_error, ConnectionRefusedError):
+        why = "connection refused"
+    elif isinstance(os_error, ssl.SSLError) or "SSL" in type(e).__name__:
+        return (f"cannot connect to {url}: TLS failed ({getattr(os_error, 'reason', None) or os_error or e}); "
+                "pass the CA that signed the router's certificate with --ca-file")
+    else:
+        why = (getattr(os_error, "strerror", None) or str(os_error or e)).lower()
+    return f"cannot connect to {url}: {why} (is the router running? `pddgw serve` starts one)"
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Write the link secret, a CA and every node's certificate; print the config lines."""
+    import importlib.util
+
+    if importlib.util.find_spec("cryptography") is None:
+        raise ConfigError("pddgw keys needs the cryptography package (pip install cryptography)")
+    from pddgw.keys import config_lines, write_keys
+
+    cfg = load_config(args.config)
+    w = write_keys(args.dir, cfg, force=args.force)
+    print(f"wrote {w.secret}  (link secret, mode 0600)")
+    print(f"wrote {w.ca_cert}, {w.ca_key}  (CA; keep ca.key off the nodes)")
+    for name, (crt, key, names) in w.nodes.items():
+        print(f"wrote {crt}, {key}  (node {name}: {', '.join(names)})")
+    print(f"\nThe config lines that use them ({args.config or 'your config'}):\n")
+    print(config_lines(args.dir), end="")
+    if cfg.nodes and any(n.host not in ("127.0.0.1", "localhost", "::1") for n in cfg.nodes):
+        print("\nOn several machines: copy link-secret, ca.crt and each node's NAME.crt / NAME.key to its "
+              "machine, at the same paths.")
+    return 0
+
+
+COMMANDS = (
+    ("serve", "run a node of a deployment, or (no --config) every role in one process"),
+    ("chat", "stream a chat from a running router (RLD's tokens yellow, MD's cyan)"),
+    ("keys", "write a link secret, a CA and node certificates for a config"),
+    ("generate", "run one request on a local engine and print the output"),
+    ("sim", "simulate deployments of a scenario on a virtual clock"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    helps = dict(COMMANDS)
+    p = argparse.ArgumentParser(prog=PROG, description="Cross-datacenter LLM serving: Prefill and "
+                                "Relay-Decode in cluster A, Main-Decode in cluster B.",
+                                epilog="`pddgw COMMAND --help` lists a command's options.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
+    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
+
+    s = sub.add_parser("serve", help=helps["serve"], description=helps["serve"])
+    s.add_argument("--role", choices=["router", "prefill", "rld", "md", "all"], default="all")
+    s.add_argument("--config", help="config.toml (default: the embedded deployment)")
+    s.add_argument("--node", help="which node of the config this process is")
+    s.add_argument("--host", help="listen address (default: the config's)")
+    s.add_argument("--port", type=int, help="listen port (default: the config's; 8000 for the front door)")
+    s.add_argument("--model", help="Hugging Face model directory for every role (default: tiny)")
+    s.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
+    s.add_argument("--api-key", action="append", help="accept this API key (repeatable)")
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("chat", help=helps["chat"], description=helps["chat"])
+    c.add_argument("message", nargs="*", help="user turns to send (none: read turns from stdin)")
+    c.add_argument("--url", default="ws://127.0.0.1:8000/v1/responses",
+                   help="the router's chat endpoint (wss://... when [net.tls] front_door is on)")
+    c.add_argument("--api-key", help="one of the router's [server] api_keys")
+    c.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="retry a refused connection this long (a router that is still starting)")
+    c.add_argument("--ca-file", help="CA certificate to verify a wss:// router with (e.g. DIR/ca.crt of pddgw keys)")
+    c.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt (default: a long agent prompt)")
+    c.add_argument("--max-tokens", type=int, default=400)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--json", action="store_true", help="print each completed response as JSON")
+    c.set_defaults(func=cmd_chat)
+    g = sub.add_parser("generate", help=helps["generate"], description=helps["generate"])
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
@@ -192,29 +426,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print {token_ids, text} as JSON")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="run a node (or, with --role all, the whole deployment)")
-    s.add_argument("--role", choices=["router", "prefill", "rld", "md", "all"], default="all")
-    s.add_argument("--config", help="config.toml (default: the embedded deployment)")
-    s.add_argument("--node", help="which node of the config this process is")
-    s.add_argument("--host", help="listen address (default: the config's)")
-    s.add_argument("--port", type=int, help="listen port (default: the config's; 8000 for the front door)")
-    s.add_argument("--model", help="Hugging Face model directory for every role (default: tiny)")
-    s.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
-    s.add_argument("--api-key", action="append", help="accept this API key (repeatable)")
-    s.set_defaults(func=cmd_serve)
-
-    c = sub.add_parser("chat", help="stream a chat against a running router (RLD tokens yellow, MD cyan)")
-    c.add_argument("message", nargs="*", help="user turns to send (none: read turns from stdin)")
-    c.add_argument("--url", default="ws://127.0.0.1:8000/v1/responses")
-    c.add_argument("--api-key")
-    c.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt (default: a long agent prompt)")
-    c.add_argument("--max-tokens", type=int, default=400)
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--json", action="store_true", help="print each completed response as JSON")
-    c.set_defaults(func=cmd_chat)
-    sub.add_parser("sim", help="simulate deployments of a scenario on a virtual clock "
-                   "(pddgw sim --scenario FILE.toml [--trace T.jsonl] [--json] [--plots DIR])")
+    k = sub.add_parser("keys", help=helps["keys"], description=helps["keys"] + ": DIR/link-secret, "
+                       "DIR/ca.crt + ca.key, DIR/NAME.crt + NAME.key for every node (SANs: its host, its "
+                       "name, localhost, 127.0.0.1); then prints the config lines that use them")
+    k.add_argument("dir", metavar="DIR", help="folder to write into (created if missing)")
+    k.add_argument("--config", help="the deployment's config (default: the embedded topology's nodes)")
+    k.add_argument("--force", action="store_true", help="replace files that exist")
+    k.set_defaults(func=cmd_keys)
+    sub.add_parser("sim", help=helps["sim"] + " (pddgw sim --scenario FILE.toml [--trace T.jsonl] "
+                   "[--json] [--plots DIR])")
     return p
+
+
+def _error(msg: str, code: int) -> int:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -231,8 +457,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e), 2)
+    except (StartupError, ChatError) as e:
+        return _error(str(e), 1)
+    except ValueError as e:
+        weights = sys.modules.get("pddgw.engines.weights")
+        if weights is not None and isinstance(e, weights.WeightsError):   # bad weights found while loading
+            return _error(f"{_model_key(args)}: {e}", 2)
+        raise
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

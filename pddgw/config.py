@@ -24,6 +24,12 @@ class ConfigError(ValueError):
     """A config file or value is invalid; the message names file and key."""
 
 
+class StartupError(RuntimeError):
+    """A valid config cannot start here: an address already in use, a peer that never
+    answers.  The message names the address or node and what to do; the CLI prints it
+    without a traceback (exit status 1, where a ConfigError's is 2)."""
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -347,7 +353,14 @@ class RegimeConfig:
 
 @dataclass(frozen=True, slots=True)
 class TlsConfig:
-    """TLS for node links (`wss://`); PEM files."""
+    """TLS for node links (`wss://`) and, with `front_door`, the router's front door; PEM files.
+
+    File paths may contain `{node}`, replaced by the name of the node the
+    process runs (`pddgw serve --node NAME`), so one config serves every node
+    with its own certificate (`pddgw keys DIR --config CFG` writes DIR/NAME.crt
+    and DIR/NAME.key for each node).  Relative paths are relative to the
+    directory the process starts in.
+    """
 
     enabled: bool = False
     cert_file: str = ""        # this node's certificate chain
@@ -355,6 +368,11 @@ class TlsConfig:
     ca_file: str = ""          # CA that signed the peers' certificates ("" = system store)
     mutual: bool = False       # servers demand and verify client certificates
     server_name: str = ""      # name to verify in the server certificate ("" = URL host)
+    # Serve the router's front door (and the embedded deployment's) as https/wss
+    # too, independent of `enabled`; clients are not asked for certificates.
+    front_door: bool = False
+    front_cert_file: str = ""  # "" = cert_file
+    front_key_file: str = ""   # "" = key_file
 
     def __post_init__(self) -> None:
         if self.enabled:
@@ -362,6 +380,22 @@ class TlsConfig:
         if self.mutual:
             _check(self.enabled and bool(self.cert_file) and bool(self.ca_file),
                    "mutual TLS needs enabled, cert_file, key_file and ca_file")
+        _check(bool(self.front_cert_file) == bool(self.front_key_file),
+               "front_cert_file and front_key_file go together")
+        if self.front_door:
+            _check(bool(self.front_cert_file or self.cert_file),
+                   "front_door needs front_cert_file and front_key_file (or cert_file and key_file)")
+
+    def for_node(self, name: str) -> "TlsConfig":
+        """The paths with `{node}` replaced by `name`."""
+        fields = ("cert_file", "key_file", "ca_file", "front_cert_file", "front_key_file")
+        return dataclasses.replace(self, **{f: getattr(self, f).replace("{node}", name) for f in fields})
+
+    def front_files(self) -> tuple[str, str, str, str]:
+        """(key of the certificate, its path, key of the private key, its path) of the front door."""
+        if self.front_cert_file:
+            return "net.tls.front_cert_file", self.front_cert_file, "net.tls.front_key_file", self.front_key_file
+        return "net.tls.cert_file", self.cert_file, "net.tls.key_file", self.key_file
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,3 +47,59 @@ def test_errors_name_file_and_key(tmp_path, text, msg):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_local_example_loads():
+    """config.local.toml: four processes on 127.0.0.1, CPU, TLS + secret file on the links, an emulated WAN."""
+    cfg = load_config(ROOT / "config.local.toml")
+    assert [(n.name, n.role, n.cluster, n.host, n.port) for n in cfg.nodes] == [
+        ("router", "router", "A", "127.0.0.1", 0), ("p0", "prefill", "A", "127.0.0.1", 9101),
+        ("rld0", "rld", "A", "127.0.0.1", 9102), ("md0", "md", "B", "127.0.0.1", 9201)]
+    assert {cfg.engine_for(n).device for n in cfg.nodes} == {"cpu"}
+    assert cfg.engine_for(cfg.node("md0")).block_size == 32
+    assert (cfg.server.host, cfg.server.port, cfg.server.api_keys) == ("127.0.0.1", 8000, ("local-dev-key",))
+    assert cfg.net.secret_file == "local-keys/link-secret" and not cfg.net.secret
+    tls = cfg.net.tls
+    assert tls.enabled and tls.mutual and not tls.front_door
+    assert tls.for_node("md0").cert_file == "local-keys/md0.crt" and tls.for_node("md0").key_file == "local-keys/md0.key"
+    assert tls.for_node("md0").ca_file == "local-keys/ca.crt"
+    wan = cfg.net.shaping("wan")
+    assert wan is not None and (wan.gbps, wan.latency_ms) == (0.5, 1.0)
+
+
+@pytest.mark.parametrize("tls,msg", [
+    ('front_door = true', "net.tls: front_door needs front_cert_file and front_key_file (or cert_file and key_file)"),
+    ('front_cert_file = "a.crt"', "net.tls: front_cert_file and front_key_file go together"),
+    ('enabled = true\ncert_file = "a.crt"', "net.tls: cert_file and key_file go together"),
+    ('mutual = true', "net.tls: mutual TLS needs enabled, cert_file, key_file and ca_file"),
+])
+def test_tls_errors(tmp_path, tls, msg):
+    p = tmp_path / "bad.toml"
+    p.write_text(f"[net.tls]\n{tls}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert str(ei.value) == f"{p}: {msg}"
+
+
+def test_front_door_files():
+    from pddgw.config import TlsConfig
+
+    own = TlsConfig(front_door=True, front_cert_file="d/{node}-door.crt", front_key_file="d/door.key",
+                    cert_file="n.crt", key_file="n.key")
+    assert own.for_node("router").front_files() == (
+        "net.tls.front_cert_file", "d/router-door.crt", "net.tls.front_key_file", "d/door.key")
+    node = TlsConfig(front_door=True, cert_file="k/{node}.crt", key_file="k/{node}.key")
+    assert node.for_node("router").front_files() == (
+        "net.tls.cert_file", "k/router.crt", "net.tls.key_file", "k/router.key")
+
+
+def test_unreadable_secret_file_names_key_and_file(tmp_path):
+    from pddgw.config import NetConfig
+
+    missing = tmp_path / "link-secret"
+    with pytest.raises(ConfigError) as ei:
+        NetConfig(secret_file=str(missing)).load_secret()
+    assert str(ei.value) == f"net.secret_file: cannot read {missing}: No such file or directory"
+    missing.write_text("short\n")
+    with pytest.raises(ConfigError, match="^net.secret_file: secret must have >= 16 characters$"):
+        NetConfig(secret_file=str(missing)).load_secret()

@@ -54,6 +54,7 @@ from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, brief
                                  delta_event, error_event, parse_client_event, response_object)
 from pddgw.api.webchat import add_webchat_routes
 from pddgw.config import Config
+from pddgw.metrics import metrics_route
 from pddgw.engines.tokenizer import Tokenizer
 from pddgw.engines.types import RequestError, SamplingParams
 from pddgw.pipeline.ordering import TokenRun
@@ -175,6 +176,7 @@ class FrontDoor:
         r.add_get("/debug/state", self.debug_state)
         # ---- further routes (metrics, web page, ...) are registered below this line ----
         add_webchat_routes(app)
+        metrics_route(app, self.router.metrics.scrape)     # GET /metrics (counts only: no key, like vLLM)
         return app
 
     # ---- auth ------------------------------------------------------------------------

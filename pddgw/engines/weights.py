@@ -193,6 +193,12 @@ def load_spec(path: str | None) -> tuple[ModelSpec, Tokenizer]:
         spec = tiny_spec()
         return spec, ByteTokenizer(spec.vocab_size)
     d = Path(path)
+    if not d.exists():
+        raise WeightsError(f"{d}: no such directory (expected a Hugging Face model directory: "
+                           "config.json, *.safetensors, tokenizer.json)")
+    if not d.is_dir():
+        raise WeightsError(f"{d}: not a directory (expected a Hugging Face model directory: "
+                           "config.json, *.safetensors, tokenizer.json)")
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise WeightsError(f"{d}: no config.json (expected a Hugging Face model directory)")

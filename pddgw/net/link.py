@@ -94,6 +94,9 @@ class LinkStats:
     frames_sent: int = 0
     bytes_sent: int = 0
     kv_bytes_sent: int = 0            # KV payload bytes only
+    # KV payload bytes sent by traffic class, counted per frame at the class it went out in.
+    kv_bytes_sent_foreground: int = 0
+    kv_bytes_sent_background: int = 0
     frames_received: int = 0
     bytes_received: int = 0
     kv_bytes_received: int = 0
@@ -422,6 +425,7 @@ class LinkBase(Link):
             service = await self._transmit(msg, corr, flags, p, **where)
             if meter is not None and service is not None:
                 meter.shaped_s += service
+            self._count_kv(msg, p)
             return
         # Unshaped: a frame handed to the transport cannot be overtaken, so a
         # background frame is not handed over while a foreground one waits for
@@ -441,11 +445,19 @@ class LinkBase(Link):
             finally:
                 if meter is not None:
                     meter.leave()
+            self._count_kv(msg, p)
         finally:
             if p == Priority.FOREGROUND:
                 self._fg_busy -= 1
                 if not self._fg_busy:
                     self._fg_idle.set()
+
+    def _count_kv(self, msg: m.Message, p: Priority) -> None:
+        if isinstance(msg, m.KvChunk):
+            if p == Priority.FOREGROUND:
+                self.stats.kv_bytes_sent_foreground += msg.span.nbytes
+            else:
+                self.stats.kv_bytes_sent_background += msg.span.nbytes
 
     def _set_open(self) -> None:
         self._state = LinkState.OPEN

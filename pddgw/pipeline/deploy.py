@@ -13,18 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import hmac
 import signal
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
 from aiohttp import web
 
 from pddgw.api.server import FrontDoor
-from pddgw.config import Config, ConfigError, NodeConfig
+from pddgw.config import Config, ConfigError, NodeConfig, StartupError
 from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.base import create_engine, engine_class
 from pddgw.engines.weights import load_spec_for
+from pddgw.metrics import metrics_route
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.inproc import InProcNetwork
@@ -67,9 +70,14 @@ async def _router_link_handler(link: Link, msg: m.Message) -> None:
 
 
 class RouterSide:
-    """The router's process part: the Router, its front door and its node handles."""
+    """The router's process part: the Router, its front door and its node handles.
 
-    def __init__(self, cfg: Config, nodes: list[NodeHandle]):
+    Metrics: `self.router.metrics` (pddgw/metrics.py) holds the router's
+    series and, when the deployment is embedded (`workers`), every in-process
+    worker's node series; the front door serves them at /metrics.
+    """
+
+    def __init__(self, cfg: Config, nodes: list[NodeHandle], workers: Iterable[WorkerNode] = ()):
         spec, tokenizer, kv_dtype = load_spec_for(cfg.model)
         self.cfg = cfg
         kv_per_token = spec.kv_bytes_per_token(DTYPES[kv_dtype])
@@ -82,6 +90,8 @@ class RouterSide:
         name = cfg.model.path.rstrip("/").rsplit("/", 1)[-1] if cfg.model.path else "pddgw-tiny"
         self.door = FrontDoor(cfg, self.router, tokenizer, name, self.state)
         self._poller: asyncio.Task[None] | None = None
+        for w in workers:           # in-process workers: the router's /metrics shows them too
+            self.router.metrics.include(w.metrics)
 
     async def state(self) -> dict[str, Any]:
         async def one(n: NodeHandle) -> dict[str, Any]:
@@ -163,7 +173,7 @@ class Embedded:
         router_cfg = next(n for n in cfg.nodes if n.role == "router")
         handles = [_handle(n, cfg, await self._dial(router_cfg, n, _router_link_handler))
                    for n in cfg.nodes if n.role != "router"]
-        self.router_side = RouterSide(cfg, handles)
+        self.router_side = RouterSide(cfg, handles, workers=self.workers.values())
         self.router_side.start()
         return self.router_side
 
@@ -195,7 +205,8 @@ class Embedded:
 
 def link_url(n: NodeConfig, tls: bool) -> str:
     if not n.port:
-        raise ConfigError(f"nodes.{n.name}.port: a worker node needs a port to be dialed")
+        raise ConfigError(f"nodes.{n.name}.port: a worker node needs a port to be dialed "
+                          "(set port = ... in its [[nodes]] entry)")
     return f"{'wss' if tls else 'ws'}://{n.host}:{n.port}/pddgw/link"
 
 
@@ -209,7 +220,8 @@ async def dial(cfg: Config, me: NodeConfig, peer: NodeConfig, handler, wait_s: f
                                     shaping=shaping_between(cfg, me, peer), kv_sink=kv_sink)
         except LinkError as e:
             if asyncio.get_running_loop().time() > deadline:
-                raise LinkError(f"cannot reach {peer.role} node {peer.name}: {e}") from None
+                raise LinkError(f"cannot reach {peer.role} node {peer.name} at "
+                                f"{link_url(peer, cfg.net.tls.enabled)} within {wait_s:g} s: {e}") from None
             await asyncio.sleep(0.2)
 
 
@@ -242,15 +254,30 @@ async def run_worker(cfg: Config, me: NodeConfig, host: str | None = None, port:
 
     app.router.add_get("/health", health)
     app.router.add_get("/debug/state", state)
+    # Unauthenticated, like vLLM's: counts only (no prompts, tokens or keys), for a Prometheus
+    # scraper on the deployment's network (the port is a node port: firewall it like the link).
+    metrics_route(app, worker.metrics.scrape)
     await _serve_app(app, host or me.host, me.port if port is None else port, cfg, ready,
                      cleanup=[server.close, worker.stop])
 
 
 async def run_router(cfg: Config, me: NodeConfig, host: str | None = None, port: int | None = None,
-                     ready: asyncio.Event | None = None) -> None:
-    """Serve the router (front door) until cancelled; dials every worker node first."""
+                     ready: asyncio.Event | None = None, dial_wait_s: float = 60.0) -> None:
+    """Serve the router (front door) until cancelled; dials every worker node first, waiting
+    up to `dial_wait_s` for each (a StartupError naming the first it could not reach)."""
     workers = [n for n in cfg.nodes if n.role != "router"]
-    links = await asyncio.gather(*(dial(cfg, me, n, _router_link_handler) for n in workers))
+    results = await asyncio.gather(*(dial(cfg, me, n, _router_link_handler, wait_s=dial_wait_s)
+                                     for n in workers), return_exceptions=True)
+    links = [r for r in results if isinstance(r, Link)]
+    failed = [r for r in results if not isinstance(r, Link)]
+    if failed:
+        for link in links:
+            await link.close()
+        if not isinstance(failed[0], LinkError):
+            raise failed[0]
+        raise StartupError(f"{failed[0]} (start every worker node with `pddgw serve --config ... --node NAME`;"
+                           f" the router waits {dial_wait_s:g} s for them; every node needs the same net secret"
+                           " and CA)")
     side = RouterSide(cfg, [_handle(n, cfg, link) for n, link in zip(workers, links)])
     side.start()
 
@@ -259,7 +286,7 @@ async def run_router(cfg: Config, me: NodeConfig, host: str | None = None, port:
             await link.close()
 
     await _serve_app(side.door.app(), host or cfg.server.host, cfg.server.port if port is None else port,
-                     cfg, ready, cleanup=[side.stop, close_links], tls=False)
+                     cfg, ready, cleanup=[side.stop, close_links], tls=False, front_door=True)
 
 
 async def run_embedded(cfg: Config, host: str | None = None, port: int | None = None,
@@ -267,19 +294,39 @@ async def run_embedded(cfg: Config, host: str | None = None, port: int | None = 
     emb = Embedded(cfg)
     side = await emb.start()
     await _serve_app(side.door.app(), host or cfg.server.host, cfg.server.port if port is None else port,
-                     cfg, ready, cleanup=[emb.stop], tls=False)
+                     cfg, ready, cleanup=[emb.stop], tls=False, front_door=True)
+
+
+_BIND_HINTS = {
+    errno.EADDRINUSE: "address already in use",
+    errno.EADDRNOTAVAIL: "not an address of this machine (listen on 0.0.0.0 with --host, "
+                         "or fix the host in the config)",
+    errno.EACCES: "permission denied (ports below 1024 need privileges)",
+}
 
 
 async def _serve_app(app: web.Application, host: str, port: int, cfg: Config, ready: asyncio.Event | None,
-                     cleanup, tls: bool = True) -> None:
-    from pddgw.net.tls import server_context
+                     cleanup, tls: bool = True, front_door: bool = False) -> None:
+    """Serve `app` until SIGTERM/SIGINT, then run `cleanup`.  `tls`: the node-link TLS of
+    `[net.tls]`; `front_door`: the front door's (`[net.tls] front_door`).  An address that
+    cannot be bound is a StartupError naming it."""
+    from pddgw.net.tls import front_door_context, server_context
 
+    ssl_ctx = front_door_context(cfg.net.tls) if front_door else server_context(cfg.net.tls) if tls else None
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
-    ssl_ctx = server_context(cfg.net.tls) if tls else None
     site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
-    await site.start()
-    log.info("serving", host=host, port=runner.addresses[0][1])
+    try:
+        await site.start()
+    except OSError as e:
+        for fn in cleanup:
+            with contextlib.suppress(Exception):
+                await fn()
+        await runner.cleanup()
+        reason = _BIND_HINTS.get(e.errno, (e.strerror or str(e)).lower())
+        raise StartupError(f"cannot listen on {host}:{port}: {reason}") from None
+    scheme = ("https" if ssl_ctx is not None else "http")
+    log.info("serving", host=host, port=runner.addresses[0][1], scheme=scheme)
     if ready is not None:
         ready.set()
     stop = asyncio.Event()

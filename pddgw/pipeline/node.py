@@ -6,6 +6,9 @@ reports back.  Links arrive from the router (control, token streams), from P
 through `connect`.  Every inbound message is decoded and validated at the
 edge (net), dispatched here by type, and an error becomes an `Error` reply
 naming the problem: the node keeps serving.
+Metrics (`WorkerNode.metrics`, pddgw/metrics.py): engine stats and the KV
+bytes sent per peer link and class are read at scrape time; P observes each
+target's KV transfer time when its whole range is sent.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import structlog
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.base import Engine
 from pddgw.engines.types import CapacityError, KVChunk, KVSpan, RequestError
+from pddgw.metrics import NodeMetrics
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.link import Link, LinkState
@@ -75,7 +79,8 @@ class WorkerNode:
         self.aeng = AsyncEngine(engine, name)
         self.engine = engine
         self._connect = connect
-        self.prefill = PrefillWorker(self.aeng, kv_chunk_bytes) if role == "prefill" else None
+        self.metrics = NodeMetrics(name, role, lambda: self.aeng.call(self.engine.stats), self.kv_sent)
+        self.prefill = PrefillWorker(self.aeng, kv_chunk_bytes, self.metrics.transfer) if role == "prefill" else None
         self.decode = DecodeWorker(self.aeng, self._emit) if role in ("rld", "md") else None
         self._open: dict[str, _Open] = {}
         self._pins: dict[str, Link] = {}          # prefix pins, by request, with the asking link
@@ -85,6 +90,8 @@ class WorkerNode:
         self.kv_bytes_in_flight = 0
         # Requests cancelled here lately (oldest first): their late KV frames are dropped quietly.
         self._cancelled: dict[str, None] = {}
+        # KV bytes sent by links to peers since replaced (a reconnect dials a new one), by class.
+        self._kv_sent_before: dict[str, tuple[int, int]] = {}
 
     # ---- lifecycle -----------------------------------------------------------------
     async def stop(self) -> None:
@@ -101,8 +108,21 @@ class WorkerNode:
     async def peer(self, name: str) -> Link:
         link = self._peers.get(name)
         if link is None or link.state == LinkState.CLOSED:
+            if link is not None:
+                self._kv_sent_before[name] = self._kv_sent_by(name, link)
             link = self._peers[name] = await self._connect(name)
         return link
+
+    def _kv_sent_by(self, name: str, link: Link) -> tuple[int, int]:
+        fg, bg = self._kv_sent_before.get(name, (0, 0))
+        return fg + link.stats.kv_bytes_sent_foreground, bg + link.stats.kv_bytes_sent_background
+
+    def kv_sent(self) -> dict[str, tuple[int, int]]:
+        """KV payload bytes this node sent to each peer (foreground, background), ever."""
+        out = dict(self._kv_sent_before)
+        for name, link in self._peers.items():
+            out[name] = self._kv_sent_by(name, link)
+        return out
 
     # ---- state for /health and /debug/state -------------------------------------
     async def state(self) -> pm.NodeState:

@@ -79,9 +79,15 @@ class _Progress:
             self.cond.notify_all()
 
 
+# A target's whole range is sent: (target name, its class then, its wire seconds) - for metrics.
+TransferObserver = Callable[[str, Priority, float], None]
+
+
 class PrefillWorker:
-    def __init__(self, aeng: AsyncEngine, chunk_bytes: int = 512 * 1024):
+    def __init__(self, aeng: AsyncEngine, chunk_bytes: int = 512 * 1024,
+                 on_transfer: TransferObserver | None = None):
         self.aeng = aeng
+        self.on_transfer = on_transfer
         self.engine = aeng.engine
         self.block_size = self.engine.kv_layout.block_size
         self.tokens_per_chunk = tokens_per_chunk(self.engine.kv_layout.bytes_per_token(), self.block_size,
@@ -150,6 +156,9 @@ class PrefillWorker:
         """Everything one target needs, at its own pace: its KV range, then the first token."""
         try:
             await self._send_all(rid, n, target, progress)
+            if self.on_transfer is not None and target.sent_bytes:
+                # Before `done`: the decoder cannot start (nor the request end) before this is counted.
+                self.on_transfer(target.name, target.priority, target.service_s)
             await target.done(await asyncio.shield(first))
         except asyncio.CancelledError:
             raise

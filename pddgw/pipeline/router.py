@@ -33,6 +33,9 @@ A full decoder is not a failure: the request frees what it holds and waits
 in the room queue for KV room (admission.py; `overloaded` past its bounds).
 A role with no healthy node (one restarting) is waited for, up to
 `server.node_wait_s`.
+Metrics (`Router.metrics`, pddgw/metrics.py): each run of tokens sent (step 5)
+and each request's end feed its Prometheus series; `counts`, the room queue
+and `live` are read at scrape time.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from pddgw.config import Config, NodeConfig
 from pddgw.engines.block_manager import chain_hashes
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.types import SamplingParams
+from pddgw.metrics import RouterMetrics
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkClosed, LinkError, RemoteError
 from pddgw.net.link import Link, LinkState
@@ -169,6 +173,8 @@ class _Flight:
     wan_queued: int = 0
     # A decoder opened it (holds KV for it): its release frees room others may wait for.
     holds_room: bool = False
+    # Seconds it waited in the room queue (all its waits).
+    queue_s: float = 0.0
 
     def block_hashes(self, block_size: int) -> tuple[int, ...]:
         if block_size not in self.hashes:
@@ -205,6 +211,8 @@ class Router:
         self.live = 0                 # requests inside `run`
         self.room = RoomQueue(cfg.server.max_queued_requests, cfg.server.max_queue_wait_s)
         self.node_wait_s = cfg.server.node_wait_s
+        # Prometheus series (its own registry; pddgw/metrics.py).
+        self.metrics = RouterMetrics(self)
 
     def inflight(self) -> dict[str, int]:
         """What the router holds now: all zero when it is idle (the leak checks read this)."""
@@ -272,11 +280,13 @@ class Router:
             raise
         finally:
             self.live -= 1
+            record = fl.tracker.record()
+            self.metrics.ended(record, fl.queue_s)
             if fl.background is None:
                 await asyncio.shield(self._release(fl))
             log.info("request_done", request_id=rid, state=fl.tracker.state.name,
                      pipeline=fl.tracker.pipeline, emitted=fl.merger.next_position)
-        return Outcome(fl.tracker.record(), fl.merger.emitted_tokens, fl.finish_reason, fl.cached_tokens)
+        return Outcome(record, fl.merger.emitted_tokens, fl.finish_reason, fl.cached_tokens)
 
     async def _release(self, fl: _Flight) -> None:
         """Cancel on every node involved and wait for each to confirm (it frees everything)."""
@@ -410,10 +420,14 @@ class Router:
 
     async def _queue(self, fl: _Flight, why: str, front: bool = False) -> bool:
         """Wait in the room queue (see admission.py); -> True (the request has queued)."""
+        loop = asyncio.get_running_loop()
+        since = loop.time()
         try:
             await self.room.wait(fl.rid, why, front=front)
         except Overloaded as e:
             raise RouterError(f"server overloaded: {e}", "overloaded") from None
+        finally:
+            fl.queue_s += loop.time() - since
         return True
 
     async def _await_node(self, fl: _Flight, roles: tuple[str, ...]) -> bool:
@@ -706,7 +720,11 @@ class Router:
             elif role == "md" and tr.state == RequestState.HANDING_OFF:
                 tr.advance(RequestState.MD_DECODING)
             for run in fl.merger.push(ev.position, ev.ids, role):
+                prev = tr.last_emission_t
                 tr.tokens_emitted(run.position, len(run.token_ids), run.role)
+                now = tr.last_emission_t
+                assert now is not None
+                self.metrics.emitted(run.role, len(run.token_ids), now, prev, tr.t0, len(fl.prompt))
                 await fl.emit(run)
         if ev.done and ev.reason in ("stop", "length"):
             fl.merger.seal(ev.position + len(ev.ids))

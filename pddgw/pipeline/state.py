@@ -275,6 +275,16 @@ class RequestTracker:
         return self._emitted
 
     @property
+    def t0(self) -> float:
+        """When the request was received (the clock's time)."""
+        return self._t0
+
+    @property
+    def last_emission_t(self) -> float | None:
+        """When the latest run of tokens was sent to the client (None: none yet)."""
+        return self._emissions[-1].t if self._emissions else None
+
+    @property
     def handed_off(self) -> int:
         """Output positions MD holds in the current handoff episode."""
         return self._episode[-1].end if self._episode else self._episode_base

@@ -1,0 +1,331 @@
+"""Prometheus metrics: the router's request metrics and every worker node's engine and link metrics.
+
+Names follow vLLM's with a `pddgw:` prefix (vLLM's `vllm:time_to_first_token_seconds`
+is `pddgw:time_to_first_token_seconds` here); what PDD adds (pipelines,
+handoffs, per-link KV) uses the same style.  Each process role object owns
+its own `CollectorRegistry` (never the global default one): a `Router` has a
+`RouterMetrics`, a `WorkerNode` a `NodeMetrics`, so several deployments in
+one process (tests, the embedded mode) never collide.
+
+Two kinds of series:
+
+* Observed as it happens (prometheus-client Counters and Histograms): TTFT,
+  inter-token latency, E2E, queue time, tokens, handoffs, KV transfer times.
+* Read at scrape time (custom collectors): the router's pipeline counters
+  (`Router.counts`), running / waiting requests, and each node's engine stats
+  (KV usage, prefix cache, running / waiting) and per-link KV bytes.  Engine
+  stats are read on the engine's thread (`AsyncEngine.call`), so a scrape
+  first awaits `refresh()` on every source, then renders; the loop never blocks.
+
+A scrape (`scrape(sources)`) merges the families of several sources by name
+(node series carry `node` and `role` labels, so they never clash): the
+embedded deployment's router `/metrics` includes every in-process worker
+(`RouterMetrics.include`).  A multi-process router shows only its own
+series; each worker serves its node's at its own `/metrics`.
+
+Lifecycle of one request's series on the router (`Router.run`):
+  1. each run of tokens sent to the client: `generation_tokens` (+ by role);
+     the first also `time_to_first_token_seconds` and `prompt_tokens`
+     (the prompt is prefilled by then), the others `inter_token_latency_seconds`
+     (one observation per delivered run of tokens: the gap since the previous run);
+  2. when the request leaves the router (finished, failed or cancelled):
+     `e2e_request_latency_seconds`, `request_queue_time_seconds` (time in the
+     room queue, 0 when it never waited), its outcome, its handoff (mode, stall)
+     and its WAN KV bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+
+if TYPE_CHECKING:
+    from pddgw.engines.types import EngineStats
+    from pddgw.pipeline.router import Router
+    from pddgw.pipeline.state import RequestRecord
+
+PREFIX = "pddgw:"
+
+# vLLM's buckets (v1 loggers), with finer ones below 10 ms for the tiny model.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0, 120.0, 300.0)
+STALL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+
+PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
+PRIORITIES = ("foreground", "background")      # net.link.Priority, by value
+
+
+class MetricsSource(Protocol):
+    """Something a scrape renders: its registry, refreshed first."""
+
+    registry: CollectorRegistry
+
+    async def refresh(self) -> None: ...
+
+
+class _Collector:
+    """A custom collector over a function that yields families at scrape time."""
+
+    def __init__(self, fn: Callable[[], Iterable[Metric]]):
+        self._fn = fn
+
+    def collect(self) -> Iterable[Metric]:
+        return self._fn()
+
+
+# ---- router ---------------------------------------------------------------------------
+
+
+class RouterMetrics:
+    """The router's series (see the module docstring); `registry` is this router's own."""
+
+    def __init__(self, router: Router | None = None):
+        self.router = router
+        self.registry = reg = CollectorRegistry()
+        self._extra: list[MetricsSource] = []
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time from the request's arrival at the router to its first token sent.",
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Gap between consecutive runs of tokens sent to a client (one per run).",
+                             buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Time from the request's arrival at the router to its end.",
+                             buckets=REQUEST_BUCKETS, registry=reg)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
+                                    "Time a request waited in the router's room queue (0: never).",
+                                    buckets=REQUEST_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of requests that got a first token.",
+                                     registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens sent to clients.",
+                                         registry=reg)
+        self.tokens_by_role = Counter(PREFIX + "generation_tokens_by_role",
+                                      "Output tokens sent to clients by the role that generated them.",
+                                      ["role"], registry=reg)
+        self.success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
+                               ["finished_reason"], registry=reg)
+        self.errors = Counter(PREFIX + "request_errors", "Requests that ended without finishing.",
+                              ["state"], registry=reg)
+        self.handoffs = Counter(PREFIX + "handoffs", "Requests handed off RLD -> MD, by handoff mode.",
+                                ["mode"], registry=reg)
+        self.handoff_stall = Histogram(PREFIX + "handoff_stall_seconds",
+                                       "Longest gap the client saw across a request's final handoff round.",
+                                       ["mode"], buckets=STALL_BUCKETS, registry=reg)
+        self.wan_kv_bytes = Counter(PREFIX + "wan_kv_bytes", "KV bytes P sent across the WAN for requests.",
+                                    registry=reg)
+        # Children looked up once: `labels()` takes a lock and a dict lookup per call.
+        self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ("rld", "md")}
+        for mode in ("one-shot", "catch-up"):
+            self.handoffs.labels(mode)
+        self._by_role = {"rld": 0, "md": 0, "prefill": 0}
+        if router is not None:
+            reg.register(_Collector(self._router_state))
+
+    # ---- observations ----------------------------------------------------------------
+    def emitted(self, role: str, count: int, t: float, prev_t: float | None, t0: float, prompt_tokens: int) -> None:
+        """`count` tokens sent at loop time `t`; `prev_t` the previous run's (None: the first)."""
+        if prev_t is None:
+            self.ttft.observe(max(0.0, t - t0))
+            self.prompt_tokens.inc(prompt_tokens)
+        else:
+            self.itl.observe(max(0.0, t - prev_t))
+        self.generation_tokens.inc(count)
+        child = self._role_tokens.get(role)
+        if child is None:
+            child = self._role_tokens[role] = self.tokens_by_role.labels(role)
+        child.inc(count)
+        self._by_role[role] = self._by_role.get(role, 0) + count
+
+    def ended(self, rec: RequestRecord, queue_s: float) -> None:
+        """The request left the router (any outcome)."""
+        self.e2e.observe(rec.total_ms / 1000.0)
+        self.queue_time.observe(queue_s)
+        state = rec.final_state.name.lower()
+        if state == "finished":
+            self.success.labels(_finish_reason(rec)).inc()
+        else:
+            self.errors.labels(state if state == "cancelled" else "failed").inc()
+        if rec.handoff_mode is not None:
+            self.handoffs.labels(rec.handoff_mode).inc()
+            if rec.handoff_stall_ms is not None:
+                self.handoff_stall.labels(rec.handoff_mode).observe(rec.handoff_stall_ms / 1000.0)
+        if rec.wan_kv_bytes:
+            self.wan_kv_bytes.inc(rec.wan_kv_bytes)
+
+    # ---- scrape --------------------------------------------------------------------------
+    def include(self, source: MetricsSource) -> None:
+        """Render `source` with this router's series (an in-process worker's NodeMetrics)."""
+        self._extra.append(source)
+
+    async def refresh(self) -> None:
+        return None
+
+    async def scrape(self) -> bytes:
+        """This router's series, and those of every included source."""
+        return await scrape([self, *self._extra])
+
+    def _router_state(self) -> Iterator[Metric]:
+        r = self.router
+        assert r is not None
+        pipe = CounterMetricFamily(PREFIX + "pipeline_requests", "Pipeline decisions (a re-drive decides again).",
+                                   labels=["pipeline"])
+        for p in PIPELINES:
+            pipe.add_metric([p], r.counts.get(p, 0))
+        yield pipe
+        for key, name, doc in (("redrives", "redrives", "Requests re-driven after a lost node."),
+                               ("fallbacks", "fallbacks", "P-RLD-MD requests RLD finished alone (MD or WAN lost)."),
+                               ("rld_full", "rld_full", "Requests that found the relay pool full (went P-MD).")):
+            yield CounterMetricFamily(PREFIX + name, doc, value=r.counts.get(key, 0))
+        yield CounterMetricFamily(PREFIX + "request_queue_refused", "Requests refused at a room-queue bound.",
+                                  value=r.room.refused)
+        waiting = len(r.room)
+        yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests on the router, not queued.",
+                                value=max(0, r.live - waiting))
+        yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting in the room queue.",
+                                value=waiting)
+        yield GaugeMetricFamily(PREFIX + "md_alignments", "Background MD cache alignments in progress.",
+                                value=len(r.alignments))
+        rld, md = self._by_role.get("rld", 0), self._by_role.get("md", 0)
+        yield GaugeMetricFamily(PREFIX + "rld_token_share", "RLD's share of the output tokens RLD and MD sent.",
+                                value=rld / (rld + md) if rld + md else 0.0)
+
+
+def _finish_reason(rec: RequestRecord) -> str:
+    for state, _t, reason in reversed(rec.states):
+        if state == "FINISHED":
+            return reason or "stop"
+    return "stop"
+
+
+# ---- worker node ------------------------------------------------------------------------
+
+
+class NodeMetrics:
+    """One worker node's series, labelled by node (and role, or peer and priority).
+
+    `stats` reads the engine's stats on its thread; `links` gives the node's
+    outbound peer links' KV bytes by priority class ({peer: (fg, bg)}, totals
+    that never go back, so links replaced on a reconnect are folded in by the node).
+    """
+
+    def __init__(self, node: str, role: str, stats: Callable[[], Awaitable[EngineStats]],
+                 links: Callable[[], Mapping[str, tuple[int, int]]]):
+        self.node = node
+        self.role = role
+        self._stats_fn = stats
+        self._links_fn = links
+        self._stats: EngineStats | None = None
+        self.registry = reg = CollectorRegistry()
+        self.kv_transfer_time = Histogram(
+            PREFIX + "kv_transfer_time_seconds",
+            "Wire seconds of one request's KV transfer to one peer (priority: its class when it ended).",
+            ["node", "peer", "priority"], buckets=TRANSFER_BUCKETS, registry=reg)
+        reg.register(_Collector(self._snapshot))
+
+    def transfer(self, peer: str, priority: int, seconds: float) -> None:
+        self.kv_transfer_time.labels(self.node, peer, PRIORITIES[priority]).observe(seconds)
+
+    async def scrape(self) -> bytes:
+        """This node's series (a worker's own /metrics)."""
+        return await scrape([self])
+
+    async def refresh(self) -> None:
+        try:
+            self._stats = await self._stats_fn()
+        except Exception:          # a stopped engine: its last stats stand
+            pass
+
+    def _snapshot(self) -> Iterator[Metric]:
+        labels = ["node", "role"]
+        me = [self.node, self.role]
+        st = self._stats
+        if st is not None:
+            families = [
+                (GaugeMetricFamily, "kv_cache_usage_perc",
+                 "Fraction of the node's KV blocks in use by requests or pins (0..1).",
+                 st.used_blocks / st.num_blocks if st.num_blocks else 0.0),
+                (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 st.prefix_query_tokens),
+                (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens the prefix cache held.",
+                 st.prefix_hit_tokens),
+                (CounterMetricFamily, "num_preemptions", "Sequences the node's scheduler preempted.",
+                 st.preemptions),
+                (GaugeMetricFamily, "node_requests_running", "Sequences the node's engine runs.", st.running),
+                (GaugeMetricFamily, "node_requests_waiting", "Sequences waiting or importing KV on the node.",
+                 st.waiting + st.importing),
+            ]
+            for cls, name, doc, value in families:
+                fam = cls(PREFIX + name, doc, labels=labels)
+                fam.add_metric(me, value)
+                yield fam
+        sent = CounterMetricFamily(PREFIX + "kv_transfer_bytes", "KV payload bytes sent to a peer, by class.",
+                                   labels=["node", "peer", "priority"])
+        for peer, by_class in sorted(self._links_fn().items()):
+            for cls_name, n in zip(PRIORITIES, by_class):
+                sent.add_metric([self.node, peer, cls_name], n)
+        yield sent
+
+
+# ---- exposition ------------------------------------------------------------------------
+
+
+class _Merged:
+    def __init__(self, families: Iterable[Metric]):
+        self._families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def merge(registries: Iterable[CollectorRegistry]) -> list[Metric]:
+    """The families of several registries, one per name (their samples concatenated)."""
+    out: dict[str, Metric] = {}
+    for reg in registries:
+        for fam in reg.collect():
+            have = out.get(fam.name)
+            if have is None:
+                have = out[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            have.samples.extend(fam.samples)
+    return list(out.values())
+
+
+async def scrape(sources: Iterable[MetricsSource]) -> bytes:
+    """Refresh every source (engine stats are read off the loop), then render them as one."""
+    sources = list(sources)
+    await asyncio.gather(*(s.refresh() for s in sources))
+    return generate_latest(_Merged(merge(s.registry for s in sources)))  # type: ignore[arg-type]
+
+
+Scrape = Callable[[], Awaitable[bytes]]
+
+
+def metrics_handler(scrape_fn: Scrape) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """An aiohttp handler serving `scrape_fn()` in the Prometheus text format 0.0.4 (legacy
+    metric names: every Prometheus reads it)."""
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=await scrape_fn(), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+
+    return handler
+
+
+def metrics_route(app: web.Application, scrape_fn: Scrape, path: str = "/metrics") -> None:
+    """Serve `GET /metrics` on `app`: e.g. `metrics_route(app, router.metrics.scrape)`.
+
+    No authentication: like vLLM's, the endpoint is for a Prometheus scraper on
+    the deployment's network, and it holds counts only (no prompts, no tokens,
+    no keys); put it behind the deployment's firewall like every node port.
+    """
+    app.router.add_get(path, metrics_handler(scrape_fn))
