@@ -2,8 +2,7 @@
 
 The commands come from README.md, the fenced block between the markers
 `<!-- local-config:begin -->` and `<!-- local-config:end -->` (the section
-on running four processes on one machine); without that block, from
-`COMMANDS` below, the same text.  Each line whose first word is `pddgw` (or
+on running four processes on one machine).  Each line whose first word is `pddgw` (or
 ends in `/pddgw`) runs as `python -m pddgw ...` in a scratch folder holding a
 copy of config.local.toml whose ports are rewritten to free ones: `keys` to
 the end, `serve ... &` in the background, `chat` with the router's URL
@@ -30,21 +29,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 BEGIN, END = "<!-- local-config:begin -->", "<!-- local-config:end -->"
 
-# What README.md's block says (kept here so the test runs before the README has it).
-COMMANDS = """\
-pddgw keys local-keys --config config.local.toml
-pddgw serve --config config.local.toml --role md --node md0 &
-pddgw serve --config config.local.toml --role rld --node rld0 &
-pddgw serve --config config.local.toml --role prefill --node p0 &
-pddgw serve --config config.local.toml --role router --node router &
-pddgw chat --wait 120 --api-key local-dev-key "Plan the refactoring of the payment module."
-"""
-
-
-def readme_commands(text: str) -> str | None:
-    """The fenced block between the markers, or None when README.md has none."""
-    if BEGIN not in text:
-        return None
+def readme_commands(text: str) -> str:
+    """The fenced block between the markers."""
+    assert BEGIN in text and END in text, f"README.md has no {BEGIN} ... {END} block"
     block = text.split(BEGIN, 1)[1].split(END, 1)[0]
     m = re.search(r"```[a-z]*\n(.*?)```", block, re.S)
     assert m, f"no fenced block between {BEGIN} and {END}"
@@ -79,17 +66,15 @@ def local_config_with_free_ports(dest: Path) -> int:
 
 
 def test_block_parses_to_keys_four_servers_and_a_chat():
-    readme = (ROOT / "README.md").read_text()
-    for block in filter(None, (COMMANDS, readme_commands(readme))):
-        cmds = parse(block)
-        assert [c[0][0] for c in cmds] == ["keys", "serve", "serve", "serve", "serve", "chat"]
-        assert [c[1] for c in cmds] == [False, True, True, True, True, False]
-        nodes = [argv[argv.index("--node") + 1] for argv, _ in cmds if argv[0] == "serve"]
-        assert sorted(nodes) == ["md0", "p0", "rld0", "router"]
+    cmds = parse(readme_commands((ROOT / "README.md").read_text()))
+    assert [c[0][0] for c in cmds] == ["keys", "serve", "serve", "serve", "serve", "chat"]
+    assert [c[1] for c in cmds] == [False, True, True, True, True, False]
+    nodes = [argv[argv.index("--node") + 1] for argv, _ in cmds if argv[0] == "serve"]
+    assert sorted(nodes) == ["md0", "p0", "rld0", "router"]
 
 
 def test_readme_commands_start_the_local_config_and_chat(tmp_path):
-    block = readme_commands((ROOT / "README.md").read_text()) or COMMANDS
+    block = readme_commands((ROOT / "README.md").read_text())
     router_port = local_config_with_free_ports(tmp_path)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs: list[tuple[str, subprocess.Popen]] = []
