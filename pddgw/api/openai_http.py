@@ -84,8 +84,6 @@ log = structlog.get_logger(__name__)
 
 # How often a request waiting on the router (queued, or between tokens) looks at its client's socket.
 DISCONNECT_POLL_S = 0.25
-# Bodies larger than this are tokenized off the event loop.
-_INLINE_BODY_BYTES = 1 << 16
 
 # Error code -> (HTTP status, OpenAI error type).
 ERRORS: dict[str, tuple[int, str]] = {
@@ -601,8 +599,8 @@ class OpenAIRoutes:
             if door.active >= door.cfg.server.max_concurrent_requests:
                 raise ApiError("server busy: too many requests in flight ([server] max_concurrent_requests)",
                                None, "rate_limit_exceeded")
-            prep = (self._prepare(req) if len(raw) <= _INLINE_BODY_BYTES
-                    else await asyncio.to_thread(self._prepare, req))
+            prep = (await asyncio.to_thread(self._prepare, req) if door.heavy(req.messages, len(raw))
+                    else self._prepare(req))
         except ApiError as e:
             return error_response(str(e), e.code, e.param)
         except Exception as e:   # a bug: the client still hears why

@@ -63,6 +63,7 @@ from pddgw.pipeline.router import Outcome, Router, RouterError, new_request_id
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_OUTPUT_TOKENS = 256
+_INLINE_INPUT = 1 << 16       # bytes / characters of input prepared on the loop itself
 
 StateFn = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -223,6 +224,11 @@ class FrontDoor:
                        "[server] allow_request_steering = true", name, "permission_denied")
 
     # ---- requests --------------------------------------------------------------------
+    def heavy(self, messages: tuple[tuple[str, str], ...], nbytes: int = 0) -> bool:
+        """Whether preparing this input is worth a thread (a checkpoint's Jinja template, or a
+        long input): the event loop must not tokenize or template it."""
+        return self.tok.renders_jinja or nbytes > _INLINE_INPUT or sum(len(c) for _, c in messages) > _INLINE_INPUT
+
     def detokenizer(self) -> _Detok:
         return _Detok(self.tok)
 
@@ -234,7 +240,10 @@ class FrontDoor:
             if any(t >= vocab for t in ids):
                 raise ApiError(f"{input_param} must be < vocab size {vocab}", input_param)
         else:
-            ids = tuple(self.tok.apply_chat_template(list(messages)))
+            try:
+                ids = tuple(self.tok.apply_chat_template(list(messages)))
+            except RequestError as e:          # the checkpoint's template refused the conversation
+                raise ApiError(str(e), input_param) from None
         room = self.max_prompt - len(ids)
         if room < 1:
             raise ApiError(f"prompt is {len(ids)} tokens; the context length is {self.max_prompt}",
@@ -349,8 +358,10 @@ class _Connection:
         created = int(time.time())
         counted = False
         try:
-            prep = door.prepare(req.prompt_token_ids, req.messages, req.max_output_tokens, req.temperature,
-                                req.top_p, req.seed, "input" if req.prompt_token_ids is None else "prompt_token_ids")
+            args = (req.prompt_token_ids, req.messages, req.max_output_tokens, req.temperature, req.top_p,
+                    req.seed, "input" if req.prompt_token_ids is None else "prompt_token_ids")
+            prep = (await asyncio.to_thread(door.prepare, *args) if door.heavy(req.messages)
+                    else door.prepare(*args))
             ids, sampling = prep.ids, prep.sampling
             door.active += 1
             counted = True

@@ -181,3 +181,23 @@ async def test_a_browser_key_in_the_websocket_subprotocol_is_accepted_and_echoed
             assert e.value.status == 401
     finally:
         await emb.stop()
+
+
+async def test_a_template_refusal_is_a_400_naming_the_input_and_jinja_is_prepared_off_the_loop(tmp_path):
+    from pddgw.api.responses import ApiError
+    from pddgw.engines.tokenizer import HFTokenizer
+    from tests.engines.test_chat_template import LLAMA2, _checkpoint
+
+    emb = Embedded(Config())
+    side = await emb.start()
+    try:
+        door = side.door
+        assert not door.heavy((("user", "hi"),))                  # the tiny model's built-in template
+        door.tok = HFTokenizer.from_dir(_checkpoint(tmp_path / "ckpt", LLAMA2))
+        assert door.heavy((("user", "hi"),))                      # a checkpoint's Jinja template
+        with pytest.raises(ApiError) as e:
+            door.prepare(None, (("user", "a"), ("user", "b")), 8, 0.0, 1.0, 0)
+        assert (e.value.param, e.value.code) == ("input", "invalid_request_error")
+        assert "Conversation roles must alternate" in str(e.value)
+    finally:
+        await emb.stop()
