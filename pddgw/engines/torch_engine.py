@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 
 from pddgw.config import Config, ConfigError, EngineConfig
-from pddgw.engines.attention import AttnMetadata
 from pddgw.engines.base import register_engine
 from pddgw.engines.kv_pool import DTYPE_NAMES, DTYPES, KVPool, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.paged import PagedEngine
 from pddgw.engines.sampler import sample
 from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
+from pddgw.engines.step_inputs import IncrementalInputs, ListInputs
 from pddgw.engines.tokenizer import Tokenizer
 from pddgw.engines.types import KVChunk, RequestError
 from pddgw.engines.weights import load_model
@@ -36,6 +36,11 @@ class TorchEngine(PagedEngine):
         self.ops = get_ops(cfg.attention_backend, cfg.device)
         self.pool = KVPool(spec.num_layers, cfg.num_blocks, cfg.block_size, spec.num_kv_heads,
                            spec.head_dim, dtype, cfg.device)
+        # Step inputs: decode batches from persistent device tensors (step_inputs.py).
+        bs = cfg.block_size
+        self.inputs: IncrementalInputs | ListInputs = IncrementalInputs(
+            bs, self.device, self.ops, self._to_sample, max_rows=cfg.max_num_seqs,
+            max_blocks=min(cfg.num_blocks, -(-self.max_model_len // bs)))
 
     @classmethod
     def from_config(cls, config: Config, engine: EngineConfig | None = None) -> tuple["TorchEngine", Tokenizer]:
@@ -84,39 +89,14 @@ class TorchEngine(PagedEngine):
     # ---- the forward ------------------------------------------------------------------
     def _forward(self, chunks: list[Chunk]) -> dict[str, int]:
         """Pack the chunks, run the model, sample the sequences that are complete."""
-        bs = self.blocks.block_size
-        ids, pos, slots, q_lens, seq_lens, tables, to_sample = [], [], [], [0], [], [], []
-        for i, c in enumerate(chunks):
-            seq, start = c.seq, c.seq.num_computed
-            end = start + c.num_tokens
-            ids += seq.tokens[start:end]
-            pos += range(start, end)
-            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            q_lens.append(q_lens[-1] + c.num_tokens)
-            seq_lens.append(end)
-            tables.append(seq.block_ids)
-            if self._to_sample(c):
-                to_sample.append(i)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        table = torch.zeros((len(tables), width), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        meta = AttnMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=table.to(dev),
-            cu_q_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            is_decode=q_lens[-1] == len(chunks),
-            ops=self.ops,
-        )
-        logits_rows = torch.tensor([q_lens[i + 1] - 1 for i in to_sample], dtype=torch.int64, device=dev)
+        inputs = self.inputs.build(chunks)
+        to_sample = inputs.to_sample
         with torch.inference_mode():
-            logits = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                                torch.tensor(pos, dtype=torch.int64, device=dev),
-                                meta, self.pool.caches, logits_rows)            # [S, vocab]
+            logits = self.model(inputs.input_ids, inputs.positions, inputs.meta,
+                                self.pool.caches, inputs.logits_rows)            # [S, vocab]
         if not to_sample:
             return {}
         seqs = [chunks[i].seq for i in to_sample]
-        tokens = sample(logits.cpu(), [s.sampling for s in seqs], [s.num_outputs for s in seqs])
+        # On the logits' device; only the S sampled ids cross to the host.
+        tokens = sample(logits, [s.sampling for s in seqs], [s.num_outputs for s in seqs])
         return {s.request_id: t for s, t in zip(seqs, tokens)}

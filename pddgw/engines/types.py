@@ -39,6 +39,7 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0      # keep tokens with p >= min_p * p_max; 0 = no min-p filter
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -49,6 +50,8 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63), got {self.seed}")
 

@@ -1,9 +1,77 @@
-"""Position-keyed sampling: same (seed, position, logits) -> same token, anywhere."""
+"""Position-keyed sampling: same (seed, position, logits) -> same token, anywhere, batched on the device."""
 
+import math
+
+import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from pddgw.engines.sampler import position_uniform, sample, sample_one
-from pddgw.engines.types import SamplingParams
+from pddgw.engines.sampler import (_sample_rows, logprobs, position_uniform, position_uniforms, sample, sample_ids,
+                                  sample_one)
+from pddgw.engines.types import RequestError, SamplingParams
+
+M64 = (1 << 64) - 1
+
+
+def reference_uniform(seed: int, position: int) -> float:
+    """SplitMix64 written out on unsigned Python integers, independently of the module."""
+    def mix(z: int) -> int:
+        z ^= z >> 30
+        z = (z * 0xBF58476D1CE4E5B9) % 2**64
+        z ^= z >> 27
+        z = (z * 0x94D049BB133111EB) % 2**64
+        return z ^ (z >> 31)
+    state = mix(seed)
+    z = mix((state + (position + 1) * 0x9E3779B97F4A7C15) % 2**64)
+    return (z >> 11) * 2.0**-53
+
+
+# ---- the draw ---------------------------------------------------------------------------------------
+def hash_pairs() -> list[tuple[int, int]]:
+    g = torch.Generator().manual_seed(1)
+    seeds = [0, 1, 2, 3, 12345, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 2, 2**63 - 1]
+    seeds += [int(s) for s in torch.randint(0, 2**63 - 1, (60,), generator=g)]
+    positions = [0, 1, 2, 7, 1000, 2**20, 2**31 - 1, 2**32 + 5]
+    positions += [int(p) for p in torch.randint(0, 2**40, (10,), generator=g)]
+    return [(s, p) for s in seeds for p in positions]
+
+
+def test_device_hash_is_bit_identical_to_the_python_reference():
+    pairs = hash_pairs()
+    seeds = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
+    positions = torch.tensor([p for _, p in pairs], dtype=torch.int64)
+    batched = position_uniforms(seeds, positions)
+    assert batched.dtype == torch.float64
+    ref = [reference_uniform(s, p) for s, p in pairs]
+    assert batched.tolist() == ref                                   # exact float equality, every pair
+    assert [position_uniform(s, p) for s, p in pairs] == ref         # the scalar agrees bit for bit
+    assert all(0.0 <= u < 1.0 for u in ref) and len(set(ref)) == len(ref)
+
+
+def test_pinned_draws():
+    # Pins the function itself: changing it changes every seeded output of the system.
+    assert reference_uniform(0, 0) == position_uniform(0, 0) == (0xE220A8397B1DCDAF >> 11) * 2.0**-53
+    assert position_uniform(7, 3) != position_uniform(8, 3) != position_uniform(7, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_hash_matches_cpu():
+    pairs = hash_pairs()
+    seeds = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
+    positions = torch.tensor([p for _, p in pairs], dtype=torch.int64)
+    on_cuda = position_uniforms(seeds.cuda(), positions.cuda()).cpu()
+    assert on_cuda.tolist() == position_uniforms(seeds, positions).tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rows_sample_the_same_alone_and_in_a_batch():
+    g = torch.Generator().manual_seed(6)
+    batch = (torch.randn(32, 50000, generator=g) * 3).cuda()
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i) if i % 4 == 0 else
+              SamplingParams(temperature=1.0, top_k=40, min_p=0.02, seed=i) if i % 4 == 1 else
+              SamplingParams(temperature=0.7, seed=i) if i % 4 == 2 else SamplingParams() for i in range(32)]
+    together = sample(batch, params, list(range(32)))
+    assert together == [sample_one(batch[i], params[i], i) for i in range(32)]
 
 
 def test_position_uniform_depends_only_on_seed_and_position():
@@ -13,21 +81,24 @@ def test_position_uniform_depends_only_on_seed_and_position():
     assert position_uniform(7, 3) != position_uniform(8, 3)
 
 
+# ---- greedy -----------------------------------------------------------------------------------------
 def test_greedy_picks_first_max():
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 0.0, 0.0, 0.0]])
     assert sample(logits, [SamplingParams(), SamplingParams()], [0, 0]) == [1, 0]
 
 
-def test_sampling_is_independent_of_batch_composition():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 50, generator=g, dtype=torch.float64)
-    params = [SamplingParams(temperature=1.0, seed=11)] * 5
-    batched = sample(logits, params, [0, 1, 2, 3, 4])
-    alone = [sample_one(logits[i], params[i], i) for i in range(5)]
-    reordered = sample(logits.flip(0), params, [4, 3, 2, 1, 0])[::-1]
-    assert batched == alone == reordered
+def test_greedy_equals_argmax_alone_and_in_a_mixed_batch():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randint(0, 8, (16, 500), generator=g).to(torch.float32)   # many ties
+    params = [SamplingParams() if i % 3 else SamplingParams(temperature=0.8, top_k=20 * (i % 2), seed=i)
+              for i in range(16)]
+    got = sample(logits, params, list(range(16)))
+    argmax = torch.argmax(logits, dim=-1).tolist()
+    assert [t for t, p in zip(got, params) if p.greedy] == [a for a, p in zip(argmax, params) if p.greedy]
+    assert sample(logits, [SamplingParams()] * 16, [0] * 16) == argmax
 
 
+# ---- the inverse CDF and the filters ----------------------------------------------------------------
 def test_inverse_cdf_matches_the_uniform():
     # Three tokens with probabilities 0.5, 0.3, 0.2 (sorted order 0, 1, 2).
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64))
@@ -38,7 +109,7 @@ def test_inverse_cdf_matches_the_uniform():
         assert sample_one(logits, p, pos) == expected
 
 
-def test_top_k_and_top_p_filters():
+def test_top_k_top_p_and_min_p_filters():
     logits = torch.log(torch.tensor([0.1, 0.5, 0.15, 0.25], dtype=torch.float64))
     top1 = SamplingParams(temperature=1.0, top_k=1, seed=1)
     assert {sample_one(logits, top1, i) for i in range(20)} == {1}
@@ -47,10 +118,172 @@ def test_top_k_and_top_p_filters():
     assert {sample_one(logits, nucleus, i) for i in range(200)} == {1, 3}
     top2 = SamplingParams(temperature=1.0, top_k=2, seed=1)
     assert {sample_one(logits, top2, i) for i in range(200)} == {1, 3}
+    # min_p 0.3: keep p >= 0.15 -> ids 1, 3, 2.
+    minp = SamplingParams(temperature=1.0, min_p=0.3, seed=1)
+    assert {sample_one(logits, minp, i) for i in range(200)} == {1, 2, 3}
 
 
-def test_distribution_follows_probabilities():
-    logits = torch.log(torch.tensor([0.7, 0.3], dtype=torch.float64))
-    p = SamplingParams(temperature=1.0, seed=3)
-    picks = [sample_one(logits, p, i) for i in range(2000)]
-    assert 0.65 < picks.count(0) / 2000 < 0.75
+def test_min_p_is_validated():
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(RequestError):
+            SamplingParams(temperature=1.0, min_p=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_top_k_path_equals_full_sort_path(dtype):
+    # Ties everywhere (integer logits): a row's candidates are (logit desc, id asc) on every path and bound.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-6, 6, (64, 300), generator=g).to(dtype) * 0.5
+    for k in (1, 5, 40):
+        params = [SamplingParams(temperature=0.9, top_k=k, top_p=0.9 if i % 2 else 1.0, min_p=0.01 * (i % 3), seed=i)
+                  for i in range(64)]
+        pos = list(range(64))
+        full = _sample_rows(x, params, pos, 0)
+        assert torch.equal(_sample_rows(x, params, pos, k), full)
+        assert torch.equal(_sample_rows(x, params, pos, 3 * k), full)
+
+
+def test_unfiltered_rows_need_no_sort_and_match_the_sorted_cdf_on_sorted_rows():
+    x = torch.tensor([[3.0, 2.0, 1.0, 0.5, -1.0]] * 300)
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(300)]
+    pos = [i % 7 for i in range(300)]
+    assert torch.equal(_sample_rows(x, params, pos, -1), _sample_rows(x, params, pos, 0))
+
+
+ROW = [2.0, 1.5, 1.0, 0.2, -0.5, -3.0]
+SETTINGS = {
+    "plain": SamplingParams(temperature=1.0),
+    "temp0.6-top_k4": SamplingParams(temperature=0.6, top_k=4),
+    "temp1.3-top_p0.8": SamplingParams(temperature=1.3, top_p=0.8),
+    "min_p0.2": SamplingParams(temperature=1.0, min_p=0.2),
+    "all": SamplingParams(temperature=0.9, top_k=5, top_p=0.95, min_p=0.05),
+}
+# The counts the fixed seeds 0..3999 (position 7) give: deterministic, pinned.
+PINNED = {
+    "plain": [1777, 1082, 689, 293, 149, 10],
+    "temp0.6-top_k4": [2345, 1069, 468, 118, 0, 0],
+    "temp1.3-top_p0.8": [1836, 1275, 889, 0, 0, 0],
+    "min_p0.2": [1991, 1250, 759, 0, 0, 0],
+    "all": [1931, 1123, 679, 267, 0, 0],
+}
+
+
+def filtered(row: list[float], p: SamplingParams) -> list[float]:
+    """The distribution the filters define, in plain Python."""
+    w = [math.exp(x / p.temperature) for x in row]
+    probs = [v / sum(w) for v in w]
+    order = sorted(range(len(row)), key=lambda i: (-row[i], i))
+    keep = p.top_k or len(row)
+    cum = 0.0
+    for j, i in enumerate(order):
+        cum += probs[i]
+        if cum >= p.top_p:
+            keep = min(keep, j + 1)
+            break
+    keep = min(keep, sum(1 for q in probs if q >= p.min_p * max(probs)))
+    kept = order[:keep]
+    mass = sum(probs[i] for i in kept)
+    return [probs[i] / mass if i in kept else 0.0 for i in range(len(row))]
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_distribution_chi_square_with_pinned_counts(name):
+    base, n = SETTINGS[name], 4000
+    params = [SamplingParams(temperature=base.temperature, top_k=base.top_k, top_p=base.top_p, min_p=base.min_p,
+                             seed=s) for s in range(n)]
+    logits = torch.tensor([ROW] * n, dtype=torch.float32)
+    ids = sample(logits, params, [7] * n)
+    counts = [ids.count(i) for i in range(len(ROW))]
+    expected = filtered(ROW, base)
+    assert all(c == 0 for c, q in zip(counts, expected) if q == 0.0)   # filtered tokens never drawn
+    chi2 = sum((c - n * q) ** 2 / (n * q) for c, q in zip(counts, expected) if q > 0)
+    df = sum(q > 0 for q in expected) - 1
+    assert chi2 < {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}[df]   # p = 0.001
+    assert counts == PINNED[name]
+
+
+# ---- batch independence -----------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [1000, 40000])
+def test_a_row_samples_the_same_alone_and_in_any_batch(vocab):
+    g = torch.Generator().manual_seed(4)
+    row = torch.randn(vocab, generator=g) * 3
+    mine = [SamplingParams(temperature=0.8, top_p=0.95, seed=99),
+            SamplingParams(temperature=1.1, top_k=50, seed=98),
+            SamplingParams(temperature=0.7, min_p=0.05, top_p=0.9, seed=97)]
+    others = [SamplingParams(), SamplingParams(temperature=1.0, seed=5),
+              SamplingParams(temperature=0.5, top_k=7, seed=6),
+              SamplingParams(temperature=0.9, top_k=300, top_p=0.5, seed=7)]
+    positions = range(200) if vocab == 1000 else range(0, 200, 25)
+    for pos in positions:
+        p = mine[pos % len(mine)]
+        alone = sample_one(row, p, pos)
+        batch = torch.randn(32, vocab, generator=g) * 3
+        at = pos % 32
+        batch[at] = row
+        params = [others[(i + pos) % len(others)] for i in range(32)]
+        params[at] = p
+        poss = [int(v) for v in torch.randint(0, 1000, (32,), generator=g)]
+        poss[at] = pos
+        assert sample(batch, params, poss)[at] == alone, pos
+
+
+def test_sampling_is_independent_of_batch_order():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 50, generator=g, dtype=torch.float64)
+    params = [SamplingParams(temperature=1.0, seed=11)] * 5
+    batched = sample(logits, params, [0, 1, 2, 3, 4])
+    alone = [sample_one(logits[i], params[i], i) for i in range(5)]
+    reordered = sample(logits.flip(0), params, [4, 3, 2, 1, 0])[::-1]
+    assert batched == alone == reordered
+
+
+# ---- what crosses to the host -----------------------------------------------------------------------
+class HostTransfers(TorchFunctionMode):
+    """Records every tensor -> Python / host read made during a call."""
+
+    READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__len__",
+             "__iter__", "__array__", "__format__", "__repr__"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        to_cpu = name == "to" and any(str(a) == "cpu" for a in [*args[1:], *(kwargs or {}).values()])
+        if name in self.READS or to_cpu:
+            t = args[0]
+            self.reads.append((name, t.dtype, tuple(t.shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_only_the_sampled_ids_cross_to_the_host():
+    g = torch.Generator().manual_seed(5)
+    s, vocab = 12, 3000
+    logits = torch.randn(s, vocab, generator=g)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=1),
+              SamplingParams(temperature=1.0, top_k=20, seed=2), SamplingParams(temperature=0.7, min_p=0.1, seed=3)] * 3
+    with HostTransfers() as rec:
+        ids = sample(logits, params, list(range(s)))
+    assert rec.reads == [("tolist", torch.int64, (s,))]               # S * 8 bytes, once per step
+    assert len(ids) == s
+    with HostTransfers() as rec:
+        sample_ids(logits, params, list(range(s)))
+    assert rec.reads == []
+
+
+# ---- log-probabilities ------------------------------------------------------------------------------
+def test_logprobs_on_device_are_small_tensors():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams()]
+    with HostTransfers() as rec:
+        ids = sample_ids(logits, params, [0, 0])
+        chosen, top_ids, top_lp = logprobs(logits, ids, top_n=2)
+    assert rec.reads == []
+    assert chosen.dtype == top_lp.dtype == torch.float32 and top_ids.dtype == torch.int64
+    assert top_ids.tolist() == [[1, 2], [2, 3]]
+    for r, row in enumerate(logits.tolist()):
+        lse = math.log(sum(math.exp(v) for v in row))
+        assert chosen[r].item() == pytest.approx(row[ids[r].item()] - lse, abs=1e-6)
+        assert top_lp[r].tolist() == pytest.approx([row[i] - lse for i in top_ids[r].tolist()], abs=1e-6)
+    assert logprobs(logits, ids)[1].shape == (2, 0)
