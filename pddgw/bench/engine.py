@@ -1,6 +1,7 @@
-"""Engine throughput: pddgw's TorchEngine against transformers' `generate`, same weights, one run.
+"""Engine throughput: pddgw's TorchEngine against transformers' `generate` and vLLM, same weights, one run.
 
-`python -m pddgw.bench.engine [--json] [--quick] [--dtype D] [--threads N] [--repeats R]`
+`python -m pddgw.bench.engine [--json] [--quick] [--dtype D] [--threads N] [--repeats R]
+    [--device cpu|cuda] [--cuda-graphs on|off] [--vllm-python PATH] [--vllm-eager] [--no-breakdown]`
 
 Procedure:
   1. Build a random Llama (GQA, 32000-token vocab) with transformers' own
@@ -22,8 +23,31 @@ Procedure:
      records a timestamp.  Every pddgw run uses a fresh engine (the prefix
      cache would otherwise serve the repeated prompts) with room for the
      whole batch in one step and in the pool.
-  4. Report tok/s of both, pddgw / transformers, and whether every request's
-     greedy tokens were identical on both sides (`tokens_match`).
+  4. Report tok/s of each, pddgw / transformers and pddgw / vLLM, and
+     whether every request's greedy tokens were identical (`tokens_match`:
+     pddgw vs transformers; `vllm_tokens_match`: pddgw vs vLLM).
+  5. Per-step breakdown of pddgw (one extra, untimed-for-throughput run per
+     case): the engine's phases wrapped with timers from the bench side:
+     scheduling/bookkeeping (`step` minus `_forward`), packing the batch
+     (`_forward` minus the model and the sampler), attention (every
+     `paged_attention` call), the rest of the model (matmuls, norms, RoPE,
+     logits) and sampling; milliseconds per step, averaged over the decode
+     steps (the prefill step excluded) or over the prefill step.
+
+vLLM column: vLLM lives in its own virtual environment (scripts/make_vllm_env.sh
+DIR) and runs in a subprocess, `--vllm-python DIR/bin/python` (default: env
+PDDGW_VLLM_PYTHON), driving pddgw/bench/vllm_side.py over JSON lines.  It
+loads the same checkpoint (skip_tokenizer_init, token-ID prompts, prefix
+caching off, greedy), gets the same thread count, unpinned like the other
+two (OMP_NUM_THREADS=N, VLLM_CPU_OMP_THREADS_BIND=nobind; either kept if
+already set: VLLM_CPU_OMP_THREADS_BIND=0 pins it to core 0, which on a busy
+2-core machine stalled it for seconds per run) and is timed the same way
+inside its process, around `LLMEngine.add_request` / `step`.  One
+vLLM engine serves every run (its start-up compiles and profiles); sized for
+the largest batch, it does not reuse KV across runs (prefix caching off).
+Without it the report says so: "vLLM: not available (--vllm-python not given)";
+where it fails to start or to run the model, the reason (its log's tail goes
+to stderr; PDDGW_VLLM_LOG=FILE keeps the whole log).
 
 Prompts have equal lengths, so transformers' left padding is a no-op and
 neither side computes wasted tokens.  `tokens_match` is expected in float32;
@@ -100,8 +124,9 @@ FULL = Settings(
     prefill_batch=4, prefill_prompt_len=256, repeats=3)
 
 QUICK = Settings(
+    # head_dim 32: the smallest vLLM's CPU attention supports.
     model=ModelShape(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                     num_heads=4, num_kv_heads=2, max_position_embeddings=256),
+                     num_heads=2, num_kv_heads=1, max_position_embeddings=256),
     decode_batches=(1, 8, 32), decode_prompt_len=8, decode_output_len=4,
     prefill_batch=2, prefill_prompt_len=16, repeats=1)
 
@@ -137,6 +162,19 @@ class Run:
 
 
 @dataclass(frozen=True, slots=True)
+class Breakdown:
+    """pddgw's time per engine step by phase, milliseconds (see step 5 of the procedure)."""
+
+    steps: int
+    step_ms: float
+    scheduling_ms: float     # step() minus _forward(): scheduler, stopping, prefix-cache publish
+    pack_ms: float           # _forward() minus model and sampler: ids, slots, block tables
+    attention_ms: float      # store_kv + paged attention kernels, all layers
+    model_other_ms: float    # the model call minus attention
+    sampling_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class Row:
     case: str
     kind: Literal["decode", "prefill"]
@@ -149,7 +187,12 @@ class Row:
     pddgw_tok_s: float
     transformers_tok_s: float
     ratio: float | None              # pddgw tok/s / transformers tok/s
-    tokens_match: bool
+    tokens_match: bool               # pddgw's greedy tokens == transformers'
+    vllm_s: float | None = None
+    vllm_tok_s: float | None = None
+    ratio_vllm: float | None = None  # pddgw tok/s / vLLM tok/s
+    vllm_tokens_match: bool | None = None
+    breakdown: Breakdown | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +204,10 @@ class Report:
     transformers_attention: str
     settings: Settings
     rows: list[Row]
+    device: str = "cpu"
+    cuda_graphs: str = "default"     # "on"/"off" as passed, or why it was not
+    vllm: str = ""                   # "vLLM 0.x (torch y), N threads" or "not available (why)"
+    vllm_version: str | None = None
 
 
 # ---- model ------------------------------------------------------------------------
@@ -200,21 +247,83 @@ def make_prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[in
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
 
 
-# ---- the two sides ------------------------------------------------------------------
+# ---- the sides ------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.synchronize(device)
+
+
+class _PhaseTimer:
+    """Seconds spent per phase over one run, per engine step (wraps; never changes results)."""
+
+    PHASES = ("step", "forward", "model", "attention", "sampling")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            _sync(self.device)
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _sync(self.device)
+                # Calls outside a step (e.g. a CUDA graph capture at start-up) are not counted;
+                # a replayed graph shows as "model other", its attention not seen.
+                if self.steps and phase == "step":
+                    self.steps[-1]["step"] = time.perf_counter() - t
+                elif self.steps:
+                    self.steps[-1][phase] += time.perf_counter() - t
+        return timed
+
+    def wrap_step(self, fn: Callable) -> Callable:
+        """fn = the engine's step: every call opens a new row of phase times."""
+        timed = self.wrap("step", fn)
+
+        def step(*args, **kwargs):
+            self.steps.append(dict.fromkeys(self.PHASES, 0.0))
+            return timed(*args, **kwargs)
+        return step
+
+    def breakdown(self, skip_first: bool) -> Breakdown:
+        steps = self.steps[1:] if skip_first and len(self.steps) > 1 else self.steps
+        n = len(steps)
+
+        def ms(phase: str) -> float:
+            return 1e3 * sum(st[phase] for st in steps) / n
+
+        step, fwd, model, attn, samp = (ms(ph) for ph in self.PHASES)
+        return Breakdown(steps=n, step_ms=step, scheduling_ms=step - fwd,
+                         pack_ms=fwd - model - samp, attention_ms=attn,
+                         model_other_ms=model - attn, sampling_ms=samp)
+
 
 class PddgwSide:
     name = "pddgw"
 
-    def __init__(self, model, dtype: torch.dtype):
+    def __init__(self, model, dtype: torch.dtype, device: str = "cpu",
+                 engine_overrides: dict | None = None):
         self.model = model
         self.dtype = dtype
+        self.device = device
+        self.engine_overrides = engine_overrides or {}
 
-    def run(self, prompts: list[list[int]], output_len: int) -> Run:
+    def run(self, prompts: list[list[int]], output_len: int,
+            timer: _PhaseTimer | None = None) -> Run:
         batch, plen = len(prompts), len(prompts[0])
         blocks = batch * (-(-(plen + output_len) // BLOCK_SIZE)) + 1
         cfg = EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=batch,
-                           max_num_batched_tokens=max(batch * plen, batch))
+                           max_num_batched_tokens=max(batch * plen, batch), device=self.device,
+                           **self.engine_overrides)
         engine = TorchEngine(self.model, self.model.spec, cfg, self.dtype)
+        step = engine.step
+        if timer is not None:
+            engine._forward = timer.wrap("forward", engine._forward)
+            engine.model = timer.wrap("model", engine.model)
+            step = timer.wrap_step(engine.step)
         out: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
         gc.collect()
         t0 = time.perf_counter()
@@ -223,7 +332,7 @@ class PddgwSide:
                                              SamplingParams(max_tokens=output_len, ignore_eos=True)))
         t_first = None
         while engine.has_work():
-            for o in engine.step():
+            for o in step():
                 out[o.request_id] += o.new_token_ids
             if t_first is None and all(out.values()):
                 t_first = time.perf_counter()
@@ -235,12 +344,28 @@ class PddgwSide:
                                f"request, expected {output_len}")
         return Run(t_first - t0, t_end - t0, tokens)
 
+    def breakdown(self, prompts: list[list[int]], output_len: int, kind: str) -> Breakdown:
+        """One extra run with every phase timed (module globals patched for its duration)."""
+        import pddgw.engines.model as model_mod
+        import pddgw.engines.torch_engine as engine_mod
+
+        timer = _PhaseTimer(torch.device(self.device))
+        saved = model_mod.paged_attention, engine_mod.sample
+        model_mod.paged_attention = timer.wrap("attention", saved[0])
+        engine_mod.sample = timer.wrap("sampling", saved[1])
+        try:
+            self.run(prompts, output_len, timer)
+        finally:
+            model_mod.paged_attention, engine_mod.sample = saved
+        return timer.breakdown(skip_first=kind == "decode")
+
 
 class TransformersSide:
     name = "transformers"
 
-    def __init__(self, model):
+    def __init__(self, model, device: str = "cpu"):
         self.model = model
+        self.device = device
 
     def run(self, prompts: list[list[int]], output_len: int) -> Run:
         from transformers import StoppingCriteria, StoppingCriteriaList
@@ -254,7 +379,7 @@ class TransformersSide:
                 stamps.append(time.perf_counter())
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-        ids = torch.tensor(prompts, dtype=torch.int64)                 # [B, L]
+        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)   # [B, L]
         mask = torch.ones_like(ids)     # equal lengths: left padding is empty
         gc.collect()
         t0 = time.perf_counter()
@@ -271,6 +396,86 @@ class TransformersSide:
         return Run(stamps[0] - t0, t_end - t0, tuple(tuple(r) for r in new.tolist()))
 
 
+VLLM_SIDE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_side.py")
+
+
+class VllmUnavailable(RuntimeError):
+    """The vLLM subprocess could not start or answer; the message says why."""
+
+
+class VllmSide:
+    """vLLM in its own python (pddgw/bench/vllm_side.py), JSON lines over stdin/stdout."""
+
+    name = "vllm"
+
+    def __init__(self, python: str, checkpoint: str, dtype_name: str, threads: int,
+                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 enforce_eager: bool = False, start_timeout_s: float = 900.0):
+        import subprocess
+
+        env = dict(os.environ)
+        # Unpinned, like pddgw and transformers: pinned to core 0 ("0"), vLLM stalled for
+        # seconds per run on a busy 2-core machine (its other threads share the core).
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")              # GiB
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")      # engine in this one process
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.pop("PYTHONPATH", None)                                # vLLM's env only, not pddgw's
+        # The child's stderr (vLLM's logs): kept for the error message, or in PDDGW_VLLM_LOG.
+        log_path = os.environ.get("PDDGW_VLLM_LOG")
+        self._log = open(log_path, "w+") if log_path else tempfile.TemporaryFile(mode="w+")
+        try:
+            self._proc = subprocess.Popen([python, VLLM_SIDE_SCRIPT], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                          env=env)
+        except OSError as e:
+            raise VllmUnavailable(f"cannot start {python}: {e}") from e
+        self.info = self._call({"model": checkpoint, "dtype": dtype_name,
+                                "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+                                "max_num_batched_tokens": max_num_batched_tokens,
+                                "enforce_eager": enforce_eager}, start_timeout_s)
+
+    def _log_tail(self, lines: int = 8) -> str:
+        self._log.seek(0)
+        tail = [ln for ln in self._log.read().splitlines() if ln.strip()][-lines:]
+        return "\n".join(tail)
+
+    def _call(self, msg: dict, timeout_s: float = 900.0) -> dict:
+        import json
+        import select
+
+        try:
+            self._proc.stdin.write(json.dumps(msg) + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass     # the process died; the empty read below says so
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            why = "timed out" if not ready else f"exited with {self._proc.returncode}"
+            raise VllmUnavailable(f"vllm_side {why}:\n{self._log_tail()}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise VllmUnavailable(f"{reply.get('error')}\n{self._log_tail()}")
+        return reply
+
+    def run(self, prompts: list[list[int]], output_len: int) -> Run:
+        r = self._call({"op": "run", "prompts": prompts, "output_len": output_len})
+        return Run(r["to_first"], r["total"], tuple(tuple(t) for t in r["tokens"]))
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.write('{"op": "quit"}\n')
+                self._proc.stdin.close()
+                self._proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - a stuck child is killed below
+                self._proc.kill()
+                self._proc.wait()
+
+
 # ---- driver -------------------------------------------------------------------------
 
 def cases(s: Settings) -> list[Case]:
@@ -280,9 +485,13 @@ def cases(s: Settings) -> list[Case]:
 
 
 def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[int]]],
-            repeats: int, progress: Callable[[str], None]) -> list[Row]:
-    times = {(c, side.name): [] for c in todo for side in sides}
+            repeats: int, progress: Callable[[str], None],
+            breakdown: bool = False) -> list[Row]:
+    """Interleaved runs of every side ("pddgw" and "transformers" required, "vllm" optional)."""
+    names = [side.name for side in sides]
+    times = {(c, n): [] for c in todo for n in names}
     match = {c: True for c in todo}
+    vmatch = {c: True for c in todo}
     for rep in range(repeats):
         order = list(sides) if rep % 2 == 0 else list(reversed(sides))
         for c, p in zip(todo, prompts):
@@ -292,56 +501,128 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
                 times[(c, side.name)].append(r.seconds(c.kind))
                 results[side.name] = r.tokens
             match[c] = match[c] and results["pddgw"] == results["transformers"]
+            if "vllm" in results:
+                vmatch[c] = vmatch[c] and results["pddgw"] == results["vllm"]
             progress(f"repeat {rep + 1}/{repeats} {c.label}: " + ", ".join(
-                f"{n} {times[(c, n)][-1] * 1e3:.0f} ms" for n in results))
+                f"{n} {times[(c, n)][-1] * 1e3:.0f} ms" for n in names))
+    ours_side = next(side for side in sides if side.name == "pddgw")
     rows = []
-    for c in todo:
-        ours, theirs = best(times[(c, "pddgw")]), best(times[(c, "transformers")])
-        ours_tps, theirs_tps = c.measured_tokens / ours, c.measured_tokens / theirs
+    for c, p in zip(todo, prompts):
+        tps = {n: c.measured_tokens / best(times[(c, n)]) for n in names}
+        has_vllm = "vllm" in tps
         rows.append(Row(c.label, c.kind, c.batch, c.prompt_len, c.output_len, c.measured_tokens,
-                        ours, theirs, ours_tps, theirs_tps, ratio(ours_tps, theirs_tps),
-                        match[c]))
+                        best(times[(c, "pddgw")]), best(times[(c, "transformers")]),
+                        tps["pddgw"], tps["transformers"], ratio(tps["pddgw"], tps["transformers"]),
+                        match[c],
+                        vllm_s=best(times[(c, "vllm")]) if has_vllm else None,
+                        vllm_tok_s=tps.get("vllm"),
+                        ratio_vllm=ratio(tps["pddgw"], tps.get("vllm")),
+                        vllm_tokens_match=vmatch[c] if has_vllm else None,
+                        breakdown=ours_side.breakdown(p, c.output_len, c.kind) if breakdown else None))
     return rows
 
 
+def _vllm_python(arg: str | None) -> str | None:
+    return arg if arg is not None else (os.environ.get("PDDGW_VLLM_PYTHON") or None)
+
+
+def _engine_overrides(cuda_graphs: str | None) -> tuple[dict, str]:
+    """EngineConfig fields for --cuda-graphs, and what the report says about it."""
+    if cuda_graphs is None:
+        return {}, "default"
+    if "cuda_graphs" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return {}, f"{cuda_graphs} ignored: EngineConfig has no cuda_graphs field"
+    return {"cuda_graphs": cuda_graphs == "on"}, cuda_graphs
+
+
 def run_benchmark(settings: Settings, dtype_name: str,
-                  progress: Callable[[str], None] = lambda _m: None) -> Report:
+                  progress: Callable[[str], None] = lambda _m: None, *,
+                  device: str = "cpu", cuda_graphs: str | None = None,
+                  vllm_python: str | None = None, vllm_eager: bool = False,
+                  breakdown: bool = True) -> Report:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     dtype = DTYPES[dtype_name]
+    overrides, graphs_note = _engine_overrides(cuda_graphs)
+    todo = cases(settings)
+    threads = torch.get_num_threads()
+    vllm: VllmSide | None = None
+    vllm_note = "not available (--vllm-python not given)"
     with tempfile.TemporaryDirectory(prefix="pddgw-bench-") as d:
         build_checkpoint(settings.model, d)
-        ours, _tok = load_model(d, dtype, "cpu")
-        theirs = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
-    sides = (PddgwSide(ours, dtype), TransformersSide(theirs))
-    todo = cases(settings)
+        ours, _tok = load_model(d, dtype, device)
+        theirs = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
+        if vllm_python:
+            progress(f"starting vLLM ({vllm_python}) ...")
+            try:
+                vllm = VllmSide(vllm_python, d, dtype_name, threads,
+                                settings.model.max_position_embeddings,
+                                max(c.batch for c in todo),
+                                max(max(c.batch * c.prompt_len for c in todo),
+                                    settings.model.max_position_embeddings),
+                                enforce_eager=vllm_eager)
+                vllm_note = (f"vLLM {vllm.info['vllm_version']} (torch {vllm.info['torch_version']}), "
+                             f"OMP_NUM_THREADS={vllm.info['omp_threads']} "
+                             f"VLLM_CPU_OMP_THREADS_BIND={vllm.info['threads_bind']}, "
+                             f"{'eager' if vllm_eager else 'compiled'}")
+            except VllmUnavailable as e:
+                vllm_note = f"not available ({str(e).splitlines()[0]})"
+                progress(f"vLLM: not available: {e}")
+    sides: list = [PddgwSide(ours, dtype, device, overrides), TransformersSide(theirs, device)]
+    if vllm is not None:
+        sides.append(vllm)
     prompts = [make_prompts(c.batch, c.prompt_len, settings.model.vocab_size, i)
                for i, c in enumerate(todo)]
     warm = make_prompts(2, 8, settings.model.vocab_size, -1)
-    for side in sides:
-        side.run(warm, 3)
-    rows = measure(sides, todo, prompts, settings.repeats, progress)
-    return Report(benchmark="engine", dtype=dtype_name, threads=torch.get_num_threads(),
+    try:
+        for side in list(sides):
+            try:
+                side.run(warm, 3)
+            except VllmUnavailable as e:     # started, but cannot run this model
+                vllm_note = f"not available ({str(e).splitlines()[0]})"
+                progress(f"vLLM: not available: {e}")
+                sides.remove(side)
+                side.close()
+                vllm = None
+        rows = measure(sides, todo, prompts, settings.repeats, progress, breakdown=breakdown)
+    finally:
+        if vllm is not None:
+            vllm.close()
+    return Report(benchmark="engine", dtype=dtype_name, threads=threads,
                   transformers_version=transformers.__version__,
                   transformers_attention=str(theirs.config._attn_implementation),
-                  settings=settings, rows=rows)
+                  settings=settings, rows=rows, device=device, cuda_graphs=graphs_note,
+                  vllm=vllm_note,
+                  vllm_version=None if vllm is None else vllm.info["vllm_version"])
 
 
 def render(report: Report) -> str:
     m = report.settings.model
     head = (f"engine throughput: pddgw TorchEngine vs transformers {report.transformers_version} "
-            f"generate ({report.transformers_attention}), same weights\n"
+            f"generate ({report.transformers_attention}) vs vLLM, same weights\n"
             f"model: llama vocab={m.vocab_size} hidden={m.hidden_size} layers={m.num_layers} "
             f"heads={m.num_heads}/{m.num_kv_heads} inter={m.intermediate_size}  "
-            f"dtype={report.dtype} threads={report.threads} best of {report.settings.repeats}\n")
+            f"dtype={report.dtype} device={report.device} threads={report.threads} "
+            f"best of {report.settings.repeats}  cuda_graphs={report.cuda_graphs}\n"
+            f"vLLM: {report.vllm}\n")
     table = format_table(
-        ["case", "prompt", "output", "pddgw tok/s", "transformers tok/s", "ratio", "tokens_match"],
-        [(r.case, r.prompt_len, r.output_len, r.pddgw_tok_s, r.transformers_tok_s, r.ratio,
-          r.tokens_match) for r in report.rows])
-    return head + table
+        ["case", "prompt", "output", "pddgw tok/s", "transformers tok/s", "vllm tok/s",
+         "pddgw/tf", "pddgw/vllm", "tokens_match", "vllm_match"],
+        [(r.case, r.prompt_len, r.output_len, r.pddgw_tok_s, r.transformers_tok_s, r.vllm_tok_s,
+          r.ratio, r.ratio_vllm, r.tokens_match, r.vllm_tokens_match) for r in report.rows])
+    out = head + table
+    if any(r.breakdown for r in report.rows):
+        out += "\n\npddgw per step, ms (decode: steps after the first token; prefill: its step)\n"
+        out += format_table(
+            ["case", "steps", "step", "sched/bookkeeping", "pack", "attention", "model other",
+             "sampling"],
+            [(r.case, b.steps, b.step_ms, b.scheduling_ms, b.pack_ms, b.attention_ms,
+              b.model_other_ms, b.sampling_ms)
+             for r in report.rows if (b := r.breakdown) is not None])
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> Report:
@@ -351,16 +632,32 @@ def main(argv: Sequence[str] | None = None) -> Report:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: as is)")
     parser.add_argument("--repeats", type=int, default=0, help="runs per case, best kept")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu or cuda[:N] for pddgw and transformers (vLLM runs its own build)")
+    parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
+                        help="EngineConfig.cuda_graphs, where the engine has that field")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a vLLM venv (scripts/make_vllm_env.sh); "
+                             "default: env PDDGW_VLLM_PYTHON, else no vLLM column")
+    parser.add_argument("--vllm-eager", action="store_true",
+                        help="vLLM with enforce_eager (no torch.compile at start-up)")
+    parser.add_argument("--no-breakdown", action="store_true",
+                        help="skip the per-step phase breakdown of pddgw")
     args = parser.parse_args(argv)
     if args.threads < 0 or args.repeats < 0:
         parser.error("--threads and --repeats must be >= 0")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch build sees no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = QUICK if args.quick else FULL
     if args.repeats:
         settings = dataclasses.replace(settings, repeats=args.repeats)
     report = run_benchmark(settings, args.dtype,
-                           progress=lambda m: print(m, file=sys.stderr, flush=True))
+                           progress=lambda m: print(m, file=sys.stderr, flush=True),
+                           device=args.device, cuda_graphs=args.cuda_graphs,
+                           vllm_python=_vllm_python(args.vllm_python), vllm_eager=args.vllm_eager,
+                           breakdown=not args.no_breakdown)
     emit(report, args.json, render(report))
     return report
 

@@ -4,13 +4,19 @@ Pins: the JSON shape (one row per case, token counts derived from the
 settings, ratio = pddgw tok/s / transformers tok/s), that both engines are fed
 the same checkpoint and produce the same greedy tokens (which are also the
 naive full-recompute generator's), and that `tokens_match` does report a
-difference when the weights differ.
+difference when the weights differ.  The vLLM column: absent -> the report
+says so; its subprocess protocol (pddgw/bench/vllm_side.py) driven through a
+fake `vllm` package whose "engine" is the naive generator.  And
+scripts/gpu_check.sh: valid bash, rc 2 with a clear message without a GPU.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +38,12 @@ def models(tmp_path_factory):
     return d, ours, theirs
 
 
-def test_main_quick_json(capsys):
+REPO = Path(__file__).resolve().parents[2]
+NO_VLLM = "vLLM: not available (--vllm-python not given)"
+
+
+def test_main_quick_json(capsys, monkeypatch):
+    monkeypatch.delenv("PDDGW_VLLM_PYTHON", raising=False)
     report = bench.main(["--quick", "--json"])
     data = json.loads(capsys.readouterr().out)
     s = bench.QUICK
@@ -57,10 +68,22 @@ def test_main_quick_json(capsys):
         assert r["pddgw_tok_s"] == pytest.approx(r["measured_tokens"] / r["pddgw_s"])
         assert r["transformers_tok_s"] == pytest.approx(r["measured_tokens"] / r["transformers_s"])
         assert r["ratio"] == pytest.approx(r["pddgw_tok_s"] / r["transformers_tok_s"])
+        assert r["vllm_tok_s"] is None and r["ratio_vllm"] is None
+        assert r["vllm_tokens_match"] is None
+        b = r["breakdown"]
+        assert b["steps"] == (1 if r["kind"] == "prefill" else s.decode_output_len - 1)
+        parts = sum(b[k] for k in ("scheduling_ms", "pack_ms", "attention_ms", "model_other_ms",
+                                   "sampling_ms"))
+        assert parts == pytest.approx(b["step_ms"])
+        assert b["attention_ms"] > 0 and b["model_other_ms"] > 0 and b["sampling_ms"] > 0
+    assert f"vLLM: {data['vllm']}" == NO_VLLM and data["vllm_version"] is None
+    assert data["device"] == "cpu" and data["cuda_graphs"] == "default"
     table = bench.render(report)
     for r in rows:
         assert r["case"] in table
     assert "tokens_match" in table and "NO" not in table
+    assert NO_VLLM in table.splitlines()
+    assert "sched/bookkeeping" in table
 
 
 def test_both_sides_generate_the_naive_greedy_tokens(models):
@@ -91,3 +114,131 @@ def test_tokens_match_reports_a_difference(models):
     assert row.tokens_match is False
     assert row.measured_tokens == 4
     assert "NO" in bench.format_table(["case", "tokens_match"], [(row.case, row.tokens_match)])
+
+
+FAKE_VLLM = """
+__version__ = "0.0-fake"
+
+
+class SamplingParams:
+    def __init__(self, **kw):
+        assert kw["temperature"] == 0.0 and kw["ignore_eos"] and kw["min_tokens"] == kw["max_tokens"]
+        self.max_tokens = kw["max_tokens"]
+
+
+class _Completion:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+
+class _Output:
+    def __init__(self, rid, ids):
+        self.request_id, self.outputs = rid, [_Completion(ids)]
+
+
+class _Engine:
+    def __init__(self, model):
+        self.model, self.todo = model, {}
+
+    def add_request(self, rid, prompt, params):
+        from pddgw.engines.naive import naive_greedy
+        self.todo[rid] = [naive_greedy(self.model, prompt["prompt_token_ids"], params.max_tokens), 0]
+
+    def has_unfinished_requests(self):
+        return bool(self.todo)
+
+    def step(self):  # one token per request per step, cumulative outputs as vLLM's
+        out = []
+        for rid, st in list(self.todo.items()):
+            st[1] += 1
+            out.append(_Output(rid, st[0][:st[1]]))
+            if st[1] == len(st[0]):
+                del self.todo[rid]
+        return out
+
+
+class LLM:
+    def __init__(self, model, skip_tokenizer_init, enable_prefix_caching, **kw):
+        import torch
+        from pddgw.engines.weights import load_model
+        assert skip_tokenizer_init and not enable_prefix_caching
+        self.llm_engine = _Engine(load_model(model, torch.float32, "cpu")[0])
+"""
+
+
+@pytest.fixture
+def fake_vllm_python(tmp_path):
+    """A "vLLM python": this interpreter with a fake `vllm` package (and pddgw) importable."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    py = tmp_path / "python"
+    py.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path}:{REPO}" exec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
+    return str(py)
+
+
+def test_vllm_side_protocol_with_a_fake_vllm(models, fake_vllm_python, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    d, ours, _ = models
+    side = bench.VllmSide(fake_vllm_python, str(d), "float32", threads=1, max_model_len=256,
+                          max_num_seqs=4, max_num_batched_tokens=256)
+    try:
+        assert side.info["vllm_version"] == "0.0-fake"
+        assert (side.info["omp_threads"], side.info["threads_bind"]) == ("1", "nobind")
+        prompts = bench.make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
+        for _ in range(2):                               # one vLLM engine serves every run
+            run = side.run(prompts, 5)
+            assert run.tokens == tuple(tuple(naive_greedy(ours, p, 5)) for p in prompts)
+            assert 0 < run.to_first <= run.total
+    finally:
+        side.close()
+    assert side._proc.returncode == 0
+
+
+def test_vllm_side_unavailable_says_why(tmp_path, models):
+    d, _, _ = models
+    with pytest.raises(bench.VllmUnavailable, match="cannot start"):
+        bench.VllmSide(str(tmp_path / "no-python"), str(d), "float32", 1, 256, 4, 256)
+    # A python without vLLM: the child's import error comes back as the reason.
+    with pytest.raises(bench.VllmUnavailable, match="No module named 'vllm'"):
+        bench.VllmSide(sys.executable, str(d), "float32", 1, 256, 4, 256)
+
+
+GPU_CHECK = REPO / "scripts" / "gpu_check.sh"
+
+
+def test_gpu_check_is_valid_bash():
+    subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
+    subprocess.run(["bash", "-n", str(REPO / "scripts" / "make_vllm_env.sh")], check=True)
+
+
+def test_gpu_check_without_a_gpu_exits_2(tmp_path):
+    empty = tmp_path / "bin"            # a PATH without nvidia-smi (nor anything else)
+    empty.mkdir()
+    r = subprocess.run(["/bin/bash", str(GPU_CHECK), str(tmp_path / "r.json")], cwd=tmp_path,
+                       env={"PATH": str(empty)}, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert "no NVIDIA GPU here (nvidia-smi not found on PATH)" in r.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_cuda_graphs_reach_the_engine_config_only_where_it_has_the_field():
+    import dataclasses
+
+    from pddgw.config import EngineConfig
+
+    assert bench._engine_overrides(None) == ({}, "default")
+    overrides, note = bench._engine_overrides("off")
+    if "cuda_graphs" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        assert (overrides, note) == ({"cuda_graphs": False}, "off")
+    else:
+        assert overrides == {} and note == "off ignored: EngineConfig has no cuda_graphs field"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_device_cuda_without_cuda_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", "--device", "cuda"])
+    assert e.value.code == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
