@@ -18,6 +18,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from pddgw.bench.common import free_port
 from pddgw import cli
 from pddgw.config import TlsConfig, load_config
 from pddgw.keys import config_lines, write_keys
@@ -25,12 +26,6 @@ from pddgw.net.tls import client_context, front_door_context, server_context
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_DIR = "(expected a Hugging Face model directory: config.json, *.safetensors, tokenizer.json)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pddgw(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

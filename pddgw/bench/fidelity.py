@@ -57,7 +57,6 @@ import asyncio
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -72,7 +71,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from pddgw.bench.common import add_output_args, emit, format_table, ratio
+from pddgw.bench.common import add_output_args, emit, format_table, free_port, pdd_nodes_toml, ratio
 from pddgw.config import load_config
 from pddgw.logs import setup_logging
 from pddgw.sim.clock import run_virtual
@@ -105,12 +104,6 @@ class DeploymentSpec:
     kv_frame_bytes: int = 64 << 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _engine_toml(spec: DeploymentSpec, hardware: str) -> str:
     return f'''implementation = "costmodel"
 num_blocks = 0
@@ -124,7 +117,7 @@ costmodel = {{ hardware = "{hardware}", tensor_parallel = 1, gpu_memory_utilizat
 
 def write_config(directory: Path, spec: DeploymentSpec) -> tuple[Path, dict[str, int]]:
     """config.toml for `spec` in `directory`, on free loopback ports -> (path, ports by node)."""
-    ports = {name: _free_port() for name, _ in NODES}
+    ports = {name: free_port() for name, _ in NODES}
     text = f'''# pddgw.bench.fidelity: the same deployment simulated and served by real processes.
 [model]
 profile = "{spec.model}"
@@ -156,30 +149,7 @@ latency_ms = {spec.wan_latency_ms}
 [policy]
 p_md_max_transfer_ms = {spec.p_md_max_transfer_ms}
 
-[[nodes]]
-name = "router"
-role = "router"
-cluster = "A"
-
-[[nodes]]
-name = "p0"
-role = "prefill"
-cluster = "A"
-port = {ports["p0"]}
-
-[[nodes]]
-name = "rld0"
-role = "rld"
-cluster = "A"
-port = {ports["rld0"]}
-
-[[nodes]]
-name = "md0"
-role = "md"
-cluster = "B"
-port = {ports["md0"]}
-[nodes.engine]
-{_engine_toml(spec, spec.b_hardware)}'''
+{pdd_nodes_toml(ports["p0"], ports["rld0"], ports["md0"], md_engine=_engine_toml(spec, spec.b_hardware))}'''
     path = directory / "config.toml"
     path.write_text(text)
     load_config(path)            # fail here, naming the key, rather than in four processes

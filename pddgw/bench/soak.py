@@ -73,7 +73,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -86,7 +85,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pddgw.bench.common import add_output_args, emit, format_table
+from pddgw.bench.common import add_output_args, emit, format_table, free_port, pdd_nodes_toml, state_leftovers
 from pddgw.config import load_config
 from pddgw.sim.report import percentile
 
@@ -248,12 +247,6 @@ class WanProxy:
 # ---- the deployment -----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss_kb(pid: int) -> int | None:
     """VmRSS of a live process from /proc (kB), None when it is gone."""
     try:
@@ -327,33 +320,10 @@ latency_ms = {spec.wan_latency_ms}
 [policy]
 p_md_max_transfer_ms = {spec.p_md_max_transfer_ms}
 
-[[nodes]]
-name = "router"
-role = "router"
-cluster = "A"
-
-[[nodes]]
-name = "p0"
-role = "prefill"
-cluster = "A"
-port = {ports["p0"]}
-
-[[nodes]]
-name = "rld0"
-role = "rld"
-cluster = "A"
-port = {ports["rld0"]}
-
-[[nodes]]
-name = "md0"
-role = "md"
-cluster = "B"
-port = {proxy_port}
-[nodes.engine]
+{pdd_nodes_toml(ports["p0"], ports["rld0"], proxy_port, md_engine=f"""
 block_size = 32
 num_blocks = {spec.num_blocks // 2}
-max_num_batched_tokens = 512
-'''
+max_num_batched_tokens = 512""")}'''
 
 
 class Deployment:
@@ -375,11 +345,11 @@ class Deployment:
     async def start(self, session: aiohttp.ClientSession, timeout_s: float = 180.0) -> None:
         py = [sys.executable, "-m", "pddgw", "serve"]
         if self.embedded:
-            self.router_port = _free_port()
+            self.router_port = free_port()
             self.nodes["embedded"] = ProcInfo(py + ["--host", "127.0.0.1", "--port", str(self.router_port),
                                                     "--dtype", self.spec.dtype], self.router_port)
         else:
-            ports = {n: _free_port() for n in ROLES}
+            ports = {n: free_port() for n in ROLES}
             self.router_port = ports["router"]
             self.proxy = WanProxy(ports["md0"])
             await self.proxy.start()
@@ -564,29 +534,6 @@ async def ask(ws: aiohttp.ClientWebSocketResponse, out: Outcome, loop: asyncio.A
             return
 
 
-# ---- leak accounting (what tests/reliability/quiet.py computes) ----------------------
-
-
-def leftovers(state: dict[str, Any]) -> dict[str, Any]:
-    """Everything non-zero in a /debug/state document that should be zero at rest (empty: quiet)."""
-    out: dict[str, Any] = {}
-    router = state["router"]
-    busy = {k: v for k, v in router["inflight"].items() if v}
-    if router["active_requests"]:
-        busy["active_requests"] = router["active_requests"]
-    if busy:
-        out["router"] = busy
-    for name, node in state["nodes"].items():
-        if not node.get("healthy", True):
-            continue                    # a node that is down holds nothing any more
-        nb = {k: v for k, v in node["inflight"].items() if v}
-        if node["kv_blocks_in_use"]:
-            nb["kv_blocks_in_use"] = node["kv_blocks_in_use"]
-        if nb:
-            out[name] = nb
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class Leaks:
     quiet: bool                        # everything reached zero within the quiet timeout
@@ -630,7 +577,7 @@ async def wait_quiet(session: aiohttp.ClientSession, url: str, timeout_s: float)
         try:
             async with session.get(url + "/debug/state", timeout=aiohttp.ClientTimeout(total=30)) as r:
                 doc = await r.json()
-            left = leftovers(doc)
+            left = state_leftovers(doc)
         except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as e:
             left = {"router": {"state": f"unreachable: {e!r}"[:200]}}
         waited = time.monotonic() - t0

@@ -15,6 +15,7 @@ import asyncio
 import orjson
 import pytest
 
+from pddgw.bench.common import state_leftovers
 from pddgw.bench import soak
 
 REPORT_FIELDS = {
@@ -87,12 +88,12 @@ def test_leak_accounting():
            "nodes": {"p0": {**idle, "kv_blocks_in_use": 62, "inflight": {**idle["inflight"], "requests": 1}},
                      "md0": {**idle, "inflight": {**idle["inflight"], "streams": 3, "pins": 2}},
                      "rld0": {"healthy": False, "error": "link CLOSED"}}}
-    left = soak.leftovers(doc)
+    left = state_leftovers(doc)
     assert left == {"router": {"requests": 1, "wan_backlog_bytes": 4096, "active_requests": 1},
                     "p0": {"requests": 1, "kv_blocks_in_use": 62}, "md0": {"streams": 3, "pins": 2}}
     # blocks, pins, everything else (a byte counter counts once)
     assert soak.count_leaks(left) == (62, 2, 1 + 1 + 1 + 1 + 3)
-    assert soak.leftovers({"router": {"active_requests": 0, "inflight": {"requests": 0}},
+    assert state_leftovers({"router": {"active_requests": 0, "inflight": {"requests": 0}},
                            "nodes": {"p0": idle}}) == {}
 
 

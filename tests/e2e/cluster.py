@@ -19,12 +19,9 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pddgw.bench.common import free_port, pdd_nodes_toml
 
 
 class TcpProxy:
@@ -90,6 +87,12 @@ class TcpProxy:
         self._thread.join(5)
 
 
+# MD's own engine table: another block size than P and RLD, a smaller pool.
+MD_ENGINE = """block_size = 32
+num_blocks = 128
+max_num_batched_tokens = 256"""
+
+
 class Cluster:
     SECRET = "e2e-test-secret-0123456789"
 
@@ -129,34 +132,8 @@ latency_ms = 20.0
 [policy]
 {policy}
 
-[[nodes]]
-name = "router"
-role = "router"
-cluster = "A"
-
-[[nodes]]
-name = "p0"
-role = "prefill"
-cluster = "A"
-port = {self.ports["p0"]}
-{p_engine}
-
-[[nodes]]
-name = "rld0"
-role = "rld"
-cluster = "A"
-port = {self.ports["rld0"]}
-
-[[nodes]]
-name = "md0"
-role = "md"
-cluster = "B"
-port = {self.proxy.port}
-[nodes.engine]
-block_size = 32
-num_blocks = 128
-max_num_batched_tokens = 256
-'''
+{pdd_nodes_toml(self.ports["p0"], self.ports["rld0"], self.proxy.port, p_engine=p_engine,
+                md_engine=MD_ENGINE)}'''
         self.config = tmp / "config.toml"
         self.config.write_text(cfg)
         self.procs: dict[str, subprocess.Popen] = {}
@@ -229,6 +206,22 @@ max_num_batched_tokens = 256
             if time.monotonic() > deadline:
                 raise AssertionError(f"nodes still busy: {busy}")
             await asyncio.sleep(0.2)
+
+
+@pytest.fixture
+def fresh(tmp_path):
+    """-> make(**Cluster kwargs): a started cluster of its own, stopped after the test."""
+    made: list[Cluster] = []
+
+    def make(**kw) -> Cluster:
+        c = Cluster(tmp_path, **kw)
+        c.start()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
 
 
 def generate_one_node(prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> list[int]:

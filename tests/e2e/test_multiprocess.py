@@ -14,7 +14,7 @@ import pytest
 
 from tests.pipeline.pdd_client import chat, collect, create
 
-from .cluster import Cluster, generate_one_node
+from .cluster import Cluster, fresh, generate_one_node  # noqa: F401 (fresh: a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -110,21 +110,6 @@ async def test_cancel_mid_stream_frees_every_node(cluster):
 # ---- failures: each on its own deployment -------------------------------------------
 
 
-@pytest.fixture
-def fresh(tmp_path):
-    made = []
-
-    def make(**kw) -> Cluster:
-        c = Cluster(tmp_path, **kw)
-        c.start()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.stop()
-
-
 async def _long_request(c: Cluster, pipeline: str, n_out: int, after: int, action, role: str | None = None):
     """Start a request, run `action` once `after` tokens (from `role`, if given) have streamed."""
     prompt = prompt_of(120, 33)
@@ -193,7 +178,7 @@ async def test_wan_cut_mid_request_still_completes(fresh):
 
 async def test_prefill_refusal_is_retried_elsewhere(fresh):
     # P's pool holds 4 blocks of 16 = 64 tokens: a 120-token prompt is refused by P.
-    c = fresh(p_engine="[nodes.engine]\nnum_blocks = 4\nmax_num_batched_tokens = 64\nmax_num_seqs = 4")
+    c = fresh(p_engine="num_blocks = 4\nmax_num_batched_tokens = 64\nmax_num_seqs = 4")
     prompt = prompt_of(120, 33)
     async with aiohttp.ClientSession() as s:
         ws = await ws_to(c, s)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 
 import aiohttp
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pddgw.bench.common import free_port
 from pddgw.config import (Config, EngineConfig, ModelConfig, NetConfig, NodeConfig, PolicyConfig, ServerConfig,
                           ShapingConfig)
 from pddgw.pipeline.deploy import Embedded, run_worker
@@ -68,12 +68,6 @@ def val(samples: Samples, name: str, **labels: str) -> float:
 
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
     return val(after, name, **labels) - val(before, name, **labels)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -215,11 +209,11 @@ async def test_p_rld_md_counts_the_handoff_and_both_links(deploy, mode):
 
 async def test_a_worker_serves_its_own_node_metrics_without_auth():
     """run_worker's /metrics: that node's series only, no Authorization needed."""
-    port = _free_port()
+    port = free_port()
     md = NodeConfig("md0", "md", "B", port=port)
     cfg = Config(model=ModelConfig(dtype="float64"), engine=EngineConfig(num_blocks=64, block_size=16),
                  net=NetConfig(secret="metrics-test-secret-0123"),
-                 nodes=(NodeConfig("router", "router", "A"), NodeConfig("p0", "prefill", "A", port=_free_port()),
+                 nodes=(NodeConfig("router", "router", "A"), NodeConfig("p0", "prefill", "A", port=free_port()),
                         md))
     ready = asyncio.Event()
     task = asyncio.create_task(run_worker(cfg, md, host="127.0.0.1", ready=ready))

@@ -12,11 +12,7 @@ from pathlib import Path
 
 import aiohttp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pddgw.bench.common import free_port
 
 
 class Served:

@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.e2e.cluster import Cluster, generate_one_node
+from tests.e2e.cluster import Cluster, fresh, generate_one_node  # noqa: F401 (fresh: a fixture)
 from tests.pipeline.pdd_client import Response, chat
 
 from .quiet import wait_quiescent
@@ -23,21 +23,6 @@ from .quiet import wait_quiescent
 pytestmark = pytest.mark.slow
 
 PROMPT = [33 + (i * 11) % 80 for i in range(120)]
-
-
-@pytest.fixture
-def fresh(tmp_path):
-    made: list[Cluster] = []
-
-    def make(**kw) -> Cluster:
-        c = Cluster(tmp_path, **kw)
-        c.start()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.stop()
 
 
 async def _request(c: Cluster, pipeline: str | None, n_out: int, after: int = -1, action=None,

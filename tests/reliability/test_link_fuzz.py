@@ -29,6 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pddgw.bench.common import free_port
 from pddgw.net import auth, frames
 from pddgw.net import messages as m
 from pddgw.net.errors import CloseCode
@@ -39,12 +40,6 @@ SECRET = "fuzz-test-secret-0123456789"
 MAX_FRAME = 32 << 20           # large on purpose: before the fix a claim this size was allocated
 MAX_CONTROL = 1 << 20
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(port: int, path: str, headers: dict | None = None) -> tuple[int, dict]:
@@ -76,7 +71,7 @@ class Worker:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
-    port = _free_port()
+    port = free_port()
     cfg = tmp / "config.toml"
     cfg.write_text(f'''
 [engine]
@@ -101,7 +96,7 @@ cluster = "A"
 name = "p0"
 role = "prefill"
 cluster = "A"
-port = {_free_port()}
+port = {free_port()}
 
 [[nodes]]
 name = "md0"
