@@ -14,13 +14,14 @@
 #               Skipped when that venv already imports pddgw and sees CUDA, or
 #               when PDDGW_GPU_PYTHON names a ready python (no network needed).
 #   2. torch    torch / CUDA versions and torch.cuda.is_available()
-#   3. pytest_gpu       pytest -m gpu (every GPU-only test outside tests/kernels)
+#   3. pytest_gpu       pytest -m gpu (every GPU-only test outside tests/kernels, e.g.
+#                       tests/engines/test_cuda_graphs.py: graphs on vs off token-exact)
 #   4. pytest_kernels   pytest tests/kernels
 #   5. bench_kernels    python -m pddgw.bench.kernels --json
 #   6. bench_engine_graphs_off / _on
 #               python -m pddgw.bench.engine --device cuda --cuda-graphs off|on --json
-#               (the bench passes cuda_graphs to EngineConfig only where that
-#               field exists, and says "ignored" in its report otherwise)
+#               (EngineConfig.cuda_graphs: with "on" every engine the bench
+#               builds captures its decode graphs at start, outside the timings)
 # Each step runs under `timeout`, capped by what is left of the 8 minutes
 # (PDDGW_GPU_BUDGET_S, default 480).  The report holds timestamps, the GPU
 # (nvidia-smi), and each step's rc, seconds, and JSON output (or its text tail).

@@ -17,6 +17,17 @@ Procedure:
                           (EOS ignored).  Decode time runs from the moment
                           every request has its first token (prefill done)
                           to the last token: B * (N - 1) tokens.
+       decode b=8, 32     the same prompts, sampled: temperature 0.8, top-p
+         sampled          0.95, no top-k, request i seeded SEED + i (pddgw's
+                          draws are position-keyed, so its tokens repeat
+                          run to run).  Run right after the greedy case of
+                          its batch, so `ratio_greedy` (pddgw sampled tok/s
+                          / pddgw greedy tok/s) compares runs side by side.
+                          transformers samples the same way (do_sample,
+                          temperature 0.8, top_p 0.95, top_k 0, seeded) but
+                          with its own RNG: its tokens are not comparable,
+                          `tokens_match` is None there.  vLLM: greedy only
+                          (vllm_side.py), no sampled rows.
        prefill            B prompts of L tokens, one output token: time to
                           the first token, B * L prompt tokens.
      transformers' per-step times come from a stopping criterion that only
@@ -96,6 +107,19 @@ class ModelShape:
 
 
 @dataclass(frozen=True, slots=True)
+class Sampling:
+    """The sampled decode cases' settings (no top-k: the top-p-only path of the sampler)."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = SEED            # request i gets seed + i
+
+    def params(self, i: int, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=self.temperature,
+                              top_p=self.top_p, seed=self.seed + i)
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """What one benchmark run measures."""
 
@@ -106,12 +130,16 @@ class Settings:
     prefill_batch: int
     prefill_prompt_len: int
     repeats: int
+    sampled_batches: tuple[int, ...] = (8, 32)     # decode batches also run sampled (each a decode batch)
+    sampling: Sampling = Sampling()
 
     def __post_init__(self) -> None:
         if self.decode_output_len < 2:
             raise ValueError("decode_output_len must be >= 2 (decode = tokens after the first)")
         if min(self.decode_batches) < 1 or self.prefill_batch < 1 or self.repeats < 1:
             raise ValueError(f"batches and repeats must be >= 1: {self}")
+        if not set(self.sampled_batches) <= set(self.decode_batches):
+            raise ValueError(f"sampled_batches {self.sampled_batches} must be decode batches")
         longest = max(self.decode_prompt_len + self.decode_output_len, self.prefill_prompt_len + 1)
         if longest > self.model.max_position_embeddings:
             raise ValueError(f"sequences of {longest} tokens exceed the model's context")
@@ -137,10 +165,22 @@ class Case:
     batch: int
     prompt_len: int
     output_len: int
+    sampling: Sampling | None = None     # None: greedy
 
     @property
     def label(self) -> str:
-        return f"{self.kind} b={self.batch}"
+        return f"{self.kind} b={self.batch}" + (" sampled" if self.sampling else "")
+
+    @property
+    def prompt_key(self) -> tuple[str, int, int]:
+        """Cases with the same key get the same prompts (a sampled case its greedy twin's)."""
+        return self.kind, self.batch, self.prompt_len
+
+    def params(self, i: int) -> SamplingParams:
+        """Request i's sampling."""
+        if self.sampling is None:
+            return SamplingParams(max_tokens=self.output_len, ignore_eos=True)
+        return self.sampling.params(i, self.output_len)
 
     @property
     def measured_tokens(self) -> int:
@@ -155,7 +195,7 @@ class Run:
 
     to_first: float
     total: float
-    tokens: tuple[tuple[int, ...], ...]    # greedy output ids per request
+    tokens: tuple[tuple[int, ...], ...]    # output ids per request
 
     def seconds(self, kind: str) -> float:
         return self.to_first if kind == "prefill" else self.total - self.to_first
@@ -187,7 +227,9 @@ class Row:
     pddgw_tok_s: float
     transformers_tok_s: float
     ratio: float | None              # pddgw tok/s / transformers tok/s
-    tokens_match: bool               # pddgw's greedy tokens == transformers'
+    tokens_match: bool | None        # pddgw's greedy tokens == transformers'; None: sampled
+    sampling: str = "greedy"         # or "temperature=T top_p=P seed=S+i"
+    ratio_greedy: float | None = None    # sampled rows: pddgw tok/s / pddgw's greedy tok/s, same batch
     vllm_s: float | None = None
     vllm_tok_s: float | None = None
     ratio_vllm: float | None = None  # pddgw tok/s / vLLM tok/s
@@ -311,8 +353,8 @@ class PddgwSide:
         self.device = device
         self.engine_overrides = engine_overrides or {}
 
-    def run(self, prompts: list[list[int]], output_len: int,
-            timer: _PhaseTimer | None = None) -> Run:
+    def run(self, prompts: list[list[int]], output_len: int, timer: _PhaseTimer | None = None,
+            sampling: Sampling | None = None) -> Run:
         batch, plen = len(prompts), len(prompts[0])
         blocks = batch * (-(-(plen + output_len) // BLOCK_SIZE)) + 1
         cfg = EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=batch,
@@ -327,9 +369,9 @@ class PddgwSide:
         out: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
         gc.collect()
         t0 = time.perf_counter()
+        case = Case("decode", batch, plen, output_len, sampling)
         for i, p in enumerate(prompts):
-            engine.add_request(EngineRequest(f"r{i}", tuple(p),
-                                             SamplingParams(max_tokens=output_len, ignore_eos=True)))
+            engine.add_request(EngineRequest(f"r{i}", tuple(p), case.params(i)))
         t_first = None
         while engine.has_work():
             for o in step():
@@ -344,7 +386,8 @@ class PddgwSide:
                                f"request, expected {output_len}")
         return Run(t_first - t0, t_end - t0, tokens)
 
-    def breakdown(self, prompts: list[list[int]], output_len: int, kind: str) -> Breakdown:
+    def breakdown(self, prompts: list[list[int]], output_len: int, kind: str,
+                  sampling: Sampling | None = None) -> Breakdown:
         """One extra run with every phase timed (module globals patched for its duration)."""
         import pddgw.engines.model as model_mod
         import pddgw.engines.torch_engine as engine_mod
@@ -354,7 +397,7 @@ class PddgwSide:
         model_mod.paged_attention = timer.wrap("attention", saved[0])
         engine_mod.sample = timer.wrap("sampling", saved[1])
         try:
-            self.run(prompts, output_len, timer)
+            self.run(prompts, output_len, timer, sampling)
         finally:
             model_mod.paged_attention, engine_mod.sample = saved
         return timer.breakdown(skip_first=kind == "decode")
@@ -367,7 +410,7 @@ class TransformersSide:
         self.model = model
         self.device = device
 
-    def run(self, prompts: list[list[int]], output_len: int) -> Run:
+    def run(self, prompts: list[list[int]], output_len: int, sampling: Sampling | None = None) -> Run:
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         stamps: list[float] = []
@@ -381,13 +424,18 @@ class TransformersSide:
 
         ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)   # [B, L]
         mask = torch.ones_like(ids)     # equal lengths: left padding is empty
+        how: dict = {"do_sample": False}
+        if sampling is not None:        # top_k 0: generate's default top-k (50) off
+            how = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                   "top_k": 0}
+            torch.manual_seed(sampling.seed)
         gc.collect()
         t0 = time.perf_counter()
         with torch.inference_mode():
             gen = self.model.generate(input_ids=ids, attention_mask=mask,
                                       max_new_tokens=output_len, min_new_tokens=output_len,
-                                      do_sample=False, pad_token_id=0,
-                                      stopping_criteria=StoppingCriteriaList([_Stamp()]))
+                                      pad_token_id=0, stopping_criteria=StoppingCriteriaList([_Stamp()]),
+                                      **how)
         t_end = time.perf_counter()
         new = gen[:, ids.shape[1]:]                                    # [B, N]
         if new.shape[1] != output_len or len(stamps) != output_len:
@@ -407,6 +455,7 @@ class VllmSide:
     """vLLM in its own python (pddgw/bench/vllm_side.py), JSON lines over stdin/stdout."""
 
     name = "vllm"
+    samples = False       # vllm_side.py runs greedy only
 
     def __init__(self, python: str, checkpoint: str, dtype_name: str, threads: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -461,7 +510,7 @@ class VllmSide:
             raise VllmUnavailable(f"{reply.get('error')}\n{self._log_tail()}")
         return reply
 
-    def run(self, prompts: list[list[int]], output_len: int) -> Run:
+    def run(self, prompts: list[list[int]], output_len: int, sampling: None = None) -> Run:
         r = self._call({"op": "run", "prompts": prompts, "output_len": output_len})
         return Run(r["to_first"], r["total"], tuple(tuple(t) for t in r["tokens"]))
 
@@ -479,9 +528,22 @@ class VllmSide:
 # ---- driver -------------------------------------------------------------------------
 
 def cases(s: Settings) -> list[Case]:
-    out = [Case("decode", b, s.decode_prompt_len, s.decode_output_len) for b in s.decode_batches]
+    """Every decode batch, each sampled one right after its greedy twin, then prefill."""
+    out = []
+    for b in s.decode_batches:
+        out.append(Case("decode", b, s.decode_prompt_len, s.decode_output_len))
+        if b in s.sampled_batches:
+            out.append(Case("decode", b, s.decode_prompt_len, s.decode_output_len, s.sampling))
     out.append(Case("prefill", s.prefill_batch, s.prefill_prompt_len, 1))
     return out
+
+
+def case_prompts(todo: Sequence[Case], vocab: int) -> list[list[list[int]]]:
+    """Prompts per case: one set per `prompt_key`, salted by its order (greedy cases as before)."""
+    salts: dict[tuple[str, int, int], int] = {}
+    for c in todo:
+        salts.setdefault(c.prompt_key, len(salts))
+    return [make_prompts(c.batch, c.prompt_len, vocab, salts[c.prompt_key]) for c in todo]
 
 
 def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[int]]],
@@ -497,28 +559,37 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
         for c, p in zip(todo, prompts):
             results = {}
             for side in order:
-                r = side.run(p, c.output_len)
+                if c.sampling is not None and not getattr(side, "samples", True):
+                    continue
+                r = side.run(p, c.output_len, sampling=c.sampling)
                 times[(c, side.name)].append(r.seconds(c.kind))
                 results[side.name] = r.tokens
             match[c] = match[c] and results["pddgw"] == results["transformers"]
             if "vllm" in results:
                 vmatch[c] = vmatch[c] and results["pddgw"] == results["vllm"]
             progress(f"repeat {rep + 1}/{repeats} {c.label}: " + ", ".join(
-                f"{n} {times[(c, n)][-1] * 1e3:.0f} ms" for n in names))
+                f"{n} {times[(c, n)][-1] * 1e3:.0f} ms" for n in names if times[(c, n)]))
     ours_side = next(side for side in sides if side.name == "pddgw")
+    greedy_tps = {c.prompt_key: c.measured_tokens / best(times[(c, "pddgw")])
+                  for c in todo if c.sampling is None}
     rows = []
     for c, p in zip(todo, prompts):
-        tps = {n: c.measured_tokens / best(times[(c, n)]) for n in names}
+        tps = {n: c.measured_tokens / best(times[(c, n)]) for n in names if times[(c, n)]}
         has_vllm = "vllm" in tps
+        s = c.sampling
         rows.append(Row(c.label, c.kind, c.batch, c.prompt_len, c.output_len, c.measured_tokens,
                         best(times[(c, "pddgw")]), best(times[(c, "transformers")]),
                         tps["pddgw"], tps["transformers"], ratio(tps["pddgw"], tps["transformers"]),
-                        match[c],
+                        match[c] if s is None else None,
+                        sampling="greedy" if s is None else
+                        f"temperature={s.temperature} top_p={s.top_p} seed={s.seed}+i",
+                        ratio_greedy=None if s is None else ratio(tps["pddgw"], greedy_tps.get(c.prompt_key)),
                         vllm_s=best(times[(c, "vllm")]) if has_vllm else None,
                         vllm_tok_s=tps.get("vllm"),
                         ratio_vllm=ratio(tps["pddgw"], tps.get("vllm")),
                         vllm_tokens_match=vmatch[c] if has_vllm else None,
-                        breakdown=ours_side.breakdown(p, c.output_len, c.kind) if breakdown else None))
+                        breakdown=(ours_side.breakdown(p, c.output_len, c.kind, c.sampling)
+                                   if breakdown else None)))
     return rows
 
 
@@ -526,12 +597,12 @@ def _vllm_python(arg: str | None) -> str | None:
     return arg if arg is not None else (os.environ.get("PDDGW_VLLM_PYTHON") or None)
 
 
-def _engine_overrides(cuda_graphs: str | None) -> tuple[dict, str]:
+def _engine_overrides(cuda_graphs: str | None, device: str) -> tuple[dict, str]:
     """EngineConfig fields for --cuda-graphs, and what the report says about it."""
     if cuda_graphs is None:
         return {}, "default"
-    if "cuda_graphs" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-        return {}, f"{cuda_graphs} ignored: EngineConfig has no cuda_graphs field"
+    if cuda_graphs == "on" and not device.startswith("cuda"):
+        return {}, f"on ignored: CUDA graphs need a CUDA device, not {device!r}"
     return {"cuda_graphs": cuda_graphs == "on"}, cuda_graphs
 
 
@@ -546,7 +617,7 @@ def run_benchmark(settings: Settings, dtype_name: str,
 
     transformers.logging.set_verbosity_error()
     dtype = DTYPES[dtype_name]
-    overrides, graphs_note = _engine_overrides(cuda_graphs)
+    overrides, graphs_note = _engine_overrides(cuda_graphs, device)
     todo = cases(settings)
     threads = torch.get_num_threads()
     vllm: VllmSide | None = None
@@ -574,8 +645,7 @@ def run_benchmark(settings: Settings, dtype_name: str,
     sides: list = [PddgwSide(ours, dtype, device, overrides), TransformersSide(theirs, device)]
     if vllm is not None:
         sides.append(vllm)
-    prompts = [make_prompts(c.batch, c.prompt_len, settings.model.vocab_size, i)
-               for i, c in enumerate(todo)]
+    prompts = case_prompts(todo, settings.model.vocab_size)
     warm = make_prompts(2, 8, settings.model.vocab_size, -1)
     try:
         for side in list(sides):
@@ -610,10 +680,15 @@ def render(report: Report) -> str:
             f"vLLM: {report.vllm}\n")
     table = format_table(
         ["case", "prompt", "output", "pddgw tok/s", "transformers tok/s", "vllm tok/s",
-         "pddgw/tf", "pddgw/vllm", "tokens_match", "vllm_match"],
+         "pddgw/tf", "pddgw/vllm", "sampled/greedy", "tokens_match", "vllm_match"],
         [(r.case, r.prompt_len, r.output_len, r.pddgw_tok_s, r.transformers_tok_s, r.vllm_tok_s,
-          r.ratio, r.ratio_vllm, r.tokens_match, r.vllm_tokens_match) for r in report.rows])
-    out = head + table
+          r.ratio, r.ratio_vllm, r.ratio_greedy, r.tokens_match, r.vllm_tokens_match)
+         for r in report.rows])
+    s = report.settings.sampling
+    out = head + table + (f"\nsampled: temperature {s.temperature}, top_p {s.top_p}, no top-k, request i "
+                          f"seeded {s.seed}+i; sampled/greedy = pddgw tok/s over its greedy row's; "
+                          f"tokens_match '-': transformers samples with its own RNG; no vLLM "
+                          f"(greedy only)")
     if any(r.breakdown for r in report.rows):
         out += "\n\npddgw per step, ms (decode: steps after the first token; prefill: its step)\n"
         out += format_table(

@@ -45,11 +45,47 @@ A row that filters nothing (top_k 0, top_p 1, min_p 0) skips steps 2-4: its
 CDF runs in vocabulary order, so pure temperature sampling sorts nothing.
 Greedy rows (temperature 0) take torch.argmax (the first maximum).  Only the
 sampled ids cross to the host: one `.tolist()` of an int64 [S] tensor.
+
+Speculative prefix (CPU; `_sample_speculative`).  Why: a top-p or min-p row
+without a small top-k needs the candidates in order only as far as its kept
+set reaches, usually tens to hundreds of tokens, but step 2 sorts the whole
+vocabulary: a stable float sort of 32000 entries costs ~2.5 ms per row on
+one CPU core, ~80 ms at batch 32, more than the rest of a decode step.
+What, after step 1 (computed a few rows at a time, in reused buffers):
+
+    a. a floor f: every kept token should have p >= f.  Level 1: p_max / 4096
+       for top-p (on the engine bench's model it holds the top-p 0.95 set of
+       every row, ~300 tokens), min_p * p_max for min-p (exact);
+    b. the logit cut x_max + T * log(f / p_max), lowered by a relative 1e-6
+       margin: {x >= cut} holds every token with p >= f and is a prefix of
+       the (logit desc, id asc) order, ties included (the cut is on the
+       logit, so this holds even where exp rounds non-monotonically);
+    c. those tokens (a nonzero of the mask, read 8 bytes at a time), sorted
+       by one stable sort of (row, logit desc) keys: per row, exactly the
+       first n candidates of the full stable sort, in [R, 1024] columns;
+    d. steps 3-5 on them.  Prefix values of the cdf do not depend on how
+       many columns follow and min-p is counted over the whole row, so
+       wherever the kept set ends within the n candidates (keep <= n) the
+       token is the full sort's, bit for bit.
+
+Fallback, for the rows where keep > n: level 2 repeats b-d with the floor
+from a histogram of the row's top-p mass (quarter-octave buckets of p: the
+top 12 bits of its float64, one shift and one scatter_add; the floor of the
+bucket where the mass from the top reaches top_p + 1e-9), which holds the
+top-p set of any row; level 3, for what is left (more than 1024 candidates,
+e.g. a nearly flat distribution), is the full sort.  Which rows go on is a
+nonzero over the rows: on the CPU its size is host metadata, not a read of
+the data.  Any floor is therefore exact; a and the histogram only decide how
+often the later levels run.  On CUDA the full sort stays (a GPU sorts the
+vocabulary in well under a millisecond, and each data-dependent shape would
+be a host sync); the tests pin the paths equal on many rows, ties and dtypes.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -60,6 +96,14 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 _TOPK_FRACTION = 4          # top-k path when k <= vocab / 4; above that a full sort is as cheap
+_SPECULATIVE_CAP = 1024     # the longest speculative prefix (columns); longer rows take the full sort
+_BUCKETS = 4096             # quarter-octave buckets of a float64 p in [0, 1]: its 12 bits after the sign
+_BLOCK_BYTES = 1 << 21      # rows per pass of the speculative path's softmax: ~2 MB of float64
+_TOP_BUCKETS = 256          # buckets searched for the top-p cut: p >= 2**-63
+_MASS_SLACK = 1e-9          # bucket masses sum in another order than the cdf: aim a little past top_p
+_SCRATCH_MAX_BYTES = 64 << 20  # reused buffers kept per thread up to this size
+_WINDOW = 2.0 ** -12        # first floor: p_max / 4096 (tokens within ~8.3 T of the top logit)
+_CUT_MARGIN = 1e-6          # relative margin on the logit cut, far above the rounding of p vs the cut
 
 
 def _signed(c: int) -> int:
@@ -108,6 +152,75 @@ def _order_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.add(low, bits, alpha=1 << 32)                    # [R, V] int64: bits * 2**32 + ~id, exact
 
 
+class _Rows(NamedTuple):
+    """The per-row sampling parameters of R rows, as tensors on the logits' device."""
+
+    temp: torch.Tensor      # float64 [R]
+    top_p: torch.Tensor     # float64 [R]; 2.0 where top_p is 1 (no cdf reaches it: keeps everything)
+    min_p: torch.Tensor     # float64 [R]
+    top_k: torch.Tensor     # int64 [R]; vocab where top_k is 0 or >= vocab
+    u: torch.Tensor         # float64 [R, 1] the position-keyed draws
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams], positions: Sequence[int], vocab: int, dev: torch.device) -> "_Rows":
+        f64 = dict(dtype=torch.float64, device=dev)
+        seeds = torch.tensor([p.seed for p in params], dtype=torch.int64, device=dev)        # [R]
+        pos = torch.tensor(list(positions), dtype=torch.int64, device=dev)                   # [R]
+        return _Rows(torch.tensor([p.temperature for p in params], **f64),
+                     torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], **f64),
+                     torch.tensor([p.min_p for p in params], **f64),
+                     torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                                  dtype=torch.int64, device=dev),
+                     position_uniforms(seeds, pos)[:, None])
+
+    def take(self, index: torch.Tensor) -> "_Rows":
+        return _Rows(*(t.index_select(0, index) for t in self))
+
+
+def _probs(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    """x [R, V] logits -> float64 [R, V] softmax(x / T) (x promoted exactly; a per-row kernel)."""
+    return torch.softmax(x / rows.temp[:, None], dim=-1)
+
+
+def _keep(cand_p: torch.Tensor, cdf: torch.Tensor, counted: torch.Tensor, rows: _Rows, vocab: int,
+          top_p: bool, min_p: bool) -> torch.Tensor:
+    """How many candidates the filters keep (int64 [R], >= 1), before clamping to the columns.
+
+    cand_p [R, K] the candidates' probabilities (non-increasing), cdf [R, K] their cumsum,
+    counted [R, *] the probabilities min-p counts (the top-k candidates, or the whole row:
+    as each path always did).  top_p / min_p False: that filter keeps everything in this
+    batch (skipped: same result).  Where the top-p prefix does not end within the K
+    columns its count is K + 1.
+    """
+    keep = rows.top_k.clamp(1, vocab)                                                    # [R]
+    if top_p:
+        keep = torch.minimum(keep, torch.searchsorted(cdf, rows.top_p[:, None]).squeeze(1) + 1)  # first cdf >= top_p
+    if min_p:
+        keep = torch.minimum(keep, (counted >= rows.min_p[:, None] * cand_p[:, :1]).sum(dim=-1))
+    return keep.clamp_min(1)
+
+
+def _draw(cand: torch.Tensor, cdf: torch.Tensor, keep: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    """The first candidate whose cdf exceeds u * cdf[keep - 1]; keep int64 [R] in [1, K] -> int64 [R]."""
+    target = rows.u * cdf.gather(1, (keep - 1)[:, None])                                 # [R, 1]
+    idx = torch.minimum(torch.searchsorted(cdf, target, right=True).squeeze(1), keep - 1)  # first cdf > target
+    return cand.gather(1, idx[:, None]).squeeze(1)                                       # [R]
+
+
+def _sorted_rows(x: torch.Tensor, probs: torch.Tensor, rows: _Rows, k_bound: int, top_p: bool,
+                 min_p: bool) -> torch.Tensor:
+    """Candidates by topk of `_order_keys` (k_bound > 0) or a stable full sort (0) -> int64 [R]."""
+    vocab = x.shape[1]
+    if k_bound and x.dtype != torch.float64:    # (float64 has no room for the id in a key: full sort)
+        cand = torch.topk(_order_keys(x), k_bound, dim=-1).indices                       # [R, K] distinct keys
+    else:
+        cand = x.sort(dim=-1, descending=True, stable=True).indices                      # [R, V]
+    p = probs.gather(1, cand)                                                            # [R, K] non-increasing
+    cdf = p.cumsum(dim=-1)                                                               # [R, K] non-decreasing
+    keep = _keep(p, cdf, p, rows, vocab, top_p, min_p).clamp_max(cand.shape[1])          # [R]
+    return _draw(cand, cdf, keep, rows)
+
+
 def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
                  k_bound: int) -> torch.Tensor:
     """x [R, V] logits of non-greedy rows -> int64 [R] token ids (on x's device).
@@ -117,38 +230,210 @@ def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], positions: S
     the same prefix for any bound); 0: a stable sort of the whole vocabulary;
     -1: no row filters anything, the CDF runs in vocabulary order (no sort).
     """
-    dev, vocab = x.device, x.shape[1]
-    f64 = dict(dtype=torch.float64, device=dev)
-    temp = torch.tensor([p.temperature for p in params], **f64)                          # [R]
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], **f64)     # [R]
-    min_p = torch.tensor([p.min_p for p in params], **f64)                               # [R]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-                         dtype=torch.int64, device=dev)                                  # [R]
-    seeds = torch.tensor([p.seed for p in params], dtype=torch.int64, device=dev)        # [R]
-    pos = torch.tensor(list(positions), dtype=torch.int64, device=dev)                   # [R]
-    u = position_uniforms(seeds, pos)[:, None]                                           # [R, 1]
-
-    probs = torch.softmax(x / temp[:, None], dim=-1)             # [R, V] float64 (x promoted exactly)
+    rows = _Rows.of(params, positions, x.shape[1], x.device)
+    probs = _probs(x, rows)                                                              # [R, V] float64
     if k_bound < 0:
         cdf = probs.cumsum(dim=-1)                                                       # [R, V]
-        idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)            # first cdf > target
-        return idx.clamp_max(vocab - 1)
-    if k_bound and x.dtype != torch.float64:    # (float64 has no room for the id in a key: full sort)
-        cand = torch.topk(_order_keys(x), k_bound, dim=-1).indices                       # [R, K] distinct keys
-    else:
-        cand = x.sort(dim=-1, descending=True, stable=True).indices                      # [R, V]
-    k = cand.shape[1]
-    p = probs.gather(1, cand)                                                            # [R, K] non-increasing
-    cdf = p.cumsum(dim=-1)                                                               # [R, K] non-decreasing
-    keep = top_k.clamp(1, k)                                                             # [R]
-    if any(q.top_p < 1.0 for q in params):     # (a filter that keeps everything is skipped: same result)
-        keep = torch.minimum(keep, torch.searchsorted(cdf, top_p[:, None]).squeeze(1) + 1)  # first cdf >= top_p
-    if any(q.min_p > 0.0 for q in params):
-        keep = torch.minimum(keep, (p >= min_p[:, None] * p[:, :1]).sum(dim=-1))         # p non-increasing
-    keep = keep.clamp(1, k)                                                              # [R]
-    target = u * cdf.gather(1, (keep - 1)[:, None])                                      # [R, 1]
-    idx = torch.minimum(torch.searchsorted(cdf, target, right=True).squeeze(1), keep - 1)  # first cdf > target
-    return cand.gather(1, idx[:, None]).squeeze(1)                                       # [R]
+        idx = torch.searchsorted(cdf, rows.u * cdf[:, -1:], right=True).squeeze(1)       # first cdf > target
+        return idx.clamp_max(x.shape[1] - 1)
+    return _sorted_rows(x, probs, rows, k_bound, any(q.top_p < 1.0 for q in params),
+                        any(q.min_p > 0.0 for q in params))
+
+
+def _logit_cut(floor: torch.Tensor, xmax: torch.Tensor, pmax: torch.Tensor, temp: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """float64 [R] probabilities -> [R] logits (in dtype) at or below those of every p >= floor.
+
+    p_j = exp((x_j - x_max) / T) * p_max up to a few ulps, so p_j >= floor means
+    x_j >= x_max + T * log(floor / p_max); the margin covers that rounding (and the
+    cast) many times over.  floor 0 gives -inf (every token).
+    """
+    cut = xmax + temp * (torch.log(floor) - torch.log(pmax))                              # [R]
+    return (cut - _CUT_MARGIN * (1.0 + cut.abs())).to(dtype)
+
+
+def _at_least(xs: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """Flat indices (ascending) of xs [R, V] >= cut [R, 1]: int64 [M], M a few % of R * V.
+
+    nonzero over the mask's 8-byte words first, then over the hit words' bytes:
+    a sparse mask is read a word, not a byte, at a time (several times faster).
+    """
+    total = xs.numel()
+    mask = _scratch.get("mask", -(-total // 8) * 8, torch.bool, xs.device)              # [8W] padded
+    mask[total:] = False
+    torch.ge(xs, cut, out=mask[:total].view(xs.shape))
+    words = mask.view(torch.int64).nonzero().squeeze(1)                                  # [W'] words with a hit
+    hits = mask.view(-1, 8).index_select(0, words).view(-1).nonzero().squeeze(1)        # [M] in those words' bytes
+    return words[hits >> 3] * 8 + (hits & 7)                                             # [M]
+
+
+class _Scratch(threading.local):
+    """Per-thread buffers the speculative path reuses from step to step (CPU only).
+
+    Why: glibc hands freed multi-MB blocks back to the kernel, so fresh [R, V] float64
+    tensors every step page-fault on first touch: the softmax of 8 x 32000 logits took
+    2.6 ms with fresh buffers, 0.5 ms in reused ones.  One set per thread (engines
+    sample in their worker threads); buffers over 64 MB are not kept.  Nothing that
+    views them outlives the call.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of numel elements (uninitialised), this thread's `name` buffer when it fits."""
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            if numel * buf.element_size() <= _SCRATCH_MAX_BYTES:
+                self.buffers[name] = buf
+        return buf[:numel]
+
+
+_scratch = _Scratch()
+
+
+def _blocked_probs(x: torch.Tensor, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, V] -> (probs float64 [R, V] = `_probs(x, rows)` bit for bit, p_max float64 [R]).
+
+    A few rows at a time (~2 MB of float64 each) through one reused scratch: every pass
+    over a block stays in the cache, faster on one core than whole-batch passes over
+    [R, V] float64 arrays.  The softmax is a per-row kernel: blocks change nothing.
+    probs is this thread's scratch: valid until its next call.
+    """
+    r, vocab = x.shape
+    f64 = dict(dtype=torch.float64, device=x.device)
+    block = max(1, _BLOCK_BYTES // (8 * vocab))
+    probs = _scratch.get("probs", r * vocab, torch.float64, x.device).view(r, vocab)    # [R, V]
+    pmax = torch.empty(r, **f64)
+    scaled = _scratch.get("scaled", min(block, r) * vocab, torch.float64, x.device).view(-1, vocab)  # [b, V]
+    for i in range(0, r, block):
+        j = min(r, i + block)
+        t, p = scaled[: j - i], probs[i:j]
+        torch.div(x[i:j], rows.temp[i:j, None], out=t)                                   # x promoted exactly
+        torch.ops.aten._softmax.out(t, -1, False, out=p)                                 # = torch.softmax(t)
+        torch.amax(p, dim=-1, out=pmax[i:j])
+    return probs, pmax
+
+
+def _first_floor(pmax: torch.Tensor, rows: _Rows, min_p: bool) -> torch.Tensor:
+    """Level 1: float64 [R] p_max / 4096 for top-p rows, at least min_p * p_max (exact for min-p)."""
+    floor = torch.where(rows.top_p < 1.0, pmax * _WINDOW, 0.0)                           # [R]
+    return torch.maximum(floor, rows.min_p * pmax) if min_p else floor
+
+
+def _second_floor(probs: torch.Tensor, pmax: torch.Tensor, rows: _Rows, min_p: bool) -> torch.Tensor:
+    """Level 2: float64 [R] a p below which no token is in the top-p set (0: none), at least
+    min_p * p_max.
+
+    The floor of the quarter-octave bucket of p (sign, exponent and two mantissa bits of
+    the float64: one shift) at which the mass summed per bucket from the top reaches
+    top_p + 1e-9 (the slack covers the other summation order).  Only p >= 2**-63 is
+    searched; a row not reaching top_p there gets 0.
+    """
+    r = probs.shape[0]
+    bucket = (probs.view(torch.int64) >> 50).bitwise_and_(_BUCKETS - 1)                  # [R, V] (&: NaN-safe)
+    mass = torch.zeros(r, _BUCKETS, dtype=torch.float64, device=probs.device)
+    mass = mass.scatter_add_(1, bucket, probs)[:, -_TOP_BUCKETS:].flip(1).cumsum(dim=1)  # [R, 256] from the top
+    j = torch.searchsorted(mass, rows.top_p[:, None] + _MASS_SLACK).squeeze(1)           # [R] 256: never
+    edge = ((_BUCKETS - 1 - j) << 50).view(torch.float64)                                # [R] that bucket's floor
+    floor = torch.where((rows.top_p < 1.0) & (j < _TOP_BUCKETS), edge, 0.0)
+    return torch.maximum(floor, rows.min_p * pmax) if min_p else floor
+
+
+def _prefix_candidates(x: torch.Tensor, probs: torch.Tensor, pmax: torch.Tensor, floor: torch.Tensor,
+                       temp: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefix of each row's (logit desc, id asc) order holding every p >= floor [R].
+
+    -> (cand int64 [R, cap] ids, cand_p float64 [R, cap] their probabilities, n int64 [R]):
+    the first n of each row are exactly the first n of the stable full sort, the rest
+    padding (id 0, p 0: the cdf stays flat).  n is 0 where the prefix exceeds `cap`.
+    cand and cand_p are this thread's scratch: valid until its next call.
+    """
+    r, vocab = x.shape
+    dev = x.device
+    xs = (x if x.dtype == torch.float64 else x.float()).contiguous()                     # [R, V] exact
+    xmax = xs.amax(dim=-1).to(torch.float64)                                             # [R]
+    # The tokens at or above the logit cut: a prefix of the order, ties included.
+    flat = _at_least(xs, _logit_cut(floor, xmax, pmax, temp, xs.dtype)[:, None])         # [M] row-major, ids asc
+    row = torch.div(flat, vocab, rounding_mode="floor")                                  # [M]
+    count = torch.bincount(row, minlength=r)                                             # [R]
+    fits = count <= cap                                                                  # [R]
+    n = torch.where(fits, count, 0)                                                      # [R] rows over cap: none
+    flat = flat[fits[row]]                                                               # [M']
+    # Sorted by (row, logit desc, id asc); ties keep the ids' ascending order (stable).
+    flat = flat[_row_order_keys(xs.view(-1)[flat], flat, vocab).sort(stable=True).indices]   # [M']
+    row = torch.div(flat, vocab, rounding_mode="floor")                                  # [M']
+    col = torch.arange(flat.shape[0], device=dev) - (n.cumsum(0) - n)[row]              # [M'] rank in its row
+    cand = _scratch.get("cand", r * cap, torch.int64, dev).view(r, cap).zero_()
+    cand_p = _scratch.get("cand_p", r * cap, torch.float64, dev).view(r, cap).zero_()
+    cand.index_put_((row, col), flat - row * vocab)
+    cand_p.index_put_((row, col), probs.view(-1)[flat])
+    return cand, cand_p, n
+
+
+def _row_order_keys(v: torch.Tensor, flat: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits v [M] at flat indices [M] -> int64 [M] keys ascending in (row, logit desc).
+
+    float32 logits: the row above 32 bits, below them the float bits made monotone and
+    inverted (-0.0 first made +0.0: the full sort sees them equal).  float64 has no room
+    beside the row: a stable sort by logit first, its rank as the low bits.
+    """
+    row = torch.div(flat, vocab, rounding_mode="floor")                                  # [M]
+    if v.dtype == torch.float64:
+        rank = torch.empty_like(flat)
+        rank[v.sort(descending=True, stable=True).indices] = torch.arange(v.shape[0], device=v.device)
+        return row * (1 << 32) + rank                                                    # (M < 2**32)
+    bits = (v + 0.0).view(torch.int32).to(torch.int64)                                   # [M] signed bits
+    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)                                            # monotone in v
+    return row * (1 << 32) + ((1 << 31) - 1 - mono)                                      # low: in [0, 2**32)
+
+
+def _prefix_draw(x: torch.Tensor, probs: torch.Tensor, pmax: torch.Tensor, floor: torch.Tensor, rows: _Rows,
+                 top_p: bool, min_p: bool, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 3-5 on the prefix holding p >= floor -> (int64 [R] ids, bool [R] exact).
+
+    exact: the kept set ends within the prefix, so the id is the full sort's, bit for
+    bit; elsewhere the id is meaningless.
+    """
+    vocab = x.shape[1]
+    cand, cand_p, n = _prefix_candidates(x, probs, pmax, floor, rows.temp, cap)          # [R, cap] x 2, [R]
+    cdf = cand_p.cumsum(dim=-1)                                                # [R, cap]: the full cdf's prefix
+    # min-p counted over the whole row: a permutation of the full sort's p, the same count.
+    keep = _keep(cand_p, cdf, probs, rows, vocab, top_p, min_p)                          # [R]
+    return _draw(cand, cdf, keep.clamp_max(cap), rows), keep <= n
+
+
+def _sample_speculative(x: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+                        cap: int = 0) -> torch.Tensor:
+    """The full-sort rows of `_sample_rows(x, params, positions, 0)`, bit-identical, without
+    sorting the vocabulary where a short prefix of the order holds the kept set: the
+    three levels of the module docstring ("speculative prefix").  -> int64 [R].
+
+    (Which rows go on to the next level is a nonzero over the rows: on the CPU its size
+    is host metadata, not a read of the data.)
+    """
+    vocab = x.shape[1]
+    cap = min(cap or _SPECULATIVE_CAP, vocab)
+    rows = _Rows.of(params, positions, vocab, x.device)
+    top_p, min_p = any(q.top_p < 1.0 for q in params), any(q.min_p > 0.0 for q in params)
+    probs, pmax = _blocked_probs(x, rows)                                                # [R, V], [R]
+    # 1. The prefix down to p_max / 4096.
+    ids, exact = _prefix_draw(x, probs, pmax, _first_floor(pmax, rows, min_p), rows, top_p, min_p, cap)
+    rest = (~exact).nonzero().squeeze(1)                                                 # [F]
+    if rest.shape[0] and top_p:
+        # 2. Those rows again, from the floor of their top-p mass histogram.
+        sub, p_sub, pmax_sub = rows.take(rest), probs.index_select(0, rest), pmax.index_select(0, rest)
+        got, ok = _prefix_draw(x.index_select(0, rest), p_sub, pmax_sub,
+                               _second_floor(p_sub, pmax_sub, sub, min_p), sub, top_p, min_p, cap)
+        ids.index_copy_(0, rest, got)
+        rest = rest[~ok]                                                                 # [F']
+    if rest.shape[0]:
+        # 3. The full sort.
+        full = _sorted_rows(x.index_select(0, rest), probs.index_select(0, rest), rows.take(rest), 0,
+                            top_p, min_p)                                                # [F']
+        ids.index_copy_(0, rest, full)
+    return ids
 
 
 def _group(p: SamplingParams, vocab: int) -> int:
@@ -160,6 +445,15 @@ def _group(p: SamplingParams, vocab: int) -> int:
     if p.top_p >= 1.0 and p.min_p == 0.0 and not 0 < p.top_k < vocab:
         return -1
     return 0
+
+
+def _speculate(x: torch.Tensor, params: Sequence[SamplingParams]) -> bool:
+    """Full-sort rows take the speculative prefix on the CPU, when top-p or min-p can bound it.
+
+    (On CUDA a sort of the vocabulary is cheap and the data-dependent shapes of the
+    speculative path would each cost a host sync.)
+    """
+    return x.device.type == "cpu" and any(p.top_p < 1.0 or p.min_p > 0.0 for p in params)
 
 
 def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:
@@ -180,6 +474,8 @@ def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams], positions
         x = logits if index is None else logits.index_select(0, index)                   # [R, V]
         if mode == -2:
             ids = torch.argmax(x, dim=-1)                                                # the first maximum
+        elif mode == 0 and _speculate(x, [params[i] for i in rows]):
+            ids = _sample_speculative(x, [params[i] for i in rows], [positions[i] for i in rows])
         else:
             k_bound = max(params[i].top_k for i in rows) if mode == 1 else mode
             ids = _sample_rows(x, [params[i] for i in rows], [positions[i] for i in rows], k_bound)

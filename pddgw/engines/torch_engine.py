@@ -4,6 +4,12 @@ One `step` = schedule -> pack the chunks into one batch -> one forward ->
 sample the sequences that are fully computed -> publish full blocks to the
 prefix cache -> finish what stopped.  The bookkeeping is `PagedEngine`'s;
 this module is the model math and the KV pool.  See `Engine` for the contract.
+
+Log-probabilities (`SamplingParams.logprobs`) are computed on the logits'
+device for only the rows that asked (`sampler.logprobs`: log_softmax of the
+raw logits); what crosses to the host is the S sampled ids plus [R] + [R, k]
++ [R, k] values, in one transfer.  Without them the step is unchanged: one
+`.tolist()` of the S ids.
 """
 
 from __future__ import annotations
@@ -13,13 +19,13 @@ import torch
 from pddgw.config import Config, ConfigError, EngineConfig
 from pddgw.engines.base import register_engine
 from pddgw.engines.kv_pool import DTYPE_NAMES, DTYPES, KVPool, buffer_to_tensor, tensor_to_buffer
-from pddgw.engines.paged import PagedEngine
-from pddgw.engines.sampler import sample
+from pddgw.engines.paged import PagedEngine, Sampled
+from pddgw.engines.sampler import logprobs, sample, sample_ids
 from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.step_inputs import IncrementalInputs, ListInputs
 from pddgw.engines.tokenizer import Tokenizer
-from pddgw.engines.types import KVChunk, RequestError
+from pddgw.engines.types import LOGPROB_FLOOR, KVChunk, RequestError, SamplingParams, TokenLogprobs
 from pddgw.engines.weights import load_model
 from pddgw.kernels import get_ops
 
@@ -33,14 +39,37 @@ class TorchEngine(PagedEngine):
         super().__init__(spec, cfg, DTYPE_NAMES[dtype], cfg.num_blocks, max_model_len)
         self.model = model
         self.device = torch.device(cfg.device)
+        # CPU: oneDNN-prepacked GEMM weights (model.py); a no-op elsewhere and for float64.
+        if self.device.type == "cpu" and hasattr(model, "prepack"):
+            model.prepack()
         self.ops = get_ops(cfg.attention_backend, cfg.device)
         self.pool = KVPool(spec.num_layers, cfg.num_blocks, cfg.block_size, spec.num_kv_heads,
                            spec.head_dim, dtype, cfg.device)
         # Step inputs: decode batches from persistent device tensors (step_inputs.py).
         bs = cfg.block_size
+        max_blocks = min(cfg.num_blocks, -(-self.max_model_len // bs))   # widest block table
         self.inputs: IncrementalInputs | ListInputs = IncrementalInputs(
             bs, self.device, self.ops, self._to_sample, max_rows=cfg.max_num_seqs,
-            max_blocks=min(cfg.num_blocks, -(-self.max_model_len // bs)))
+            max_blocks=max_blocks)
+        # CUDA graphs (cuda_graphs.py): decode steps replay graphs captured here; `self.model`
+        # becomes the runner, called like the model, which runs anything else eagerly.
+        self.graphs = None
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            from pddgw.engines.cuda_graphs import CudaGraphRunner
+            from pddgw.kernels import reference
+
+            if self.ops is reference:
+                import structlog
+
+                structlog.get_logger(__name__).warning(
+                    "engine.cuda_graphs: the torch attention backend cannot be captured; "
+                    "decode steps run eagerly (use attention_backend = \"triton\")")
+            else:
+                self.graphs = CudaGraphRunner(model, self.pool.caches, self.ops,
+                                              max_num_seqs=cfg.max_num_seqs, max_blocks=max_blocks,
+                                              device=self.device)
+                self.graphs.capture()
+                self.model = self.graphs
 
     @classmethod
     def from_config(cls, config: Config, engine: EngineConfig | None = None) -> tuple["TorchEngine", Tokenizer]:
@@ -87,7 +116,7 @@ class TorchEngine(PagedEngine):
         self.pool.write(seq.block_ids, start, data[:, :, start - chunk.token_start :], chunk.layer_start)
 
     # ---- the forward ------------------------------------------------------------------
-    def _forward(self, chunks: list[Chunk]) -> dict[str, int]:
+    def _forward(self, chunks: list[Chunk]) -> dict[str, Sampled]:
         """Pack the chunks, run the model, sample the sequences that are complete."""
         inputs = self.inputs.build(chunks)
         to_sample = inputs.to_sample
@@ -97,6 +126,39 @@ class TorchEngine(PagedEngine):
         if not to_sample:
             return {}
         seqs = [chunks[i].seq for i in to_sample]
+        params = [s.sampling for s in seqs]
+        positions = [s.num_outputs for s in seqs]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            return _sample_with_logprobs(logits, seqs, params, positions, want)
         # On the logits' device; only the S sampled ids cross to the host.
-        tokens = sample(logits, [s.sampling for s in seqs], [s.num_outputs for s in seqs])
-        return {s.request_id: t for s, t in zip(seqs, tokens)}
+        tokens = sample(logits, params, positions)
+        return {s.request_id: (t, None) for s, t in zip(seqs, tokens)}
+
+
+def _sample_with_logprobs(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+                          positions: list[int], want: list[int]) -> dict[str, Sampled]:
+    """Sample every row; the logprobs of the rows in `want` (those that asked), on the logits'
+    device.  One transfer to the host: the S ids, and [R] + [R, k] + [R, k] values (k the largest
+    number of alternatives asked for; each row keeps its own first k_i)."""
+    n = len(seqs)
+    ids = sample_ids(logits, params, positions)                                          # int64 [S]
+    k = max(params[i].logprobs or 0 for i in want)
+    index = None if len(want) == n else torch.tensor(want, dtype=torch.int64, device=logits.device)
+    x = logits if index is None else logits.index_select(0, index)                      # [R, vocab]
+    y = ids if index is None else ids.index_select(0, index)                            # [R]
+    chosen, top_ids, top_lp = logprobs(x, y, k)                                          # [R], [R, k], [R, k]
+    k = top_ids.shape[1]                      # (fewer when the vocabulary is smaller)
+    f64 = torch.float64
+    host = torch.cat([ids.to(f64), chosen.to(f64).clamp_min(LOGPROB_FLOOR),            # ids < 2**53: exact
+                      top_ids.to(f64).flatten(), top_lp.to(f64).clamp_min(LOGPROB_FLOOR).flatten()]).tolist()
+    r = len(want)
+    tokens = [int(t) for t in host[:n]]
+    chosen_h, ids_h, lp_h = host[n : n + r], host[n + r : n + r + r * k], host[n + r + r * k :]
+    out: dict[str, Sampled] = {s.request_id: (t, None) for s, t in zip(seqs, tokens)}
+    for j, i in enumerate(want):
+        ki = min(params[i].logprobs or 0, k)
+        row = slice(j * k, j * k + ki)
+        out[seqs[i].request_id] = (tokens[i], TokenLogprobs(chosen_h[j], tuple(int(t) for t in ids_h[row]),
+                                                            tuple(lp_h[row])))
+    return out

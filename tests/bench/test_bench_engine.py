@@ -1,10 +1,12 @@
 """Smoke test of `python -m pddgw.bench.engine` on its --quick setting (no timing assertions).
 
 Pins: the JSON shape (one row per case, token counts derived from the
-settings, ratio = pddgw tok/s / transformers tok/s), that both engines are fed
-the same checkpoint and produce the same greedy tokens (which are also the
-naive full-recompute generator's), and that `tokens_match` does report a
-difference when the weights differ.  The vLLM column: absent -> the report
+settings, ratio = pddgw tok/s / transformers tok/s; the sampled decode rows
+right after their greedy twins, with ratio_greedy = sampled / greedy pddgw
+tok/s), that both engines are fed the same checkpoint and produce the same
+greedy tokens (which are also the naive full-recompute generator's), that
+pddgw's sampled case samples what a dense recompute and the sampler give,
+and that `tokens_match` does report a difference when the weights differ.  The vLLM column: absent -> the report
 says so; its subprocess protocol (pddgw/bench/vllm_side.py) driven through a
 fake `vllm` package whose "engine" is the naive generator.  And
 scripts/gpu_check.sh: valid bash, rc 2 with a clear message without a GPU.
@@ -26,6 +28,8 @@ transformers = pytest.importorskip("transformers")
 
 from pddgw.bench import engine as bench  # noqa: E402
 from pddgw.engines.naive import naive_greedy  # noqa: E402
+from pddgw.engines.sampler import sample_one  # noqa: E402
+from pddgw.engines.types import SamplingParams  # noqa: E402
 from pddgw.engines.weights import load_model  # noqa: E402
 
 
@@ -51,19 +55,26 @@ def test_main_quick_json(capsys, monkeypatch):
     assert data["threads"] == torch.get_num_threads()
     assert data["settings"]["model"]["vocab_size"] == s.model.vocab_size
     assert data["settings"]["decode_batches"] == [1, 8, 32]
+    assert data["settings"]["sampled_batches"] == [8, 32]
+    assert data["settings"]["sampling"] == {"temperature": 0.8, "top_p": 0.95, "seed": 0}
     rows = data["rows"]
-    assert [r["case"] for r in rows] == ["decode b=1", "decode b=8", "decode b=32",
-                                         f"prefill b={s.prefill_batch}"]
-    for r, b in zip(rows[:3], (1, 8, 32)):
+    assert [r["case"] for r in rows] == ["decode b=1", "decode b=8", "decode b=8 sampled", "decode b=32",
+                                         "decode b=32 sampled", f"prefill b={s.prefill_batch}"]
+    for r, b in zip(rows[:5], (1, 8, 8, 32, 32)):
         assert (r["kind"], r["batch"], r["prompt_len"], r["output_len"]) == (
             "decode", b, s.decode_prompt_len, s.decode_output_len)
         assert r["measured_tokens"] == b * (s.decode_output_len - 1)
-    pre = rows[3]
+    for greedy, sampled in ((rows[1], rows[2]), (rows[3], rows[4])):
+        assert greedy["sampling"] == "greedy" and greedy["ratio_greedy"] is None
+        assert sampled["sampling"] == "temperature=0.8 top_p=0.95 seed=0+i"
+        assert sampled["ratio_greedy"] == pytest.approx(sampled["pddgw_tok_s"] / greedy["pddgw_tok_s"])
+        assert sampled["tokens_match"] is None              # transformers samples with its own RNG
+    pre = rows[5]
     assert (pre["kind"], pre["batch"], pre["prompt_len"], pre["output_len"]) == (
         "prefill", s.prefill_batch, s.prefill_prompt_len, 1)
     assert pre["measured_tokens"] == s.prefill_batch * s.prefill_prompt_len
     for r in rows:
-        assert r["tokens_match"] is True, r["case"]
+        assert r["tokens_match"] is (None if r["sampling"] != "greedy" else True), r["case"]
         assert r["pddgw_s"] > 0 and r["transformers_s"] > 0
         assert r["pddgw_tok_s"] == pytest.approx(r["measured_tokens"] / r["pddgw_s"])
         assert r["transformers_tok_s"] == pytest.approx(r["measured_tokens"] / r["transformers_s"])
@@ -81,7 +92,8 @@ def test_main_quick_json(capsys, monkeypatch):
     table = bench.render(report)
     for r in rows:
         assert r["case"] in table
-    assert "tokens_match" in table and "NO" not in table
+    assert "tokens_match" in table and "sampled/greedy" in table and "NO" not in table
+    assert "sampled: temperature 0.8, top_p 0.95, no top-k" in table
     assert NO_VLLM in table.splitlines()
     assert "sched/bookkeeping" in table
 
@@ -99,6 +111,62 @@ def test_both_sides_generate_the_naive_greedy_tokens(models):
         assert 0 < run.to_first <= run.total
         assert run.seconds("prefill") == run.to_first
         assert run.seconds("decode") == pytest.approx(run.total - run.to_first)
+
+
+def test_sampled_case_samples_what_a_dense_recompute_and_the_sampler_give(models):
+    # float64 (clear margins: the draw never lands on a rounding difference of the two paths).
+    d, _, _ = models
+    ours64, _ = load_model(str(d), torch.float64, "cpu")
+    s = bench.Sampling()
+    prompts = bench.make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
+    side = bench.PddgwSide(ours64, torch.float64)
+    run = side.run(prompts, 6, sampling=s)
+    assert side.run(prompts, 6, sampling=s).tokens == run.tokens        # position-keyed: repeats
+    for i, p in enumerate(prompts):
+        seq, params = list(p), s.params(i, 6)
+        assert params == SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.95, seed=i)
+        for pos in range(6):
+            logits = ours64.forward_dense(torch.tensor(seq))[-1]
+            seq.append(sample_one(logits, params, pos))
+        assert run.tokens[i] == tuple(seq[len(p):])
+    assert run.tokens != side.run(prompts, 6).tokens                     # not the greedy tokens
+
+
+def test_cases_put_each_sampled_decode_after_its_greedy_twin_with_its_prompts():
+    s = bench.QUICK
+    todo = bench.cases(s)
+    assert [c.label for c in todo] == ["decode b=1", "decode b=8", "decode b=8 sampled", "decode b=32",
+                                       "decode b=32 sampled", "prefill b=2"]
+    prompts = bench.case_prompts(todo, s.model.vocab_size)
+    assert prompts[1] == prompts[2] and prompts[3] == prompts[4] and prompts[1] != prompts[3]
+    # The greedy cases keep the prompts they had before the sampled rows (salt = their order).
+    assert prompts[3] == bench.make_prompts(32, s.decode_prompt_len, s.model.vocab_size, 2)
+    assert prompts[5] == bench.make_prompts(2, s.prefill_prompt_len, s.model.vocab_size, 3)
+    with pytest.raises(ValueError, match="must be decode batches"):
+        bench.Settings(model=s.model, decode_batches=(1, 8), decode_prompt_len=8, decode_output_len=4,
+                       prefill_batch=2, prefill_prompt_len=16, repeats=1, sampled_batches=(32,))
+
+
+def test_sides_that_only_decode_greedily_sit_out_the_sampled_cases(models):
+    _d, ours, theirs = models
+
+    class GreedyOnly:
+        name, samples, calls = "vllm", False, 0
+
+        def run(self, prompts, output_len, sampling=None):
+            assert sampling is None
+            GreedyOnly.calls += 1
+            return bench.Run(0.01, 0.02, tuple(tuple(naive_greedy(ours, p, output_len)) for p in prompts))
+
+    todo = [bench.Case("decode", 2, 8, 3), bench.Case("decode", 2, 8, 3, bench.Sampling())]
+    prompts = [bench.make_prompts(2, 8, bench.QUICK.model.vocab_size, salt=3)] * 2
+    sides = (bench.PddgwSide(ours, torch.float32), bench.TransformersSide(theirs), GreedyOnly())
+    greedy, sampled = bench.measure(sides, todo, prompts, repeats=1, progress=lambda _m: None)
+    assert GreedyOnly.calls == 1
+    assert (greedy.tokens_match, greedy.vllm_tokens_match, greedy.vllm_tok_s is not None) == (True, True, True)
+    assert (sampled.tokens_match, sampled.vllm_tokens_match, sampled.vllm_tok_s, sampled.ratio_vllm) == (
+        None, None, None, None)
+    assert sampled.ratio_greedy == pytest.approx(sampled.pddgw_tok_s / greedy.pddgw_tok_s)
 
 
 def test_tokens_match_reports_a_difference(models):
@@ -223,17 +291,11 @@ def test_gpu_check_without_a_gpu_exits_2(tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
-def test_cuda_graphs_reach_the_engine_config_only_where_it_has_the_field():
-    import dataclasses
-
-    from pddgw.config import EngineConfig
-
-    assert bench._engine_overrides(None) == ({}, "default")
-    overrides, note = bench._engine_overrides("off")
-    if "cuda_graphs" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        assert (overrides, note) == ({"cuda_graphs": False}, "off")
-    else:
-        assert overrides == {} and note == "off ignored: EngineConfig has no cuda_graphs field"
+def test_cuda_graphs_reach_the_engine_config_only_on_cuda():
+    assert bench._engine_overrides(None, "cpu") == ({}, "default")
+    assert bench._engine_overrides("off", "cpu") == ({"cuda_graphs": False}, "off")
+    assert bench._engine_overrides("on", "cuda:0") == ({"cuda_graphs": True}, "on")
+    assert bench._engine_overrides("on", "cpu") == ({}, "on ignored: CUDA graphs need a CUDA device, not 'cpu'")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

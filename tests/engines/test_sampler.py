@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pddgw.engines.sampler import (_sample_rows, logprobs, position_uniform, position_uniforms, sample, sample_ids,
-                                  sample_one)
+import pddgw.engines.sampler as sampler_mod
+from pddgw.engines.sampler import (_blocked_probs, _first_floor, _prefix_candidates, _prefix_draw, _probs, _Rows,
+                                   _sample_rows, _sample_speculative, _second_floor, logprobs, position_uniform,
+                                   position_uniforms, sample, sample_ids, sample_one)
 from pddgw.engines.types import RequestError, SamplingParams
 
 M64 = (1 << 64) - 1
@@ -200,6 +202,153 @@ def test_distribution_chi_square_with_pinned_counts(name):
     df = sum(q > 0 for q in expected) - 1
     assert chi2 < {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}[df]   # p = 0.001
     assert counts == PINNED[name]
+
+
+# ---- the speculative prefix (CPU) -------------------------------------------------------------------
+def levels(x: torch.Tensor, params: list[SamplingParams], cap: int) -> list[int]:
+    """Which level of `_sample_speculative` serves each row: 1 the prefix down to p_max / 4096,
+    2 the prefix down to the top-p histogram's floor, 3 the full sort (rows are independent: level 2
+    is tried on every row here, on the level-1 misses there)."""
+    vocab, cap = x.shape[1], min(cap, x.shape[1])
+    rows = _Rows.of(params, [0] * len(params), vocab, x.device)
+    top_p, min_p = any(q.top_p < 1.0 for q in params), any(q.min_p > 0.0 for q in params)
+    probs, pmax = _blocked_probs(x, rows)
+    first = _prefix_draw(x, probs, pmax, _first_floor(pmax, rows, min_p), rows, top_p, min_p, cap)[1]
+    second = _prefix_draw(x, probs, pmax, _second_floor(probs, pmax, rows, min_p), rows, top_p, min_p, cap)[1]
+    return [1 if a else 2 if b and top_p else 3 for a, b in zip(first.tolist(), second.tolist())]
+
+
+@pytest.mark.parametrize("vocab", [300, 70000])      # blocks of many rows; one row per block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_blocked_probs_are_the_softmax_bit_for_bit(vocab, dtype):
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(13, vocab, generator=g) * 5).to(dtype)
+    params = [SamplingParams(temperature=0.3 + 0.1 * i, top_p=0.9, seed=i) for i in range(13)]
+    rows = _Rows.of(params, [0] * 13, vocab, x.device)
+    probs, pmax = _blocked_probs(x, rows)
+    assert torch.equal(probs, _probs(x, rows)) and torch.equal(pmax, probs.amax(dim=-1))
+
+
+def test_second_floor_is_a_bucket_floor_under_the_top_p_set():
+    # p = 1/2, 1/4, 1/8, ... (exact powers of two: each its own bucket, floor = p itself).
+    x = torch.log(torch.tensor([[2.0 ** -k for k in range(1, 40)]], dtype=torch.float64)).repeat(4, 1)
+    params = [SamplingParams(temperature=1.0, top_p=q, min_p=m, seed=0)
+              for q, m in ((0.7, 0.0), (0.9, 0.0), (1.0, 0.0), (0.9, 0.3))]
+    rows = _Rows.of(params, [0] * 4, x.shape[1], x.device)
+    probs, pmax = _blocked_probs(x, rows)
+    floor = _second_floor(probs, pmax, rows, True).tolist()
+    # 0.7 needs 1/2 + 1/4; 0.9 needs down to 1/16; top_p 1: no bound; min-p 0.3: p >= 0.3 * p_max.
+    assert floor[:3] == pytest.approx([0.25, 0.0625, 0.0], rel=1e-12) and floor[3] == pytest.approx(0.15)
+    assert _first_floor(pmax, rows, True).tolist() == pytest.approx([pmax[0].item() / 4096] * 2 + [0.0, 0.15])
+
+
+def test_speculative_prefix_is_the_full_sorts_prefix():
+    # Integer logits (ties everywhere, the cut falls inside a tie) and a peaked row: the n candidates
+    # are the first n of the stable full sort (logit desc, id asc), their probabilities too.
+    g = torch.Generator().manual_seed(8)
+    x = torch.randint(-8, 8, (6, 2000), generator=g).to(torch.float32) * 0.75
+    x[5, 100:110] = 20.0
+    params = [SamplingParams(temperature=t, top_p=q, min_p=m, seed=1)
+              for t, q, m in ((1.0, 0.9, 0.0), (0.3, 0.5, 0.0), (0.8, 1.0, 0.2), (2.0, 0.3, 0.05),
+                              (0.1, 0.95, 0.0), (0.8, 0.95, 0.0))]
+    rows = _Rows.of(params, [0] * 6, 2000, x.device)
+    probs, pmax = _blocked_probs(x, rows)
+    floor = _second_floor(probs, pmax, rows, True)
+    cand, cand_p, n = _prefix_candidates(x, probs, pmax, floor, rows.temp, 2000)
+    order = x.sort(dim=-1, descending=True, stable=True).indices
+    for r in range(6):
+        k = int(n[r])
+        assert 0 < k < 2000
+        assert torch.equal(cand[r, :k], order[r, :k]) and torch.equal(cand_p[r, :k], probs[r, order[r, :k]])
+        assert x[r, order[r, k]] < x[r, order[r, k - 1]]     # ties at the cut are all in
+        assert not cand_p[r, k:].any()                         # padding: the cdf stays flat
+        assert (probs[r, order[r, k:]] < floor[r]).all()       # every p >= floor is in
+    assert n.tolist()[5] == 10                                  # the ten tokens at 20.0 hold it all
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_speculative_path_equals_the_full_sort_path(dtype):
+    # Peaked, spread, flat and tied rows, -inf masks; every filter mix of the full-sort mode.  Each
+    # level serves some rows at cap 1024, cap 4 sends most to the full sort: all equal the full sort.
+    g = torch.Generator().manual_seed(9)
+    r, vocab = 48, 5000
+    x = torch.randn(r, vocab, generator=g) * torch.tensor([0.01, 1.0, 4.0, 12.0]).repeat(12)[:, None]
+    x[::5, :40] += 15.0
+    x[3::7] = torch.randint(-3, 3, (len(range(3, r, 7)), vocab), generator=g).float()
+    x[1::9, 2000:] = float("-inf")
+    x = x.to(dtype)
+    params = [SamplingParams(temperature=(0.05, 0.8, 1.0, 2.5)[i % 4], top_p=(0.95, 0.5, 1.0, 0.999, 0.01)[i % 5],
+                             min_p=(0.0, 0.0, 0.1)[i % 3], top_k=(0, vocab // 2)[i % 2], seed=1000 + i)
+              for i in range(r)]
+    params = [p if p.top_p < 1.0 or p.min_p > 0.0 else SamplingParams(temperature=p.temperature, top_p=0.9,
+                                                                        seed=p.seed) for p in params]
+    pos = list(range(r))
+    full = _sample_rows(x, params, pos, 0)
+    for cap in (1024, 4):
+        served = levels(x, params, cap)
+        if cap == 1024:
+            assert {1, 2, 3} <= set(served) and served.count(1) > r // 2, served
+        else:
+            assert 0 < served.count(3) and served.count(3) > r // 2, served
+        assert torch.equal(_sample_speculative(x, params, pos, cap), full), cap
+
+
+def test_each_level_serves_its_rows_exactly():
+    # Row 0: one token holds ~all the mass (level 1).  Row 1: 1000 equal logits (p ~ 1e-3 each), top_p
+    # 0.4995 keeps 500 of them: level 1 (cap 1024), over the cap at 256: the full sort.  Row 2: a top
+    # token and 200 at 9 below (p_max / 8100, under level 1's p_max / 4096 floor): top_p 0.98 needs
+    # ~35 of them, level 2.
+    x = torch.full((3, 4000), -40.0)
+    x[0, 7] = 30.0
+    x[1, :1000] = 10.0
+    x[2, 0], x[2, 1:201] = 9.0, 0.0
+    params = [SamplingParams(temperature=1.0, top_p=q, seed=s) for q, s in ((0.4995, 3), (0.4995, 4), (0.98, 5))]
+    assert levels(x, params, 1024) == [1, 1, 2]
+    assert levels(x, params, 256) == [1, 3, 2]
+    for pos in range(40):
+        full = _sample_rows(x, params, [pos] * 3, 0)
+        for cap in (1024, 256, 1):
+            assert torch.equal(_sample_speculative(x, params, [pos] * 3, cap), full)
+        assert full[0] == 7 and 0 <= full[1] < 500 and 0 <= full[2] <= 200
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_degenerate_rows_reach_the_full_sort_unharmed(dtype):
+    # A NaN, an all -inf row, a +inf: no prefix holds them (NaN cuts select nothing, NaN p fall in
+    # no histogram bucket), so level 3 gives what the full sort always gave, without raising.
+    x = torch.randn(4, 3000, generator=torch.Generator().manual_seed(12)) * 3
+    x[0, 10], x[1], x[2, 5] = float("nan"), float("-inf"), float("inf")
+    x = x.to(dtype)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.01 * (i % 2), seed=i) for i in range(4)]
+    assert levels(x, params, 1024) == [3, 3, 3, 1]
+    assert torch.equal(_sample_speculative(x, params, [0, 1, 2, 3]), _sample_rows(x, params, [0, 1, 2, 3], 0))
+
+
+def test_sample_takes_the_speculative_path_on_the_cpu_for_top_p_and_min_p_rows(monkeypatch):
+    calls = []
+    real = sampler_mod._sample_speculative
+
+    def spy(x, params, positions, cap=0):
+        calls.append(len(params))
+        return real(x, params, positions, cap)
+
+    monkeypatch.setattr(sampler_mod, "_sample_speculative", spy)
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(8, 3000, generator=g) * 4
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=1),
+              SamplingParams(temperature=1.0, top_k=20, seed=2), SamplingParams(temperature=0.7, min_p=0.1, seed=3),
+              SamplingParams(temperature=0.9, seed=4), SamplingParams(temperature=0.9, top_k=2000, seed=5),
+              SamplingParams(temperature=0.6, top_k=1000, top_p=0.9, seed=6),
+              SamplingParams(temperature=1.2, top_p=0.99, min_p=0.01, seed=7)]
+    got = sample(logits, params, list(range(8)))
+    assert calls == [5]                      # the full-sort rows: 1, 3, 5, 6, 7, in one group
+    full_rows = [1, 3, 5, 6, 7]
+    ref = _sample_rows(logits[full_rows], [params[i] for i in full_rows], full_rows, 0)
+    assert [got[i] for i in full_rows] == ref.tolist()
+    assert got == [sample_one(logits[i], params[i], i) for i in range(8)]
+    calls.clear()
+    sample(logits[[5]], [params[5]], [5])    # top-k 2000 alone bounds nothing cheaply: the full sort
+    assert calls == []
 
 
 # ---- batch independence -----------------------------------------------------------------------------

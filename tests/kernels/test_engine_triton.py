@@ -1,4 +1,5 @@
-"""The engine on the Triton backend (interpreted on CPU) generates what the torch backend does."""
+"""The engine on the Triton backend (interpreted on CPU, compiled on CUDA) generates what the
+torch backend does."""
 
 import torch
 
@@ -9,10 +10,13 @@ from pddgw.engines.weights import build_tiny
 from pddgw.kernels import reference
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # compiled Triton needs CUDA tensors
+
+
 def _run(backend: str, prompts) -> tuple[dict[str, list[int]], TorchEngine]:
-    model = build_tiny(0, torch.float32, "cpu")
+    model = build_tiny(0, torch.float32, DEVICE)
     cfg = EngineConfig(num_blocks=32, block_size=16, max_num_batched_tokens=32, max_num_seqs=8,
-                       attention_backend=backend)
+                       attention_backend=backend, device=DEVICE)
     eng = TorchEngine(model, model.spec, cfg, torch.float32)
     for i, p in enumerate(prompts):
         eng.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=5)))
