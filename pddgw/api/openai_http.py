@@ -50,7 +50,15 @@ Behaviours chosen:
   * Sampling: `temperature` [0, 2] (0 = greedy), `top_p` (0, 1], `seed` [0, 2**63) (none: the
     router draws one; it is in the `pddgw` timeline).  `n` must be 1 (else 400 naming `n`);
     `stop` is not supported (400 `unsupported_parameter` naming `stop`; null or [] are accepted);
-    `logprobs`, penalties other than 0, tools, `echo`, `suffix`, `best_of` > 1 likewise.
+    penalties other than 0, tools, `echo`, `suffix`, `best_of` > 1 likewise.
+  * Log-probabilities (api/logprobs.py: the model's raw distribution, the shapes): chat
+    `logprobs: true` with `top_logprobs` 0..20 (`top_logprobs` without `logprobs: true` -> 400
+    naming it) -> `choices[].logprobs.content` in the object and in each chunk; completions
+    `logprobs` 0..20 -> `choices[].logprobs` {tokens, token_logprobs, top_logprobs, text_offset};
+    responses `include: ["message.output_text.logprobs"]` with `top_logprobs` 0..20 -> the
+    output_text part's and each `response.output_text.delta`'s `logprobs`.  Out of range: 400
+    naming the parameter.  Not asked for: `logprobs` is null (chat, completions) / [] (responses
+    SSE events), as before.
   * The `pddgw` extension on every answer: each chunk / delta carries `"pddgw": {position,
     token_ids, role}`; the final chunk (the one with `finish_reason`) or event and the
     non-streamed object carry the timeline (pipeline, handoff, TTFT, WAN KV bytes, states, seed,
@@ -72,8 +80,9 @@ import orjson
 import structlog
 from aiohttp import web
 
-from pddgw.api.responses import (ApiError, CreateResponse, brief, output_message, parse_create_body,
-                                 parse_extension, response_object)
+from pddgw.api import logprobs as lpfmt
+from pddgw.api.responses import (ApiError, CreateResponse, brief, output_message, output_text, parse_create_body,
+                                 parse_extension, response_object, top_logprobs_param)
 from pddgw.pipeline.ordering import TokenRun
 from pddgw.pipeline.router import Outcome, RouterError, new_request_id
 
@@ -140,10 +149,11 @@ class GenRequest:
     handoff_mode: str | None
     input_param: str                             # the field a too-long prompt is blamed on
     create: CreateResponse | None = None         # responses: the decoded request
+    logprobs: int | None = None                  # None: none; k: each token's + k top alternatives
 
 
 _CHAT_KEYS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-              "stream", "stream_options", "n", "stop", "user", "store", "metadata", "logprobs",
+              "stream", "stream_options", "n", "stop", "user", "store", "metadata", "logprobs", "top_logprobs",
               "presence_penalty", "frequency_penalty", "pddgw"}
 _COMPLETION_KEYS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream", "stream_options",
                     "n", "stop", "user", "logprobs", "echo", "suffix", "best_of", "presence_penalty",
@@ -186,8 +196,6 @@ def _common(d: dict[str, Any]) -> dict[str, Any]:
     if stop not in (None, []):
         raise _unsupported("stop", "(stop sequences) is not supported: end on the model's own stop tokens "
                            "or max tokens")
-    if d.get("logprobs"):
-        raise _unsupported("logprobs")
     for key in ("presence_penalty", "frequency_penalty"):
         if d.get(key) not in (None, 0, 0.0):
             raise _unsupported(key, "other than 0 is not supported")
@@ -254,7 +262,19 @@ def parse_chat(d: Any) -> GenRequest:
     max_tokens = _pos_int(d, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _pos_int(d, "max_tokens")
-    return GenRequest("chat", tuple(out), None, None, max_tokens, input_param="messages", **_common(d))
+    return GenRequest("chat", tuple(out), None, None, max_tokens, input_param="messages",
+                      logprobs=_chat_logprobs(d), **_common(d))
+
+
+def _chat_logprobs(d: dict[str, Any]) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` (0..20, only with logprobs: true)."""
+    want = d.get("logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise ApiError("'logprobs' must be a boolean", "logprobs")
+    top = top_logprobs_param(d, "top_logprobs")
+    if top is not None and not want:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if want else None
 
 
 def parse_completion(d: Any, vocab_size: int) -> GenRequest:
@@ -284,14 +304,17 @@ def parse_completion(d: Any, vocab_size: int) -> GenRequest:
     else:
         raise ApiError("'prompt' must be a non-empty string or a non-empty list of token IDs (one prompt per "
                        "request)", "prompt")
-    return GenRequest("completion", (), ids, text, _pos_int(d, "max_tokens"), input_param="prompt", **_common(d))
+    # Completions' `logprobs` is the number of top alternatives (0..20), not a boolean.
+    return GenRequest("completion", (), ids, text, _pos_int(d, "max_tokens"), input_param="prompt",
+                      logprobs=top_logprobs_param(d, "logprobs"), **_common(d))
 
 
 def parse_response(d: Any, max_prompt_tokens: int) -> GenRequest:
     req, stream = parse_create_body(d, max_prompt_tokens)
     return GenRequest("response", req.messages, req.prompt_token_ids, None, req.max_output_tokens,
                       req.temperature, req.top_p, req.seed, stream, False, req.model, req.pipeline,
-                      req.handoff_mode, "prompt_token_ids" if req.prompt_token_ids is not None else "input", req)
+                      req.handoff_mode, "prompt_token_ids" if req.prompt_token_ids is not None else "input", req,
+                      req.logprobs)
 
 
 # ---- answers --------------------------------------------------------------------------
@@ -310,13 +333,19 @@ class _Result:
     prompt_tokens: int
     timeline: dict[str, Any]
     incomplete: bool
+    runs: list[TokenRun]
 
 
 class _Format:
     """How one route spells its answer: SSE events on the way and the final object."""
 
-    def __init__(self, req: GenRequest, rid: str, model: str, created: int):
+    def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces):
         self.req, self.rid, self.model, self.created = req, rid, model, created
+        self.pieces = pieces
+
+    def content(self, runs: list[TokenRun]) -> list[dict[str, Any]]:
+        """The chat / responses logprobs of these runs' tokens."""
+        return [c for r in runs for c in lpfmt.content(self.pieces, r.token_ids, r.logprobs)]
 
     def head(self) -> list[bytes]:
         return []
@@ -353,8 +382,15 @@ class _ChatFormat(_Format):
         return {"prompt_tokens": res.prompt_tokens, "completion_tokens": n, "total_tokens": res.prompt_tokens + n,
                 "prompt_tokens_details": {"cached_tokens": res.out.cached_tokens}}
 
-    def choice(self, delta: dict[str, Any] | str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def choice(self, delta: dict[str, Any] | str, finish: str | None,
+               runs: list[TokenRun] | None = None) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "logprobs": self.logprobs(runs), "finish_reason": finish}
+
+    def logprobs(self, runs: list[TokenRun] | None) -> dict[str, Any] | None:
+        """`choices[].logprobs` of these runs' tokens (None: not asked for, or a chunk without tokens)."""
+        if self.req.logprobs is None or runs is None:
+            return None
+        return {"content": self.content(runs), "refusal": None}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = {"id": self.id, "object": self.object + ".chunk", "created": self.created, "model": self.model,
@@ -367,7 +403,7 @@ class _ChatFormat(_Format):
         return [self.chunk([self.choice({"role": "assistant", "content": ""}, None)])]
 
     def delta(self, run: TokenRun, text: str) -> list[bytes]:
-        return [self.chunk([self.choice({"content": text}, None)], pddgw=_provenance(run))]
+        return [self.chunk([self.choice({"content": text}, None, [run])], pddgw=_provenance(run))]
 
     def tail(self, res: _Result, rest: str) -> list[bytes]:
         out = []
@@ -381,12 +417,16 @@ class _ChatFormat(_Format):
     def body(self, res: _Result, runs: list[TokenRun]) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text, "refusal": None},
-                             "logprobs": None, "finish_reason": res.out.finish_reason}],
+                             "logprobs": self.logprobs(runs), "finish_reason": res.out.finish_reason}],
                 "usage": self.usage(res), "pddgw": {**res.timeline, "runs": [_provenance(r) for r in runs]}}
 
 
 class _CompletionFormat(_ChatFormat):
     object = "text_completion"
+
+    def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces):
+        super().__init__(req, rid, model, created, pieces)
+        self.text_offset = 0        # of the next token string (streamed chunks continue it)
 
     @property
     def id(self) -> str:
@@ -399,23 +439,31 @@ class _CompletionFormat(_ChatFormat):
             obj.setdefault("usage", None)
         return _data(obj)
 
-    def choice(self, delta: dict[str, Any] | str, finish: str | None) -> dict[str, Any]:
+    def choice(self, delta: dict[str, Any] | str, finish: str | None,
+               runs: list[TokenRun] | None = None) -> dict[str, Any]:
         text = delta if isinstance(delta, str) else delta.get("content", "")
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": self.logprobs(runs), "finish_reason": finish}
+
+    def logprobs(self, runs: list[TokenRun] | None) -> dict[str, Any] | None:
+        if self.req.logprobs is None or runs is None:
+            return None
+        obj, self.text_offset = lpfmt.completion(self.pieces, [t for r in runs for t in r.token_ids],
+                                                 [lp for r in runs for lp in r.logprobs], self.text_offset)
+        return obj
 
     def head(self) -> list[bytes]:
         return []
 
     def body(self, res: _Result, runs: list[TokenRun]) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": res.text, "logprobs": None,
+                "choices": [{"index": 0, "text": res.text, "logprobs": self.logprobs(runs),
                              "finish_reason": res.out.finish_reason}],
                 "usage": self.usage(res), "pddgw": {**res.timeline, "runs": [_provenance(r) for r in runs]}}
 
 
 class _ResponsesFormat(_Format):
-    def __init__(self, req: GenRequest, rid: str, model: str, created: int):
-        super().__init__(req, rid, model, created)
+    def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces):
+        super().__init__(req, rid, model, created, pieces)
         assert req.create is not None
         self.create = req.create
         self.seq = 0
@@ -433,7 +481,11 @@ class _ResponsesFormat(_Format):
                  "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": res.prompt_tokens + len(res.out.output_ids)}
         return response_object(self.rid, status, self.created, self.model, self.create, text=res.text,
-                               usage=usage, pddgw=res.timeline)
+                               usage=usage, pddgw=res.timeline, logprobs=self.all_logprobs(res))
+
+    def all_logprobs(self, res: _Result) -> list[dict[str, Any]] | None:
+        """The output_text's logprobs: every token's, when asked for (else absent)."""
+        return None if self.req.logprobs is None else self.content(res.runs)
 
     def head(self) -> list[bytes]:
         item = {**output_message(self.rid, "", "in_progress"), "content": []}
@@ -446,7 +498,9 @@ class _ResponsesFormat(_Format):
 
     def delta(self, run: TokenRun, text: str) -> list[bytes]:
         return [self.event("response.output_text.delta", item_id=f"msg_{self.rid}", output_index=0,
-                           content_index=0, delta=text, logprobs=[], pddgw=_provenance(run))]
+                           content_index=0, delta=text,
+                           logprobs=self.content([run]) if self.req.logprobs is not None else [],
+                           pddgw=_provenance(run))]
 
     def tail(self, res: _Result, rest: str) -> list[bytes]:
         out = []
@@ -455,12 +509,12 @@ class _ResponsesFormat(_Format):
                                   content_index=0, delta=rest, logprobs=[]))
         status = "incomplete" if res.incomplete else "completed"
         where = {"item_id": f"msg_{self.rid}", "output_index": 0, "content_index": 0}
+        lps = self.all_logprobs(res)
         return [*out,
-                self.event("response.output_text.done", **where, text=res.text, logprobs=[]),
-                self.event("response.content_part.done", **where,
-                           part={"type": "output_text", "text": res.text, "annotations": []}),
+                self.event("response.output_text.done", **where, text=res.text, logprobs=lps or []),
+                self.event("response.content_part.done", **where, part=output_text(res.text, lps)),
                 self.event("response.output_item.done", output_index=0,
-                           item=output_message(self.rid, res.text, status)),
+                           item=output_message(self.rid, res.text, status, lps)),
                 self.event(f"response.{status}", response=self.obj(status, res))]
 
     def body(self, res: _Result, runs: list[TokenRun]) -> dict[str, Any]:
@@ -630,12 +684,12 @@ class OpenAIRoutes:
             if not ids:
                 raise ApiError("'prompt' encodes to no tokens", "prompt")
         return self.door.prepare(ids, req.messages, req.max_tokens, req.temperature, req.top_p, req.seed,
-                                 req.input_param)
+                                 req.input_param, req.logprobs)
 
     async def _run(self, request: web.Request, req: GenRequest, prep: Prepared) -> web.StreamResponse:
         door = self.door
         rid = new_request_id()
-        fmt = _FORMATS[req.kind](req, rid, door.model_name, int(time.time()))
+        fmt = _FORMATS[req.kind](req, rid, door.model_name, int(time.time()), door.pieces)
         sse = _Sse(request) if req.stream else None
         gone = sse.gone if sse is not None else asyncio.Event()
         detok = door.detokenizer()
@@ -644,8 +698,8 @@ class OpenAIRoutes:
 
         async def emit(run: TokenRun) -> None:
             text = detok.push(run.token_ids)
+            runs.append(run)
             if sse is None:
-                runs.append(run)
                 return
             sent.append(text)
             await sse.send((fmt.head() if sse.resp is None else []) + fmt.delta(run, text))
@@ -657,7 +711,7 @@ class OpenAIRoutes:
             timeline = {**out.record.to_dict(), "seed": prep.sampling.seed, "finish_reason": out.finish_reason,
                         "output_token_ids": list(out.output_ids)}
             res = _Result(out, text, len(prep.ids), timeline,
-                          incomplete=prep.clamped and out.finish_reason == "length")
+                          incomplete=prep.clamped and out.finish_reason == "length", runs=runs)
             if sse is None:
                 return web.json_response(fmt.body(res, runs), dumps=_dumps)
             streamed = "".join(sent)

@@ -7,7 +7,13 @@ multiplexed on one socket) and `response.cancel` (`response_id`).
 
 Server events: `response.created`, `response.output_text.delta` (with the
 `pddgw` extension: position, token_ids, role), `response.completed` (with
-`usage` and the `pddgw` timeline) and `error`.  The final event is
+`usage` and the `pddgw` timeline) and `error`.
+
+Log-probabilities, opt-in as in the HTTP API: `include:
+["message.output_text.logprobs"]` with `top_logprobs` 0..20 (alternatives per
+token; without the include it asks for nothing, as in vLLM).  Each delta
+event then carries `logprobs` for its tokens and the completed response's
+output_text part all of them (shape: api/logprobs.py); absent otherwise.  The final event is
 `response.completed` also when the response is `"status": "incomplete"`
 (cut at the context length, see openai_http.py).
 
@@ -22,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
+
+from pddgw.engines.types import MAX_LOGPROBS
 
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_LEN = 64
@@ -72,6 +80,8 @@ class CreateResponse:
     # pddgw extension: force this request's pipeline / handoff mode (tests, benchmarks).
     pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
     handoff_mode: Literal["one-shot", "catch-up"] | None = None
+    # None: no log-probabilities; k: each token's plus k top alternatives.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +93,31 @@ class CancelResponse:
 ClientEvent = CreateResponse | CancelResponse
 
 _CREATE_KEYS = {"type", "model", "input", "instructions", "prompt_token_ids", "max_output_tokens",
-                "temperature", "top_p", "seed", "metadata", "stream_id", "store", "stream", "pddgw"}
+                "temperature", "top_p", "seed", "metadata", "stream_id", "store", "stream", "pddgw",
+                "include", "top_logprobs"}
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+
+
+def top_logprobs_param(d: dict[str, Any], key: str) -> int | None:
+    """An optional number of top alternatives, 0..MAX_LOGPROBS; ApiError naming `key`."""
+    v = d.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+        raise ApiError(f"'{key}' must be an integer in [0, {MAX_LOGPROBS}], got {brief(v)}", key)
+    return v
+
+
+def _include_logprobs(d: dict[str, Any]) -> int | None:
+    """`include` + `top_logprobs` -> the logprobs asked for (None: none)."""
+    inc = d.get("include")
+    if inc is not None:
+        if not isinstance(inc, list) or not all(isinstance(x, str) for x in inc):
+            raise ApiError("'include' must be a list of strings", "include")
+        other = [x for x in inc if x != INCLUDE_LOGPROBS]
+        if other:
+            raise ApiError(f"'include' value {brief(other[0])} is not supported (only "
+                           f"{INCLUDE_LOGPROBS!r})", "include", "unsupported_parameter")
+    top = top_logprobs_param(d, "top_logprobs")
+    return (top or 0) if inc and INCLUDE_LOGPROBS in inc else None
 
 
 def parse_extension(d: dict[str, Any]) -> tuple[Any, Any]:
@@ -249,7 +283,8 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
         type="response.create", messages=messages, prompt_token_ids=ids,
         max_output_tokens=max_out, temperature=_number(d, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(d, "top_p", 1.0, 1e-9, 1.0), seed=seed, metadata=_metadata(d),
-        stream_id=stream_id, model=model, pipeline=pipeline, handoff_mode=handoff_mode)
+        stream_id=stream_id, model=model, pipeline=pipeline, handoff_mode=handoff_mode,
+        logprobs=_include_logprobs(d))
 
 
 # ---- server events -------------------------------------------------------------
@@ -262,15 +297,25 @@ def _envelope(kind: str, seq: int, stream_id: str | None, **fields: Any) -> byte
     return orjson.dumps(ev)
 
 
-def output_message(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An output_text part; `logprobs` (api/logprobs.py) only when the request asked for them."""
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return part
+
+
+def output_message(rid: str, text: str, status: str = "completed",
+                   logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The response's one output item: an assistant message with one output_text part."""
     return {"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            "content": [output_text(text, logprobs)]}
 
 
 def response_object(rid: str, status: str, created_at: int, model: str, req: CreateResponse,
                     text: str = "", usage: dict[str, Any] | None = None,
-                    pddgw: dict[str, Any] | None = None) -> dict[str, Any]:
+                    pddgw: dict[str, Any] | None = None,
+                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """`status` "incomplete" (cut at the context length) adds incomplete_details: max_output_tokens."""
     obj: dict[str, Any] = {
         "id": rid, "object": "response", "created_at": created_at, "status": status, "model": model,
@@ -278,7 +323,7 @@ def response_object(rid: str, status: str, created_at: int, model: str, req: Cre
         "max_output_tokens": req.max_output_tokens, "error": None, "incomplete_details": None,
     }
     if status in ("completed", "incomplete"):
-        obj["output"] = [output_message(rid, text, status)]
+        obj["output"] = [output_message(rid, text, status, logprobs)]
     if status == "incomplete":
         obj["incomplete_details"] = {"reason": "max_output_tokens"}
     if usage is not None:
@@ -293,9 +338,10 @@ def created_event(seq: int, stream_id: str | None, response: dict[str, Any]) -> 
 
 
 def delta_event(seq: int, stream_id: str | None, rid: str, text: str, position: int,
-                token_ids: list[int], role: str) -> bytes:
+                token_ids: list[int], role: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
+    extra = {} if logprobs is None else {"logprobs": logprobs}
     return _envelope("response.output_text.delta", seq, stream_id, response_id=rid,
-                     item_id=f"msg_{rid}", output_index=0, content_index=0, delta=text,
+                     item_id=f"msg_{rid}", output_index=0, content_index=0, delta=text, **extra,
                      pddgw={"position": position, "token_ids": token_ids, "role": role})
 
 

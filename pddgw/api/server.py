@@ -49,6 +49,7 @@ from aiohttp import WebSocketError, WSCloseCode, WSMsgType, web
 from aiohttp._websocket import reader_py
 from aiohttp.helpers import DEFAULT_CHUNK_SIZE
 
+from pddgw.api import logprobs as lpfmt
 from pddgw.api.openai_http import OpenAIRoutes, openai_not_found
 from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, brief, completed_event, created_event,
                                  delta_event, error_event, parse_client_event, response_object)
@@ -158,6 +159,7 @@ class FrontDoor:
         self.max_prompt = router.spec.max_position_embeddings
         if cfg.model.max_model_len:
             self.max_prompt = min(self.max_prompt, cfg.model.max_model_len)
+        self.pieces = lpfmt.TokenPieces(tokenizer)      # per-token strings of logprobs
         self.openai = OpenAIRoutes(self)
 
     def app(self) -> web.Application:
@@ -233,8 +235,11 @@ class FrontDoor:
         return _Detok(self.tok)
 
     def prepare(self, ids: tuple[int, ...] | None, messages: tuple[tuple[str, str], ...], max_tokens: int | None,
-                temperature: float, top_p: float, seed: int | None, input_param: str = "input") -> Prepared:
-        """Prompt ids (given, or the chat template of `messages`) and sampling; ApiError names the field."""
+                temperature: float, top_p: float, seed: int | None, input_param: str = "input",
+                logprobs: int | None = None) -> Prepared:
+        """Prompt ids (given, or the chat template of `messages`) and sampling; ApiError names the field.
+
+        `logprobs`: None, or the number of top alternatives per token (SamplingParams.logprobs)."""
         if ids is not None:
             vocab = self.router.spec.vocab_size
             if any(t >= vocab for t in ids):
@@ -251,7 +256,8 @@ class FrontDoor:
         want = max_tokens or DEFAULT_MAX_OUTPUT_TOKENS
         seed = seed if seed is not None else secrets.randbits(63)
         try:
-            sampling = SamplingParams(max_tokens=min(want, room), temperature=temperature, top_p=top_p, seed=seed)
+            sampling = SamplingParams(max_tokens=min(want, room), temperature=temperature, top_p=top_p, seed=seed,
+                                      logprobs=logprobs)
         except RequestError as e:
             raise ApiError(str(e)) from None
         return Prepared(ids, sampling, want > room)
@@ -359,7 +365,7 @@ class _Connection:
         counted = False
         try:
             args = (req.prompt_token_ids, req.messages, req.max_output_tokens, req.temperature, req.top_p,
-                    req.seed, "input" if req.prompt_token_ids is None else "prompt_token_ids")
+                    req.seed, "input" if req.prompt_token_ids is None else "prompt_token_ids", req.logprobs)
             prep = (await asyncio.to_thread(door.prepare, *args) if door.heavy(req.messages)
                     else door.prepare(*args))
             ids, sampling = prep.ids, prep.sampling
@@ -368,10 +374,16 @@ class _Connection:
             detok = _Detok(door.tok)
             await self.send(created_event, sid, response_object(rid, "in_progress", created, door.model_name,
                                                                  req))
+            # With logprobs asked for: each delta's, and all of them for the completed response.
+            logprobs: list[dict[str, Any]] | None = None if req.logprobs is None else []
 
             async def emit(run: TokenRun) -> None:
                 text = detok.push(run.token_ids)
-                await self.send(delta_event, sid, rid, text, run.position, list(run.token_ids), run.role)
+                lps = None
+                if logprobs is not None:
+                    lps = lpfmt.content(door.pieces, run.token_ids, run.logprobs)
+                    logprobs.extend(lps)
+                await self.send(delta_event, sid, rid, text, run.position, list(run.token_ids), run.role, lps)
 
             out: Outcome = await door.router.run(rid, ids, sampling, emit, req.pipeline, req.handoff_mode)
             usage = {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": out.cached_tokens},
@@ -381,7 +393,8 @@ class _Connection:
                         "output_token_ids": list(out.output_ids)}
             status = "incomplete" if prep.clamped and out.finish_reason == "length" else "completed"
             obj = response_object(rid, status, created, door.model_name, req,
-                                  text=door.tok.decode(list(out.output_ids)), usage=usage, pddgw=timeline)
+                                  text=door.tok.decode(list(out.output_ids)), usage=usage, pddgw=timeline,
+                                  logprobs=logprobs)
             await self.send(completed_event, sid, obj)
         except ApiError as e:
             await self.send(error_event, sid, str(e), e.code, e.param, response_id=rid)

@@ -15,6 +15,11 @@ decodes, preemption, import/export bookkeeping.  The forward pass becomes:
   without the end-of-sequence ids, so outputs run to max_tokens as a trace
   prescribes and every node produces the same token for the same position
   (the same-output invariant holds on every path);
+* its log-probabilities, when a request asks for them: those of that same
+  distribution, uniform over the non-EOS ids: every token's is
+  -log(vocab - #EOS), the top alternatives are the lowest non-EOS ids (the
+  ties broken by id); so logprobs travel the same wire path as on a real
+  model, and a modeled deployment serves them rather than refusing;
 * its KV: exported chunks are `virtual` (the real model's size, no data), and
   imports only mark tokens as arrived.  Links charge a virtual chunk its full
   size, so a 64K-token prompt of a 70B model moves ~20 GiB over a shaped WAN
@@ -27,14 +32,16 @@ would on the real hardware.
 
 from __future__ import annotations
 
+import math
+
 from pddgw.config import Config, ConfigError, EngineConfig, ModelConfig
 from pddgw.engines.base import register_engine
-from pddgw.engines.paged import PagedEngine
+from pddgw.engines.paged import PagedEngine, Sampled
 from pddgw.engines.sampler import position_uniform
 from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.tokenizer import ByteTokenizer
-from pddgw.engines.types import KVChunk, RequestOutput
+from pddgw.engines.types import MAX_LOGPROBS, KVChunk, RequestOutput, TokenLogprobs
 from pddgw.sim import profiles
 from pddgw.sim.roofline import SeqWork, StepCost, max_kv_tokens, step_cost
 
@@ -80,6 +87,11 @@ class CostModelEngine(PagedEngine):
                                   "leaves no memory for KV blocks")
         super().__init__(profile.to_spec(), cfg, kv_dtype(profile), num_blocks, max_model_len)
         self._eos_sorted = sorted(t for t in set(self.spec.eos_token_ids) if 0 <= t < self.spec.vocab_size)
+        # The token distribution is uniform over the non-EOS ids: its log-probabilities.
+        eos = set(self._eos_sorted)
+        self._uniform_logprob = -math.log(self.spec.vocab_size - len(eos))
+        self._top_ids = tuple(t for t in range(min(self.spec.vocab_size, MAX_LOGPROBS + len(eos)))
+                              if t not in eos)[:MAX_LOGPROBS]
         self.last_cost: StepCost | None = None
         self.busy_s = 0.0          # modeled seconds spent in forward passes
 
@@ -102,13 +114,21 @@ class CostModelEngine(PagedEngine):
     def step_seconds(self) -> float:
         return self.last_cost.seconds if self.last_cost is not None else 0.0
 
-    def _forward(self, chunks: list[Chunk]) -> dict[str, int]:
+    def _forward(self, chunks: list[Chunk]) -> dict[str, Sampled]:
         # Context before this step's tokens: what attention reads besides them.
         work = [SeqWork(c.num_tokens, c.seq.num_computed) for c in chunks]
         self.last_cost = step_cost(self.profile, self.hardware, self.tp, work)
         self.busy_s += self.last_cost.seconds
-        return {c.seq.request_id: self.token_at(c.seq.sampling.seed, c.seq.num_outputs)
+        return {c.seq.request_id: (self.token_at(c.seq.sampling.seed, c.seq.num_outputs),
+                                   self._logprobs(c.seq.sampling.logprobs))
                 for c in chunks if self._to_sample(c)}
+
+    def _logprobs(self, k: int | None) -> TokenLogprobs | None:
+        """The uniform distribution's logprobs (module docstring); None when not asked for."""
+        if k is None:
+            return None
+        top = self._top_ids[:k]
+        return TokenLogprobs(self._uniform_logprob, top, (self._uniform_logprob,) * len(top))
 
     def token_at(self, seed: int, position: int) -> int:
         """The token of output position `position`: uniform over the non-EOS ids, from (seed, position)."""

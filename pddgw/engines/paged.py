@@ -6,8 +6,11 @@ batching Scheduler (chunked prefill, extends, decodes, preemption), import
 bookkeeping, hold / append_tokens, stop logic and publishing full blocks.  A
 subclass supplies the three things that touch KV data or logits:
 
-  `_forward(chunks)`       run one batch; -> {request_id: sampled token} for
-                           the sequences that are complete and not on hold
+  `_forward(chunks)`       run one batch; -> {request_id: (sampled token,
+                           its TokenLogprobs or None)} for the sequences that
+                           are complete and not on hold; the logprobs are
+                           given exactly for those whose sampling asked for
+                           them (`SamplingParams.logprobs` not None)
   `_export(seq, ...)`      the KV payload of a token x layer range
   `_import(seq, chunk, start)`  write an arriving chunk's tokens [start, end)
 
@@ -54,13 +57,16 @@ from enum import IntEnum
 from typing import Any
 
 from pddgw.config import EngineConfig
-from pddgw.engines.base import Engine
+from pddgw.engines.base import Engine, check_request
 from pddgw.engines.block_manager import BlockManager
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.scheduler import Chunk, Scheduler
 from pddgw.engines.sequence import Sequence, SeqStatus
 from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, CapacityError, EngineRequest, EngineStats,
-                                 KVChunk, KVLayout, KVSpan, RequestError, RequestOutput)
+                                 KVChunk, KVLayout, KVSpan, RequestError, RequestOutput, TokenLogprobs)
+
+# What `_forward` returns per sampled sequence: its token, and its logprobs when it asked for them.
+Sampled = tuple[int, TokenLogprobs | None]
 
 
 class LeaseState(IntEnum):
@@ -112,8 +118,9 @@ class PagedEngine(Engine):
 
     # ---- what a subclass computes ---------------------------------------------------
     @abstractmethod
-    def _forward(self, chunks: list[Chunk]) -> dict[str, int]:
-        """Compute the chunks' tokens; -> sampled token of each complete, non-held sequence."""
+    def _forward(self, chunks: list[Chunk]) -> dict[str, Sampled]:
+        """Compute the chunks' tokens; -> (sampled token, logprobs or None) of each complete,
+        non-held sequence (logprobs exactly where its sampling asked for them)."""
 
     @abstractmethod
     def _export(self, seq: Sequence, token_start: int, token_end: int, layer_start: int,
@@ -153,21 +160,7 @@ class PagedEngine(Engine):
         rid = request.request_id
         if rid in self.seqs:
             raise RequestError(f"request {rid!r} already exists")
-        n_prompt, n_out = len(request.prompt_token_ids), len(request.output_token_ids)
-        if n_prompt == 0:
-            raise RequestError(f"request {rid!r}: empty prompt")
-        total = n_prompt + n_out
-        if total >= self._max_model_len:
-            raise RequestError(f"request {rid!r}: {total} tokens leave no room for output "
-                               f"(context length {self._max_model_len})")
-        if n_out >= request.sampling.max_tokens:
-            raise RequestError(f"request {rid!r}: {n_out} output tokens given, max_tokens is "
-                               f"{request.sampling.max_tokens}")
-        vocab = self.spec.vocab_size
-        ids = (*request.prompt_token_ids, *request.output_token_ids)
-        if min(ids) < 0 or max(ids) >= vocab:
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise RequestError(f"request {rid!r}: token id {bad} outside the vocabulary [0, {vocab})")
+        check_request(request, self._max_model_len, self.spec.vocab_size)
         seq = Sequence(request)
         if request.kv_source == "import":
             self._admit_import(seq)
@@ -463,7 +456,7 @@ class PagedEngine(Engine):
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
             self._publish(seq)
-            token = sampled.get(seq.request_id)
+            token, lp = sampled.get(seq.request_id, (None, None))
             position = seq.num_outputs
             if token is not None:
                 seq.tokens.append(token)
@@ -474,7 +467,8 @@ class PagedEngine(Engine):
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(RequestOutput(seq.request_id, () if token is None else (token,),
-                                         position, seq.num_computed, reason is not None, reason))
+                                         position, seq.num_computed, reason is not None, reason,
+                                         () if lp is None else (lp,)))
         return outputs
 
     @staticmethod

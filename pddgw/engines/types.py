@@ -13,6 +13,8 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "abort"]
 KVSource = Literal["compute", "import"]
 DTYPE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+MAX_LOGPROBS = 20            # top alternatives per position, at most (OpenAI's bound)
+LOGPROB_FLOOR = -9999.0      # what a log-probability of -inf is reported as (vLLM's convention; JSON has no -inf)
 
 
 class RequestError(ValueError):
@@ -30,6 +32,12 @@ class SamplingParams:
     Sampling is position-keyed: the random draw for output position i depends
     only on (seed, i), so any node sampling position i draws the same token
     from the same logits.  temperature == 0 is greedy.
+
+    logprobs (vLLM's convention): None = none; k in [0, MAX_LOGPROBS] = each
+    sampled token's log-probability plus the k most probable alternatives
+    (`TokenLogprobs`).  They are of the model's raw distribution, log_softmax
+    of the logits before temperature, top-k/top-p/min-p (vLLM's default
+    "raw_logprobs", OpenAI's), so they do not depend on how the token was drawn.
     """
 
     max_tokens: int = 64
@@ -40,6 +48,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_p: float = 0.0      # keep tokens with p >= min_p * p_max; 0 = no min-p filter
+    logprobs: int | None = None   # None: no log-probabilities; k: the sampled token's + k top alternatives
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -54,6 +63,9 @@ class SamplingParams:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63), got {self.seed}")
+        lp = self.logprobs
+        if lp is not None and (type(lp) is not int or not 0 <= lp <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
 
     @property
     def greedy(self) -> bool:
@@ -96,12 +108,29 @@ class AddResult:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The model's log-probabilities at one sampled output position (see `SamplingParams.logprobs`).
+
+    logprob       of the sampled token
+    top_ids       the k most probable token ids, most probable first
+    top_logprobs  their log-probabilities (non-increasing)
+    A log-probability of -inf is LOGPROB_FLOOR.
+    """
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one engine step did for one request.
 
     new_token_ids are the tokens sampled this step, the first at output
     position `position`.  num_computed_tokens counts the tokens whose KV is
-    in the cache (a P node streams KV out as it grows).
+    in the cache (a P node streams KV out as it grows).  logprobs: one
+    `TokenLogprobs` per new token when the request asked for them
+    (`SamplingParams.logprobs` not None), else empty.
     """
 
     request_id: str
@@ -110,6 +139,7 @@ class RequestOutput:
     num_computed_tokens: int
     finished: bool = False
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,11 @@ on the loop); any other payload is copied into the pool on the engine thread
 between steps, every chunk that arrived meanwhile in one go (`import_kv`),
 never one chunk per step.
 
+Log-probabilities (a request whose sampling asks for them): every position
+this node emits carries its `TokenLogprobs` - P's first token with those P
+sent along (`kv_done`), the rest with the engine's.  Handed-off tokens
+(`extend`) have none here and are never emitted here.
+
 Each session owns its request's output stream from `open` on (`outputs`):
 closing the session closes the stream, so nothing stays registered in the
 AsyncEngine whatever point a request is cancelled at.
@@ -44,7 +49,8 @@ from enum import IntEnum
 import structlog
 
 from pddgw.engines.async_engine import AsyncEngine, EngineStopped, RequestStream
-from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, RequestOutput, SamplingParams
+from pddgw.engines.types import (EngineRequest, KVChunk, KVSpan, RequestError, RequestOutput, SamplingParams,
+                                 TokenLogprobs)
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +73,8 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None     # "stop" | "length" | "handoff" | "error" | "cancelled"
     error: str | None = None
+    # One per token when the request asked for logprobs, else empty.
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 Emit = Callable[[TokenEvent], Awaitable[None]]
@@ -74,13 +82,16 @@ Emit = Callable[[TokenEvent], Awaitable[None]]
 
 class _Session:
     __slots__ = ("rid", "state", "tokens", "task", "emitted", "frozen", "num_prompt", "num_computed",
-                 "progress", "decode_start", "outputs")
+                 "progress", "decode_start", "outputs", "want_logprobs", "logprobs")
 
-    def __init__(self, rid: str, num_prompt: int, outputs: RequestStream):
+    def __init__(self, rid: str, num_prompt: int, outputs: RequestStream, want_logprobs: bool = False):
         self.rid = rid
         self.outputs = outputs           # the engine's outputs of this request: closed with the session
         self.state = DecodeState.IMPORTING
         self.tokens: list[int] = []      # output positions 0.. known here
+        self.want_logprobs = want_logprobs
+        # With want_logprobs: parallel to tokens (None for a handed-off token: not emitted here).
+        self.logprobs: list[TokenLogprobs | None] = []
         self.task: asyncio.Task[None] | None = None
         self.emitted = 0                 # positions already passed to emit
         self.frozen = False              # RLD stopped for the final handoff round
@@ -114,7 +125,7 @@ class DecodeWorker:
             raise RequestError(f"request {rid!r} already open here")
         req = EngineRequest(rid, prompt, sampling, kv_source="import", hold=True)
         res = await self.aeng.add(req)
-        self.sessions[rid] = _Session(rid, len(prompt), self.aeng.stream(rid))
+        self.sessions[rid] = _Session(rid, len(prompt), self.aeng.stream(rid), sampling.logprobs is not None)
         return res.num_cached_tokens
 
     def kv_destination(self, span: KVSpan) -> memoryview | None:
@@ -161,15 +172,19 @@ class DecodeWorker:
                 # Checked on arrival, so the request was cancelled since (or it is a bug).
                 log.info("kv_import_dropped", request_id=chunk.request_id, error=str(e))
 
-    async def kv_done(self, rid: str, first_token: int, decode: bool) -> None:
+    async def kv_done(self, rid: str, first_token: int, decode: bool,
+                      first_logprobs: TokenLogprobs | None = None) -> None:
         """All prompt KV sent; the first output token (P's) is extended here.
 
-        decode=True (RLD, or MD in P-MD): emit it and decode on.  decode=False
+        decode=True (RLD, or MD in P-MD): emit it (with P's `first_logprobs`
+        when the request asked for logprobs) and decode on.  decode=False
         (MD in P-RLD-MD): hold until the handoff.
         """
         s = self._get(rid)
         if s.state != DecodeState.IMPORTING:
             raise RequestError(f"request {rid!r} is {s.state.name}, not importing")
+        if s.want_logprobs and decode and first_logprobs is None:
+            raise RequestError(f"request {rid!r} asked for logprobs but the first token came without them")
 
         def finish() -> None:
             self._drain_imports()            # every chunk that arrived before this message
@@ -178,6 +193,8 @@ class DecodeWorker:
 
         await self.aeng.call(finish)
         s.tokens.append(first_token)
+        if s.want_logprobs:
+            s.logprobs.append(first_logprobs)
         async with s.progress:
             s.state = DecodeState.DECODING if decode else DecodeState.HOLDING
             s.progress.notify_all()
@@ -197,6 +214,8 @@ class DecodeWorker:
             raise RequestError(f"request {rid!r}: handoff starts at {start}, expected {len(s.tokens)}")
         await self.aeng.call(self.engine.append_tokens, rid, token_ids, final)
         s.tokens += token_ids
+        if s.want_logprobs:
+            s.logprobs += [None] * len(token_ids)       # RLD emitted them, with their logprobs
         s.emitted = len(s.tokens)          # RLD emitted these; MD emits from here on
         if final:
             s.state = DecodeState.DECODING
@@ -252,7 +271,7 @@ class DecodeWorker:
         if rid in self.sessions:
             raise RequestError(f"request {rid!r} already open here")
         await self.aeng.add(EngineRequest(rid, prompt, sampling, hold=hold))
-        s = self.sessions[rid] = _Session(rid, len(prompt), self.aeng.stream(rid))
+        s = self.sessions[rid] = _Session(rid, len(prompt), self.aeng.stream(rid), sampling.logprobs is not None)
         s.state = DecodeState.HOLDING if hold else DecodeState.DECODING
         if not hold:
             s.decode_start = (asyncio.get_running_loop().time(), 0)
@@ -290,6 +309,11 @@ class DecodeWorker:
         if out.new_token_ids:
             assert out.position == len(s.tokens), (out.position, len(s.tokens))
             s.tokens += out.new_token_ids
+            if s.want_logprobs:
+                if len(out.logprobs) != len(out.new_token_ids):
+                    raise RequestError(f"request {s.rid!r} asked for logprobs; this engine gave "
+                                       f"{len(out.logprobs)} for {len(out.new_token_ids)} tokens")
+                s.logprobs += out.logprobs
         if out.finished:
             if out.finish_reason != "abort":
                 await self._finish(s)
@@ -303,8 +327,13 @@ class DecodeWorker:
         new = tuple(s.tokens[s.emitted :])
         if not new and not finished:
             return
+        lps: tuple[TokenLogprobs, ...] = ()
+        if s.want_logprobs and new:
+            got = s.logprobs[s.emitted : len(s.tokens)]
+            assert all(lp is not None for lp in got), f"request {s.rid}: emitting tokens without logprobs"
+            lps = tuple(got)  # type: ignore[arg-type]
         pos, s.emitted = s.emitted, len(s.tokens)
-        await self._emit(TokenEvent(s.rid, pos, new, finished, reason))
+        await self._emit(TokenEvent(s.rid, pos, new, finished, reason, logprobs=lps))
 
     async def _finish(self, s: _Session) -> None:
         """The request has ended here: wake whoever waits on its progress."""

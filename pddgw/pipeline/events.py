@@ -2,9 +2,10 @@
 
 The pumps of a request (P's Prefill reply, each decoder's token stream, the
 handoff) turn what they get into these at the edge - a decoder's stream
-messages through `from_message`, replies and link failures directly - so the
-loop in router.py matches on meaning, not on wire types.  `node` is the
-router's handle of the node it came from.
+messages through `StreamReader` (which joins each TokenItem with the
+Logprobs pieces sent right before it, and checks them), replies and link
+failures directly - so the loop in router.py matches on meaning, not on wire
+types.  `node` is the router's handle of the node it came from.
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pddgw.engines.types import TokenLogprobs
 from pddgw.net import messages as m
 from pddgw.pipeline import protocol as pm
 
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
-    """Output tokens from a decoder (position-keyed; `item.done` ends its stream)."""
+    """Output tokens from a decoder (position-keyed; `item.done` ends its stream);
+    `logprobs`: one per token when the request asked for them, else empty."""
 
     node: Any
     item: m.TokenItem
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +70,60 @@ class NodeFailed:
 Event = Tokens | PrefillFinished | KvReady | RoundSent | HandoffEnded | NodeFailed
 
 
-def from_message(node: Any, msg: m.Message) -> Event | None:
-    """A decoder's stream message -> its event (None: nothing the loop acts on).
+class StreamError(ValueError):
+    """A decoder's stream broke the protocol (e.g. logprobs that do not match their tokens)."""
 
-    A stream raises on an `Error` (the pump turns it into `NodeFailed`)."""
-    match msg:
-        case m.TokenItem():
-            return Tokens(node, msg)
-        case m.Ready():
-            return KvReady(node)
-        case pm.HandoffRound():
-            return RoundSent(node, msg)
-    return None
+
+class StreamReader:
+    """One decoder's stream of one request -> events (`event`).
+
+    `top_n`: None when the request asked for no logprobs; else the number of
+    alternatives every position must carry.  Then each TokenItem with tokens
+    must come right after Logprobs pieces covering exactly its positions, in
+    order; without it none may come.  Anything else raises StreamError (the
+    pump turns it into `NodeFailed`).
+    """
+
+    def __init__(self, node: Any, top_n: int | None = None):
+        self.node = node
+        self.top_n = top_n
+        self._pieces: list[pm.Logprobs] = []
+
+    def event(self, msg: m.Message) -> Event | None:
+        """A stream message -> its event (None: nothing the loop acts on).
+
+        A stream raises on an `Error` (the pump turns it into `NodeFailed`)."""
+        match msg:
+            case pm.Logprobs():
+                if self.top_n is None:
+                    raise StreamError(f"request {msg.request_id}: logprobs nobody asked for")
+                if msg.top_n != self.top_n:
+                    raise StreamError(f"request {msg.request_id}: {msg.top_n} alternatives per position, "
+                                      f"asked for {self.top_n}")
+                self._pieces.append(msg)
+                return None
+            case m.TokenItem():
+                return Tokens(self.node, msg, self._join(msg))
+            case m.Ready():
+                return KvReady(self.node)
+            case pm.HandoffRound():
+                return RoundSent(self.node, msg)
+        return None
+
+    def _join(self, item: m.TokenItem) -> tuple[TokenLogprobs, ...]:
+        pieces, self._pieces = self._pieces, []
+        if self.top_n is None or not item.ids:
+            if pieces:
+                raise StreamError(f"request {item.request_id}: logprobs without tokens")
+            return ()
+        out: list[TokenLogprobs] = []
+        for p in pieces:
+            if p.position != item.position + len(out):
+                raise StreamError(f"request {item.request_id}: logprobs for position {p.position}, expected "
+                                  f"{item.position + len(out)}")
+            out += p.entries()
+        if len(out) != len(item.ids):
+            raise StreamError(f"request {item.request_id}: {len(out)} logprobs for {len(item.ids)} tokens at "
+                              f"position {item.position}")
+        return tuple(out)
+

@@ -22,7 +22,7 @@ import structlog
 
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.base import Engine
-from pddgw.engines.types import CapacityError, KVChunk, KVSpan, RequestError
+from pddgw.engines.types import CapacityError, KVChunk, KVSpan, RequestError, TokenLogprobs
 from pddgw.metrics import NodeMetrics
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
@@ -37,7 +37,7 @@ log = structlog.get_logger(__name__)
 Connect = Callable[[str], Awaitable[Link]]
 _CANCELLED_KEPT = 4096
 # Messages nobody waits a reply for: their failures are reported to the request's router.
-_ONE_WAY = (m.KvChunk, pm.KvDone)
+_ONE_WAY = (m.KvChunk, pm.KvDone, pm.Logprobs)
 
 
 def to_wire(chunk: KVChunk, seq: int = 0, last: bool = False) -> m.KvChunk:
@@ -87,6 +87,8 @@ class WorkerNode:
         self._watched: dict[Link, asyncio.Task[None]] = {}
         self._peers: dict[str, Link] = {}
         self._prefills: dict[str, asyncio.Task[pm.PrefillDone]] = {}
+        # P's first-token logprobs, from their Logprobs message until the KvDone right behind it.
+        self._first_logprobs: dict[str, TokenLogprobs] = {}
         self.kv_bytes_in_flight = 0
         # Requests cancelled here lately (oldest first): their late KV frames are dropped quietly.
         self._cancelled: dict[str, None] = {}
@@ -204,6 +206,11 @@ class WorkerNode:
                 return None        # P's frames still in flight when the request was cancelled here
             case pm.KvDone(request_id=rid, first_token=first, hold=hold):
                 return await self._kv_done(rid, first, hold)
+            case pm.Logprobs(request_id=rid) if rid in self._cancelled:
+                return None        # in flight when the request was cancelled here, like its KvDone
+            case pm.Logprobs(request_id=rid, position=0, logprobs=(_,)) if rid in self._open:
+                self._first_logprobs[rid] = msg.entries()[0]      # P's first token; KvDone follows
+                return None
             case pm.Demote(request_id=rid):
                 if self.prefill is not None:
                     self.prefill.demote(rid)
@@ -280,10 +287,11 @@ class WorkerNode:
                 await self._cancel(rid)
 
     async def _kv_done(self, rid: str, first: int, hold: bool) -> None:
+        first_lp = self._first_logprobs.pop(rid, None)
         op = self._open.get(rid)
         if op is None:
             raise RequestError(f"request {rid!r} is not open on {self.name}")
-        await self._decoder().kv_done(rid, first, decode=not hold)
+        await self._decoder().kv_done(rid, first, not hold, first_lp)
         if hold:
             await op.router.send(m.Ready(rid, "kv"))
 
@@ -340,8 +348,12 @@ class WorkerNode:
             seq += len(chunks)
             return service
 
-        async def done(first_token: int) -> None:
+        async def done(first_token: int, first_lp: TokenLogprobs | None) -> None:
             # In the KV's class: a background transfer's end must not overtake its last chunks.
+            if first_lp is not None:
+                # Right before KvDone, in its class: the decoder joins them (protocol.py).
+                for piece in pm.logprob_pieces(rid, 0, (first_lp,)):
+                    await link.send(piece, priority=target.priority)
             await link.send(pm.KvDone(rid, first_token, hold), priority=target.priority)
 
         target = KVTarget(name, start, send, done)
@@ -349,6 +361,7 @@ class WorkerNode:
 
     async def _cancel(self, rid: str) -> None:
         self._tombstone(rid)
+        self._first_logprobs.pop(rid, None)
         task = self._prefills.get(rid)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
@@ -370,6 +383,9 @@ class WorkerNode:
             if ev.error is not None:
                 await op.router.send(m.Error(ev.request_id, "decode", ev.error[:4000]))
             else:
+                # Their logprobs first, on the same link: the router joins them at its edge (protocol.py).
+                for piece in pm.logprob_pieces(ev.request_id, ev.position, ev.logprobs):
+                    await op.router.send(piece)
                 await op.router.send(m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished,
                                                  ev.finish_reason or ""))
         except LinkError as e:

@@ -8,7 +8,10 @@ emittable: contiguous, starting at the next unsent position, each from one
 role.  Sampling is position-keyed, so two sources must agree on every
 position; a disagreement is a correctness bug and raises `TokenConflict`
 rather than picking a winner.  The first source to deliver a position is
-the one credited for it (the RLD token share metric).
+the one credited for it (the RLD token share metric), and its logprobs (when
+the request asked for them) are the ones passed on: every position's
+logprobs once, in order, like its token.  Two sources' logprobs of one
+position are not compared (float rounding may differ between nodes).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pddgw.engines.types import TokenLogprobs
 from pddgw.pipeline.state import ROLES, Role
 
 
@@ -44,11 +48,13 @@ class StreamGap(OrderingError):
 
 @dataclass(frozen=True, slots=True)
 class TokenRun:
-    """Output positions [position, position + len(token_ids)) from one role."""
+    """Output positions [position, position + len(token_ids)) from one role;
+    `logprobs` one per token when its source sent them, else empty."""
 
     position: int
     token_ids: tuple[int, ...]
     role: Role
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def end(self) -> int:
@@ -71,7 +77,8 @@ class StreamMerger:
         self.max_ahead = max_ahead
         self._tokens: list[int] = []  # emitted, index = position
         self._roles: list[Role] = []
-        self._pending: dict[int, tuple[int, Role]] = {}  # position -> (token, role)
+        # position -> (token, role, its logprobs or None)
+        self._pending: dict[int, tuple[int, Role, TokenLogprobs | None]] = {}
         self._sealed: int | None = None
         self._counts: dict[Role, int] = {}
         self.duplicates = 0  # positions delivered again with the same token
@@ -106,13 +113,17 @@ class StreamMerger:
             raise IndexError(f"position {position} not emitted")
         return self._roles[position]
 
-    def push(self, position: int, token_ids: Sequence[int], role: Role) -> list[TokenRun]:
-        """Accept a piece; return the runs it made emittable, in order."""
+    def push(self, position: int, token_ids: Sequence[int], role: Role,
+             logprobs: Sequence[TokenLogprobs] | None = None) -> list[TokenRun]:
+        """Accept a piece (with one logprobs entry per token, or none); return the runs it
+        made emittable, in order."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         if position < 0:
             raise ValueError(f"negative position {position}")
         toks = tuple(token_ids)
+        if logprobs and len(logprobs) != len(toks):
+            raise ValueError(f"{len(logprobs)} logprobs for {len(toks)} tokens")
         for t in toks:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"token ids must be non-negative ints, got {t!r}")
@@ -126,43 +137,53 @@ class StreamMerger:
                 f"request {self.request_id}: piece [{position}, {end}) from {role} runs past "
                 f"the end of the stream at {self._sealed}")
         # Validate everything first, so a conflict leaves the merger unchanged.
-        fresh: list[tuple[int, int]] = []
+        fresh: list[tuple[int, int, TokenLogprobs | None]] = []
         dups = 0
         for i, t in enumerate(toks):
             p = position + i
             if p < len(self._tokens):
                 kept, kept_role = self._tokens[p], self._roles[p]
             elif p in self._pending:
-                kept, kept_role = self._pending[p]
+                kept, kept_role, _ = self._pending[p]
             else:
-                fresh.append((p, t))
+                fresh.append((p, t, logprobs[i] if logprobs else None))
                 continue
             if kept != t:
                 raise TokenConflict(self.request_id, p, kept, kept_role, t, role)
             dups += 1
         self.duplicates += dups
-        for p, t in fresh:
-            self._pending[p] = (t, role)
+        for p, t, lp in fresh:
+            self._pending[p] = (t, role, lp)
         return self._drain()
 
     def _drain(self) -> list[TokenRun]:
+        """The runs from the next unsent position on: one per stretch of one role (and of
+        positions with logprobs or without)."""
         runs: list[TokenRun] = []
         cur: list[int] = []
-        cur_role: Role | None = None
+        lps: list[TokenLogprobs] = []
+        cur_key: tuple[Role, bool] | None = None
         start = p = len(self._tokens)
+
+        def close() -> None:
+            runs.append(TokenRun(start, tuple(cur), cur_key[0], tuple(lps)))  # type: ignore[index]
+
         while p in self._pending:
-            t, r = self._pending.pop(p)
-            if r != cur_role and cur:
-                runs.append(TokenRun(start, tuple(cur), cur_role))  # type: ignore[arg-type]
-                cur, start = [], p
-            cur_role = r
+            t, r, lp = self._pending.pop(p)
+            key = (r, lp is not None)
+            if key != cur_key and cur:
+                close()
+                cur, lps, start = [], [], p
+            cur_key = key
             cur.append(t)
+            if lp is not None:
+                lps.append(lp)
             self._tokens.append(t)
             self._roles.append(r)
             self._counts[r] = self._counts.get(r, 0) + 1
             p += 1
         if cur:
-            runs.append(TokenRun(start, tuple(cur), cur_role))  # type: ignore[arg-type]
+            close()
         return runs
 
     def seal(self, length: int) -> None:

@@ -9,7 +9,8 @@ Lifecycle of one request on P:
      of about `chunk_bytes`; the targets run in parallel, so a slow WAN never
      holds back the local fabric.
   3. As soon as a target has its whole range and the first output token is
-     sampled, it gets `done(first_token)` (RLD does not wait for the WAN).
+     sampled, it gets `done(first_token, its logprobs or None)` (RLD does
+     not wait for the WAN).
      The KV is released only when every target is served (it is pinned while
      in flight).  A target that fails is reported; the others go on.
 Transfers start as foreground traffic; `demote` turns what is left of a
@@ -35,7 +36,7 @@ from typing import Any
 import structlog
 
 from pddgw.engines.async_engine import AsyncEngine, RequestStream
-from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams
+from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams, TokenLogprobs
 from pddgw.net.link import Priority
 
 log = structlog.get_logger(__name__)
@@ -51,11 +52,16 @@ class KVTarget:
     # connections where it has several); returns when the transport has their
     # bytes (back-pressure), with the seconds they were in service on the wire.
     send: Callable[[list[KVChunk]], Awaitable[float]]
-    done: Callable[[int], Awaitable[None]]             # all sent; the first output token
+    # All sent; the first output token and, if the request asked, its logprobs.
+    done: Callable[[int, TokenLogprobs | None], Awaitable[None]]
     priority: Priority = Priority.FOREGROUND
     sent_bytes: int = 0
     service_s: float = 0.0
     error: str | None = None
+
+
+# The first output token, and its logprobs when the request asked for them.
+First = tuple[int, TokenLogprobs | None]
 
 
 @dataclass(slots=True)
@@ -63,6 +69,7 @@ class PrefillResult:
     first_token: int
     cached_tokens: int                                 # P's own prefix-cache hit
     targets: dict[str, KVTarget] = field(default_factory=dict)
+    first_logprobs: TokenLogprobs | None = None        # when the request asked for logprobs
 
 
 class _Progress:
@@ -104,10 +111,10 @@ class PrefillWorker:
                 raise RequestError(f"target {t.name}: start token {t.start_token} outside [0, {n}]")
         req = EngineRequest(rid, prompt, SamplingParams(
             max_tokens=1, temperature=sampling.temperature, top_k=sampling.top_k,
-            top_p=sampling.top_p, seed=sampling.seed), retain_kv=True)
+            top_p=sampling.top_p, seed=sampling.seed, logprobs=sampling.logprobs), retain_kv=True)
         self.inflight[rid] = targets
         progress = _Progress()
-        first: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        first: asyncio.Future[First] = asyncio.get_running_loop().create_future()
         senders: list[asyncio.Task[None]] = []
         outputs: RequestStream | None = None
         try:
@@ -118,18 +125,19 @@ class PrefillWorker:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     if out.new_token_ids and not first.done():
-                        first.set_result(out.new_token_ids[0])
+                        first.set_result((out.new_token_ids[0], out.logprobs[0] if out.logprobs else None))
                     await progress.update(min(out.num_computed_tokens, n), out.finished)
             if not first.done():
                 raise RequestError(f"request {rid!r} ended on P without a first token")
             await asyncio.gather(*senders)
-            return PrefillResult(first.result(), result.num_cached_tokens, {t.name: t for t in targets})
+            token, lp = first.result()
+            return PrefillResult(token, result.num_cached_tokens, {t.name: t for t in targets}, lp)
         finally:
             # To the end even when cancelled again meanwhile (a Cancel and the link's own
             # cancellation): an interrupted abort would leave the retained KV on P for good.
             await _uninterrupted(self._release(rid, first, senders, outputs))
 
-    async def _release(self, rid: str, first: asyncio.Future[int], senders: list[asyncio.Task[None]],
+    async def _release(self, rid: str, first: asyncio.Future[First], senders: list[asyncio.Task[None]],
                        outputs: RequestStream | None) -> None:
         if not first.done():
             first.cancel()
@@ -152,14 +160,14 @@ class PrefillWorker:
         return targets is not None
 
     async def _serve_target(self, rid: str, n: int, target: KVTarget, progress: _Progress,
-                            first: asyncio.Future[int]) -> None:
+                            first: asyncio.Future[First]) -> None:
         """Everything one target needs, at its own pace: its KV range, then the first token."""
         try:
             await self._send_all(rid, n, target, progress)
             if self.on_transfer is not None and target.sent_bytes:
                 # Before `done`: the decoder cannot start (nor the request end) before this is counted.
                 self.on_transfer(target.name, target.priority, target.service_s)
-            await target.done(await asyncio.shield(first))
+            await target.done(*await asyncio.shield(first))
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -20,19 +20,35 @@ Who sends what (requests are answered; the rest are one-way):
   RLD -> router     HandoffRound                          for the request's timeline
   RLD/MD -> router  TokenItem (net) ...                   output tokens, position-keyed; done ends
   router -> any     Cancel (net)                          free everything of the request
+
+Log-probabilities (only for a request whose sampling asks for them,
+`logprobs` k in 0..20; nothing is sent otherwise): `Logprobs` pieces travel
+right before the message that carries their tokens, on the same link, in the
+same traffic class, so the receiver joins them at its edge:
+  P -> RLD/MD       Logprobs(position 0) then KvDone      P's first token (the decoder that emits
+                                                          position 0 forwards them)
+  RLD/MD -> router  Logprobs ... then TokenItem           exactly the TokenItem's positions, in
+                                                          pieces of at most MAX_LOGPROB_POSITIONS
+Handed-off tokens (Extend) carry none: RLD sampled and emitted them with
+their logprobs, MD does not emit them again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
-from pddgw.engines.types import SamplingParams
+from pddgw.engines.types import LOGPROB_FLOOR, MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from pddgw.net.messages import MAX_ID_CHARS, MAX_TEXT_CHARS, MAX_TOKEN_IDS, TOKEN_ID_LIMIT
 from pddgw.net.messages import _check, _flag, _int_tuple, _number, _text, _uint
 
 MAX_STOP_IDS = 64
 MAX_TARGETS = 16
+# Positions per Logprobs message: 64 x 21 floats of <= 24 JSON characters stay well inside
+# the frame's 64 KiB of metadata.
+MAX_LOGPROB_POSITIONS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +62,9 @@ class _Sampled:
     seed: int
     ignore_eos: bool
     stop_token_ids: tuple[int, ...]
+    # None: no log-probabilities; k: each sampled token's plus k top alternatives.
+    logprobs: int | None = field(default=None, kw_only=True)
+    min_p: float = field(default=0.0, kw_only=True)
 
     def _check_sampling(self) -> None:
         _uint(self.max_tokens, "max_tokens", 1 << 31)
@@ -59,11 +78,16 @@ class _Sampled:
         _uint(self.seed, "seed")
         _flag(self.ignore_eos, "ignore_eos")
         _int_tuple(self, "stop_token_ids", self.stop_token_ids, MAX_STOP_IDS, TOKEN_ID_LIMIT)
+        if self.logprobs is not None:
+            _uint(self.logprobs, "logprobs", MAX_LOGPROBS + 1)
+        m = self.min_p
+        _check(type(m) in (int, float) and 0 <= m <= 1, "min_p must be in [0, 1]")
+        object.__setattr__(self, "min_p", float(m))
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, logprobs=self.logprobs, min_p=self.min_p)
 
 
 def _bools(obj: object, name: str, values: object, count: int) -> None:
@@ -79,7 +103,7 @@ def sampling_fields(sp: SamplingParams) -> dict[str, object]:
     """The `_Sampled` fields of a message carrying `sp` (pass as keyword arguments)."""
     return {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_k": sp.top_k,
             "top_p": sp.top_p, "seed": sp.seed, "stop_token_ids": sp.stop_token_ids,
-            "ignore_eos": sp.ignore_eos}
+            "ignore_eos": sp.ignore_eos, "logprobs": sp.logprobs, "min_p": sp.min_p}
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +229,69 @@ class KvDone:
         _text(self.request_id, "request_id", empty=False)
         _uint(self.first_token, "first_token", TOKEN_ID_LIMIT)
         _flag(self.hold, "hold")
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """Log-probabilities of output positions [position, position + n) of a request.
+
+    Sent right before the message carrying those tokens (see the module
+    docstring).  `logprobs[i]` is the sampled token's at position + i;
+    `top_ids` / `top_logprobs` hold top_n alternatives per position, row by
+    row, most probable first.  Values are finite, in [LOGPROB_FLOOR, 0]
+    (-inf travels as the floor); the ids are the packed payload.
+    """
+
+    request_id: str
+    position: int
+    top_n: int
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[float, ...]
+    top_ids: tuple[int, ...]
+    tag: Literal["logprobs"] = "logprobs"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id", empty=False)
+        _uint(self.position, "position", 1 << 31)
+        _uint(self.top_n, "top_n", MAX_LOGPROBS + 1)
+        _floats(self, "logprobs", self.logprobs, MAX_LOGPROB_POSITIONS)
+        n = len(self.logprobs)
+        _check(n >= 1, "logprobs must cover at least one position")
+        _floats(self, "top_logprobs", self.top_logprobs, n * self.top_n)
+        _int_tuple(self, "top_ids", self.top_ids, n * self.top_n, TOKEN_ID_LIMIT)
+        _check(len(self.top_logprobs) == len(self.top_ids) == n * self.top_n,
+               "top_logprobs and top_ids must hold top_n entries per position")
+
+    def entries(self) -> tuple[TokenLogprobs, ...]:
+        k = self.top_n
+        return tuple(TokenLogprobs(lp, self.top_ids[i * k : (i + 1) * k], self.top_logprobs[i * k : (i + 1) * k])
+                     for i, lp in enumerate(self.logprobs))
+
+
+def _floats(obj: object, name: str, values: object, count_limit: int) -> None:
+    """A tuple of at most `count_limit` log-probabilities: finite, in [LOGPROB_FLOOR, 0]."""
+    _check(type(values) in (tuple, list) and len(values) <= count_limit,  # type: ignore[arg-type]
+           f"{name} must list at most {count_limit} numbers")
+    out = []
+    for v in values:  # type: ignore[union-attr]
+        _check(type(v) in (int, float) and math.isfinite(v) and LOGPROB_FLOOR <= v <= 0,
+               f"{name}: {v!r} is not a log-probability in [{LOGPROB_FLOOR}, 0]")
+        out.append(float(v))
+    object.__setattr__(obj, name, tuple(out))
+
+
+def logprob_pieces(request_id: str, position: int, entries: Sequence[TokenLogprobs]) -> list[Logprobs]:
+    """The Logprobs messages for positions [position, position + len(entries)), in order.
+
+    Every entry must have the same number of alternatives (the request's k)."""
+    out = []
+    for a in range(0, len(entries), MAX_LOGPROB_POSITIONS):
+        part = entries[a : a + MAX_LOGPROB_POSITIONS]
+        k = len(part[0].top_ids)
+        out.append(Logprobs(request_id, position + a, k, tuple(max(e.logprob, LOGPROB_FLOOR) for e in part),
+                            tuple(max(v, LOGPROB_FLOOR) for e in part for v in e.top_logprobs),
+                            tuple(t for e in part for t in e.top_ids)))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,6 +436,7 @@ PIPELINE_KINDS: dict[int, tuple[type, str]] = {
     100: (Submit, "prompt"), 101: (Opened, ""), 102: (Prefill, "prompt"), 103: (PrefillDone, ""),
     104: (HandOff, ""), 105: (HandedOff, ""), 106: (HandoffRound, ""), 107: (Extend, "ids"),
     108: (StateQuery, ""), 109: (NodeState, ""), 110: (KvDone, ""), 111: (Demote, ""),
+    112: (Logprobs, "top_ids"),
 }
 
 

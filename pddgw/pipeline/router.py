@@ -17,7 +17,9 @@ For each request (`Router.run`), in order:
      estimator's samples).
   5. Merge the decoders' token streams by position (each position once, in
      order) and pass every run to the caller as soon as it is in order; the
-     pumps turn messages into typed events (events.py).
+     pumps turn messages into typed events (events.py), joining each token
+     piece with its logprobs when the request asked for them (P's first
+     token's come through the decoder that emits position 0).
   6. P-RLD-MD: when MD reports the prompt KV in, hand off by token IDs
      (handoff.py); RLD's relay slot is free when the handoff ends.
   7. Finish when a decoder ends the sequence and every position before the
@@ -64,7 +66,7 @@ from pddgw.pipeline.affinity import PrefixIndex
 from pddgw.pipeline.alignment import AlignKey, Alignments
 from pddgw.pipeline.estimator import LinkEstimator
 from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, PrefillFinished, RoundSent,
-                                   Tokens, from_message)
+                                   StreamError, StreamReader, Tokens)
 from pddgw.pipeline.handoff import drive_handoff
 from pddgw.pipeline.ordering import StreamMerger, TokenRun
 from pddgw.pipeline.policy import (LoadReport, NoInstanceError, PipelineDecision, PipelineInputs,
@@ -586,9 +588,10 @@ class Router:
         events: asyncio.Queue[Event] = asyncio.Queue()
 
         async def pump(node: NodeHandle) -> None:
+            reader = self._reader(node, fl)
             try:
                 async for msg in streams[node.name]:
-                    ev = from_message(node, msg)
+                    ev = reader.event(msg)
                     if ev is not None:
                         events.put_nowait(ev)
             except Exception as e:   # never lose a failure silently
@@ -648,7 +651,7 @@ class Router:
                             elif err:
                                 raise _NodeLost(self.nodes[name], f"KV transfer failed: {err}")
                     case Tokens(node=node, item=item):
-                        await self._on_tokens(fl, item, "rld" if node is rld else "md")
+                        await self._on_tokens(fl, ev, "rld" if node is rld else "md")
                         if node is rld and item.done:
                             self._end_relay(fl)
                     case KvReady(node=node) if node is md and md_alive and rld is not None:
@@ -712,14 +715,20 @@ class Router:
                 fl.tracker.add_wan_kv_bytes(sent)
                 self.wan.observe_transfer(sent, secs)
 
-    async def _on_tokens(self, fl: _Flight, ev: m.TokenItem, role: Role) -> None:
+    def _reader(self, node: NodeHandle, fl: _Flight) -> StreamReader:
+        """The edge of a decoder's stream: the logprobs it must carry (k, or none)."""
+        k = fl.sampling.logprobs
+        return StreamReader(node, None if k is None else min(k, self.spec.vocab_size))
+
+    async def _on_tokens(self, fl: _Flight, tokens: Tokens, role: Role) -> None:
         tr = fl.tracker
+        ev = tokens.item
         if ev.ids:
             if tr.state == RequestState.PREFILLING:
                 tr.advance(RequestState.MD_DECODING if role == "md" else RequestState.RLD_DECODING)
             elif role == "md" and tr.state == RequestState.HANDING_OFF:
                 tr.advance(RequestState.MD_DECODING)
-            for run in fl.merger.push(ev.position, ev.ids, role):
+            for run in fl.merger.push(ev.position, ev.ids, role, tokens.logprobs):
                 prev = tr.last_emission_t
                 tr.tokens_emitted(run.position, len(run.token_ids), run.role)
                 now = tr.last_emission_t
@@ -738,6 +747,7 @@ class Router:
         emitted = fl.merger.emitted_tokens
         role: Role = "md" if node.role == "md" else "rld"
         stream = node.link.stream(fl.rid, timeout=self.timeout)
+        reader = self._reader(node, fl)
         self._involve(fl, node)
         try:
             try:
@@ -752,11 +762,12 @@ class Router:
             fl.tracker.advance(RequestState.PREFILLING, f"re-drive on {node.name}")
             try:
                 async for msg in stream:
-                    if isinstance(msg, m.TokenItem):
-                        await self._on_tokens(fl, msg, role)
+                    ev = reader.event(msg)
+                    if isinstance(ev, Tokens):
+                        await self._on_tokens(fl, ev, role)
                         if fl.merger.complete:
                             return
-            except LinkError as e:
+            except (LinkError, StreamError) as e:
                 raise _NodeLost(node, str(e)) from None
             raise _NodeLost(node, "stream ended before the request finished")
         finally:

@@ -39,7 +39,12 @@ def test_chat_body():
     ({"messages": USER, "n": 2}, "n", "invalid_request_error"),
     ({"messages": USER, "n": True}, "n", "invalid_request_error"),
     ({"messages": USER, "stop": "x"}, "stop", "unsupported_parameter"),
-    ({"messages": USER, "logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"messages": USER, "logprobs": 1}, "logprobs", "invalid_request_error"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_request_error"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "invalid_request_error"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": True}, "top_logprobs", "invalid_request_error"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "invalid_request_error"),
+    ({"messages": USER, "logprobs": False, "top_logprobs": 2}, "top_logprobs", "invalid_request_error"),
     ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
     ({"messages": USER, "tools": []}, "tools", "unsupported_parameter"),
     ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", "invalid_request_error"),
@@ -55,6 +60,36 @@ def test_chat_body_refused(body, param, code):
     with pytest.raises(ApiError) as ei:
         parse_chat(body)
     assert (ei.value.param, ei.value.code) == (param, code)
+
+
+def test_logprobs_parameters():
+    """vLLM's convention inside: None = none, k = the sampled token's plus k alternatives."""
+    assert parse_chat({"messages": USER}).logprobs is None
+    assert parse_chat({"messages": USER, "logprobs": False}).logprobs is None
+    assert parse_chat({"messages": USER, "logprobs": True}).logprobs == 0
+    assert parse_chat({"messages": USER, "logprobs": True, "top_logprobs": 20}).logprobs == 20
+    assert parse_chat({"messages": USER, "logprobs": True, "top_logprobs": None}).logprobs == 0
+    assert parse_completion({"prompt": "x"}, 384).logprobs is None
+    assert parse_completion({"prompt": "x", "logprobs": 0}, 384).logprobs == 0
+    assert parse_completion({"prompt": "x", "logprobs": 5}, 384).logprobs == 5
+    for bad in (21, -1, True, 1.5, "2"):
+        with pytest.raises(ApiError) as ei:
+            parse_completion({"prompt": "x", "logprobs": bad}, 384)
+        assert (ei.value.param, ei.value.code) == ("logprobs", "invalid_request_error")
+    inc = ["message.output_text.logprobs"]
+    assert parse_response({"input": "x"}, 100).logprobs is None
+    assert parse_response({"input": "x", "include": inc}, 100).logprobs == 0
+    assert parse_response({"input": "x", "include": inc, "top_logprobs": 3}, 100).logprobs == 3
+    assert parse_response({"input": "x", "top_logprobs": 3}, 100).logprobs is None       # as vLLM: include decides
+    for body, param, code in [({"input": "x", "include": inc, "top_logprobs": 21}, "top_logprobs",
+                               "invalid_request_error"),
+                              ({"input": "x", "include": "message.output_text.logprobs"}, "include",
+                               "invalid_request_error"),
+                              ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include",
+                               "unsupported_parameter")]:
+        with pytest.raises(ApiError) as ei:
+            parse_response(body, 100)
+        assert (ei.value.param, ei.value.code) == (param, code), body
 
 
 def test_completion_body():

@@ -68,7 +68,7 @@ class Cluster:
                 await worker.import_kv(c)
             return 0.0
 
-        return KVTarget(name, start, send, lambda t0: worker.kv_done(self.rid, t0, decode))
+        return KVTarget(name, start, send, lambda t0, lp: worker.kv_done(self.rid, t0, decode, lp))
 
     def merged(self):
         m = StreamMerger(self.rid)
@@ -205,3 +205,18 @@ def test_redrive_from_emitted_tokens(model):
         await c.stop()
 
     asyncio.run(main())
+
+
+def test_every_sampling_field_crosses_the_wire():
+    """A request's sampling parameters reach P and the decoders whole (min_p once got lost)."""
+    from pddgw.net import frames
+    from pddgw.pipeline import protocol as pm
+
+    sp = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=11, stop_token_ids=(3, 4),
+                        ignore_eos=True, min_p=0.05, logprobs=2)
+    for msg in (pm.Submit(request_id="r", kv="import", hold=False, prompt=(1, 2), **pm.sampling_fields(sp)),
+                pm.Prefill(request_id="r", targets=("md0",), starts=(0,), prompt=(1, 2), holds=(False,),
+                           **pm.sampling_fields(sp))):
+        assert frames.decode(frames.encode_bytes(msg)).msg.sampling() == sp
+    with pytest.raises(ValueError, match="min_p must be in"):
+        pm.Submit(request_id="r", kv="import", hold=False, prompt=(1,), **(pm.sampling_fields(sp) | {"min_p": 1.5}))
