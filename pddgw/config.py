@@ -76,11 +76,41 @@ class CostModelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VllmEngineConfig:
+    """vLLM's own settings for `implementation = "vllm"` (pddgw/engines/vllm_engine.py).
+
+    The rest of [engine] maps onto vLLM's arguments: block_size, num_blocks
+    (KV blocks, vLLM's placeholder block added), max_num_seqs,
+    max_num_batched_tokens, enable_prefix_caching; model.path and model.dtype
+    give the checkpoint and dtype.
+    """
+
+    # > 1: vLLM's multiprocessing executor, one worker process per rank on this host (imports
+    # staged in /dev/shm, each rank loads its KV heads; exports gather them).
+    tensor_parallel: int = 1
+    # Must be 1 (pddgw's connector does not split layers across ranks).
+    pipeline_parallel: int = 1
+    # On CUDA, vLLM's share of GPU memory; on CPU vLLM only checks that this share of the
+    # node's memory is free at start (the KV pool's size comes from num_blocks).
+    gpu_memory_utilization: float = 0.9
+    # No torch.compile / CUDA graphs at start-up (slower steps, start in seconds).
+    enforce_eager: bool = False
+    # Further vLLM EngineArgs, passed through as given (checked against EngineArgs at start).
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel >= 1, "tensor_parallel must be >= 1")
+        _check(self.pipeline_parallel >= 1, "pipeline_parallel must be >= 1")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Paged KV pool and scheduler limits of one engine instance."""
 
     # Registered Engine implementation (pddgw.engines.base.create_engine):
-    # "torch" computes, "costmodel" models the time of a real model on real GPUs.
+    # "torch" computes, "vllm" runs vLLM's engine in process, "costmodel" models the time of a
+    # real model on real GPUs.
     implementation: str = "torch"
     device: str = "cpu"
     block_size: int = 16
@@ -92,11 +122,18 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    # Torch engine on CUDA: decode-only steps replay CUDA graphs captured at start for
+    # bucketed batch sizes (1, 2, 4, 8, 16, 24, ... up to max_num_seqs; a batch is padded up
+    # to its bucket); prefill / extend / mixed steps and larger batches run eagerly.  Needs
+    # the Triton attention backend (with the torch one it logs a note and runs eagerly);
+    # refused on device "cpu".
+    cuda_graphs: bool = False
     # torch intra-op threads for a CPU engine (process-wide). 1 by default: on
     # a small shared machine, spinning OpenMP workers of several engines and
     # processes slow each other down by an order of magnitude.  0 = torch's default.
     cpu_threads: int = 1
     costmodel: CostModelConfig = field(default_factory=CostModelConfig)
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -106,6 +143,9 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= self.max_num_seqs,
                "max_num_batched_tokens must be >= max_num_seqs")
         _check(self.cpu_threads >= 0, "cpu_threads must be >= 0")
+        _check(not self.cuda_graphs or self.device.startswith("cuda"),
+               f"cuda_graphs = true needs a CUDA device, not device = {self.device!r} "
+               "(set cuda_graphs = false, or device = \"cuda\")")
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,21 @@ def test_shipped_example_loads():
     assert cfg.net.tls.mutual and cfg.policy.catchup_threshold == 64
 
 
+def test_vllm_example_loads():
+    """config.vllm.toml: every node a vLLM engine over 8 GPUs; MD with bigger blocks and pool."""
+    cfg = load_config(ROOT / "config.vllm.toml")
+    engines = {n.name: cfg.engine_for(n) for n in cfg.nodes}
+    assert {e.implementation for e in engines.values()} == {"vllm"}
+    assert {e.vllm.tensor_parallel for e in engines.values()} == {8}
+    assert [(n, e.block_size, e.num_blocks) for n, e in engines.items()] == [
+        ("router", 16, 16384), ("p0", 16, 16384), ("rld0", 16, 4096), ("md0", 32, 32768)]
+    assert cfg.engine.vllm.args == {"long_prefill_token_threshold": 4096}
+    assert cfg.model.path and cfg.model.dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("text,msg", [
+    ("[engine.vllm]\ntensor_paralel = 2\n", "engine.vllm.tensor_paralel: unknown key"),
+    ("[engine.vllm]\ngpu_memory_utilization = 1.5\n", "engine.vllm: gpu_memory_utilization must be in (0, 1]"),
     ("[engine]\nblock_sise = 16\n", "engine.block_sise: unknown key"),
     ("[engine]\nblock_size = 12\n", "engine: block_size must be a positive power of two"),
     ("[engine]\nnum_blocks = \"many\"\n", "engine.num_blocks: expected an integer, got 'many'"),

@@ -170,6 +170,10 @@ class AsyncEngine:
                 pass
             self._task = None
         self._fail_all(EngineStopped(f"{self.name} stopped"))
+        if not self.engine.runs_inline:
+            # The last call on the engine's thread: what it holds outside this process's objects
+            # (vLLM's worker processes, staging files) goes with it.
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.shutdown)
         self._executor.shutdown(wait=True)
 
     async def add(self, request: EngineRequest) -> AddResult:

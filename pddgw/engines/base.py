@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pddgw.engines.types import (AddResult, EngineRequest, EngineStats, KVChunk, KVLayout, KVSpan,
-                                 RequestOutput)
+                                 RequestError, RequestOutput)
 
 
 class Engine(ABC):
@@ -171,6 +171,30 @@ class Engine(ABC):
     def check_integrity(self) -> None:
         """Raise AssertionError unless free + cached + used == total and ref counts agree."""
 
+    def shutdown(self) -> None:
+        """Release what the engine holds beyond its Python objects (worker processes, files);
+        called once, last, on the engine's thread.  Nothing by default."""
+
+
+def check_request(request: EngineRequest, max_model_len: int, vocab_size: int) -> None:
+    """RequestError unless a new request could ever be served by an engine of this context
+    length and vocabulary (the checks every implementation makes before anything is allocated)."""
+    rid = request.request_id
+    n_prompt, n_out = len(request.prompt_token_ids), len(request.output_token_ids)
+    if n_prompt == 0:
+        raise RequestError(f"request {rid!r}: empty prompt")
+    total = n_prompt + n_out
+    if total >= max_model_len:
+        raise RequestError(f"request {rid!r}: {total} tokens leave no room for output "
+                           f"(context length {max_model_len})")
+    if n_out >= request.sampling.max_tokens:
+        raise RequestError(f"request {rid!r}: {n_out} output tokens given, max_tokens is "
+                           f"{request.sampling.max_tokens}")
+    ids = (*request.prompt_token_ids, *request.output_token_ids)
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise RequestError(f"request {rid!r}: token id {bad} outside the vocabulary [0, {vocab_size})")
+
 
 # name -> Engine class; its `from_config(config, engine_config)` -> (Engine, Tokenizer)
 _REGISTRY: dict[str, type[Engine]] = {}
@@ -193,6 +217,7 @@ def engine_class(implementation: str) -> type[Engine]:
         # Importing the implementations registers them.
         import pddgw.engines.costmodel  # noqa: F401
         import pddgw.engines.torch_engine  # noqa: F401
+        import pddgw.engines.vllm_engine  # noqa: F401  (vLLM itself is imported when one is built)
     try:
         return _REGISTRY[implementation]
     except KeyError:

@@ -97,13 +97,13 @@ class Cluster:
     SECRET = "e2e-test-secret-0123456789"
 
     def __init__(self, tmp: Path, policy: str = "", p_engine: str = "", gbps: float = 0.05, server: str = "",
-                 wan: str = ""):
+                 wan: str = "", model: str = 'dtype = "float64"', md_engine: str = MD_ENGINE):
         self.tmp = tmp
         self.ports = {n: free_port() for n in ("router", "p0", "rld0", "md0")}
         self.proxy = TcpProxy(self.ports["md0"])
         cfg = f'''
 [model]
-dtype = "float64"
+{model}
 
 [engine]
 num_blocks = 256
@@ -133,7 +133,7 @@ latency_ms = 20.0
 {policy}
 
 {pdd_nodes_toml(self.ports["p0"], self.ports["rld0"], self.proxy.port, p_engine=p_engine,
-                md_engine=MD_ENGINE)}'''
+                md_engine=md_engine)}'''
         self.config = tmp / "config.toml"
         self.config.write_text(cfg)
         self.procs: dict[str, subprocess.Popen] = {}

@@ -327,8 +327,8 @@ def test_engine_registry_by_name():
     engine, tok = create_engine(Config(engine=EngineConfig(num_blocks=8)))
     assert isinstance(engine, TorchEngine) and engine.kv_layout.block_size == 16
     assert tok.decode(tok.encode("hi")) == "hi"
-    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
-        create_engine(Config(engine=EngineConfig(implementation="vllm")))
+    with pytest.raises(ValueError, match=r"unknown engine 'sglang' \(known: costmodel, torch, vllm\)"):
+        create_engine(Config(engine=EngineConfig(implementation="sglang")))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")

