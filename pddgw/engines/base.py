@@ -10,11 +10,11 @@ call (the async wrapper runs all of them on one worker thread).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
-from pddgw.engines.types import (AddResult, EngineRequest, EngineStats, KVChunk, KVLayout, KVSpan,
-                                 RequestError, RequestOutput)
+from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, EngineRequest, EngineStats, FinishReason, KVChunk,
+                                 KVLayout, KVSpan, RequestError, RequestOutput, SamplingParams)
 
 
 class Engine(ABC):
@@ -194,6 +194,47 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int) -
     if min(ids) < 0 or max(ids) >= vocab_size:
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise RequestError(f"request {rid!r}: token id {bad} outside the vocabulary [0, {vocab_size})")
+
+
+def check_handoff(request_id: str, token_ids: Sequence[int], vocab_size: int, num_tokens: int,
+                  num_outputs: int, max_tokens: int, max_model_len: int) -> None:
+    """RequestError unless handed-off tokens fit a request of num_tokens tokens (num_outputs
+    of them outputs): known ids, within the context length and max_tokens."""
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise RequestError(f"request {request_id!r}: handed-off token id outside [0, {vocab_size})")
+    if num_tokens + len(token_ids) > max_model_len:
+        raise RequestError(f"request {request_id!r}: handoff exceeds the context length")
+    if num_outputs + len(token_ids) > max_tokens:
+        raise RequestError(f"request {request_id!r}: handoff exceeds max_tokens")
+
+
+def finish_reason(sampling: SamplingParams, token: int, eos: Set[int], num_outputs: int, num_tokens: int,
+                  max_model_len: int) -> FinishReason | None:
+    """Why a request whose latest token is `token` ends, or None: its stop tokens (EOS unless
+    ignored), then max_tokens or the context length."""
+    if token in sampling.stop_token_ids or (token in eos and not sampling.ignore_eos):
+        return "stop"
+    if num_outputs >= sampling.max_tokens or num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def check_kv_span(span: KVSpan, layout: KVLayout, num_prompt: int) -> None:
+    """RequestError unless a chunk's span fits an import of a num_prompt-token prompt into
+    an engine of this KV layout (any dtype it names, any token range of the prompt)."""
+    rid = span.request_id
+    if (span.num_kv_heads, span.head_dim) != (layout.num_kv_heads, layout.head_dim):
+        raise RequestError(f"request {rid!r}: KV shape heads={span.num_kv_heads} "
+                           f"head_dim={span.head_dim} does not match this model's "
+                           f"{layout.num_kv_heads}x{layout.head_dim}")
+    if span.dtype not in DTYPE_ITEMSIZE:
+        raise RequestError(f"request {rid!r}: unknown KV dtype {span.dtype!r}")
+    if not 0 <= span.layer_start < span.layer_end <= layout.num_layers:
+        raise RequestError(f"request {rid!r}: layers [{span.layer_start}, {span.layer_end}) "
+                           f"outside [0, {layout.num_layers})")
+    if not 0 <= span.token_start < span.token_end <= num_prompt:
+        raise RequestError(f"request {rid!r}: tokens [{span.token_start}, {span.token_end}) "
+                           f"outside the prompt [0, {num_prompt})")
 
 
 # name -> Engine class; its `from_config(config, engine_config)` -> (Engine, Tokenizer)

@@ -57,12 +57,12 @@ from enum import IntEnum
 from typing import Any
 
 from pddgw.config import EngineConfig
-from pddgw.engines.base import Engine, check_request
+from pddgw.engines.base import Engine, check_handoff, check_kv_span, check_request, finish_reason
 from pddgw.engines.block_manager import BlockManager
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.scheduler import Chunk, Scheduler
 from pddgw.engines.sequence import Sequence, SeqStatus
-from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, CapacityError, EngineRequest, EngineStats,
+from pddgw.engines.types import (AddResult, CapacityError, EngineRequest, EngineStats,
                                  KVChunk, KVLayout, KVSpan, RequestError, RequestOutput, TokenLogprobs)
 
 # What `_forward` returns per sampled sequence: its token, and its logprobs when it asked for them.
@@ -243,13 +243,8 @@ class PagedEngine(Engine):
             raise RequestError(f"request {request_id!r} is {seq.status.name}, cannot extend")
         if not seq.hold:
             raise RequestError(f"request {request_id!r} is not on hold: its next tokens are sampled here")
-        vocab = self.spec.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise RequestError(f"request {request_id!r}: handed-off token id outside [0, {vocab})")
-        if len(seq.tokens) + len(token_ids) > self._max_model_len:
-            raise RequestError(f"request {request_id!r}: handoff exceeds the context length")
-        if seq.num_outputs + len(token_ids) > seq.sampling.max_tokens:
-            raise RequestError(f"request {request_id!r}: handoff exceeds max_tokens")
+        check_handoff(request_id, token_ids, self.spec.vocab_size, len(seq.tokens), seq.num_outputs,
+                      seq.sampling.max_tokens, self._max_model_len)
         seq.tokens += token_ids
         seq.hold = not final
         reason = self._finish_reason(seq, token_ids[-1]) if final and token_ids else None
@@ -289,21 +284,9 @@ class PagedEngine(Engine):
 
     def _check_span(self, seq: Sequence, span: KVSpan) -> None:
         """RequestError unless `span` fits this importing request and this model."""
-        rid = span.request_id
         if seq.status != SeqStatus.IMPORTING:
-            raise RequestError(f"request {rid!r} is {seq.status.name}, not importing")
-        if (span.num_kv_heads, span.head_dim) != (self.spec.num_kv_heads, self.spec.head_dim):
-            raise RequestError(f"request {rid!r}: KV shape heads={span.num_kv_heads} "
-                               f"head_dim={span.head_dim} does not match this model's "
-                               f"{self.spec.num_kv_heads}x{self.spec.head_dim}")
-        if span.dtype not in DTYPE_ITEMSIZE:
-            raise RequestError(f"request {rid!r}: unknown KV dtype {span.dtype!r}")
-        if not 0 <= span.layer_start < span.layer_end <= self.spec.num_layers:
-            raise RequestError(f"request {rid!r}: layers [{span.layer_start}, {span.layer_end}) "
-                               f"outside [0, {self.spec.num_layers})")
-        if not 0 <= span.token_start < span.token_end <= seq.num_prompt:
-            raise RequestError(f"request {rid!r}: tokens [{span.token_start}, {span.token_end}) "
-                               f"outside the prompt [0, {seq.num_prompt})")
+            raise RequestError(f"request {span.request_id!r} is {seq.status.name}, not importing")
+        check_kv_span(span, self._layout, seq.num_prompt)
 
     def _check_chunk(self, seq: Sequence, chunk: KVChunk) -> None:
         self._check_span(seq, chunk.span)
@@ -480,12 +463,7 @@ class PagedEngine(Engine):
     def _finish_reason(self, seq: Sequence, token: int | None):
         if token is None:
             return None
-        sp = seq.sampling
-        if token in sp.stop_token_ids or (token in self._eos and not sp.ignore_eos):
-            return "stop"
-        if seq.num_outputs >= sp.max_tokens or len(seq.tokens) >= self._max_model_len:
-            return "length"
-        return None
+        return finish_reason(seq.sampling, token, self._eos, seq.num_outputs, len(seq.tokens), self._max_model_len)
 
     def _finish(self, seq: Sequence, reason) -> None:
         seq.finish_reason = reason

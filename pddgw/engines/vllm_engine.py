@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from pddgw.config import Config, ConfigError, EngineConfig
-from pddgw.engines.base import Engine, check_request, register_engine
+from pddgw.engines.base import Engine, check_handoff, check_kv_span, check_request, finish_reason, register_engine
 from pddgw.engines.block_manager import chain_hashes
 from pddgw.engines.kv_pool import DTYPES, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.model_spec import ModelSpec
@@ -211,6 +211,7 @@ class VllmEngine(Engine):
         self._layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype_name, bs)
         self._eos = tuple(spec.eos_token_ids)
         self._reqs: dict[str, _Req] = {}
+        self._stopped = False
         self._by_vid: dict[str, _Req] = {}
         self._events: list[RequestOutput] = []
         self._pins: dict[str, list[Any]] = {}
@@ -481,13 +482,8 @@ class VllmEngine(Engine):
             raise RequestError(f"request {request_id!r} is {r.state.name}, cannot extend")
         if not r.hold:
             raise RequestError(f"request {request_id!r} is not on hold: its next tokens are sampled here")
-        vocab = self.spec.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise RequestError(f"request {request_id!r}: handed-off token id outside [0, {vocab})")
-        if len(r.tokens) + len(token_ids) > self._max_model_len:
-            raise RequestError(f"request {request_id!r}: handoff exceeds the context length")
-        if r.num_outputs + len(token_ids) > r.req.sampling.max_tokens:
-            raise RequestError(f"request {request_id!r}: handoff exceeds max_tokens")
+        check_handoff(request_id, token_ids, self.spec.vocab_size, len(r.tokens), r.num_outputs,
+                      r.req.sampling.max_tokens, self._max_model_len)
         r.tokens += token_ids
         r.hold = not final
         reason = self._finish_reason(r, token_ids[-1]) if final and token_ids else None
@@ -501,12 +497,7 @@ class VllmEngine(Engine):
                 self._extend_held(r)
 
     def _finish_reason(self, r: _Req, token: int) -> str | None:
-        sp = r.req.sampling
-        if token in sp.stop_token_ids or (token in self._eos and not sp.ignore_eos):
-            return "stop"
-        if r.num_outputs >= sp.max_tokens or len(r.tokens) >= self._max_model_len:
-            return "length"
-        return None
+        return finish_reason(r.req.sampling, token, self._eos, r.num_outputs, len(r.tokens), self._max_model_len)
 
     def has_work(self) -> bool:
         return bool(self._events) or self._sched.get_num_unfinished_requests() > 0
@@ -638,19 +629,7 @@ class VllmEngine(Engine):
         if chunk.virtual:
             raise RequestError(f"request {rid!r}: a virtual KV chunk (sized, no data, from a cost-model "
                                "engine) cannot fill a real KV pool")
-        if (chunk.num_kv_heads, chunk.head_dim) != (self.spec.num_kv_heads, self.spec.head_dim):
-            raise RequestError(f"request {rid!r}: KV shape heads={chunk.num_kv_heads} "
-                               f"head_dim={chunk.head_dim} does not match this model's "
-                               f"{self.spec.num_kv_heads}x{self.spec.head_dim}")
-        if chunk.dtype not in DTYPE_ITEMSIZE:
-            raise RequestError(f"request {rid!r}: unknown KV dtype {chunk.dtype!r}")
-        if not 0 <= chunk.layer_start < chunk.layer_end <= self.spec.num_layers:
-            raise RequestError(f"request {rid!r}: layers [{chunk.layer_start}, {chunk.layer_end}) "
-                               f"outside [0, {self.spec.num_layers})")
-        n_prompt = len(r.req.prompt_token_ids)
-        if not 0 <= chunk.token_start < chunk.token_end <= n_prompt:
-            raise RequestError(f"request {rid!r}: tokens [{chunk.token_start}, {chunk.token_end}) "
-                               f"outside the prompt [0, {n_prompt})")
+        check_kv_span(chunk.span, self._layout, len(r.req.prompt_token_ids))
         if len(chunk.data) != chunk.payload_nbytes:
             raise RequestError(f"request {rid!r}: KV payload is {len(chunk.data)} bytes, "
                                f"expected {chunk.payload_nbytes}")
@@ -727,6 +706,9 @@ class VllmEngine(Engine):
         any staged import still in shared memory."""
         from pddgw.engines import vllm_connector
 
+        if self._stopped:
+            return
+        self._stopped = True
         self._core.shutdown()
         vllm_connector.drop_bridge(self._engine_id)
         vllm_connector.remove_staged(self._engine_id)

@@ -55,3 +55,28 @@ def config(path: str, engine: EngineConfig) -> Config:
     return Config(model=model_config(path), engine=engine)
 
 
+
+
+@pytest.fixture(scope="session")
+def one_node(checkpoint):
+    """-> generate(prompt, n, temperature=0, seed=0): single-node generation on the torch engine,
+    the yardstick of every path (cached)."""
+    from pddgw.engines.torch_engine import TorchEngine
+    from pddgw.engines.types import EngineRequest, SamplingParams
+
+    eng, _ = TorchEngine.from_config(config(checkpoint, torch_engine_config()))
+    cache: dict = {}
+
+    def generate(prompt: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
+        key = (tuple(prompt), n, temperature, seed)
+        if key not in cache:
+            eng.add_request(EngineRequest("ref", tuple(prompt),
+                                          SamplingParams(max_tokens=n, temperature=temperature, seed=seed)))
+            out: list[int] = []
+            while eng.has_work():
+                for o in eng.step():
+                    out += o.new_token_ids
+            cache[key] = out
+        return cache[key]
+
+    return generate

@@ -11,12 +11,10 @@ from __future__ import annotations
 import pytest
 
 from pddgw.config import Config, NetConfig, NodeConfig, PolicyConfig, ShapingConfig
-from pddgw.engines.torch_engine import TorchEngine
-from pddgw.engines.types import EngineRequest, SamplingParams
-from pddgw.pipeline.deploy import Embedded
 from tests.pipeline.pdd_client import chat
+from tests.pipeline.test_embedded import deploy  # noqa: F401  (a fixture: stops the deployment, checks for leaks)
 
-from .conftest import BLOCK, config, model_config, torch_engine_config, vllm_engine_config
+from .conftest import BLOCK, model_config, torch_engine_config, vllm_engine_config
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
 BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4          # float32
@@ -34,49 +32,6 @@ def cluster(checkpoint: str, p: str, rld: str, md: str, **policy) -> Config:
                   policy=PolicyConfig(**policy))
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    eng, _ = TorchEngine.from_config(config(checkpoint, torch_engine_config()))
-    cache: dict = {}
-
-    def generate(prompt: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
-        key = (tuple(prompt), n, temperature, seed)
-        if key not in cache:
-            eng.add_request(EngineRequest("ref", tuple(prompt), SamplingParams(max_tokens=n, temperature=temperature,
-                                                                                seed=seed)))
-            out: list[int] = []
-            while eng.has_work():
-                for o in eng.step():
-                    out += o.new_token_ids
-            cache[key] = out
-        return cache[key]
-
-    return generate
-
-
-@pytest.fixture
-async def deploy(aiohttp_client):
-    started = []
-
-    async def start(cfg: Config):
-        emb = Embedded(cfg)
-        side = await emb.start()
-        client = await aiohttp_client(side.door.app())
-        ws = await client.ws_connect("/v1/responses")
-        started.append((emb, side))
-        return ws, side
-
-    yield start
-    for emb, side in started:
-        await side.router.drain()
-        state = await side.state()
-        await emb.stop()
-        for name, st in state["nodes"].items():
-            assert st["kv_blocks_in_use"] == 0, (name, st)
-            assert st["inflight"] == {"requests": 0, "transfers": 0, "sessions": 0, "pins": 0, "streams": 0}, \
-                (name, st)
-
-
 def prompt_of(n: int, salt: int = 0) -> list[int]:
     return [3 + (i * 37 + salt * 11) % 250 for i in range(n)]
 
@@ -85,18 +40,18 @@ MIXES = [("vllm", "vllm", "vllm"), ("torch", "torch", "vllm"), ("vllm", "vllm", 
 
 
 @pytest.mark.parametrize("p,rld,md", MIXES, ids=["all vLLM", "torch P -> vLLM MD", "vLLM P -> torch MD"])
-async def test_p_md_second_turn_sends_only_missing_blocks(deploy, reference, checkpoint, p, rld, md):
-    ws, _ = await deploy(cluster(checkpoint, p, rld, md, pipeline="P-MD"))
+async def test_p_md_second_turn_sends_only_missing_blocks(deploy, one_node, checkpoint, p, rld, md):
+    ws, _, _ = await deploy(cluster(checkpoint, p, rld, md, pipeline="P-MD"))
     p1 = prompt_of(100, 1)
     r1 = await chat(ws, prompt_token_ids=p1, max_output_tokens=12, temperature=0)
     assert r1.final["type"] == "response.completed", r1.final
-    assert r1.token_ids == reference(p1, 12)
+    assert r1.token_ids == one_node(p1, 12)
     r1.assert_positions_once_in_order()
     assert (r1.timeline["pipeline"], r1.timeline["tokens_by_role"]) == ("P-MD", {"md": 12})
     assert r1.timeline["wan_kv_bytes"] == 100 * BYTES_PER_TOKEN
     p2 = p1 + r1.token_ids + prompt_of(40, 2)
     r2 = await chat(ws, prompt_token_ids=p2, max_output_tokens=8, temperature=0)
-    assert r2.token_ids == reference(p2, 8)
+    assert r2.token_ids == one_node(p2, 8)
     md_block = BLOCK if md == "vllm" else 16
     held = (100 + 12 - 1) // md_block * md_block       # MD's full blocks of what it computed
     assert r2.final["response"]["usage"]["input_tokens_details"]["cached_tokens"] == held
@@ -105,14 +60,14 @@ async def test_p_md_second_turn_sends_only_missing_blocks(deploy, reference, che
 
 @pytest.mark.parametrize("mode", ["one-shot", "catch-up"])
 @pytest.mark.parametrize("p,rld,md", MIXES, ids=["all vLLM", "torch P -> vLLM MD", "vLLM P -> torch MD"])
-async def test_p_rld_md_handoff_same_sampled_tokens(deploy, reference, checkpoint, p, rld, md, mode):
-    ws, _ = await deploy(cluster(checkpoint, p, rld, md, pipeline="P-RLD-MD", handoff_mode=mode,
+async def test_p_rld_md_handoff_same_sampled_tokens(deploy, one_node, checkpoint, p, rld, md, mode):
+    ws, _, _ = await deploy(cluster(checkpoint, p, rld, md, pipeline="P-RLD-MD", handoff_mode=mode,
                                  catchup_threshold=2, catchup_threshold_md_loaded=2, catchup_max_rounds=2))
     prompt = prompt_of(120, 3)
     n = 240       # RLD must not reach the end before the rounds do (the tiny model decodes fast)
     r = await chat(ws, prompt_token_ids=prompt, max_output_tokens=n, temperature=0.8, seed=77)
     assert r.final["type"] == "response.completed", r.final
-    assert r.token_ids == reference(prompt, n, temperature=0.8, seed=77)
+    assert r.token_ids == one_node(prompt, n, temperature=0.8, seed=77)
     r.assert_positions_once_in_order()
     tl = r.timeline
     assert tl["pipeline"] == "P-RLD-MD" and tl["handoff_mode"] == mode

@@ -8,12 +8,10 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from pddgw.engines.torch_engine import TorchEngine
-from pddgw.engines.types import EngineRequest, SamplingParams
 from tests.e2e.cluster import Cluster
 from tests.pipeline.pdd_client import chat
 
-from .conftest import BLOCK, config, torch_engine_config
+from .conftest import BLOCK
 
 pytestmark = pytest.mark.slow
 
@@ -30,22 +28,6 @@ def cluster(tmp_path_factory, checkpoint):
     c.start()
     yield c
     c.stop()
-
-
-@pytest.fixture(scope="module")
-def one_node(checkpoint):
-    eng, _ = TorchEngine.from_config(config(checkpoint, torch_engine_config()))
-
-    def generate(prompt: list[int], n: int, temperature: float, seed: int) -> list[int]:
-        eng.add_request(EngineRequest("ref", tuple(prompt), SamplingParams(max_tokens=n, temperature=temperature,
-                                                                            seed=seed)))
-        out: list[int] = []
-        while eng.has_work():
-            for o in eng.step():
-                out += o.new_token_ids
-        return out
-
-    return generate
 
 
 def prompt_of(n: int, salt: int = 0) -> list[int]:

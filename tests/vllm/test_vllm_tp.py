@@ -32,7 +32,6 @@ from .conftest import BLOCK, config, model_config, spec, torch_engine_config, vl
 from .test_vllm_engine import OUT, drain, greedy, prefill_on, prompt_of, run, transfer
 from .test_vllm_pipeline import BYTES_PER_TOKEN
 from .test_vllm_pipeline import prompt_of as prompt_list
-from .test_vllm_pipeline import reference as single_node  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -207,7 +206,7 @@ def test_tp_settings_that_cannot_work_are_refused(checkpoint, vllm, message):
         VllmEngine.from_config(tp_config(checkpoint, **vllm))
 
 
-async def test_pdd_with_a_tp2_md_node(aiohttp_client, single_node, checkpoint):
+async def test_pdd_with_a_tp2_md_node(aiohttp_client, one_node, checkpoint):
     """The whole deployment in one process (Embedded), MD on vLLM with TP = 2 driven from the
     node's engine thread: P-RLD-MD with catch-up handoff streams the single-node tokens, and a
     second turn sends MD only the blocks its cache lacks."""
@@ -227,7 +226,7 @@ async def test_pdd_with_a_tp2_md_node(aiohttp_client, single_node, checkpoint):
         prompt, n = prompt_list(120, 30), 240
         r = await chat(ws, prompt_token_ids=prompt, max_output_tokens=n, temperature=0.8, seed=78)
         assert r.final["type"] == "response.completed", r.final
-        assert r.token_ids == single_node(prompt, n, temperature=0.8, seed=78)
+        assert r.token_ids == one_node(prompt, n, temperature=0.8, seed=78)
         r.assert_positions_once_in_order()
         tl = r.timeline
         assert (tl["pipeline"], tl["handoff_mode"], tl["wan_kv_bytes"]) == ("P-RLD-MD", "catch-up",
@@ -236,15 +235,14 @@ async def test_pdd_with_a_tp2_md_node(aiohttp_client, single_node, checkpoint):
         assert 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
         p2 = prompt + r.token_ids + prompt_list(40, 31)
         r2 = await chat(ws, prompt_token_ids=p2, max_output_tokens=8, temperature=0)
-        assert r2.token_ids == single_node(p2, 8)
+        assert r2.token_ids == one_node(p2, 8)
         held = (120 + n - 1) // BLOCK * BLOCK
         assert r2.final["response"]["usage"]["input_tokens_details"]["cached_tokens"] == held
         assert r2.timeline["wan_kv_bytes"] == (len(p2) - held) * BYTES_PER_TOKEN
         await side.router.drain()
         state = await side.state()
     finally:
-        await emb.stop()
-        md_engine.shutdown()
+        await emb.stop()                     # stops the engines: vLLM's worker processes too
     for name, st in state["nodes"].items():
         assert st["kv_blocks_in_use"] == 0, (name, st)
         assert st["inflight"] == {"requests": 0, "transfers": 0, "sessions": 0, "pins": 0, "streams": 0}, \
