@@ -66,7 +66,7 @@ import torch
 
 from pddgw.config import Config, ConfigError, EngineConfig
 from pddgw.engines.base import Engine, check_handoff, check_kv_span, check_request, finish_reason, register_engine
-from pddgw.engines.block_manager import chain_hashes
+from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
 from pddgw.engines.kv_pool import DTYPES, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.types import (DTYPE_ITEMSIZE, LOGPROB_FLOOR, AddResult, CapacityError, EngineRequest,
@@ -94,6 +94,7 @@ class _Req:
     given: int = 0                             # output tokens vLLM got as prompt
     last_reported: int = 0
     rounds: list[str] = field(default_factory=list)   # vLLM ids of its compute-only rounds (held)
+    hashes: list[int] = field(default_factory=list)   # pddgw hashes of its blocks mapped so far
 
     @property
     def num_outputs(self) -> int:
@@ -119,6 +120,7 @@ class _HashIndex:
 
 
 _FINISH = {0: "stop", 1: "length", 2: "abort"}     # vllm.v1.engine.FinishReason
+
 
 def _logprobs(o: Any, k: int) -> tuple[TokenLogprobs, ...]:
     """vLLM's raw log-probabilities of a step's new tokens (per row: the sampled token, then the
@@ -558,13 +560,17 @@ class VllmEngine(Engine):
         return max([r.num_cached, *done])
 
     def _learn_hashes(self, r: _Req) -> None:
+        """Map the full blocks computed since the last step (pddgw hash -> vLLM hash)."""
         vreq = self._sched.requests.get(r.rounds[-1] if r.rounds else r.vid)
         if vreq is None:
             return
         bs = self.cfg.block_size
         full = min(vreq.num_computed_tokens // bs, len(vreq.block_hashes))
-        if full:
-            self._index.add(chain_hashes(r.tokens[: full * bs], bs), vreq.block_hashes[:full])
+        done = len(r.hashes)
+        if full > done:
+            parent = r.hashes[-1] if r.hashes else ROOT_HASH
+            r.hashes += chain_hashes(r.tokens[: full * bs], bs, parent, start_block=done)
+            self._index.add(r.hashes[done:], vreq.block_hashes[done:full])
 
     # ---- contract: prefix cache ---------------------------------------------------------
     def _cached_blocks(self, block_hashes: Seq[int]) -> list[Any]:

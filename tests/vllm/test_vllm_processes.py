@@ -34,13 +34,13 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
     return [3 + (i * 37 + salt * 11) % 250 for i in range(n)]
 
 
-@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.9, 4242)])
-async def test_every_path_to_a_vllm_md_streams_what_one_node_generates(cluster, one_node, temperature, seed):
-    n = 200
+async def test_every_path_to_a_vllm_md_streams_what_one_node_generates(cluster, one_node):
+    # Seeded sampling: the position-keyed draw inside vLLM (greedy is the in-process tests' too).
+    temperature, seed, n = 0.9, 4242, 200
     async with aiohttp.ClientSession() as s:
         ws = await s.ws_connect(cluster.url + "/v1/responses")
         for i, (pipeline, mode) in enumerate([("P-MD", None), ("P-RLD-MD", "one-shot"), ("P-RLD-MD", "catch-up")]):
-            prompt = prompt_of(130, i + 10 * int(temperature > 0))        # nothing of it on MD yet
+            prompt = prompt_of(130, i)        # nothing of it on MD yet
             r = await chat(ws, prompt_token_ids=prompt, max_output_tokens=n, temperature=temperature, seed=seed,
                            pddgw={"pipeline": pipeline, "handoff_mode": mode})
             assert r.final["type"] == "response.completed", (pipeline, mode, r.final)
