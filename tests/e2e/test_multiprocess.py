@@ -141,9 +141,12 @@ async def _long_request(c: Cluster, pipeline: str, n_out: int, after: int, actio
 @pytest.mark.parametrize("pipeline", ["P-MD", "P-RLD-MD"])
 async def test_md_killed_mid_request_still_completes(fresh, pipeline):
     c = fresh(gbps=0.002)            # slow WAN: P-RLD-MD is still before its handoff when MD dies
-    prompt, r = await _long_request(c, pipeline, 400, 3, lambda: c.kill("md0"))
+    # Long enough that MD (P-MD) is still decoding when the kill lands: the tiny model makes
+    # a token in about a millisecond.
+    n = 1500
+    prompt, r = await _long_request(c, pipeline, n, 3, lambda: c.kill("md0"))
     assert r.final["type"] == "response.completed", (r.final, c.log("router"))
-    assert r.token_ids == generate_one_node(prompt, 400, 0.7, 9)
+    assert r.token_ids == generate_one_node(prompt, n, 0.7, 9)
     r.assert_positions_once_in_order()
     tl = r.timeline
     if pipeline == "P-RLD-MD":
