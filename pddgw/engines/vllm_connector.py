@@ -244,8 +244,8 @@ class BlockLayout:
               data: torch.Tensor) -> None:
         """data [layers, 2, n, kv_heads, head_dim] -> tokens [start, start + n) of every layer."""
         n = data.shape[2]
+        blocks, rows, k_idx, v_idx = self._index(caches[0].device, block_ids, block_size, start, start + n)
         for layer, cache in enumerate(caches):
-            blocks, rows, k_idx, v_idx = self._index(cache, block_ids, block_size, start, start + n)
             k = data[layer, 0].reshape(n, -1).to(cache.device, cache.dtype)
             v = data[layer, 1].reshape(n, -1).to(cache.device, cache.dtype)
             flat = _flat(cache)
@@ -264,19 +264,17 @@ class BlockLayout:
         """Tokens [start, end) of the given layers' caches -> [layers, 2, n, kv_heads, head_dim]."""
         n = end - start
         out = []
+        blocks, rows, k_idx, v_idx = self._index(caches[0].device, block_ids, block_size, start, end)
         for cache in caches:
-            blocks, rows, k_idx, v_idx = self._index(cache, block_ids, block_size, start, end)
             flat = _flat(cache)
-            if flat is not None:
-                src, rows = flat, blocks[rows]
-            else:
-                src = cache[blocks].reshape(len(blocks), -1)
-            out.append(torch.stack((src[rows, k_idx], src[rows, v_idx])).view(2, n, kv_heads, head_dim))
+            # Rows of the whole pool, or of the gathered blocks.
+            src, at = (flat, blocks[rows]) if flat is not None else (cache[blocks].reshape(len(blocks), -1), rows)
+            out.append(torch.stack((src[at, k_idx], src[at, v_idx])).view(2, n, kv_heads, head_dim))
         return torch.stack(out)
 
-    def _index(self, cache: torch.Tensor, block_ids: list[int], block_size: int, start: int, end: int):
-        """-> (the blocks touched [b], each token's row among them [n, 1], K and V offsets [n, kvh*hd])."""
-        dev = cache.device
+    def _index(self, dev: torch.device, block_ids: list[int], block_size: int, start: int, end: int):
+        """-> (the blocks touched [b], each token's row among them [n, 1], K and V offsets [n, kvh*hd]),
+        the same for every layer (one engine's caches share a device)."""
         pos = torch.arange(start, end, device=dev)
         first, last = start // block_size, (end - 1) // block_size
         blocks = torch.tensor(block_ids[first : last + 1], dtype=torch.long, device=dev)

@@ -665,8 +665,19 @@ class VllmEngine(Engine):
             self._submit(r)
 
     # ---- contract: introspection ------------------------------------------------------------
+    def _held(self) -> Counter[int]:
+        """vLLM block id -> how many holders: vLLM's requests and pddgw's pins."""
+        held: Counter[int] = Counter()
+        for manager in self._sched.kv_cache_manager.coordinator.single_type_managers:
+            for blocks in manager.req_to_blocks.values():
+                held.update(b.block_id for b in blocks if not b.is_null)
+        for blocks in [*self._pins.values(), *(r.pinned for r in self._reqs.values())]:
+            held.update(b.block_id for b in blocks)
+        return held
+
     def _block_counts(self) -> tuple[int, int, int]:
-        """(free, cached-evictable, used) over vLLM's pool, its placeholder block 0 excluded."""
+        """(free, cached-evictable, used) over vLLM's pool, its placeholder block 0 excluded.
+        A walk over the pool: vLLM keeps no count of its evictable cached blocks."""
         free = cached = used = 0
         for block in self._pool.blocks:
             if block.is_null:
@@ -692,18 +703,12 @@ class VllmEngine(Engine):
 
     def check_integrity(self) -> None:
         """Every block's reference count = the vLLM requests holding it + pddgw's pins."""
-        expected: Counter[int] = Counter()
-        managers = self._sched.kv_cache_manager.coordinator.single_type_managers
-        for manager in managers:
-            for blocks in manager.req_to_blocks.values():
-                expected.update(b.block_id for b in blocks if not b.is_null)
-        for blocks in [*self._pins.values(), *(r.pinned for r in self._reqs.values())]:
-            expected.update(b.block_id for b in blocks)
+        held = self._held()
         for block in self._pool.blocks:
             if block.is_null:
                 continue
-            assert block.ref_cnt == expected[block.block_id], \
-                f"vLLM block {block.block_id}: ref_cnt {block.ref_cnt}, held {expected[block.block_id]} times"
+            assert block.ref_cnt == held[block.block_id], \
+                f"vLLM block {block.block_id}: ref_cnt {block.ref_cnt}, held {held[block.block_id]} times"
         free, cached, used = self._block_counts()
         assert free + cached + used == self._pool.num_gpu_blocks - 1
 

@@ -182,51 +182,49 @@ def prefill_on(p_engine, rid: str, prompt: tuple[int, ...]) -> int:
     return out[rid][0]
 
 
+def hand_over(src, dst, rid: str, prompt: tuple[int, ...], hold: bool = False):
+    """P -> decoder, as the nodes do it: src prefills `rid` (samples position 0, keeps the KV),
+    dst opens it for import (with src's first token, unless held for a handoff), src's KV past
+    dst's cached prefix crosses in chunks, src lets it go, dst finishes the import.
+    -> (the first token, dst's AddResult, KV bytes moved)."""
+    t0 = prefill_on(src, rid, prompt)
+    added = dst.add_request(EngineRequest(rid, prompt, greedy(), output_token_ids=() if hold else (t0,),
+                                          kv_source="import", hold=hold))
+    moved = transfer(src, dst, rid, added.num_cached_tokens, len(prompt))
+    assert src.release(rid)
+    dst.finish_import(rid)
+    return t0, added, moved
+
+
 @pytest.mark.parametrize("direction", ["torch P -> vLLM MD", "vLLM P -> torch MD"])
 def test_kv_from_the_other_engine_gives_the_same_tokens(veng, teng, direction):
     p_eng, md = (teng, veng) if direction.startswith("torch") else (veng, teng)
     prompt = prompt_of(90, 3 if p_eng is teng else 9)      # nothing of it cached anywhere yet
-    t0 = prefill_on(p_eng, "x", prompt)
-    added = md.add_request(EngineRequest("x", prompt, greedy(), output_token_ids=(t0,), kv_source="import"))
+    t0, added, _ = hand_over(p_eng, md, "x", prompt)
     assert added.num_cached_tokens == 0
-    transfer(p_eng, md, "x", 0, len(prompt))
-    assert p_eng.release("x")
-    md.finish_import("x")
     assert drain(md, {"x": [t0]})["x"] == reference(teng, prompt)
 
 
 def test_second_turn_imports_only_the_blocks_vllm_does_not_hold(veng, teng):
     p1 = prompt_of(75, 4)
-    t0 = prefill_on(teng, "a", p1)
-    veng.add_request(EngineRequest("a", p1, greedy(), output_token_ids=(t0,), kv_source="import"))
-    transfer(teng, veng, "a", 0, len(p1))
-    teng.release("a")
-    veng.finish_import("a")
+    t0, _, _ = hand_over(teng, veng, "a", p1)
     out1 = drain(veng, {"a": [t0]})["a"]
     assert out1 == reference(teng, p1)
 
     p2 = (*p1, *out1, *prompt_of(30, 5))
     held = (len(p1) + OUT - 1) // BLOCK           # full blocks of what MD computed
     assert veng.match_prefix(chain_hashes(p2, BLOCK), pin_key="turn2") == held
-    t0 = prefill_on(teng, "b", p2)
-    added = veng.add_request(EngineRequest("b", p2, greedy(), output_token_ids=(t0,), kv_source="import"))
+    t0, added, moved = hand_over(teng, veng, "b", p2)
     assert added.num_cached_tokens == held * BLOCK
-    moved = transfer(teng, veng, "b", held * BLOCK, len(p2))
     assert moved == (len(p2) - held * BLOCK) * veng.kv_layout.bytes_per_token()
-    teng.release("b")
     assert veng.unpin("turn2")
-    veng.finish_import("b")
     assert drain(veng, {"b": [t0]})["b"] == reference(teng, p2)
 
 
 def test_held_request_computes_each_round_and_samples_after_the_final_one(veng, teng):
     prompt = prompt_of(64, 6)
     ref = reference(teng, prompt)
-    t0 = prefill_on(teng, "h", prompt)
-    veng.add_request(EngineRequest("h", prompt, greedy(), kv_source="import", hold=True))
-    transfer(teng, veng, "h", 0, len(prompt))
-    teng.release("h")
-    veng.finish_import("h")
+    t0, _, _ = hand_over(teng, veng, "h", prompt, hold=True)
     veng.append_tokens("h", (t0,), final=False)
 
     def computed() -> list[tuple[tuple[int, ...], int]]:

@@ -29,7 +29,7 @@ from pddgw.pipeline.deploy import Embedded
 from tests.pipeline.pdd_client import chat
 
 from .conftest import BLOCK, config, model_config, spec, torch_engine_config, vllm_engine_config
-from .test_vllm_engine import OUT, drain, greedy, prefill_on, prompt_of, run, transfer
+from .test_vllm_engine import OUT, drain, greedy, hand_over, prefill_on, prompt_of, run, transfer
 from .test_vllm_pipeline import BYTES_PER_TOKEN
 from .test_vllm_pipeline import prompt_of as prompt_list
 
@@ -85,15 +85,6 @@ def reference(teng, prompt, max_tokens: int = OUT) -> list[int]:
     return run(teng, EngineRequest("ref", prompt, greedy(max_tokens)))["ref"]
 
 
-def import_into(md, p_engine, rid: str, prompt) -> int:
-    """P prefills and keeps the KV, MD imports all of it (nothing cached there): -> the first token."""
-    t0 = prefill_on(p_engine, rid, prompt)
-    added = md.add_request(EngineRequest(rid, prompt, greedy(), output_token_ids=(t0,), kv_source="import"))
-    assert added.num_cached_tokens == 0
-    transfer(p_engine, md, rid, 0, len(prompt))
-    return t0
-
-
 def test_greedy_and_seeded_tokens_equal_the_torch_engine(tp2, teng):
     prompts = (prompt_of(40, 20), prompt_of(70, 21), prompt_of(100, 22))
     got = run(tp2, *(EngineRequest(f"r{i}", p, greedy()) for i, p in enumerate(prompts)))
@@ -130,9 +121,8 @@ def test_export_joins_the_ranks_heads_in_order(tp2, teng):
     """TP=2 P -> torch MD: the exported KV is the torch engine's own (float32 rounding apart),
     and the torch engine continues it to the same tokens."""
     prompt = prompt_of(80, 24)
-    t0 = import_into(teng, tp2, "y", prompt)
-    assert tp2.release("y")
-    teng.finish_import("y")
+    t0, added, _ = hand_over(tp2, teng, "y", prompt)
+    assert added.num_cached_tokens == 0
     assert drain(teng, {"y": [t0]})["y"] == reference(teng, prompt)
 
     prefill_on(tp2, "a", prompt)
@@ -148,11 +138,7 @@ def test_export_joins_the_ranks_heads_in_order(tp2, teng):
 def test_held_import_rounds_and_abort_remove_the_staging(tp2, teng):
     prompt = prompt_of(64, 25)
     ref = reference(teng, prompt)
-    t0 = prefill_on(teng, "h", prompt)
-    tp2.add_request(EngineRequest("h", prompt, greedy(), kv_source="import", hold=True))
-    transfer(teng, tp2, "h", 0, len(prompt))
-    teng.release("h")
-    tp2.finish_import("h")                   # the first round loads the staging
+    t0, _, _ = hand_over(teng, tp2, "h", prompt, hold=True)     # the first round loads the staging
     tp2.append_tokens("h", (t0,), final=False)
     drain(tp2, {"h": []})
     tp2.append_tokens("h", ref[1:5], final=True)
