@@ -8,7 +8,8 @@ from torch.overrides import TorchFunctionMode
 
 import pddgw.engines.sampler as sampler_mod
 from pddgw.engines.sampler import (_blocked_probs, _first_floor, _prefix_candidates, _prefix_draw, _probs, _Rows,
-                                   _sample_rows, _sample_speculative, _second_floor, logprobs, position_uniform,
+                                   _sample_rows, _sample_speculative, _second_floor, first_argmax, logprobs,
+                                   position_uniform,
                                    position_uniforms, sample, sample_ids, sample_one)
 from pddgw.engines.types import RequestError, SamplingParams
 
@@ -98,6 +99,31 @@ def test_greedy_equals_argmax_alone_and_in_a_mixed_batch():
     argmax = torch.argmax(logits, dim=-1).tolist()
     assert [t for t, p in zip(got, params) if p.greedy] == [a for a, p in zip(argmax, params) if p.greedy]
     assert sample(logits, [SamplingParams()] * 16, [0] * 16) == argmax
+
+
+@pytest.mark.parametrize("vocab", [512, 1000, 32000, 32001])
+def test_first_argmax_picks_pinned_first_maxima(vocab):
+    x = torch.zeros(8, vocab)
+    x[0, 129] = x[0, 700 % vocab] = 1.0             # tie across chunks: the first
+    x[1, vocab - 1] = 2.0                           # in the last, possibly narrow, chunk
+    x[2, 5] = x[2, vocab - 2] = float("nan")        # NaN is the largest: the first NaN
+    x[3] = float("-inf")                            # nothing finite: column 0
+    x[4, 127] = x[4, 128] = 3.0                     # tie on a chunk boundary
+    x[5, 300] = float("inf")
+    x[6, vocab - 2 :] = 4.0                         # tie at the very end
+    # row 7: all zeros, column 0
+    expected = [129, vocab - 1, 5, 0, 127, 300, vocab - 2, 0]
+    assert first_argmax(x).tolist() == expected
+    assert torch.argmax(x, dim=-1).tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [511, 512, 4097, 32000, 50257])
+def test_first_argmax_is_argmax_on_tie_heavy_rows(vocab, dtype):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(0, 6, (24, vocab), generator=g).to(dtype)        # every row ties many times
+    assert torch.equal(first_argmax(x), torch.argmax(x, dim=-1))
+    assert torch.equal(first_argmax(x[1::3]), torch.argmax(x[1::3], dim=-1))   # strided rows
 
 
 # ---- the inverse CDF and the filters ----------------------------------------------------------------
