@@ -48,9 +48,12 @@ Behaviours chosen:
     WebSocket route's contract); `pddgw.finish_reason` says `length` either way.  A prompt that
     leaves no room at all -> 400 `context_length_exceeded`.
   * Sampling: `temperature` [0, 2] (0 = greedy), `top_p` (0, 1], `seed` [0, 2**63) (none: the
-    router draws one; it is in the `pddgw` timeline).  `n` must be 1 (else 400 naming `n`);
-    `stop` is not supported (400 `unsupported_parameter` naming `stop`; null or [] are accepted);
-    penalties other than 0, tools, `echo`, `suffix`, `best_of` > 1 likewise.
+    router draws one; it is in the `pddgw` timeline), and vLLM's `top_k` (an integer in [-1, 2**31):
+    keep the k most probable tokens; -1 or 0 = no filter) and `min_p` [0, 1] (keep tokens with
+    p >= min_p * p_max; 0 = no filter), which the `openai` client sends in `extra_body`.  The
+    response object echoes `temperature` and `top_p` only, as OpenAI's.  `n` must be 1 (else 400
+    naming `n`); `stop` is not supported (400 `unsupported_parameter` naming `stop`; null or []
+    are accepted); penalties other than 0, tools, `echo`, `suffix`, `best_of` > 1 likewise.
   * Log-probabilities (api/logprobs.py: the model's raw distribution, the shapes): chat
     `logprobs: true` with `top_logprobs` 0..20 (`top_logprobs` without `logprobs: true` -> 400
     naming it) -> `choices[].logprobs.content` in the object and in each chunk; completions
@@ -81,8 +84,9 @@ import structlog
 from aiohttp import web
 
 from pddgw.api import logprobs as lpfmt
-from pddgw.api.responses import (ApiError, CreateResponse, brief, output_message, output_text, parse_create_body,
-                                 parse_extension, response_object, top_logprobs_param)
+from pddgw.api.responses import (ApiError, CreateResponse, SamplingFields, brief, output_message, output_text,
+                                 parse_create_body, parse_extension, parse_sampling, response_object,
+                                 top_logprobs_param)
 from pddgw.pipeline.ordering import TokenRun
 from pddgw.pipeline.router import Outcome, RouterError, new_request_id
 
@@ -139,9 +143,7 @@ class GenRequest:
     prompt_token_ids: tuple[int, ...] | None     # completions with token IDs, responses' extension
     prompt_text: str | None                      # completions with a string
     max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
+    sampling: SamplingFields
     stream: bool
     include_usage: bool
     model: str | None
@@ -152,12 +154,12 @@ class GenRequest:
     logprobs: int | None = None                  # None: none; k: each token's + k top alternatives
 
 
-_CHAT_KEYS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-              "stream", "stream_options", "n", "stop", "user", "store", "metadata", "logprobs", "top_logprobs",
-              "presence_penalty", "frequency_penalty", "pddgw"}
-_COMPLETION_KEYS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream", "stream_options",
-                    "n", "stop", "user", "logprobs", "echo", "suffix", "best_of", "presence_penalty",
-                    "frequency_penalty", "pddgw"}
+_CHAT_KEYS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+              "seed", "stream", "stream_options", "n", "stop", "user", "store", "metadata", "logprobs",
+              "top_logprobs", "presence_penalty", "frequency_penalty", "pddgw"}
+_COMPLETION_KEYS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
+                    "stream_options", "n", "stop", "user", "logprobs", "echo", "suffix", "best_of",
+                    "presence_penalty", "frequency_penalty", "pddgw"}
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -169,15 +171,6 @@ def _check_keys(d: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(d) - allowed)
     if unknown:
         raise _unsupported(unknown[0][:64], "is not a supported parameter")
-
-
-def _number(d: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    v = d.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise ApiError(f"'{key}' must be a number in [{lo}, {hi}], got {brief(v)}", key)
-    return float(v)
 
 
 def _pos_int(d: dict[str, Any], key: str) -> int | None:
@@ -199,9 +192,7 @@ def _common(d: dict[str, Any]) -> dict[str, Any]:
     for key in ("presence_penalty", "frequency_penalty"):
         if d.get(key) not in (None, 0, 0.0):
             raise _unsupported(key, "other than 0 is not supported")
-    seed = d.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise ApiError("'seed' must be an integer in [0, 2**63)", "seed")
+    sampling = parse_sampling(d)
     stream = d.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ApiError("'stream' must be a boolean", "stream")
@@ -219,8 +210,7 @@ def _common(d: dict[str, Any]) -> dict[str, Any]:
     if model is not None and not isinstance(model, str):
         raise ApiError("'model' must be a string", "model")
     pipeline, handoff_mode = parse_extension(d)
-    return {"temperature": _number(d, "temperature", 1.0, 0.0, 2.0), "top_p": _number(d, "top_p", 1.0, 1e-9, 1.0),
-            "seed": seed, "stream": bool(stream), "include_usage": bool(include_usage), "model": model,
+    return {"sampling": sampling, "stream": bool(stream), "include_usage": bool(include_usage), "model": model,
             "pipeline": pipeline, "handoff_mode": handoff_mode}
 
 
@@ -311,10 +301,9 @@ def parse_completion(d: Any, vocab_size: int) -> GenRequest:
 
 def parse_response(d: Any, max_prompt_tokens: int) -> GenRequest:
     req, stream = parse_create_body(d, max_prompt_tokens)
-    return GenRequest("response", req.messages, req.prompt_token_ids, None, req.max_output_tokens,
-                      req.temperature, req.top_p, req.seed, stream, False, req.model, req.pipeline,
-                      req.handoff_mode, "prompt_token_ids" if req.prompt_token_ids is not None else "input", req,
-                      req.logprobs)
+    return GenRequest("response", req.messages, req.prompt_token_ids, None, req.max_output_tokens, req.sampling,
+                      stream, False, req.model, req.pipeline, req.handoff_mode,
+                      "prompt_token_ids" if req.prompt_token_ids is not None else "input", req, req.logprobs)
 
 
 # ---- answers --------------------------------------------------------------------------
@@ -683,8 +672,7 @@ class OpenAIRoutes:
             ids = tuple(self.door.tok.encode(req.prompt_text))
             if not ids:
                 raise ApiError("'prompt' encodes to no tokens", "prompt")
-        return self.door.prepare(ids, req.messages, req.max_tokens, req.temperature, req.top_p, req.seed,
-                                 req.input_param, req.logprobs)
+        return self.door.prepare(ids, req.messages, req.max_tokens, req.sampling, req.input_param, req.logprobs)
 
     async def _run(self, request: web.Request, req: GenRequest, prep: Prepared) -> web.StreamResponse:
         door = self.door

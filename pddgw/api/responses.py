@@ -30,6 +30,7 @@ from typing import Any, Literal
 import orjson
 
 from pddgw.engines.types import MAX_LOGPROBS
+from pddgw.pipeline.protocol import TOP_K_LIMIT
 
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_LEN = 64
@@ -66,14 +67,23 @@ class ApiError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingFields:
+    """A request's sampling fields, decoded the same way on every route (`parse_sampling`)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0              # 0: no top-k filter (a request's -1, vLLM's spelling of it, arrives as 0)
+    min_p: float = 0.0          # 0: no min-p filter
+    seed: int | None = None     # None: the router draws one
+
+
+@dataclass(frozen=True, slots=True)
 class CreateResponse:
     type: Literal["response.create"]
     messages: tuple[tuple[str, str], ...]        # (role, text); empty when prompt_token_ids
     prompt_token_ids: tuple[int, ...] | None
     max_output_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
+    sampling: SamplingFields
     metadata: dict[str, str] = field(default_factory=dict)
     stream_id: str | None = None
     model: str | None = None
@@ -93,8 +103,8 @@ class CancelResponse:
 ClientEvent = CreateResponse | CancelResponse
 
 _CREATE_KEYS = {"type", "model", "input", "instructions", "prompt_token_ids", "max_output_tokens",
-                "temperature", "top_p", "seed", "metadata", "stream_id", "store", "stream", "pddgw",
-                "include", "top_logprobs"}
+                "temperature", "top_p", "top_k", "min_p", "seed", "metadata", "stream_id", "store", "stream",
+                "pddgw", "include", "top_logprobs"}
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
@@ -142,6 +152,22 @@ def _number(d: dict[str, Any], key: str, default: float, lo: float, hi: float) -
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise ApiError(f"'{key}' must be a number in [{lo}, {hi}], got {brief(v)}", key)
     return float(v)
+
+
+def parse_sampling(d: dict[str, Any]) -> SamplingFields:
+    """`temperature`, `top_p`, `top_k`, `min_p` and `seed` of any route's request; ApiError naming the field."""
+    temperature = _number(d, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(d, "top_p", 1.0, 1e-9, 1.0)
+    top_k = d.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or not -1 <= top_k < TOP_K_LIMIT):
+        raise ApiError(f"'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got {brief(top_k)}",
+                       "top_k")
+    min_p = _number(d, "min_p", 0.0, 0.0, 1.0)
+    seed = d.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ApiError("'seed' must be an integer in [0, 2**63)", "seed")
+    return SamplingFields(temperature, top_p, max(top_k or 0, 0), min_p, seed)
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -266,9 +292,7 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
     max_out = d.get("max_output_tokens")
     if max_out is not None and (isinstance(max_out, bool) or not isinstance(max_out, int) or max_out < 1):
         raise ApiError("'max_output_tokens' must be a positive integer", "max_output_tokens")
-    seed = d.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise ApiError("'seed' must be an integer in [0, 2**63)", "seed")
+    sampling = parse_sampling(d)
     stream_id = d.get("stream_id")
     if stream_id is not None and (not isinstance(stream_id, str) or len(stream_id) > MAX_STREAM_ID_LEN):
         raise ApiError(f"'stream_id' must be a string of at most {MAX_STREAM_ID_LEN} characters", "stream_id")
@@ -281,8 +305,7 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
     pipeline, handoff_mode = parse_extension(d)
     return CreateResponse(
         type="response.create", messages=messages, prompt_token_ids=ids,
-        max_output_tokens=max_out, temperature=_number(d, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(d, "top_p", 1.0, 1e-9, 1.0), seed=seed, metadata=_metadata(d),
+        max_output_tokens=max_out, sampling=sampling, metadata=_metadata(d),
         stream_id=stream_id, model=model, pipeline=pipeline, handoff_mode=handoff_mode,
         logprobs=_include_logprobs(d))
 
@@ -319,8 +342,9 @@ def response_object(rid: str, status: str, created_at: int, model: str, req: Cre
     """`status` "incomplete" (cut at the context length) adds incomplete_details: max_output_tokens."""
     obj: dict[str, Any] = {
         "id": rid, "object": "response", "created_at": created_at, "status": status, "model": model,
-        "output": [], "metadata": req.metadata, "temperature": req.temperature, "top_p": req.top_p,
-        "max_output_tokens": req.max_output_tokens, "error": None, "incomplete_details": None,
+        "output": [], "metadata": req.metadata, "temperature": req.sampling.temperature,
+        "top_p": req.sampling.top_p, "max_output_tokens": req.max_output_tokens, "error": None,
+        "incomplete_details": None,
     }
     if status in ("completed", "incomplete"):
         obj["output"] = [output_message(rid, text, status, logprobs)]

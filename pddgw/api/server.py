@@ -51,8 +51,8 @@ from aiohttp.helpers import DEFAULT_CHUNK_SIZE
 
 from pddgw.api import logprobs as lpfmt
 from pddgw.api.openai_http import OpenAIRoutes, openai_not_found
-from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, brief, completed_event, created_event,
-                                 delta_event, error_event, parse_client_event, response_object)
+from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, SamplingFields, brief, completed_event,
+                                 created_event, delta_event, error_event, parse_client_event, response_object)
 from pddgw.api.webchat import add_webchat_routes
 from pddgw.config import Config
 from pddgw.metrics import metrics_route
@@ -235,11 +235,11 @@ class FrontDoor:
         return _Detok(self.tok)
 
     def prepare(self, ids: tuple[int, ...] | None, messages: tuple[tuple[str, str], ...], max_tokens: int | None,
-                temperature: float, top_p: float, seed: int | None, input_param: str = "input",
-                logprobs: int | None = None) -> Prepared:
+                sampling: SamplingFields, input_param: str = "input", logprobs: int | None = None) -> Prepared:
         """Prompt ids (given, or the chat template of `messages`) and sampling; ApiError names the field.
 
-        `logprobs`: None, or the number of top alternatives per token (SamplingParams.logprobs)."""
+        `sampling`: the request's decoded fields (a seed of None is drawn here).  `logprobs`: None, or the
+        number of top alternatives per token (SamplingParams.logprobs)."""
         if ids is not None:
             vocab = self.router.spec.vocab_size
             if any(t >= vocab for t in ids):
@@ -254,13 +254,14 @@ class FrontDoor:
             raise ApiError(f"prompt is {len(ids)} tokens; the context length is {self.max_prompt}",
                            input_param, "context_length_exceeded")
         want = max_tokens or DEFAULT_MAX_OUTPUT_TOKENS
-        seed = seed if seed is not None else secrets.randbits(63)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         try:
-            sampling = SamplingParams(max_tokens=min(want, room), temperature=temperature, top_p=top_p, seed=seed,
-                                      logprobs=logprobs)
+            params = SamplingParams(max_tokens=min(want, room), temperature=sampling.temperature,
+                                    top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, seed=seed,
+                                    logprobs=logprobs)
         except RequestError as e:
             raise ApiError(str(e)) from None
-        return Prepared(ids, sampling, want > room)
+        return Prepared(ids, params, want > room)
 
     # ---- plain HTTP ----------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -364,8 +365,8 @@ class _Connection:
         created = int(time.time())
         counted = False
         try:
-            args = (req.prompt_token_ids, req.messages, req.max_output_tokens, req.temperature, req.top_p,
-                    req.seed, "input" if req.prompt_token_ids is None else "prompt_token_ids", req.logprobs)
+            args = (req.prompt_token_ids, req.messages, req.max_output_tokens, req.sampling,
+                    "input" if req.prompt_token_ids is None else "prompt_token_ids", req.logprobs)
             prep = (await asyncio.to_thread(door.prepare, *args) if door.heavy(req.messages)
                     else door.prepare(*args))
             ids, sampling = prep.ids, prep.sampling

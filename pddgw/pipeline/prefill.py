@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -109,9 +109,10 @@ class PrefillWorker:
         for t in targets:
             if not 0 <= t.start_token <= n:
                 raise RequestError(f"target {t.name}: start token {t.start_token} outside [0, {n}]")
-        req = EngineRequest(rid, prompt, SamplingParams(
-            max_tokens=1, temperature=sampling.temperature, top_k=sampling.top_k,
-            top_p=sampling.top_p, seed=sampling.seed, logprobs=sampling.logprobs), retain_kv=True)
+        # Every sampling field but the length rules is the request's own: the first token is
+        # drawn exactly as a single node would draw it (listing fields dropped min_p once).
+        req = EngineRequest(rid, prompt, replace(sampling, max_tokens=1, stop_token_ids=(),
+                                                 ignore_eos=False), retain_kv=True)
         self.inflight[rid] = targets
         progress = _Progress()
         first: asyncio.Future[First] = asyncio.get_running_loop().create_future()

@@ -46,6 +46,7 @@ from pddgw.net.messages import _check, _flag, _int_tuple, _number, _text, _uint
 
 MAX_STOP_IDS = 64
 MAX_TARGETS = 16
+TOP_K_LIMIT = 1 << 31       # top_k on the wire is below this
 # Positions per Logprobs message: 64 x 21 floats of <= 24 JSON characters stay well inside
 # the frame's 64 KiB of metadata.
 MAX_LOGPROB_POSITIONS = 64
@@ -74,7 +75,7 @@ class _Sampled:
         _check(type(p) in (int, float) and 0 < p <= 1, "top_p must be in (0, 1]")
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
-        _uint(self.top_k, "top_k", 1 << 31)
+        _uint(self.top_k, "top_k", TOP_K_LIMIT)
         _uint(self.seed, "seed")
         _flag(self.ignore_eos, "ignore_eos")
         _int_tuple(self, "stop_token_ids", self.stop_token_ids, MAX_STOP_IDS, TOKEN_ID_LIMIT)

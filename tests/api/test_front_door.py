@@ -184,7 +184,7 @@ async def test_a_browser_key_in_the_websocket_subprotocol_is_accepted_and_echoed
 
 
 async def test_a_template_refusal_is_a_400_naming_the_input_and_jinja_is_prepared_off_the_loop(tmp_path):
-    from pddgw.api.responses import ApiError
+    from pddgw.api.responses import ApiError, SamplingFields
     from pddgw.engines.tokenizer import HFTokenizer
     from tests.engines.test_chat_template import LLAMA2, _checkpoint
 
@@ -196,7 +196,7 @@ async def test_a_template_refusal_is_a_400_naming_the_input_and_jinja_is_prepare
         door.tok = HFTokenizer.from_dir(_checkpoint(tmp_path / "ckpt", LLAMA2))
         assert door.heavy((("user", "hi"),))                      # a checkpoint's Jinja template
         with pytest.raises(ApiError) as e:
-            door.prepare(None, (("user", "a"), ("user", "b")), 8, 0.0, 1.0, 0)
+            door.prepare(None, (("user", "a"), ("user", "b")), 8, SamplingFields(temperature=0.0, seed=0))
         assert (e.value.param, e.value.code) == ("input", "invalid_request_error")
         assert "Conversation roles must alternate" in str(e.value)
     finally:

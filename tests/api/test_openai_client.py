@@ -185,6 +185,69 @@ async def test_responses_connect_over_websocket(served):
     assert events[-1].response.usage.output_tokens == len(ref)
 
 
+# ---- vLLM's sampling extensions: top_k, min_p ----------------------------------------
+
+
+async def ws_final(client, **fields) -> dict:
+    """One response.create over a fresh WebSocket -> its final event."""
+    ws = await client.ws_connect("/v1/responses", headers={"Authorization": f"Bearer {KEY}"})
+    await ws.send_str(orjson.dumps({"type": "response.create", **fields}).decode())
+    while (ev := orjson.loads((await ws.receive(timeout=60)).data))["type"] not in ("response.completed", "error"):
+        pass
+    await ws.close()
+    return ev
+
+
+async def test_top_k_and_min_p_reach_the_engine_sampling_on_every_route(served, monkeypatch):
+    side, client, oai = await served()
+    name = side.door.model_name
+    real = side.router.run
+    seen = []
+
+    async def run(rid, prompt, sampling, emit, *rest):
+        seen.append(sampling)
+        return await real(rid, prompt, sampling, emit, *rest)
+
+    monkeypatch.setattr(side.router, "run", run)
+    for asked, top_k, min_p in (({"top_k": 40, "min_p": 0.05}, 40, 0.05), ({"top_k": -1}, 0, 0.0), ({}, 0, 0.0)):
+        seen.clear()
+        await oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                          temperature=0.8, seed=3, extra_body=asked)
+        await oai.completions.create(model=name, prompt="x", max_tokens=2, temperature=0.8, seed=3, extra_body=asked)
+        await oai.responses.create(model=name, input="x", max_output_tokens=2, temperature=0.8,
+                                   extra_body={"seed": 3, **asked})
+        ev = await ws_final(client, input="x", max_output_tokens=2, temperature=0.8, seed=3, **asked)
+        assert ev["type"] == "response.completed", ev
+        assert [(p.temperature, p.top_p, p.top_k, p.min_p, p.seed) for p in seen] == [(0.8, 1.0, top_k, min_p, 3)] * 4
+
+
+async def test_top_k_1_and_min_p_1_draw_exactly_the_greedy_tokens(served):
+    """Each keeps only the most probable token (min_p 1: p >= p_max), so temperature 1 must draw greedy's."""
+    side, client, oai = await served()
+    name = side.door.model_name
+    ids = [40 + (i * 7) % 80 for i in range(30)]
+    msgs = [("user", "Name a colour.")]
+    ref, chat_ref = reference(ids, 8), reference(chat_ids(side, msgs), 8)
+    # Seeds whose unfiltered draw at temperature 1 differs from greedy's at position 0 (in P-MD P draws
+    # it, MD the rest): a filter dropped on any node shows.
+    seed, chat_seed = 0, 2
+    assert reference(ids, 8, temperature=1.0, seed=seed)[0] != ref[0]
+    assert reference(chat_ids(side, msgs), 8, temperature=1.0, seed=chat_seed)[0] != chat_ref[0]
+    for only_argmax in ({"top_k": 1}, {"min_p": 1.0}):
+        r = await oai.completions.create(model=name, prompt=ids, max_tokens=8, temperature=1.0, seed=seed,
+                                         extra_body=only_argmax)
+        assert r.pddgw["output_token_ids"] == ref, only_argmax
+        c = await oai.chat.completions.create(model=name, messages=[{"role": who, "content": t} for who, t in msgs],
+                                              max_tokens=8, temperature=1.0, seed=chat_seed, extra_body=only_argmax)
+        assert c.pddgw["output_token_ids"] == chat_ref, only_argmax
+        rs = await oai.responses.create(model=name, max_output_tokens=8, temperature=1.0,
+                                        extra_body={"prompt_token_ids": ids, "seed": seed, **only_argmax})
+        assert rs.pddgw["output_token_ids"] == ref, only_argmax
+        ev = await ws_final(client, prompt_token_ids=ids, max_output_tokens=8, temperature=1.0, seed=seed,
+                            **only_argmax)
+        assert ev["type"] == "response.completed" and ev["response"]["pddgw"]["output_token_ids"] == ref, ev
+
+
 # ---- errors ---------------------------------------------------------------------------
 
 
@@ -209,6 +272,8 @@ async def test_error_shapes_401_400_404(served):
         (dict(max_tokens=0), "max_tokens", "invalid_request_error"),
         (dict(stream_options={"include_usage": True}), "stream_options", "invalid_request_error"),
         (dict(logit_bias={"1": 2}), "logit_bias", "unsupported_parameter"),
+        (dict(extra_body={"top_k": -2}), "top_k", "invalid_request_error"),
+        (dict(extra_body={"min_p": 1.5}), "min_p", "invalid_request_error"),
     ]
     for extra, param, code in cases:
         with pytest.raises(openai.BadRequestError) as ei:

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from pddgw.api.openai_http import ERRORS, error_body, parse_chat, parse_completion, parse_response
-from pddgw.api.responses import ApiError
+from pddgw.api.responses import ApiError, SamplingFields
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -20,12 +20,12 @@ def test_chat_body():
                     "stream": True, "stream_options": {"include_usage": True}, "n": 1, "stop": None,
                     "pddgw": {"pipeline": "P-MD"}})
     assert r.messages == (("system", "be brief"), ("user", "ab"), ("assistant", ""))
-    assert (r.max_tokens, r.temperature, r.top_p, r.seed, r.stream, r.include_usage, r.model) == (
-        7, 0.0, 0.5, 3, True, True, "m")
+    assert (r.max_tokens, r.sampling, r.stream, r.include_usage, r.model) == (
+        7, SamplingFields(temperature=0.0, top_p=0.5, seed=3), True, True, "m")
     assert (r.pipeline, r.handoff_mode, r.input_param) == ("P-MD", None, "messages")
     d = parse_chat({"messages": USER})
-    assert (d.max_tokens, d.temperature, d.top_p, d.seed, d.stream, d.include_usage) == (None, 1.0, 1.0, None,
-                                                                                          False, False)
+    assert (d.max_tokens, d.sampling, d.stream, d.include_usage) == (None, SamplingFields(1.0, 1.0, 0, 0.0, None),
+                                                                      False, False)
 
 
 @pytest.mark.parametrize("body,param,code", [
@@ -90,6 +90,45 @@ def test_logprobs_parameters():
         with pytest.raises(ApiError) as ei:
             parse_response(body, 100)
         assert (ei.value.param, ei.value.code) == (param, code), body
+
+
+# Each route's body with the given fields added (responses: the HTTP body; the WebSocket event shares its decoder).
+ROUTES = {"chat": lambda **f: parse_chat({"messages": USER, **f}),
+          "completion": lambda **f: parse_completion({"prompt": "x", **f}, 384),
+          "response": lambda **f: parse_response({"input": "x", **f}, 100)}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("fields,want", [
+    ({}, SamplingFields(1.0, 1.0, 0, 0.0, None)),
+    ({"top_k": None, "min_p": None}, SamplingFields(1.0, 1.0, 0, 0.0, None)),
+    ({"top_k": 40, "min_p": 0.05}, SamplingFields(1.0, 1.0, 40, 0.05, None)),
+    ({"top_k": -1}, SamplingFields(1.0, 1.0, 0, 0.0, None)),              # vLLM's "no filter"
+    ({"top_k": 0, "min_p": 0}, SamplingFields(1.0, 1.0, 0, 0.0, None)),
+    ({"top_k": 1, "min_p": 1, "temperature": 0.7, "top_p": 0.9, "seed": 5}, SamplingFields(0.7, 0.9, 1, 1.0, 5)),
+    ({"top_k": 2**31 - 1}, SamplingFields(1.0, 1.0, 2**31 - 1, 0.0, None)),
+])
+def test_top_k_and_min_p_accepted(route, fields, want):
+    assert ROUTES[route](**fields).sampling == want
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("fields,message", [
+    ({"top_k": -2}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got -2"),
+    ({"top_k": 1.5}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got 1.5"),
+    ({"top_k": 40.0}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got 40.0"),
+    ({"top_k": True}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got True"),
+    ({"top_k": "3"}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got '3'"),
+    ({"top_k": 2**31}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got 2147483648"),
+    ({"min_p": -0.1}, "'min_p' must be a number in [0.0, 1.0], got -0.1"),
+    ({"min_p": 1.5}, "'min_p' must be a number in [0.0, 1.0], got 1.5"),
+    ({"min_p": "x"}, "'min_p' must be a number in [0.0, 1.0], got 'x'"),
+    ({"min_p": True}, "'min_p' must be a number in [0.0, 1.0], got True"),
+])
+def test_top_k_and_min_p_refused_naming_the_field(route, fields, message):
+    with pytest.raises(ApiError) as ei:
+        ROUTES[route](**fields)
+    assert (str(ei.value), ei.value.param, ei.value.code) == (message, next(iter(fields)), "invalid_request_error")
 
 
 def test_completion_body():

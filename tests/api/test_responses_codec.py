@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, completed_event,
+from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, SamplingFields, completed_event,
                                  delta_event, error_event, parse_client_event, response_object)
 
 
@@ -16,7 +16,7 @@ def test_create_with_text_input():
                               temperature=0.5, metadata={"k": "v"}, stream_id="s1"), 100)
     assert isinstance(e, CreateResponse)
     assert e.messages == (("system", "be brief"), ("user", "hi"))
-    assert (e.max_output_tokens, e.seed, e.temperature, e.top_p) == (5, 7, 0.5, 1.0)
+    assert (e.max_output_tokens, e.sampling) == (5, SamplingFields(temperature=0.5, seed=7))
     assert e.metadata == {"k": "v"} and e.stream_id == "s1" and e.prompt_token_ids is None
 
 
@@ -44,6 +44,10 @@ def test_create_with_message_items_and_token_ids():
     (ev(input="x", max_output_tokens=0), "max_output_tokens", "positive integer"),
     (ev(input="x", temperature=3), "temperature", "[0.0, 2.0]"),
     (ev(input="x", seed=-1), "seed", "seed"),
+    (ev(input="x", top_k=-2), "top_k", "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got -2"),
+    (ev(input="x", top_k=True), "top_k", "'top_k' must be an integer in [-1, 2**31)"),
+    (ev(input="x", min_p=1.5), "min_p", "'min_p' must be a number in [0.0, 1.0], got 1.5"),
+    (ev(input="x", min_p="x"), "min_p", "'min_p' must be a number in [0.0, 1.0], got 'x'"),
     (ev(input="x", metadata={"a": 1}), "metadata", "metadata"),
     (ev(input="x", stream=True), "stream", "implicit"),
     (orjson.dumps({"type": "response.cancel"}), "response_id", "response_id"),
@@ -53,6 +57,14 @@ def test_bad_events_name_the_problem(raw, param, msg):
         parse_client_event(raw, 10)
     assert msg in str(ei.value)
     assert ei.value.param == param
+
+
+def test_create_with_top_k_and_min_p():
+    assert parse_client_event(ev(input="x", top_k=40, min_p=0.05), 10).sampling == SamplingFields(top_k=40, min_p=0.05)
+    assert parse_client_event(ev(input="x", top_k=-1), 10).sampling == SamplingFields()       # vLLM's "no filter"
+    # Not OpenAI fields: the response object echoes temperature and top_p only.
+    obj = response_object("resp_1", "in_progress", 1, "tiny", parse_client_event(ev(input="x", top_k=3), 10))
+    assert (obj["temperature"], obj["top_p"]) == (1.0, 1.0) and "top_k" not in obj and "min_p" not in obj
 
 
 def test_cancel():

@@ -36,6 +36,7 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
+from pddgw.api.responses import _CREATE_KEYS
 from tests.api.ws_raw import PING, TEXT, RawWs, frame
 from tests.e2e.cluster import free_port
 from tests.reliability.quiet import wait_quiescent
@@ -47,8 +48,7 @@ CONTEXT = 4096
 MAX_MESSAGE = 1 << 20
 I64_MIN, U64_MAX = -(2**63), 2**64 - 1        # the integers JSON (orjson) carries exactly
 ROLES = ("system", "developer", "user", "assistant")
-CREATE_KEYS = {"type", "model", "input", "instructions", "prompt_token_ids", "max_output_tokens", "temperature",
-               "top_p", "seed", "metadata", "stream_id", "store", "stream", "pddgw"}
+CREATE_KEYS = _CREATE_KEYS     # the decoder's own set: a generated unknown key is never a real one
 
 
 # ---- the server process and a connection per test ----------------------------------------------------
