@@ -25,6 +25,22 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
+def add_torch_args(parser: argparse.ArgumentParser, device_help: str = "cpu or cuda[:N]") -> None:
+    """--threads and --device, for the benchmarks that run torch (then `apply_torch_args`)."""
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: as is)")
+    parser.add_argument("--device", default="cpu", help=device_help)
+
+
+def apply_torch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a CUDA device this torch build cannot see; set torch's thread count if given."""
+    import torch      # here: the loopback helpers below serve benchmarks that never load torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch build sees no CUDA device")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
 def ratio(ours: float | None, theirs: float | None) -> float | None:
     """ours / theirs, None when either is missing or theirs is zero."""
     if ours is None or theirs is None or theirs == 0:

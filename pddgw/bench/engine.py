@@ -81,7 +81,7 @@ from typing import Literal
 
 import torch
 
-from pddgw.bench.common import add_output_args, best, emit, format_table, ratio
+from pddgw.bench.common import add_output_args, add_torch_args, apply_torch_args, best, emit, format_table, ratio
 from pddgw.config import EngineConfig
 from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import EngineRequest, SamplingParams
@@ -705,10 +705,8 @@ def main(argv: Sequence[str] | None = None) -> Report:
     add_output_args(parser)
     parser.add_argument("--quick", action="store_true", help="tiny model and lengths (smoke test)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: as is)")
+    add_torch_args(parser, "cpu or cuda[:N] for pddgw and transformers (vLLM runs its own build)")
     parser.add_argument("--repeats", type=int, default=0, help="runs per case, best kept")
-    parser.add_argument("--device", default="cpu",
-                        help="cpu or cuda[:N] for pddgw and transformers (vLLM runs its own build)")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
                         help="EngineConfig.cuda_graphs, where the engine has that field")
     parser.add_argument("--vllm-python", default=None,
@@ -721,10 +719,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     args = parser.parse_args(argv)
     if args.threads < 0 or args.repeats < 0:
         parser.error("--threads and --repeats must be >= 0")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: this torch build sees no CUDA device")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_torch_args(parser, args)
     settings = QUICK if args.quick else FULL
     if args.repeats:
         settings = dataclasses.replace(settings, repeats=args.repeats)

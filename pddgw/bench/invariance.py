@@ -86,7 +86,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pddgw.bench.common import add_output_args, emit, format_table
+from pddgw.bench.common import add_output_args, add_torch_args, apply_torch_args, emit, format_table
 from pddgw.config import EngineConfig
 from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import EngineRequest, SamplingParams
@@ -407,15 +407,11 @@ def main(argv: Sequence[str] | None = None) -> Report:
     parser.add_argument("--dtypes", default="", help="comma-separated, default bfloat16,float32")
     parser.add_argument("--prompts", type=int, default=0, help="number of prompts")
     parser.add_argument("--output-len", type=int, default=0, help="output tokens per request")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: as is)")
-    parser.add_argument("--device", default="cpu")
+    add_torch_args(parser)
     args = parser.parse_args(argv)
     if min(args.prompts, args.output_len, args.threads) < 0:
         parser.error("--prompts, --output-len and --threads must be >= 0")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: this torch build sees no CUDA device")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_torch_args(parser, args)
     s = QUICK if args.quick else FULL
     if args.dtypes:
         s = replace(s, dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()))

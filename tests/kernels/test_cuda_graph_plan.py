@@ -14,6 +14,7 @@ from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import EngineRequest, SamplingParams
 from pddgw.engines.weights import build_tiny
 from pddgw.kernels import triton_ops as T
+from tests.engines.conftest import run_to_end
 
 
 def _plan(launches):
@@ -62,10 +63,7 @@ def _run(graphed: bool) -> tuple[dict[str, list[int]], TorchEngine]:
         eng.model = runner
     for i, p in enumerate([[65], [70, 71, 72, 73, 74], [80, 81, 82]]):
         eng.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=4)))
-    out: dict[str, list[int]] = {}
-    while eng.has_work():
-        for o in eng.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    out = run_to_end(eng)
     eng.check_integrity()
     return out, eng
 

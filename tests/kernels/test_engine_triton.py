@@ -8,6 +8,7 @@ from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import EngineRequest, SamplingParams
 from pddgw.engines.weights import build_tiny
 from pddgw.kernels import reference
+from tests.engines.conftest import run_to_end
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # compiled Triton needs CUDA tensors
@@ -20,10 +21,7 @@ def _run(backend: str, prompts) -> tuple[dict[str, list[int]], TorchEngine]:
     eng = TorchEngine(model, model.spec, cfg, torch.float32)
     for i, p in enumerate(prompts):
         eng.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=5)))
-    out: dict[str, list[int]] = {}
-    while eng.has_work():
-        for o in eng.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    out = run_to_end(eng)
     eng.check_integrity()
     return out, eng
 
