@@ -5,6 +5,7 @@ sandbox and its budget; where templates are read from."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 from datetime import datetime
@@ -262,6 +263,9 @@ def test_user_typed_control_tokens_stay_text(kind, tmp_path):
     im_start, im_end = tok._tok.token_to_id("<|im_start|>"), tok._tok.token_to_id("<|im_end|>")
     # Only the template's own markers: system, user, assistant turns, and the prompt.
     assert ours.count(im_end) == 3 and ours.count(im_start) == 4
+    if "sanitize_control_tokens" not in inspect.signature(
+            transformers.PreTrainedTokenizerBase.apply_chat_template).parameters:
+        pytest.skip(f"transformers {transformers.__version__} has no sanitize_control_tokens to compare with")
     assert ours == _theirs(d, evil, sanitize_control_tokens=True)
     # The plain chat is unaffected by the marking.
     assert tok.apply_chat_template(CHAT) == _theirs(d, CHAT, sanitize_control_tokens=True)

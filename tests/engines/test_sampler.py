@@ -57,6 +57,7 @@ def test_pinned_draws():
     assert position_uniform(7, 3) != position_uniform(8, 3) != position_uniform(7, 4)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_hash_matches_cpu():
     pairs = hash_pairs()
@@ -66,6 +67,7 @@ def test_cuda_hash_matches_cpu():
     assert on_cuda.tolist() == position_uniforms(seeds, positions).tolist()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_rows_sample_the_same_alone_and_in_a_batch():
     g = torch.Generator().manual_seed(6)
