@@ -50,8 +50,9 @@ class ModelConfig:
     tiny_seed: int = 0
     # Cap on prompt + output tokens; 0 = the model's own max_position_embeddings.
     max_model_len: int = 0
-    # A named model shape without weights (pddgw.sim.profiles.MODELS, e.g.
-    # "llama3-70b") for the cost-model engine; excludes `path`.
+    # A named model shape without weights for the cost-model engine: a pddgw.sim.profiles
+    # name (e.g. "llama3-70b", "deepseek-v4-pro") or a Hugging Face config.json path;
+    # excludes `path`.
     profile: str = ""
 
     def __post_init__(self) -> None:
@@ -61,18 +62,40 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CostModelConfig:
-    """The hardware a cost-model engine instance models (`implementation = "costmodel"`)."""
+    """The hardware a cost-model engine instance models (`implementation = "costmodel"`).
+
+    An instance is tensor_parallel x data_parallel GPUs (pddgw.sim.roofline.Parallel):
+    `data_parallel` attention ranks (DP-attention) of `tensor_parallel` GPUs each, the
+    routed experts of a MoE spread over `expert_parallel` of them; more GPUs than
+    `gpus_per_node` make the instance span nodes (its expert all-to-all then crosses the
+    scale-out network).  A dense model: tensor_parallel alone, as before.
+    """
 
     # A pddgw.sim.profiles.HARDWARE name (e.g. "H100-SXM", "H200-SXM", "A100-80G").
     hardware: str = "H100-SXM"
     tensor_parallel: int = 1
+    # Attention data-parallel ranks (DP-attention); GPUs per instance = tensor_parallel x this.
+    data_parallel: int = 1
+    # GPUs the routed experts are spread over; 0 = all of the instance's.  Must divide them.
+    expert_parallel: int = 0
+    gpus_per_node: int = 8
     # Share of the GPUs' memory for weights + KV when num_blocks = 0 (vLLM's default).
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         _check(bool(self.hardware), "hardware must not be empty")
         _check(1 <= self.tensor_parallel <= 64, "tensor_parallel must be in [1, 64]")
+        _check(1 <= self.data_parallel <= 512, "data_parallel must be in [1, 512]")
+        _check(1 <= self.gpus_per_node <= 72, "gpus_per_node must be in [1, 72]")
+        _check(self.expert_parallel >= 0 and (not self.expert_parallel or self.gpus % self.expert_parallel == 0),
+               f"expert_parallel = {self.expert_parallel} must divide the instance's {self.gpus} GPUs "
+               f"(tensor_parallel {self.tensor_parallel} x data_parallel {self.data_parallel}), or be 0 (all)")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of one instance."""
+        return self.tensor_parallel * self.data_parallel
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pddgw.config import Config, ConfigError, load_config
+from pddgw.config import Config, ConfigError, CostModelConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,10 @@ def test_vllm_example_loads():
     ("[[nodes]]\nname = \"a\"\nrole = \"router\"\n", "nodes: no prefill node"),
     ("[[nodes]]\nname = \"a\"\nrole = \"prefil\"\n", "nodes[0].role: 'prefil' is not one of"),
     ("[frobnicate]\nx = 1\n", "frobnicate: unknown key"),
+    ("[engine.costmodel]\nexpert_paralel = 8\n", "engine.costmodel.expert_paralel: unknown key"),
+    ("[engine.costmodel]\ntensor_parallel = 8\ndata_parallel = 2\nexpert_parallel = 3\n",
+     "engine.costmodel: expert_parallel = 3 must divide the instance's 16 GPUs (tensor_parallel 8 x data_parallel 2)"),
+    ("[engine.costmodel]\ndata_parallel = 0\n", "engine.costmodel: data_parallel must be in [1, 512]"),
     ("[engine\n", "invalid TOML"),
 ])
 def test_errors_name_file_and_key(tmp_path, text, msg):
@@ -117,3 +121,14 @@ def test_unreadable_secret_file_names_key_and_file(tmp_path):
     missing.write_text("short\n")
     with pytest.raises(ConfigError, match="^net.secret_file: secret must have >= 16 characters$"):
         NetConfig(secret_file=str(missing)).load_secret()
+
+
+def test_costmodel_instance_shape_keys(tmp_path):
+    p = tmp_path / "moe.toml"
+    p.write_text('[model]\nprofile = "deepseek-v4-pro"\n[engine]\nimplementation = "costmodel"\n'
+                 '[engine.costmodel]\nhardware = "H100-SXM"\ntensor_parallel = 1\ndata_parallel = 16\n'
+                 'expert_parallel = 16\ngpus_per_node = 8\n')
+    cm = load_config(p).engine.costmodel
+    assert (cm.tensor_parallel, cm.data_parallel, cm.expert_parallel, cm.gpus_per_node, cm.gpus) == (1, 16, 16, 8, 16)
+    # A dense deployment keeps its meaning: tensor_parallel GPUs, experts over all of them.
+    assert (CostModelConfig(tensor_parallel=4).gpus, CostModelConfig().expert_parallel) == (4, 0)

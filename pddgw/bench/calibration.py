@@ -30,7 +30,7 @@ from typing import Literal
 
 from pddgw.bench.common import add_output_args, emit, format_table
 from pddgw.sim import profiles
-from pddgw.sim.roofline import SeqWork, step_cost
+from pddgw.sim.roofline import Parallel, SeqWork, step_cost
 
 Kind = Literal["prefill_tok_s", "decode_ms", "latency_ms", "user_tok_s"]
 UNITS: dict[str, str] = {"prefill_tok_s": "prefill tok/s", "decode_ms": "decode ms/step",
@@ -65,6 +65,14 @@ class Measurement:
     published: float   # in the unit of `kind`
     conditions: str    # what the source states beyond the columns
     source: str
+    # The instance's shape beyond tp (pddgw.sim.roofline.Parallel): DP-attention ranks of tp
+    # GPUs each (GPUs = tp x dp), experts over ep of them (0 = all).  Dense rows: 1 and 0.
+    dp: int = 1
+    ep: int = 0
+
+    @property
+    def parallel(self) -> Parallel:
+        return Parallel(tp=self.tp, dp=self.dp, ep=self.ep)
 
     def __post_init__(self) -> None:
         if self.kind != "prefill_tok_s" and self.output < 2:
@@ -144,9 +152,10 @@ class Report:
 def predict(m: Measurement) -> tuple[float, float, str]:
     """(predicted value in the unit of m.kind, predicted seconds, bound) for the measured work."""
     model, hw = profiles.model(m.model), profiles.hardware(m.hardware)
-    prefill = step_cost(model, hw, m.tp, [SeqWork(m.prompt, 0)] * m.batch)
+    par = m.parallel
+    prefill = step_cost(model, hw, par, [SeqWork(m.prompt, 0)] * m.batch)
     # Decode step i (0-based) feeds output token i back in, on top of the prompt and the i earlier outputs.
-    decodes = [step_cost(model, hw, m.tp, [SeqWork(1, m.prompt + i)] * m.batch) for i in range(m.output - 1)]
+    decodes = [step_cost(model, hw, par, [SeqWork(1, m.prompt + i)] * m.batch) for i in range(m.output - 1)]
     bound = "/".join(sorted({c.bound for c in ([prefill] if m.kind == "prefill_tok_s" else decodes)}))
     if m.kind == "prefill_tok_s":
         return m.batch * m.prompt / prefill.seconds, prefill.seconds, bound
@@ -172,7 +181,8 @@ def run(measurements: Sequence[Measurement] = MEASUREMENTS) -> Report:
     rows = []
     for m in measurements:
         value, seconds, bound = predict(m)
-        setup = (f"{m.engine}, {m.hardware} TP{m.tp}, {m.model}, "
+        shape = f"TP{m.tp}" + (f"xDP{m.dp}" if m.dp > 1 else "") + (f" EP{m.ep}" if m.ep else "")
+        setup = (f"{m.engine}, {m.hardware} {shape}, {m.model}, "
                  + (f"prefill {m.batch}x{m.prompt}" if m.kind == "prefill_tok_s"
                     else f"batch {m.batch}, {m.prompt} in / {m.output} out"))
         rows.append(Row(setup=setup, kind=m.kind, unit=UNITS[m.kind], published=m.published, predicted=value,

@@ -256,7 +256,9 @@ def engine_class(implementation: str) -> type[Engine]:
     """The registered class of an `engine.implementation` name."""
     if implementation not in _REGISTRY:
         # Importing the implementations registers them.
-        import pddgw.engines.costmodel  # noqa: F401
+        # The cost-model engine lives in the sim layer with the profiles and roofline it
+        # prices steps with; this registry entry is the engines package's only way to it.
+        import pddgw.sim.costmodel_engine  # noqa: F401
         import pddgw.engines.torch_engine  # noqa: F401
         import pddgw.engines.vllm_engine  # noqa: F401  (vLLM itself is imported when one is built)
     try:

@@ -17,7 +17,7 @@ subclass supplies the three things that touch KV data or logits:
 and, optionally, where arriving payloads can be received (`_block_array`:
 one block of every layer in the wire layout; `_staging_array`: a buffer to
 copy from).  The torch engine computes them with a real model over a real KV
-pool; the cost-model engine (`costmodel.py`) replaces them by their time on
+pool; the cost-model engine (`pddgw/sim/costmodel_engine.py`) replaces them by their time on
 modeled hardware, so both run the very same control logic.
 
 Receiving KV in place (`import_buffer` / `accept_kv`, called on the event

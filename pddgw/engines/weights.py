@@ -224,7 +224,7 @@ def load_spec_for(model: ModelConfig) -> tuple[ModelSpec, Tokenizer, str]:
     spec, a byte tokenizer, and the profile's own KV dtype.
     """
     if model.profile:
-        from pddgw.engines.costmodel import kv_dtype, model_profile
+        from pddgw.sim.costmodel_engine import kv_dtype, model_profile
 
         prof = model_profile(model)
         spec = prof.to_spec()

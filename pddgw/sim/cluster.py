@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pddgw.config import Config
-from pddgw.engines.costmodel import CostModelEngine
+from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.engines.types import SamplingParams
 from pddgw.net.link import Priority
 from pddgw.net.shaping import Shaper

@@ -1,45 +1,65 @@
-"""One engine step's time on modeled GPUs: a roofline of FLOPs and HBM bytes, plus TP all-reduces.
+"""One engine step's time on modeled GPUs: a roofline of FLOPs and HBM bytes, plus communication.
 
 A step computes a mixed batch: prefill chunks, extends (k tokens appended to
 a cached prefix) and decodes (1 token).  Each sequence in it is a `SeqWork`:
 `new` tokens computed now on top of `ctx` tokens whose KV already exists.
-For a model with L layers, H query heads of size d, hidden size D and P
-active parameters per token (`ModelProfile.active_params_per_token`: no
-embedding lookup, LM head included), on tp GPUs:
+An instance is `Parallel(tp, dp, ep)`: dp attention data-parallel ranks
+(DP-attention) of tp tensor-parallel GPUs each, gpus = tp * dp; the routed
+experts of a MoE are spread over ep GPUs (expert parallelism; ep = gpus by
+default, each expert's matrices split over the gpus / ep GPUs of its group).
+A dense model served as today is Parallel(tp): dp = 1, no experts.
 
-  FLOPs (whole instance)
-    linear     2 * P * sum(new)
-               The LM head is charged for every new token, although only
-               the last one of a prefill chunk needs logits: simpler, and
-               it overstates a long chunk by vocab/params (~1.5 % for 70B).
-    attention  sum over sequences of 4 * L * H * d * new * (ctx + (new + 1) / 2)
-               QK^T and PV (2 FLOPs per multiply-add each); every new token
-               sees the ctx cached tokens and, causally, on average
-               (new + 1) / 2 of the chunk.
-  bytes (HBM reads + writes, whole instance)
-    weights    weight_bytes, read once per step whatever the batch
-    KV         sum over sequences of (ctx + new) * kv_bytes_per_token:
-               the cached KV is read, the new tokens' KV is written
-               (the chunk's own KV is consumed on chip, not re-read)
-    Activations are ignored: for a 70B model they are ~1 % of the weight
-    bytes in a 32-token decode batch and a few % up to the ~150 batched
-    tokens where a step turns compute-bound; beyond that bytes do not decide.
-    MoE weights are charged in full (every expert read), right for batches
-    large enough to visit them all.
+  FLOPs (whole instance), T = sum(new) tokens in the step
+    linear     2 * P * T, P = `ModelProfile.active_params_per_token` (no
+               embedding lookup, LM head included, routed experts: the k a
+               token visits).  The LM head is charged for every new token,
+               although only the last one of a prefill chunk needs logits:
+               simpler, and it overstates a long chunk by vocab/params.
+    attention  sum over sequences of `ModelProfile.attention_flops(ctx, new)`:
+               GQA / MLA every key of the context and, causally, of the chunk;
+               DeepSeek-V4 the window, the indexer's top-k of the CSA
+               entries plus the indexer scoring all of them, every HCA entry.
+  bytes (HBM reads + writes)
+    dense weights   every weight but the routed experts, read once per step: the
+                    attention layers by each attention rank (DP-attention
+                    replicates them), per GPU attention_weight_bytes / tp; the
+                    embedding, LM head, dense MLPs and shared experts split over
+                    all the GPUs, per GPU (dense - attention) / gpus
+    routed experts  the experts the step's tokens visit: with uniform routing
+                    each MoE layer's T tokens visit E * (1 - (1 - k/E)^T)
+                    distinct experts on average (`distinct_experts`: k at
+                    T = 1, E as T grows), spread over the instance: per GPU
+                    num_moe_layers * distinct * expert_bytes / gpus
+    KV         sum over sequences of `ModelProfile.kv_read_bytes(ctx, new)`
+               (the cached KV read, the new tokens' KV written): split over
+               the dp ranks; within a rank over tp when the KV has heads to
+               split (GQA), replicated on each of the tp GPUs when it is one
+               latent (MLA, V4: the reason DP-attention exists)
+    Activations are ignored: a few % of a decode step's bytes for the
+    batches where bytes decide.
 
-  per GPU (tensor parallelism splits weights, heads and KV evenly)
-    compute_s = FLOPs / tp / (peak_tflops_bf16 * 1e12 * compute_efficiency)
-    memory_s  = bytes / tp / (hbm_tb_s * 1e12 * bandwidth_efficiency)
-    comm_s    = 2 * L all-reduces (after attention and after the MLP), each
-                allreduce_latency_us plus, for a ring, 2 * (tp - 1) / tp of
-                its sum(new) * D * 2-byte buffer (bf16 activations) per GPU
-                over interconnect_gb_s; 0 for tp = 1.  The latency dominates
-                decode (KBs per call), the bandwidth prefill (MBs per call).
+  per GPU
+    compute_s = FLOPs / gpus / (peak * compute_efficiency), peak the FP8
+                tensor-core one when the weights are FP8 or FP4 (FP4 runs as
+                FP8 on Hopper) and the part has one, else BF16
+    memory_s  = bytes per GPU / (hbm_tb_s * 1e12 * bandwidth_efficiency)
+    comm_s    TP all-reduces inside an attention rank (tp > 1): one after
+              attention per layer, one after the MLP per dense layer (and per
+              MoE layer when ep = 1), each allreduce_latency_us plus, for a
+              ring, 2 * (tp - 1) / tp of its (T / dp) * D * 2-byte buffer
+              over interconnect_gb_s.  Expert parallelism (ep > 1): per MoE
+              layer a dispatch and a combine all-to-all; each GPU sends its
+              T / gpus tokens' hidden states to k experts, FP8 out (1 byte a
+              value, DeepEP's dispatch) and BF16 back (2 bytes): (ep - 1) / ep
+              of it leaves the GPU, the share bound for GPUs on other nodes
+              (ep > gpus_per_node) over scaleout_gb_s, the rest over NVLink,
+              the slower of the two deciding, plus 2 * allreduce_latency_us.
   seconds = max(compute_s, memory_s) + comm_s + step_overhead_ms / 1e3
 
 Communication is not overlapped with compute (engines without
-compute/communication overlap, the common case).  A step with no new tokens
-does no work and costs nothing, overhead included.
+compute/communication overlap, the common case; DeepSeek's two-micro-batch
+overlap would hide part of comm_s).  A step with no new tokens does no work
+and costs nothing, overhead included.
 """
 
 from __future__ import annotations
@@ -50,9 +70,49 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pddgw.sim.profiles import HardwareProfile, ModelProfile
+from pddgw.sim.profiles import (V4_CSA_RATIO, V4_HCA_RATIO, HardwareProfile, ModelProfile, _sum_floor,
+                                _sum_floor_capped, _sum_min)
 
-ACTIVATION_BYTES = 2   # bf16 hidden states in the TP all-reduces
+ACTIVATION_BYTES = 2          # bf16 hidden states in the TP all-reduces and the EP combine
+DISPATCH_BYTES = 1            # FP8 hidden states in the EP dispatch (DeepEP's low-latency and normal modes)
+GPUS_PER_NODE = 8             # HGX / DGX H100, H200, A100 nodes
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """How one instance's GPUs split the model: tp x dp GPUs, experts over ep of them."""
+
+    tp: int = 1                    # tensor parallelism inside each attention rank
+    dp: int = 1                    # attention data-parallel ranks (DP-attention)
+    ep: int = 0                    # expert parallelism; 0 = every GPU of the instance
+    gpus_per_node: int = GPUS_PER_NODE
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tensor parallelism must be >= 1, got {self.tp}")
+        if self.dp < 1:
+            raise ValueError(f"attention data parallelism must be >= 1, got {self.dp}")
+        if self.ep < 0 or (self.ep and self.gpus % self.ep):
+            raise ValueError(f"expert parallelism {self.ep} must divide the instance's {self.gpus} GPUs "
+                             f"(tp {self.tp} x dp {self.dp}), or be 0 (all of them)")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def expert_parallel(self) -> int:
+        return self.ep or self.gpus
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+
+def as_parallel(tp: int | Parallel) -> Parallel:
+    return tp if isinstance(tp, Parallel) else Parallel(tp=tp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,35 +140,109 @@ class StepCost:
 _IDLE = StepCost(seconds=0.0, flops=0.0, bytes=0.0, compute_s=0.0, memory_s=0.0, comm_s=0.0, bound="memory")
 
 
+def distinct_experts(num_experts: int, k: int, tokens: int) -> float:
+    """Expected distinct experts `tokens` tokens visit when each picks k of num_experts
+    uniformly: E * (1 - (1 - k/E)^T) (each expert is missed by a token with probability 1 - k/E)."""
+    if num_experts <= 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - k / num_experts) ** tokens)
+
+
 @functools.lru_cache(maxsize=64)
-def _per_model(model: ModelProfile) -> tuple[float, float, int]:
-    """(linear FLOPs per token, weight bytes, attention FLOPs per (token, context token)):
-    profile properties recomputed per step would cost more than the step's arithmetic."""
-    return (2.0 * model.active_params_per_token, float(model.weight_bytes),
-            4 * model.num_layers * model.num_heads * model.head_dim)
+def _per_model(model: ModelProfile) -> tuple[float, float, float, float, bool]:
+    """(linear FLOPs per token, attention weight bytes, other dense weight bytes, bytes of one
+    routed expert, KV has heads to split): profile properties recomputed per step would cost
+    more than the arithmetic."""
+    attn = float(model.attention_weight_bytes)
+    return (2.0 * model.active_params_per_token, attn, float(model.dense_weight_bytes) - attn,
+            float(model.expert_bytes), model.attention == "gqa")
 
 
-def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int, batch: Sequence[SeqWork]) -> StepCost:
-    """The modeled duration of one forward step of `batch` on `tp` GPUs of `hw` (formulas: module doc)."""
-    if tp < 1:
-        raise ValueError(f"tensor parallelism must be >= 1, got {tp}")
+@functools.lru_cache(maxsize=64)
+def _v4_consts(model: ModelProfile) -> tuple[int, ...]:
+    """DeepSeek-V4's per-step constants: (layers, window, entry bytes, index bytes, CSA layers,
+    HCA layers, top-k, FLOPs per attended entry, indexer FLOPs per scored entry)."""
+    csa, hca = model._v4_layers
+    return (model.num_layers, model.sliding_window, model._v4_entry_bytes, model._v4_index_bytes, csa, hca,
+            model.index_topk, 4 * model.num_heads * model.head_dim, 2 * model.index_n_heads * model.index_head_dim)
+
+
+def _v4_attention(model: ModelProfile, work: Sequence[SeqWork]) -> tuple[float, float]:
+    """(attention FLOPs, KV bytes) of a step: `ModelProfile.attention_flops` and
+    `kv_read_bytes` summed over the sequences, with the constants hoisted (the sim prices
+    every step; tests pin the two paths equal)."""
+    layers, window, e, i, csa, hca, k, per_entry, per_index = _v4_consts(model)
+    c, h = V4_CSA_RATIO, V4_HCA_RATIO
+    entries = scored = nbytes = 0
+    for w in work:
+        lo, new = w.context_tokens, w.new_tokens
+        hi = lo + new
+        comp = hi // c
+        if new == 1:        # a decode: the one query at position hi (the common case, no sums)
+            entries += layers * min(hi, window) + csa * min(comp, k) + hca * (hi // h)
+            scored += comp
+        else:
+            entries += (layers * (_sum_min(hi, window) - _sum_min(lo, window))
+                        + csa * (_sum_floor_capped(hi, c, k) - _sum_floor_capped(lo, c, k))
+                        + hca * (_sum_floor(hi, h) - _sum_floor(lo, h)))
+            scored += _sum_floor(hi, c) - _sum_floor(lo, c)
+        nbytes += (layers * min(hi, window + new - 1) * e + csa * (comp * i + min(comp, k * new) * e)
+                   + hca * (hi // h) * e)
+    return float(per_entry * entries + per_index * csa * scored), float(nbytes)
+
+
+def _attention(model: ModelProfile, work: Sequence[SeqWork]) -> tuple[float, float]:
+    """(attention FLOPs, KV bytes read and written) of a step's sequences."""
+    if model.attention == "v4":
+        return _v4_attention(model, work)
+    # gqa / mla: one per-pair constant and a linear KV; summed inline (the sim calls this every step).
+    per_pair = model.attention_flops(0, 1)
+    flops = per_pair * sum(w.new_tokens * (w.context_tokens + (w.new_tokens + 1) / 2) for w in work)
+    return flops, float(sum(w.context_tokens + w.new_tokens for w in work)) * model.kv_bytes_per_token
+
+
+def alltoall_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: int) -> float:
+    """One MoE layer's dispatch + combine on the slowest GPU (module docstring)."""
+    ep = par.expert_parallel
+    if ep <= 1 or not model.num_experts or tokens <= 0:
+        return 0.0
+    per_gpu = tokens / par.gpus * model.experts_per_token * model.hidden_size * (DISPATCH_BYTES + ACTIVATION_BYTES)
+    gpn = min(par.gpus_per_node, ep)
+    local = per_gpu * (gpn - 1) / ep
+    remote = per_gpu * (ep - gpn) / ep
+    if remote and not hw.scaleout_gb_s:
+        raise ValueError(f"{hw.name} has no scale-out bandwidth for an expert-parallel group of {ep} GPUs "
+                         f"across {par.nodes} nodes")
+    wire = max(local / (hw.interconnect_gb_s * 1e9), remote / (hw.scaleout_gb_s * 1e9) if remote else 0.0)
+    return 2 * hw.allreduce_latency_us / 1e6 + wire
+
+
+def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, batch: Sequence[SeqWork]) -> StepCost:
+    """The modeled duration of one forward step of `batch` on one instance of `hw` GPUs split
+    as `tp` (a TP degree or a `Parallel`; formulas: module doc)."""
+    par = as_parallel(tp)
     work = [w for w in batch if w.new_tokens > 0]
     if not work:
         return _IDLE
     new = sum(w.new_tokens for w in work)
-    linear_per_token, weight_bytes, attn_per_token_ctx = _per_model(model)
-    flops = (linear_per_token * new
-             + sum(attn_per_token_ctx * w.new_tokens * (w.context_tokens + (w.new_tokens + 1) / 2) for w in work))
-    kv_tokens = sum(w.context_tokens + w.new_tokens for w in work)
-    nbytes = weight_bytes + kv_tokens * model.kv_bytes_per_token
+    linear_per_token, attn_bytes, shared_bytes, expert_bytes, kv_split = _per_model(model)
+    attn_flops, kv = _attention(model, work)
+    flops = linear_per_token * new + attn_flops
+    experts = model.num_moe_layers * distinct_experts(model.num_experts, model.experts_per_token, new) * expert_bytes
+    gpus = par.gpus
+    kv_copies = 1 if kv_split else par.tp          # one latent: every GPU of a rank holds it all
+    nbytes = attn_bytes * par.dp + shared_bytes + experts + kv * kv_copies
+    per_gpu_bytes = attn_bytes / par.tp + (shared_bytes + experts + kv * kv_copies) / gpus
 
-    compute_s = flops / tp / (hw.peak_tflops_bf16 * 1e12 * hw.compute_efficiency)
-    memory_s = nbytes / tp / (hw.hbm_tb_s * 1e12 * hw.bandwidth_efficiency)
+    compute_s = flops / gpus / (hw.peak_flops(model.fp8_compute) * hw.compute_efficiency)
+    memory_s = per_gpu_bytes / (hw.hbm_tb_s * 1e12 * hw.bandwidth_efficiency)
     comm_s = 0.0
-    if tp > 1:
-        buffer = new * model.hidden_size * ACTIVATION_BYTES
-        per_call = hw.allreduce_latency_us / 1e6 + (2 * (tp - 1) / tp) * buffer / (hw.interconnect_gb_s * 1e9)
-        comm_s = 2 * model.num_layers * per_call
+    if par.tp > 1:
+        buffer = new / par.dp * model.hidden_size * ACTIVATION_BYTES
+        per_call = hw.allreduce_latency_us / 1e6 + (2 * (par.tp - 1) / par.tp) * buffer / (hw.interconnect_gb_s * 1e9)
+        ep_layers = model.num_moe_layers if par.expert_parallel > 1 else 0
+        comm_s = (2 * model.num_layers - ep_layers) * per_call
+    comm_s += model.num_moe_layers * alltoall_s(model, hw, par, new)
     return StepCost(
         seconds=max(compute_s, memory_s) + comm_s + hw.step_overhead_ms / 1e3,
         flops=flops,
@@ -120,18 +254,47 @@ def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int, batch: Sequence
     )
 
 
-def max_kv_tokens(model: ModelProfile, hw: HardwareProfile, tp: int, memory_utilization: float = 0.9) -> int:
-    """KV tokens that fit in `tp` GPUs after the weights: (tp * hbm * util - weight_bytes) // kv_bytes_per_token.
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """How one instance's memory divides: per GPU, GB (1e9 B)."""
 
-    Assumes KV heads split evenly over the GPUs (no replication when tp >
-    num_kv_heads) and no room kept for activations beyond (1 - util).
-    """
-    if tp < 1:
-        raise ValueError(f"tensor parallelism must be >= 1, got {tp}")
+    weights_gb: float          # weights one GPU holds
+    usable_gb: float           # hbm_gb * memory_utilization
+    kv_gb: float               # what is left for KV (< 0: the weights do not fit)
+    kv_tokens: int             # KV tokens the instance holds (0 when nothing is left)
+
+
+def memory_fit(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, memory_utilization: float = 0.9,
+               max_seqs: int = 0) -> Fit:
+    """Per GPU: attention weights / tp (each attention rank holds a copy) + the other dense
+    weights and the routed experts / gpus;
+    what is left holds KV: GQA split over the tp GPUs of a rank, a single latent (MLA, V4)
+    replicated on each; V4 first keeps every one of a rank's max_seqs / dp sequences a full
+    sliding window (`kv_window_bytes`), then counts tokens at the marginal rate."""
+    par = as_parallel(tp)
     if not 0 < memory_utilization <= 1:
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
-    free = tp * hw.hbm_gb * 1e9 * memory_utilization - model.weight_bytes
-    if free <= 0:
-        raise ValueError(f"{model.name} weights ({model.weight_bytes / 1e9:.1f} GB) do not fit in "
-                         f"{tp} x {hw.name} at {memory_utilization:.0%} of {hw.hbm_gb:g} GB")
-    return int(free // model.kv_bytes_per_token)
+    _, attn_bytes, shared_bytes, expert_bytes, kv_split = _per_model(model)
+    weights = attn_bytes / par.tp + (shared_bytes + model.num_moe_layers * model.num_experts * expert_bytes) / par.gpus
+    usable = hw.hbm_gb * 1e9 * memory_utilization
+    free = usable - weights
+    tokens = 0
+    if free > 0:
+        per_rank = free * par.tp if kv_split else free
+        per_rank -= -(-max_seqs // par.dp) * model.kv_window_bytes
+        tokens = max(0, int(per_rank // model.kv_bytes_per_token)) * par.dp
+    return Fit(weights / 1e9, usable / 1e9, free / 1e9, tokens)
+
+
+def max_kv_tokens(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, memory_utilization: float = 0.9,
+                  max_seqs: int = 0) -> int:
+    """KV tokens that fit in one instance after the weights (`memory_fit`); ValueError naming
+    the numbers when the weights alone do not fit.  For a dense GQA model on tp GPUs:
+    (tp * hbm * util - weight_bytes) // kv_bytes_per_token."""
+    par = as_parallel(tp)
+    fit = memory_fit(model, hw, par, memory_utilization, max_seqs)
+    if fit.kv_gb <= 0:
+        raise ValueError(f"{model.name} weights ({model.weight_bytes / 1e9:.1f} GB, {fit.weights_gb:.1f} GB per GPU) "
+                         f"do not fit in {par.gpus} x {hw.name} (tp {par.tp} x dp {par.dp}) at "
+                         f"{memory_utilization:.0%} of {hw.hbm_gb:g} GB = {fit.usable_gb:.1f} GB per GPU")
+    return fit.kv_tokens

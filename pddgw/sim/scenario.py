@@ -19,7 +19,9 @@ from typing import Literal
 
 from pddgw.config import (Config, ConfigError, CostModelConfig, EngineConfig, LogConfig, ModelConfig, NetConfig,
                           NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, load_config, load_toml)
-from pddgw.sim.profiles import HARDWARE, hardware
+from pddgw.sim.costmodel_engine import parallel
+from pddgw.sim.profiles import HARDWARE, MODELS, hardware, model
+from pddgw.sim.roofline import memory_fit
 from pddgw.sim.workload import AgenticSpec
 
 
@@ -30,13 +32,18 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class NodeGroup:
-    """`count` identical instances of one role (each `tensor_parallel` GPUs)."""
+    """`count` identical instances of one role, each `tensor_parallel` x `data_parallel` GPUs
+    (DP-attention ranks of TP GPUs; a MoE's experts over `expert_parallel` of them, 0 = all;
+    an instance of more than `gpus_per_node` GPUs spans nodes)."""
 
     role: Literal["prefill", "rld", "md"]
     count: int = 1
     cluster: str = "A"
     hardware: str = "H100-SXM"
     tensor_parallel: int = 8
+    data_parallel: int = 1
+    expert_parallel: int = 0
+    gpus_per_node: int = 8
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     prefix_cache: bool = True
@@ -48,10 +55,22 @@ class NodeGroup:
         _check(self.hardware in HARDWARE, f"hardware {self.hardware!r} is not one of {sorted(HARDWARE)}")
         _check(self.tensor_parallel >= 1, "tensor_parallel must be >= 1")
         _check(self.price_per_gpu_hour >= 0, "price_per_gpu_hour must be >= 0")
+        # The engine's own checks (expert_parallel divides the GPUs, ranges), with this group's keys.
+        self.costmodel()
+
+    def costmodel(self) -> CostModelConfig:
+        """The engine.costmodel section of this group's instances."""
+        return CostModelConfig(hardware=self.hardware, tensor_parallel=self.tensor_parallel,
+                               data_parallel=self.data_parallel, expert_parallel=self.expert_parallel,
+                               gpus_per_node=self.gpus_per_node)
+
+    @property
+    def gpus_per_instance(self) -> int:
+        return self.tensor_parallel * self.data_parallel
 
     @property
     def gpus(self) -> int:
-        return self.count * self.tensor_parallel
+        return self.count * self.gpus_per_instance
 
     @property
     def price(self) -> float:
@@ -206,6 +225,9 @@ class Scenario:
 def load_scenario(path: str | Path) -> Scenario:
     p = Path(path)
     sc: Scenario = load_toml(p, Scenario, "scenario")
+    # `model` is a profile name or a config.json path, relative to the scenario file.
+    if sc.model not in MODELS and (p.parent / sc.model).exists():
+        sc = dataclasses.replace(sc, model=str((p.parent / sc.model).resolve()))
     # Relative paths inside a scenario are relative to the scenario file.
     deps = tuple(dataclasses.replace(d, config=str((p.parent / d.config).resolve())) if d.config else d
                  for d in sc.deployments)
@@ -243,10 +265,10 @@ def deployment_config(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None 
     prefix = {"prefill": "p", "rld": "rld", "md": "md"}
     counters: dict[str, int] = {}
     for g in dep.nodes:
+        check_fit(sc, dep, g)
         ecfg = EngineConfig(implementation="costmodel", block_size=sc.block_size, num_blocks=0,
                             max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens,
-                            enable_prefix_caching=g.prefix_cache,
-                            costmodel=CostModelConfig(hardware=g.hardware, tensor_parallel=g.tensor_parallel))
+                            enable_prefix_caching=g.prefix_cache, costmodel=g.costmodel())
         for _ in range(g.count):
             i = counters.get(g.role, 0)
             counters[g.role] = i + 1
@@ -258,10 +280,30 @@ def deployment_config(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None 
                   log=LogConfig(level="warning"), nodes=tuple(nodes))
 
 
+def check_fit(sc: Scenario, dep: DeploymentSpec, g: NodeGroup) -> None:
+    """ConfigError naming the deployment, the group and the numbers unless the scenario's
+    model fits one of the group's instances with room for KV."""
+    try:
+        prof = model(sc.model)
+    except KeyError as e:
+        raise ConfigError(f"model: {e.args[0]}") from None
+    hw = hardware(g.hardware)
+    cm = g.costmodel()
+    fit = memory_fit(prof, hw, parallel(cm), cm.gpu_memory_utilization, g.max_num_seqs)
+    if fit.kv_tokens < sc.block_size:
+        shape = (f"{g.count} x {g.gpus_per_instance} x {g.hardware} (tensor_parallel {g.tensor_parallel} "
+                 f"x data_parallel {g.data_parallel}, expert_parallel {cm.expert_parallel or cm.gpus})")
+        raise ConfigError(
+            f"deployment {dep.name!r}, {g.role} group {shape}: {prof.name} does not fit: weights "
+            f"{prof.weight_bytes / 1e9:.1f} GB, {fit.weights_gb:.1f} GB per GPU, of {hw.hbm_gb:g} GB HBM x "
+            f"{cm.gpu_memory_utilization:g} = {fit.usable_gb:.1f} GB usable, leaves {fit.kv_gb:.1f} GB per GPU "
+            f"for KV ({fit.kv_tokens} tokens for {g.max_num_seqs} sequences); use more GPUs per instance")
+
+
 def deployment_price(sc: Scenario, dep: DeploymentSpec) -> tuple[float, int]:
     """(USD per hour, GPUs) of a deployment."""
     if dep.config:
         cfg = load_config(dep.config)
-        gpus = sum(cfg.engine_for(n).costmodel.tensor_parallel for n in cfg.nodes if n.role != "router")
+        gpus = sum(cfg.engine_for(n).costmodel.gpus for n in cfg.nodes if n.role != "router")
         return sum(n.cost for n in cfg.nodes if n.role != "router"), gpus
     return sum(g.price for g in dep.nodes), sum(g.gpus for g in dep.nodes)

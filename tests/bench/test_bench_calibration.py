@@ -46,3 +46,18 @@ def test_table(capsys):
     out = capsys.readouterr().out
     assert "ratio = predicted time / measured time" in out
     assert "sources:" in out and "[1] " in out
+
+
+def test_a_moe_row_is_replayed_on_its_instance_shape():
+    # A DeepSeek-V3 decode row on 16 H100s as DP-attention 16 x TP 1: the prediction is the
+    # roofline of that shape, not of TP 16.
+    from pddgw.sim.roofline import Parallel
+
+    m = bench.Measurement("example", "H100-SXM", 1, "deepseek-v3", 16, 1000, 3, "decode_ms", 50.0,
+                          "shape check", "test", dp=16)
+    model, hw = profiles.model("deepseek-v3"), profiles.hardware("H100-SXM")
+    steps = [step_cost(model, hw, Parallel(tp=1, dp=16), [SeqWork(1, 1000 + i)] * 16).seconds for i in range(2)]
+    value, seconds, bound = bench.predict(m)
+    assert value == pytest.approx(sum(steps) / 2 * 1e3, rel=1e-12) and bound == "memory"
+    assert step_cost(model, hw, Parallel(tp=16), [SeqWork(1, 1000)] * 16).seconds != steps[0]
+    assert bench.run([m]).rows[0].setup.startswith("example, H100-SXM TP1xDP16, deepseek-v3")

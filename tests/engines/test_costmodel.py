@@ -9,7 +9,7 @@ import pytest
 from pddgw.config import Config, ConfigError, CostModelConfig, EngineConfig, ModelConfig
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.base import create_engine
-from pddgw.engines.costmodel import CostModelEngine
+from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.engines.sampler import position_uniform
 from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams
 from pddgw.sim import profiles

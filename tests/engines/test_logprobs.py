@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pddgw.config import CostModelConfig, EngineConfig
-from pddgw.engines.costmodel import CostModelEngine
+from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.engines.naive import naive_greedy
 from pddgw.engines.types import MAX_LOGPROBS, EngineRequest, RequestError, SamplingParams, TokenLogprobs
 from pddgw.sim import profiles

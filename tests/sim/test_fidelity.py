@@ -40,7 +40,7 @@ import pytest
 
 from pddgw.bench.fidelity import DeploymentSpec, Workload, run_fidelity
 from pddgw.config import load_config
-from pddgw.engines.costmodel import CostModelEngine
+from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.sim.cluster import RequestResult
 from pddgw.sim.report import percentile
 from pddgw.sim.workload import Conversation, Turn, shared_prefix

@@ -70,8 +70,9 @@ def test_tied_embeddings_and_moe_active_parameters():
     moe_layer = 16 * (16 + 2 * 8) + 16 * 16 + 8 * expert + 16 * 8 + 2 * 16
     assert moe.param_count == 2 * 100 * 16 + 2 * moe_layer + 16
     assert moe.active_params_per_token == moe.param_count - 100 * 16 - 2 * 6 * expert
-    with pytest.raises(ValueError, match="MoE"):
-        moe.to_spec()
+    # The engine's view of a MoE: its own KV layout, the expert's width as the MLP's.
+    spec = moe.to_spec()
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.intermediate_size) == (2, 2, 4, 8)
 
 
 def test_to_spec_round_trip():

@@ -135,7 +135,7 @@ def test_the_next_turn_supersedes_a_pending_alignment_and_keeps_what_arrived():
     assert (r1.record.pipeline, r1.record.tokens_by_role) == ("P-RLD-MD", (("rld", 16),))
     assert pending == 1
     # Turn 2's own alignment (its answer also ends on RLD) completes during the drain.
-    assert counts == {"started": 2, "completed": 1, "superseded": 1, "failed": 0}
+    assert counts == {"started": 2, "completed": 1, "superseded": 1, "failed": 0, "shed": 0}
     assert 0 < r2.cached_tokens < 1800 and r2.cached_tokens % 16 == 0
     assert leaked == 0
 

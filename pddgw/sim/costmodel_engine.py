@@ -1,8 +1,15 @@
 """The cost-model engine: a real model's *time* on modeled GPUs, no model math.
 
-`engine.implementation = "costmodel"` with `model.profile` (a model shape,
-e.g. "llama3-70b") and `engine.costmodel` (hardware profile, tensor
-parallelism).  Everything but the forward pass is the real engine
+It lives in the sim layer beside the profiles and the roofline it prices
+steps with, so the engines package never imports the simulator; the engine
+registry (`pddgw.engines.base.engine_class`) imports this module lazily as
+its "costmodel" entry.
+
+`engine.implementation = "costmodel"` with `model.profile` (a model shape:
+e.g. "llama3-70b", a shipped config.json name such as "deepseek-v4-pro", or
+a config.json path) and `engine.costmodel` (hardware profile and the
+instance's shape: tensor parallelism x attention data parallelism, expert
+parallelism, GPUs per node).  Everything but the forward pass is the real engine
 (`PagedEngine`): BlockManager, prefix cache, chunked prefill, extends,
 decodes, preemption, import/export bookkeeping.  The forward pass becomes:
 
@@ -23,18 +30,24 @@ decodes, preemption, import/export bookkeeping.  The forward pass becomes:
 * its KV: exported chunks are `virtual` (the real model's size, no data), and
   imports only mark tokens as arrived.  Links charge a virtual chunk its full
   size, so a 64K-token prompt of a 70B model moves ~20 GiB over a shaped WAN
-  without a byte of it being allocated.
+  without a byte of it being allocated.  The chunk's layout is the profile's
+  `wire_kv_layout`: the model's own for GQA, for latent (MLA) and compressed
+  (DeepSeek-V4) KV a BF16 layout of the same bytes per token, so links, the
+  router's missing-KV estimate and the pool all count the same bytes.  For
+  V4 that is the marginal rate (compressed entries and indexer keys per
+  token); a request's fixed sliding window (`kv_window_bytes`, 4.6 MB for
+  V4-Pro, 1.2 % of a 64K request) is held in the pool but not charged on links.
 
-The pool size is what the GPUs hold after the weights (num_blocks = 0), so
-capacity pressure, preemption and prefix-cache eviction happen where they
-would on the real hardware.
+The pool size is what the GPUs hold after the weights (num_blocks = 0,
+`roofline.memory_fit`), so capacity pressure, preemption and prefix-cache
+eviction happen where they would on the real hardware.
 """
 
 from __future__ import annotations
 
 import math
 
-from pddgw.config import Config, ConfigError, EngineConfig, ModelConfig
+from pddgw.config import Config, ConfigError, CostModelConfig, EngineConfig, ModelConfig
 from pddgw.engines.base import register_engine
 from pddgw.engines.paged import PagedEngine, Sampled
 from pddgw.engines.sampler import position_uniform
@@ -43,15 +56,21 @@ from pddgw.engines.sequence import Sequence
 from pddgw.engines.tokenizer import ByteTokenizer
 from pddgw.engines.types import MAX_LOGPROBS, KVChunk, RequestOutput, TokenLogprobs
 from pddgw.sim import profiles
-from pddgw.sim.roofline import SeqWork, StepCost, max_kv_tokens, step_cost
+from pddgw.sim.roofline import Parallel, SeqWork, StepCost, max_kv_tokens, step_cost
 
-# KV element sizes of a profile -> the dtype name that crosses links.
-_KV_DTYPE = {2: "bfloat16", 4: "float32"}
 _NO_DATA = memoryview(b"")
 
 
 def kv_dtype(profile: profiles.ModelProfile) -> str:
-    return _KV_DTYPE[profile.kv_bytes_per_value]
+    """The dtype KV chunks name on links: BF16, the element of every `wire_kv_layout`
+    (FP8 KV is carried by a layout of half the width)."""
+    return "bfloat16"
+
+
+def parallel(cm: CostModelConfig) -> Parallel:
+    """The instance shape an engine.costmodel section configures."""
+    return Parallel(tp=cm.tensor_parallel, dp=cm.data_parallel, ep=cm.expert_parallel,
+                    gpus_per_node=cm.gpus_per_node)
 
 
 def model_profile(model: ModelConfig) -> profiles.ModelProfile:
@@ -75,15 +94,20 @@ class CostModelEngine(PagedEngine):
         cm = cfg.costmodel
         self.profile = profile
         self.hardware = hardware
-        self.tp = cm.tensor_parallel
+        try:
+            self.parallel = parallel(cm)
+        except ValueError as e:
+            raise ConfigError(f"engine.costmodel: {e}") from None
+        self.tp = self.parallel.tp
         num_blocks = cfg.num_blocks
         if not num_blocks:
             try:
-                num_blocks = max_kv_tokens(profile, hardware, self.tp, cm.gpu_memory_utilization) // cfg.block_size
+                num_blocks = max_kv_tokens(profile, hardware, self.parallel, cm.gpu_memory_utilization,
+                                           cfg.max_num_seqs) // cfg.block_size
             except ValueError as e:
                 raise ConfigError(f"engine.costmodel: {e}") from None
             if num_blocks < 1:
-                raise ConfigError(f"engine.costmodel: {profile.name} on {self.tp} x {hardware.name} "
+                raise ConfigError(f"engine.costmodel: {profile.name} on {self.parallel.gpus} x {hardware.name} "
                                   "leaves no memory for KV blocks")
         super().__init__(profile.to_spec(), cfg, kv_dtype(profile), num_blocks, max_model_len)
         self._eos_sorted = sorted(t for t in set(self.spec.eos_token_ids) if 0 <= t < self.spec.vocab_size)
@@ -117,7 +141,7 @@ class CostModelEngine(PagedEngine):
     def _forward(self, chunks: list[Chunk]) -> dict[str, Sampled]:
         # Context before this step's tokens: what attention reads besides them.
         work = [SeqWork(c.num_tokens, c.seq.num_computed) for c in chunks]
-        self.last_cost = step_cost(self.profile, self.hardware, self.tp, work)
+        self.last_cost = step_cost(self.profile, self.hardware, self.parallel, work)
         self.busy_s += self.last_cost.seconds
         return {c.seq.request_id: (self.token_at(c.seq.sampling.seed, c.seq.num_outputs),
                                    self._logprobs(c.seq.sampling.logprobs))

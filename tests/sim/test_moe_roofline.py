@@ -1,0 +1,264 @@
+"""MoE, latent (MLA) and DeepSeek-V4 compressed attention in the cost model, against hand computations.
+
+Model-side numbers are written out from each shipped config.json (the values
+quoted in the comments are the file's keys); hardware factors are read from
+the profiles, so a recalibration changes no expectation here.
+"""
+
+import dataclasses
+import json
+
+import pytest
+
+from pddgw.config import ConfigError, CostModelConfig, EngineConfig
+from pddgw.sim import profiles
+from pddgw.sim.costmodel_engine import CostModelEngine
+from pddgw.sim.hf_config import FP4_BYTES_PER_PARAM, ModelConfigError, load_profile
+from pddgw.sim.roofline import Parallel, SeqWork, distinct_experts, max_kv_tokens, memory_fit, step_cost
+
+V3 = profiles.model("deepseek-v3")
+PRO = profiles.model("deepseek-v4-pro")
+FLASH = profiles.model("deepseek-v4-flash")
+H100, H200, A100 = (profiles.hardware(n) for n in ("H100-SXM", "H200-SXM", "A100-80G"))
+
+# ---- DeepSeek-V3 by hand (config.json: hidden 7168, 61 layers, 128 heads, q_lora 1536, kv_lora 512,
+# qk_nope 128, qk_rope 64, v_head 128, intermediate 18432, first_k_dense_replace 3, 256 routed experts
+# of 2048, 1 shared, top-8, vocab 129280, FP8 with one float32 scale per 128 x 128 block).
+V3_ATTN = (7168 * 1536 + 1536 + 1536 * 128 * 192                 # q_a, its norm, q_b
+           + 7168 * 576 + 512 + 512 * 128 * 256                  # kv_a (latent + rope key), norm, kv_b
+           + 128 * 128 * 7168)                                   # o
+V3_EXPERT = 3 * 7168 * 2048                                      # 44,040,192
+V3_PARAMS = (2 * 129280 * 7168 + 61 * (V3_ATTN + 2 * 7168) + 3 * 3 * 7168 * 18432
+             + 58 * (257 * V3_EXPERT + 7168 * 256) + 7168)
+V3_ACTIVE = V3_PARAMS - 129280 * 7168 - 58 * 248 * V3_EXPERT
+V3_BPP = 1 + 4 / (128 * 128)                                     # FP8 + float32 block scales
+V3_EXPERT_BYTES = V3_EXPERT * V3_BPP                             # 44,050,944
+V3_DENSE_BYTES = (V3_PARAMS - 58 * 256 * V3_EXPERT) * V3_BPP
+
+
+def test_distinct_experts_formula():
+    # One token visits exactly its k experts; none visit none; many visit them all.
+    assert distinct_experts(256, 8, 1) == pytest.approx(8.0, rel=1e-12)
+    assert distinct_experts(256, 8, 0) == 0.0
+    assert distinct_experts(256, 8, 10_000) == pytest.approx(256.0, rel=1e-12)
+    # E = 8, k = 2, T = 2: 8 * (1 - 0.75^2) = 3.5 (by inclusion-exclusion: 2 + 2 - 2 * 2/8 * ... = 3.5).
+    assert distinct_experts(8, 2, 2) == pytest.approx(3.5, rel=1e-12)
+    # Monotone and below both T * k and E.
+    seq = [distinct_experts(384, 6, t) for t in (1, 2, 8, 64, 512)]
+    assert seq == sorted(seq) and all(d <= min(384, t * 6) for d, t in zip(seq, (1, 2, 8, 64, 512)))
+
+
+def test_deepseek_v3_parameters_and_weights():
+    assert V3_PARAMS == 671_026_404_352            # DeepSeek reports 671B total ...
+    assert V3.param_count == V3_PARAMS
+    assert V3.active_params_per_token == V3_ACTIVE == 36_625_603_584     # ... and 37B activated
+    assert V3.expert_bytes == pytest.approx(V3_EXPERT_BYTES, rel=1e-12) and V3_EXPERT_BYTES == 44_050_944
+    assert V3.weight_bytes == round(V3_PARAMS * V3_BPP)
+    assert V3.fp8_compute and V3.num_moe_layers == 58
+
+
+@pytest.mark.parametrize("name, per_token", [
+    ("deepseek-v3", 61 * (512 + 64) * 2),            # MLA latent + RoPE key, BF16: 70,272
+    ("kimi-k2", 61 * (512 + 64) * 2),
+    ("qwen3-235b-a22b", 94 * 2 * 4 * 128 * 2),       # GQA: 94 layers x K,V x 4 heads x 128, BF16: 192,512
+    ("llama3.1-70b", 80 * 2 * 8 * 128 * 2),
+])
+def test_kv_bytes_per_request_linear_profiles(name, per_token):
+    m = profiles.model(name)
+    assert m.kv_bytes_per_token == per_token
+    assert [m.kv_bytes(t) for t in (1, 1000, 65536)] == [per_token, 1000 * per_token, 65536 * per_token]
+    # The engine's KV layout carries the same bytes per token (links charge by it).
+    layers, heads, dim = m.wire_kv_layout
+    assert layers * 2 * heads * dim * 2 == per_token
+
+
+def test_mla_fp8_kv_is_flashmla_layout():
+    fp8 = load_profile("deepseek-v3", kv_dtype="fp8")
+    # 512 FP8 latent values + 4 float32 scales + 64 BF16 RoPE values = 656 bytes per layer.
+    assert fp8.kv_entry_bytes == 656 and fp8.kv_bytes(100) == 100 * 61 * 656
+    assert fp8.wire_kv_layout == (61, 1, 164)
+
+
+def v4_kv(layers, csa, hca, tokens, entry=584, index=132, window=128):
+    """Every layer's window, CSA: one entry + indexer key per 4 tokens, HCA: one entry per 128."""
+    return layers * min(tokens, window) * entry + csa * (tokens // 4) * (entry + index) + hca * (tokens // 128) * entry
+
+
+def test_deepseek_v4_kv_is_a_function_of_length():
+    # Pro: 61 layers, compress_ratios (128, 128) + (4, 128) x 29 + (4,): 30 CSA, 31 HCA; window 128;
+    # FP8 entries 448 + 2 x 64 + 8 = 584 bytes, indexer keys 128 + 4 = 132 bytes.
+    assert sum(r == 4 for r in PRO.compress_ratios) == 30 and sum(r == 128 for r in PRO.compress_ratios) == 31
+    assert (PRO.kv_entry_bytes, PRO.kv_window_bytes) == (584, 61 * 128 * 584)
+    for t in (1, 100, 127, 128, 129, 4096, 65536):
+        assert PRO.kv_bytes(t) == v4_kv(61, 30, 31, t)
+    assert PRO.kv_bytes(65536) == 4_559_872 + 351_928_320 + 9_269_248 == 365_757_440
+    # The 80 x 64K figure (DESIGN.md section 8 says ~23 GB): 29.26 GB with the indexer keys and windows.
+    assert 80 * PRO.kv_bytes(65536) == 29_260_595_200
+    # Without them (latent entries alone) it is the seed's number.
+    assert 80 * 65536 * (30 * 584 / 4 + 31 * 584 / 128) == pytest.approx(23.7e9, rel=2e-3)
+    assert PRO.kv_bytes_per_token == pytest.approx(30 * 716 / 4 + 31 * 584 / 128, rel=1e-12)   # 5511.4375
+    # Flash: 43 layers, (0, 0) + (4, 128) x 20 + (4,): 2 window-only, 21 CSA, 20 HCA.
+    assert FLASH.kv_bytes(65536) == v4_kv(43, 21, 20, 65536) == 255_544_320
+    # BF16 KV: 1024-byte entries, 256-byte indexer keys.
+    bf16 = load_profile("deepseek-v4-pro", kv_dtype="bf16")
+    assert bf16.kv_bytes(4096) == v4_kv(61, 30, 31, 4096, entry=1024, index=256)
+
+
+def test_v4_weights_fp4_experts_and_parameters():
+    # Pro: 384 experts of 3 x 7168 x 3072 in each of 61 layers at MXFP4, the rest FP8 + UE8M0 block scales.
+    expert = 3 * 7168 * 3072
+    assert PRO.routed_expert_params == 61 * 384 * expert == 1_547_396_186_112
+    assert PRO.expert_bytes == pytest.approx(expert * FP4_BYTES_PER_PARAM, rel=1e-12)
+    assert FP4_BYTES_PER_PARAM == 0.53125
+    rest = PRO.param_count - PRO.routed_expert_params
+    assert PRO.weight_bytes == round(rest * (1 + 1 / 16384) + 61 * 384 * expert * 0.53125)
+    # ~1.6T parameters, ~49B active (DeepSeek's figures); 847 GB of weights (the released
+    # checkpoint's 893 GB adds the MTP layer, the compressors and BF16 tensors).
+    assert 1.55e12 < PRO.param_count < 1.6e12 and 47e9 < PRO.active_params_per_token < 50e9
+    assert 840e9 < PRO.weight_bytes < 893e9
+
+
+def test_v4_attention_flops_hand_computed():
+    # One decode at position 65536 (65535 cached): per layer the 128-token window, CSA top-1024 of
+    # 16384 entries plus the indexer scoring all 16384 (64 heads x 128), HCA all 512 entries;
+    # each entry costs 2 x 128 heads x (512 + 512).
+    entries = 61 * 128 + 30 * 1024 + 31 * 512
+    indexer = 30 * 16384 * 2 * 64 * 128
+    assert PRO.attention_flops(65535, 1) == 262_144 * entries + indexer
+    # A chunk sums per-query: 8 queries at positions 1..8 see 1..8 window tokens and
+    # floor(q / 4) = 0,0,0,1,1,1,1,2 CSA entries (all selected), no HCA entry.
+    csa = 0 + 0 + 0 + 1 + 1 + 1 + 1 + 2
+    assert PRO.attention_flops(0, 8) == 262_144 * (61 * 36 + 30 * csa) + 30 * csa * 2 * 64 * 128
+    # It equals the sum of its single-token steps (same FLOPs, any chunking).
+    assert PRO.attention_flops(1000, 300) == sum(PRO.attention_flops(1000 + i, 1) for i in range(300))
+
+
+def test_mla_decode_step_hand_roofline():
+    # 32 decodes at 4K context, DeepSeek-V3 on 8 x H200 (TP 8, experts over all 8 GPUs).
+    batch = [SeqWork(1, 4096)] * 32
+    par = Parallel(tp=8)
+    c = step_cost(V3, H200, par, batch)
+    attn = 61 * 2 * 128 * (128 + 64 + 128) * 32 * (4096 + 1)          # MHA-form QK and PV
+    flops = 2 * V3_ACTIVE * 32 + attn
+    assert c.flops == pytest.approx(flops, rel=1e-12)
+    distinct = 256 * (1 - (1 - 8 / 256) ** 32)                         # ~160.5 experts per layer
+    experts = 58 * distinct * V3_EXPERT_BYTES
+    kv = 32 * 4097 * 70272                                             # the latent is replicated on all 8
+    per_gpu = V3_DENSE_BYTES / 8 + experts / 8 + kv
+    assert c.memory_s == pytest.approx(per_gpu / (4.8e12 * H200.bandwidth_efficiency), rel=1e-9)
+    # FP8 weights use the FP8 tensor-core peak.
+    assert c.compute_s == pytest.approx(flops / 8 / (1979e12 * H200.compute_efficiency), rel=1e-9)
+    # TP all-reduce after attention in all 61 layers and after the MLP in the 3 dense ones; EP
+    # all-to-all in the 58 MoE layers: 4 tokens a GPU x 8 experts x 7168 x (1 + 2) B, 7/8 leaving it.
+    ar = H200.allreduce_latency_us / 1e6 + 2 * 7 / 8 * 32 * 7168 * 2 / 450e9
+    a2a = 2 * H200.allreduce_latency_us / 1e6 + (4 * 8 * 7168 * 3 * 7 / 8) / 450e9
+    assert c.comm_s == pytest.approx(64 * ar + 58 * a2a, rel=1e-9)
+    assert c.bound == "memory"
+    assert c.seconds == pytest.approx(c.memory_s + c.comm_s + H200.step_overhead_ms / 1e3, rel=1e-12)
+
+
+def test_v4_pro_across_two_nodes_dp_attention():
+    # V4-Pro does not fit one 8 x H100 node at FP8 / FP4 (847 GB of weights > 8 x 72 GB) ...
+    with pytest.raises(ValueError, match=r"deepseek-v4-pro weights \(846\.\d GB.*8 x H100-SXM.*72\.0 GB"):
+        max_kv_tokens(PRO, H100, Parallel(tp=1, dp=8))
+    # ... it fits two: DP-attention 16 ranks of 1 GPU (each holding all attention layers), the
+    # embedding, LM head, shared experts and routed experts over all 16.
+    par = Parallel(tp=1, dp=16)
+    fit = memory_fit(PRO, H100, par, 0.9, max_seqs=64)
+    attn = PRO.attention_weight_bytes
+    shared = PRO.dense_weight_bytes - attn
+    weights = attn + (shared + 61 * 384 * PRO.expert_bytes) / 16
+    assert fit.weights_gb == pytest.approx(weights / 1e9, rel=1e-12)
+    free = 72e9 - weights
+    assert fit.kv_tokens == int((free - 4 * PRO.kv_window_bytes) // PRO.kv_bytes_per_token) * 16
+    # A decode step of 64 sequences at 64K: the all-to-all crosses nodes, 8/16 of it over the NICs.
+    batch = [SeqWork(1, 65535)] * 64
+    c = step_cost(PRO, H100, par, batch)
+    per_gpu = 64 / 16 * 6 * 7168 * 3
+    a2a = 2 * H100.allreduce_latency_us / 1e6 + max(per_gpu * 7 / 16 / 450e9, per_gpu * 8 / 16 / 50e9)
+    assert c.comm_s == pytest.approx(61 * a2a, rel=1e-9)            # tp = 1: no all-reduce
+    kv = 64 * (61 * 128 * 584 + 30 * (16384 * 132 + 1024 * 584) + 31 * 512 * 584)
+    experts = 61 * distinct_experts(384, 6, 64) * PRO.expert_bytes
+    assert c.memory_s == pytest.approx((attn + (shared + experts + kv) / 16) / (3.35e12 * H100.bandwidth_efficiency),
+                                       rel=1e-9)
+    assert c.flops == pytest.approx(2 * PRO.active_params_per_token * 64 + 64 * PRO.attention_flops(65535, 1),
+                                    rel=1e-12)
+
+
+def test_fp8_weights_on_a100_run_at_the_bf16_peak():
+    c = step_cost(V3, A100, Parallel(tp=8, dp=2), [SeqWork(4096, 0)])
+    assert c.compute_s == pytest.approx(c.flops / 16 / (312e12 * A100.compute_efficiency), rel=1e-9)
+    assert A100.peak_flops(True) == A100.peak_flops(False) == 312e12
+    assert H100.peak_flops(True) == 1979e12 and H100.peak_flops(False) == 989.5e12
+
+
+def test_parallel_validates():
+    with pytest.raises(ValueError, match="expert parallelism 3 must divide the instance's 16 GPUs"):
+        Parallel(tp=8, dp=2, ep=3)
+    assert Parallel(tp=8, dp=2).expert_parallel == 16 and Parallel(tp=8, dp=2).nodes == 2
+    with pytest.raises(ValueError, match="attention data parallelism"):
+        Parallel(tp=1, dp=0)
+    # A cross-node expert group on hardware without a scale-out NIC is refused by name.
+    nonic = dataclasses.replace(H100, scaleout_gb_s=0.0)
+    with pytest.raises(ValueError, match="no scale-out bandwidth"):
+        step_cost(PRO, nonic, Parallel(tp=1, dp=16), [SeqWork(1, 10)])
+
+
+def test_dense_model_is_unchanged_by_the_new_shape():
+    l70 = profiles.model("llama3-70b")
+    batch = [SeqWork(1, 4096)] * 32
+    assert step_cost(l70, H100, 4, batch) == step_cost(l70, H100, Parallel(tp=4), batch)
+
+
+def test_engine_on_v4_pool_and_virtual_chunk_bytes():
+    cfg = EngineConfig(implementation="costmodel", block_size=64, num_blocks=0, max_num_seqs=32,
+                       max_num_batched_tokens=4096,
+                       costmodel=CostModelConfig(hardware="H200-SXM", tensor_parallel=1, data_parallel=8))
+    eng = CostModelEngine(PRO, H200, cfg)
+    # 8 ranks of one GPU: each keeps 4 sequences' windows, the rest at 5511.4375 B a token.
+    attn = PRO.attention_weight_bytes
+    weights = attn + (PRO.dense_weight_bytes - attn + 61 * 384 * PRO.expert_bytes) / 8
+    per_rank = 141e9 * 0.9 - weights - 4 * PRO.kv_window_bytes
+    assert eng.blocks.num_blocks == int(per_rank // PRO.kv_bytes_per_token) * 8 // 64
+    assert eng.parallel == Parallel(tp=1, dp=8)
+    # A virtual chunk of 100 tokens is charged 100 x 5512 bytes (the wire layout: 1 x 1378 BF16 pairs).
+    from pddgw.engines.types import EngineRequest, SamplingParams
+    eng.add_request(EngineRequest("r", tuple(range(100)), SamplingParams(max_tokens=1), retain_kv=True))
+    while eng.has_work():
+        eng.step()
+    assert eng.export_kv("r", 0, 100).expected_nbytes() == 100 * 5512
+    with pytest.raises(ConfigError, match="engine.costmodel: deepseek-v4-pro weights"):
+        CostModelEngine(PRO, H100, dataclasses.replace(cfg, costmodel=CostModelConfig(
+            hardware="H100-SXM", tensor_parallel=8)))
+
+
+def test_user_config_json_path(tmp_path):
+    # A user's own MoE: a Qwen3-MoE config.json with 16 experts of 64, top-2.
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 8, "num_experts": 16, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 64, "vocab_size": 1000, "max_position_embeddings": 4096,
+           "eos_token_id": 2, "bos_token_id": 1, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = profiles.model(str(tmp_path))
+    attn = 32 * (32 + 2 * 16) + 32 * 32 + 2 * 8
+    assert m.param_count == 2 * 1000 * 32 + 2 * (attn + 16 * 3 * 32 * 64 + 32 * 16 + 2 * 32) + 32
+    assert m.kv_bytes(10) == 10 * 2 * 2 * 2 * 8 * 2
+    (tmp_path / "bad.json").write_text(json.dumps({**cfg, "model_type": "mamba"}))
+    with pytest.raises(ModelConfigError, match="model_type 'mamba' unsupported"):
+        load_profile(tmp_path / "bad.json")
+    with pytest.raises(KeyError, match="deepseek-v4-pro"):
+        profiles.model("no-such-model")
+
+
+def test_v4_step_sums_the_profile_formulas():
+    # The roofline's hoisted V4 path equals the profile's per-sequence formulas.
+    batch = [SeqWork(1, 65535), SeqWork(8192, 0), SeqWork(300, 1000), SeqWork(5, 3), SeqWork(1, 127)]
+    c = step_cost(PRO, H200, Parallel(tp=1, dp=8), batch)
+    attn = sum(PRO.attention_flops(w.context_tokens, w.new_tokens) for w in batch)
+    assert c.flops == pytest.approx(2 * PRO.active_params_per_token * 8499 + attn, rel=1e-12)
+    kv = sum(PRO.kv_read_bytes(w.context_tokens, w.new_tokens) for w in batch)
+    experts = 61 * distinct_experts(384, 6, 8499) * PRO.expert_bytes
+    nbytes = PRO.attention_weight_bytes * 8 + (PRO.dense_weight_bytes - PRO.attention_weight_bytes) + experts + kv
+    assert c.bytes == pytest.approx(nbytes, rel=1e-12)
+    # One decode at 64K reads the window, the top-1024 CSA entries and every indexer key and HCA entry.
+    assert PRO.kv_read_bytes(65535, 1) == 61 * 128 * 584 + 30 * (16384 * 132 + 1024 * 584) + 31 * 512 * 584
