@@ -1,6 +1,6 @@
 """OpenAI HTTP API on the router's front door: chat completions, completions, responses, models.
 
-Routes (registered in `FrontDoor.app()`):
+Routes (registered in server.py's `build_app`):
 
   POST /v1/chat/completions   `chat.completion`, or with `"stream": true` SSE `chat.completion.chunk`s
                               ending with `data: [DONE]` (`stream_options.include_usage`: one more
@@ -91,7 +91,7 @@ from pddgw.pipeline.ordering import TokenRun
 from pddgw.pipeline.router import Outcome, RouterError, new_request_id
 
 if TYPE_CHECKING:
-    from pddgw.api.server import FrontDoor, Prepared
+    from pddgw.api.door import FrontDoor, Prepared
 
 log = structlog.get_logger(__name__)
 
@@ -590,7 +590,7 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
 
 
 class OpenAIRoutes:
-    """The handlers; `FrontDoor.app()` registers them."""
+    """The handlers; server.py's `build_app` registers them."""
 
     def __init__(self, door: FrontDoor):
         self.door = door

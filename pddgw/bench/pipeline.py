@@ -33,6 +33,7 @@ import time
 import orjson
 from aiohttp.test_utils import TestClient, TestServer
 
+from pddgw.api.server import build_app
 from pddgw.bench.common import add_output_args, emit, format_table
 from pddgw.config import Config, EngineConfig, NetConfig, PolicyConfig, RegimeConfig
 from pddgw.logs import setup_logging
@@ -144,7 +145,7 @@ async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, 
     background work (MD cache alignment) ran on after the last answer."""
     emb = Embedded(make_config(naive, step_ms))
     side = await emb.start()
-    client = TestClient(TestServer(side.door.app()))
+    client = TestClient(TestServer(build_app(side.door)))
     await client.start_server()
     results: list[dict] = []
     try:

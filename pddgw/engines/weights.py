@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pddgw.engines.base import engine_class
 from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.model import LlamaModel
 from pddgw.engines.model_spec import ModelSpec
@@ -224,11 +225,8 @@ def load_spec_for(model: ModelConfig) -> tuple[ModelSpec, Tokenizer, str]:
     spec, a byte tokenizer, and the profile's own KV dtype.
     """
     if model.profile:
-        from pddgw.sim.costmodel_engine import kv_dtype, model_profile
-
-        prof = model_profile(model)
-        spec = prof.to_spec()
-        return spec, ByteTokenizer(spec.vocab_size), kv_dtype(prof)
+        # Shapes are the cost-model engine's (the sim layer): reached through the engine registry.
+        return engine_class("costmodel").spec_for(model)  # type: ignore[attr-defined]
     spec, tok = load_spec(model.path or None)
     return spec, tok, model.dtype
 

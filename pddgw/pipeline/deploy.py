@@ -22,7 +22,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from pddgw.api.server import FrontDoor
+from pddgw.api.door import FrontDoor
+from pddgw.api.server import build_app
 from pddgw.config import Config, ConfigError, NodeConfig, StartupError
 from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.base import create_engine, engine_class
@@ -285,7 +286,7 @@ async def run_router(cfg: Config, me: NodeConfig, host: str | None = None, port:
         for link in links:
             await link.close()
 
-    await _serve_app(side.door.app(), host or cfg.server.host, cfg.server.port if port is None else port,
+    await _serve_app(build_app(side.door), host or cfg.server.host, cfg.server.port if port is None else port,
                      cfg, ready, cleanup=[side.stop, close_links], tls=False, front_door=True)
 
 
@@ -293,7 +294,7 @@ async def run_embedded(cfg: Config, host: str | None = None, port: int | None = 
                        ready: asyncio.Event | None = None) -> None:
     emb = Embedded(cfg)
     side = await emb.start()
-    await _serve_app(side.door.app(), host or cfg.server.host, cfg.server.port if port is None else port,
+    await _serve_app(build_app(side.door), host or cfg.server.host, cfg.server.port if port is None else port,
                      cfg, ready, cleanup=[emb.stop], tls=False, front_door=True)
 
 

@@ -49,6 +49,7 @@ import math
 
 from pddgw.config import Config, ConfigError, CostModelConfig, EngineConfig, ModelConfig
 from pddgw.engines.base import register_engine
+from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.paged import PagedEngine, Sampled
 from pddgw.engines.sampler import position_uniform
 from pddgw.engines.scheduler import Chunk
@@ -88,6 +89,14 @@ def model_profile(model: ModelConfig) -> profiles.ModelProfile:
 class CostModelEngine(PagedEngine):
     runs_inline = True
     virtual_kv = True
+
+    @classmethod
+    def spec_for(cls, model: ModelConfig) -> tuple[ModelSpec, ByteTokenizer, str]:
+        """`weights.load_spec_for` of a `model.profile`: the shape's spec, a byte tokenizer and
+        the KV dtype its chunks name on links."""
+        prof = model_profile(model)
+        spec = prof.to_spec()
+        return spec, ByteTokenizer(spec.vocab_size), kv_dtype(prof)
 
     def __init__(self, profile: profiles.ModelProfile, hardware: profiles.HardwareProfile, cfg: EngineConfig,
                  max_model_len: int = 0):

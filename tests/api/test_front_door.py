@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from pddgw.api import server
+from pddgw.api.server import build_app
 from pddgw.config import Config, ServerConfig
 from pddgw.pipeline.deploy import Embedded
 from tests.reliability.quiet import wait_quiescent
@@ -24,7 +25,7 @@ async def door(aiohttp_client):
     """-> (RouterSide, test client); after the test nothing may be left in use."""
     emb = Embedded(Config(server=ServerConfig(max_message_bytes=MAX_MESSAGE, max_streams_per_connection=1)))
     side = await emb.start()
-    client = await aiohttp_client(side.door.app())
+    client = await aiohttp_client(build_app(side.door))
     yield side, client
     await wait_quiescent(side.state)
     await emb.stop()
@@ -170,7 +171,7 @@ async def test_a_browser_key_in_the_websocket_subprotocol_is_accepted_and_echoed
     emb = Embedded(Config(server=ServerConfig(api_keys=("k\u00e9y-1",))))
     side = await emb.start()
     try:
-        client = await aiohttp_client(side.door.app())
+        client = await aiohttp_client(build_app(side.door))
         good = "pddgw.key." + base64.urlsafe_b64encode("k\u00e9y-1".encode()).decode().rstrip("=")
         ws = await client.ws_connect("/v1/responses", protocols=("other", good))
         assert ws.protocol == good

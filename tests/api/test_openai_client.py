@@ -16,6 +16,7 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 
+from pddgw.api.server import build_app
 from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, PolicyConfig, ServerConfig, ShapingConfig
 from pddgw.pipeline.deploy import Embedded
 from pddgw.pipeline.ordering import TokenRun
@@ -43,7 +44,7 @@ async def served(aiohttp_client):
     async def start(cfg: Config | None = None):
         emb = Embedded(cfg or make_cfg())
         side = await emb.start()
-        client = await aiohttp_client(side.door.app())
+        client = await aiohttp_client(build_app(side.door))
         oai = AsyncOpenAI(api_key=KEY, base_url=f"http://{client.server.host}:{client.server.port}/v1",
                           max_retries=0, timeout=60)
         started.append((emb, side, oai))

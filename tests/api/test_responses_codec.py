@@ -91,16 +91,16 @@ def test_server_events_shape():
 
 
 def test_incremental_detokenizer_matches_full_decode():
-    from pddgw.api.server import _Detok
+    from pddgw.api.door import Detokenizer
     from pddgw.engines.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer(384)
     ids = tok.encode("héllo wörld — ✓ done") + [tok.EOS] + tok.encode(" ünïcode")
-    d = _Detok(tok)
+    d = Detokenizer(tok)
     pieces = [d.push((t,)) for t in ids]
     assert "".join(pieces) == tok.decode(ids)
     # A multi-byte character split across pushes is held back until complete.
-    d2 = _Detok(tok)
+    d2 = Detokenizer(tok)
     check = tok.encode("✓")
     assert [d2.push((t,)) for t in check] == ["", "", "✓"]
 

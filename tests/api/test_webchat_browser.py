@@ -25,6 +25,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from pddgw.api.server import build_app
 from pddgw.api.webchat import add_webchat_routes
 from pddgw.cli import DEFAULT_SYSTEM
 from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, ServerConfig, ShapingConfig
@@ -89,7 +90,7 @@ async def served(request):
     Parametrize indirectly with api_keys to set `[server] api_keys`."""
     emb = Embedded(_cfg(getattr(request, "param", ())))
     side = await emb.start()
-    app = side.door.app()
+    app = build_app(side.door)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from pddgw.api.server import build_app
 from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, PolicyConfig, ServerConfig, ShapingConfig
 from pddgw.pipeline.deploy import Embedded
 
@@ -33,7 +34,7 @@ async def deploy(aiohttp_client):
     async def start(cfg: Config):
         emb = Embedded(cfg)
         side = await emb.start()
-        client = await aiohttp_client(side.door.app())
+        client = await aiohttp_client(build_app(side.door))
         ws = await client.ws_connect("/v1/responses")
         started.append((emb, side, client))
         return ws, side, client
@@ -204,7 +205,7 @@ async def test_api_key_required_when_configured(aiohttp_client):
     emb = Embedded(cfg)
     side = await emb.start()
     try:
-        client = await aiohttp_client(side.door.app())
+        client = await aiohttp_client(build_app(side.door))
         async with client.get("/v1/responses") as resp:
             assert resp.status == 401
         ws = await client.ws_connect("/v1/responses", headers={"Authorization": "Bearer sekrit-key"})

@@ -15,6 +15,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pddgw.api.server import build_app
 from pddgw.bench.common import free_port
 from pddgw.config import (Config, EngineConfig, ModelConfig, NetConfig, NodeConfig, PolicyConfig, ServerConfig,
                           ShapingConfig)
@@ -78,7 +79,7 @@ async def deploy(aiohttp_client):
     async def start(cfg: Config):
         emb = Embedded(cfg)
         side = await emb.start()
-        app = side.door.app()
+        app = build_app(side.door)
         client = await aiohttp_client(app)
         ws = await client.ws_connect("/v1/responses")
         started.append((emb, side))

@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 
+from pddgw.api.server import build_app
 from pddgw.config import (Config, ConfigError, EngineConfig, ModelConfig, NetConfig, PolicyConfig, RegimeConfig,
                           ShapingConfig, build, load_config)
 from pddgw.engines.base import create_engine
@@ -193,7 +194,7 @@ async def test_first_long_turn_relays_then_hands_off_and_follow_up_goes_straight
         assert emb.cfg == d.apply(with_topology(Config()))           # what runs is what was derived
         assert emb.cfg.net.shaping("wan") == d.shaping
 
-        client = await aiohttp_client(side.door.app())
+        client = await aiohttp_client(build_app(side.door))
         ws = await client.ws_connect("/v1/responses")
         p1 = [32 + (i * 7) % 90 for i in range(1000)]
         n = 200

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from pddgw.api.server import build_app
 from pddgw.config import (Config, ConfigError, NetConfig, NodeConfig, PolicyConfig, ShapingConfig,
                           VllmEngineConfig)
 from pddgw.engines import vllm_connector
@@ -208,7 +209,7 @@ async def test_pdd_with_a_tp2_md_node(aiohttp_client, one_node, checkpoint):
     md_engine = emb.workers["md0"].aeng.engine
     assert isinstance(md_engine, VllmEngine)
     try:
-        ws = await (await aiohttp_client(side.door.app())).ws_connect("/v1/responses")
+        ws = await (await aiohttp_client(build_app(side.door))).ws_connect("/v1/responses")
         prompt, n = prompt_list(120, 30), 240
         r = await chat(ws, prompt_token_ids=prompt, max_output_tokens=n, temperature=0.8, seed=78)
         assert r.final["type"] == "response.completed", r.final
