@@ -228,6 +228,10 @@ class PolicyConfig:
     # After this many non-final rounds the next round is final whatever is left,
     # so a handoff ends even if MD extends slower than RLD decodes.
     catchup_max_rounds: int = 8
+    # MD cache alignment (pipeline/alignment.py) is background WAN traffic: the
+    # KV bytes that pending alignments may still move are bounded by this; a new
+    # one that would cross it sheds the oldest first (16 GiB: ~14 s of a 10 Gbps WAN).
+    alignment_max_backlog_bytes: int = 16 << 30
     # Prior of the WAN link estimator until transfers are observed.
     link_prior_mbps: float = 10_000.0
     link_prior_rtt_ms: float = 30.0
@@ -257,6 +261,7 @@ class PolicyConfig:
         _check(self.catchup_max_chunk >= self.catchup_threshold,
                "catchup_max_chunk must be >= catchup_threshold")
         _check(self.catchup_max_rounds >= 1, "catchup_max_rounds must be >= 1")
+        _check(self.alignment_max_backlog_bytes >= 0, "alignment_max_backlog_bytes must be >= 0")
         _check(self.link_prior_mbps > 0, "link_prior_mbps must be > 0")
         _check(self.link_prior_rtt_ms >= 0, "link_prior_rtt_ms must be >= 0")
         _check(0.0 < self.link_ewma_alpha <= 1.0, "link_ewma_alpha must be in (0, 1]")

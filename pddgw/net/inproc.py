@@ -107,6 +107,13 @@ class InProcLink(LinkBase):
         self.stats.bytes_received += nbytes
         self._on_message(msg, corr, bool(flags & frames.FLAG_REPLY), owned)
 
+    def _heard_since(self, since: float) -> bool:
+        # Inbound bytes cross the peer's pipe: bytes of a frame still on the emulated wire count.
+        if self._last_rx > since:
+            return True
+        other = self._other
+        return other is not None and other._pipe is not None and other._pipe.heard_since(since)
+
     def _set_reading(self, on: bool) -> None:
         if on:
             self._accepting.set()

@@ -16,7 +16,9 @@ Link lifecycle (`LinkState`):
    running at once, a request is answered `Error(code="overloaded")` at
    once); a message whose request_id has an open stream goes to that stream;
    anything else goes to the handler, one at a time, in arrival order.  Heartbeats run; silence beyond `dead_after_s`
-   counts as a lost connection.
+   counts as a lost connection.  Silence means no byte at all: a peer whose
+   large frame is still arriving (KV crawling over a saturated WAN, its
+   heartbeats queued behind it) is alive (`_heard_since`, per transport).
 3. RECONNECTING (dialing side only): the connection was lost.  Requests and
    streams that were in flight fail with `LinkClosed`; new operations wait for
    the link to come back (within their own timeout).
@@ -301,6 +303,15 @@ class LinkBase(Link):
     @abstractmethod
     def _transmit_nowait(self, msg: m.Message, corr: int = 0, flags: int = 0) -> None:
         """Send one small frame without waiting (heartbeats); silently dropped if not open."""
+
+    def _heard_since(self, since: float) -> bool:
+        """Whether any byte from the peer arrived after loop time `since`.
+
+        The base counts whole inbound messages; a transport that sees bytes
+        before their frame is complete (a socket read, a shaped wire
+        serializing the peer's frame) overrides it.
+        """
+        return self._last_rx > since
 
     @abstractmethod
     def _set_reading(self, on: bool) -> None:
@@ -597,15 +608,16 @@ class LinkBase(Link):
             await asyncio.sleep(interval)
             if self._state != LinkState.OPEN:
                 continue
-            if self._loop.time() - self._last_rx > self.cfg.dead_after_s:
+            now = self._loop.time()
+            if now - self._last_rx > self.cfg.dead_after_s and not self._heard_since(now - self.cfg.dead_after_s):
                 log.warning("peer silent; dropping connection", local=self.local, peer=self.peer,
-                            silent_s=round(self._loop.time() - self._last_rx, 3))
+                            silent_s=round(now - self._last_rx, 3))
                 self._peer_silent()
                 continue
             self._transmit_nowait(m.Ping(_loop_ns(self._loop)))
 
     def _peer_silent(self) -> None:
-        self._lost(LinkClosed(f"no frame from {self.peer} within {self.cfg.dead_after_s}s", CloseCode.PEER_SILENT))
+        self._lost(LinkClosed(f"no byte from {self.peer} within {self.cfg.dead_after_s}s", CloseCode.PEER_SILENT))
 
 
 _FLAG_REPLY = 0x01  # frames.FLAG_REPLY; duplicated to keep this module free of the codec

@@ -31,6 +31,15 @@ two strict-priority traffic classes (`Priority`) feeding a pipe:
    that other links hold in their send queues.  They still never overtake
    an earlier frame of their own pipe (a KV transfer's end follows its KV).
 
+6. Liveness (`ShapedPipe.heard_since`): the far end hears bytes, not only
+   whole frames.  The foreground FIFO is how the schedule accounts for
+   completions; on a real shared wire the senders' packets interleave, so a
+   frame queued behind other links' traffic is crawling, not stopped.  A
+   pipe's far end therefore hears bytes while a frame of the pipe is booked
+   and the wire moves bits (one latency later), and while its background
+   frame is on the wire; an outage (bandwidth 0) or an idle sender is
+   silence.
+
 `ShapedPipe` applies the schedule to one link direction: `put` waits until the
 frame has left the emulated NIC (the sender feels the bandwidth and the
 traffic of its class ahead of it, not the latency: transfers are pipelined)
@@ -116,6 +125,9 @@ class Shaper:
         # wire between its queueing and the end of its serialization, summed:
         # 0 with preemption, > 0 if background traffic ever delayed foreground.
         self.bg_bytes_ahead_of_fg = 0.0
+        # Background frames whose sender gave up before any of their bits was
+        # serialized (a cancelled transfer): they left the queue unsent.
+        self.bg_bytes_withdrawn = 0
 
     # -- totals (both classes) -------------------------------------------------
 
@@ -270,6 +282,8 @@ class Shaper:
     def _served(self, frame: _Frame, start: float, end: float) -> None:
         """`frame` was on the wire from `start` to `end`."""
         frame.service_s += end - start
+        if end > start:
+            frame.pipe._bg_heard = (start + self._latency, end + self._latency)
         self.classes[Priority.BACKGROUND].busy_s += end - start
         for queued, _, fg_end, _ in self._fg_windows:
             lo, hi = max(start, queued), min(end, fg_end)
@@ -323,6 +337,32 @@ class Shaper:
         # A loop runs a timer up to its clock resolution early: it is due at `at`.
         self._kick(max(self._loop.time(), at))
 
+    def _withdraw(self, done: asyncio.Future[float], now: float) -> None:
+        """The sender of a background frame gave up (cancelled): a frame none of
+        whose bits is on the wire leaves the queue; one already partly sent
+        finishes (its far end holds its first bytes; a frame is never cut)."""
+        self._complete_until(now)
+        for i, f in enumerate(self._bg):
+            if f.done is done:
+                break
+        else:
+            return                       # already served
+        if i == 0:
+            self._preempt(now)
+            if f.service_s > 0:
+                return
+        del self._bg[i]
+        self.bg_bytes_withdrawn += round(f.bits_left / 8)
+        if i == 0 and self._bg:
+            self._restart_bg(max(now, self._fg_free_at))
+        self._kick(now)
+
+    def serving(self, pipe: ShapedPipe, t: float) -> float | None:
+        """When the background frame of `pipe` on the wire at `t` started there; None if none is."""
+        if self._bg and self._bg[0].pipe is pipe and self._bg_start <= t < self._bg_end:
+            return self._bg_start
+        return None
+
     def _drop(self, pipe: ShapedPipe, now: float) -> None:
         """`pipe` is cut: its background frames leave the queue; other pipes keep their places.
 
@@ -359,6 +399,10 @@ class ShapedPipe:
         self._deliver = deliver
         self._queue: deque[tuple[float, Any]] = deque()
         self._last_arrival = -math.inf
+        # Liveness (step 6): when the oldest frame now in `_queue` was booked (inf: none is), and
+        # the arrival window of the bytes of this pipe's last background service interval.
+        self._busy_since = math.inf
+        self._bg_heard = (-math.inf, -math.inf)
         self._wake = asyncio.Event()
         self._task = self._loop.create_task(self._run(), name="shaped-pipe")
         self.closed = False
@@ -386,7 +430,13 @@ class ShapedPipe:
         elif priority == Priority.FOREGROUND:
             start, done, _ = self.shaper._book(nbytes, now, self, item)
         else:
-            return await self.shaper._queue_background(self, item, nbytes, now)
+            done_fut = self.shaper._queue_background(self, item, nbytes, now)
+            try:
+                return await done_fut
+            except asyncio.CancelledError:
+                # A cancelled transfer's frame that has not started never crosses the wire.
+                self.shaper._withdraw(done_fut, self._loop.time())
+                raise
         if done - now >= _MIN_SLEEP_S:
             await asyncio.sleep(done - now)
         return done - start
@@ -394,8 +444,27 @@ class ShapedPipe:
     def _arrive(self, arrival: float, item: Any) -> None:
         """The shaper hands over a serialized frame (arrivals never decrease)."""
         if not self.closed:
+            if not self._queue:
+                self._busy_since = self._loop.time()
             self._queue.append((arrival, item))
             self._wake.set()
+
+    def heard_since(self, since: float) -> bool:
+        """Step 6: whether the far end has heard bytes of this pipe after loop time `since`."""
+        now = self._loop.time()
+        if self.closed:
+            return False
+        lat = self.shaper._latency
+        hi = now - lat                   # bits put on the wire by then have arrived by now
+        if self._queue:
+            lo = max(self._busy_since, since - lat)
+            if hi > lo and self.shaper.bits_between(lo, hi) > 0:
+                return True
+        start, end = self._bg_heard
+        if start <= now and end > since:
+            return True
+        on_wire = self.shaper.serving(self, hi)
+        return on_wire is not None and self.shaper.bits_between(max(on_wire, since - lat), hi) > 0
 
     async def _run(self) -> None:
         loop = self._loop
@@ -408,6 +477,8 @@ class ShapedPipe:
             if delay >= _MIN_SLEEP_S:
                 await asyncio.sleep(delay)
             self._queue.popleft()
+            if not self._queue:
+                self._busy_since = math.inf
             try:
                 result = self._deliver(item)
                 if inspect.isawaitable(result):

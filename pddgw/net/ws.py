@@ -11,7 +11,10 @@ their held frames are delivered (each connection is in order, so the missing
 frame is on another one: an honest sender cannot deadlock).  On a shaped link
 a frame gets its number when it leaves the emulated wire, so a foreground
 frame that overtook background ones there is not held back by the receiver's
-reordering.
+reordering.  Control frames (requests, tokens, heartbeats) go on the first
+connection; with more than one, background KV never does, since a frame
+handed to a socket cannot be preempted.  Liveness counts every read of any
+connection (`WsConnection.rx_at`): a frame still arriving is a live peer.
 
 The dialing side owns reconnection: when a connection drops (or the peer falls
 silent) the link fails what was in flight, redials with back-off up to
@@ -130,11 +133,18 @@ class WsLink(LinkBase):
 
     # -- outbound --------------------------------------------------------------
 
-    def _pick(self, msg: m.Message, stripe: int | None = None) -> WsConnection:
+    def _pick(self, msg: m.Message, stripe: int | None = None,
+              priority: Priority = Priority.FOREGROUND) -> WsConnection:
         conns = self._conns
         if not conns:
             raise self._closed_error() if self._state == LinkState.CLOSED else LinkClosed(
                 f"link to {self.peer} is reconnecting", CloseCode.ABNORMAL)
+        if priority == Priority.BACKGROUND and len(conns) > 1 and isinstance(msg, m.KvChunk):
+            # Never on the first connection, which carries every control frame: a frame in a
+            # socket cannot be preempted, and tokens or heartbeats must not wait behind it.
+            bulk = conns[1:]
+            return bulk[stripe % len(bulk)] if stripe is not None else min(
+                bulk, key=lambda c: c.transport.get_write_buffer_size())
         if stripe is not None:
             return conns[stripe % len(conns)]
         if len(conns) == 1 or not isinstance(msg, m.KvChunk):
@@ -180,7 +190,7 @@ class WsLink(LinkBase):
 
     async def _transmit(self, msg: m.Message, corr: int, flags: int, priority: Priority = Priority.FOREGROUND,
                         stripe: int | None = None) -> float | None:
-        conn = self._pick(msg, stripe)
+        conn = self._pick(msg, stripe, priority)
         if self._pipe is not None:
             item, wire = self._shaped_item(conn, msg, corr, flags)
             return await self._pipe.put(item, wire, priority, control=not isinstance(msg, m.KvChunk))
@@ -275,6 +285,10 @@ class WsLink(LinkBase):
                     if self._reading and c.state == ConnState.OPEN:
                         c.transport.resume_reading()
             self._on_message(mm, h.corr, h.is_reply, ow)
+
+    def _heard_since(self, since: float) -> bool:
+        # Any read on any stripe: a frame still arriving, or one held for reordering, is the peer alive.
+        return self._last_rx > since or any(c.rx_at > since for c in self._conns)
 
     def _set_reading(self, on: bool) -> None:
         for c in self._conns:

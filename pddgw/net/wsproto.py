@@ -116,6 +116,9 @@ class WsConnection(asyncio.BufferedProtocol):
         self._max_control = max_control
         self._loop = asyncio.get_running_loop()
         self.closed: asyncio.Future[LinkClosed] = self._loop.create_future()
+        # Loop time of the last read that brought bytes: the link's liveness counts bytes, not
+        # whole frames (a large frame crawling over a saturated WAN is a live peer).
+        self.rx_at = self._loop.time()
         self._tls = transport.get_extra_info("ssl_object") is not None
         # reader
         self._scratch = memoryview(bytearray(HANDSHAKE_MAX))   # the full size once authenticated
@@ -171,6 +174,7 @@ class WsConnection(asyncio.BufferedProtocol):
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.rx_at = self._loop.time()
         try:
             if self._direct:
                 self._filled += nbytes

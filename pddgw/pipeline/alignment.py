@@ -15,6 +15,15 @@ prefix cache or the next turn misses it all.  For each such request
      anyway.  The turn's Submit names the dropped request (`supersedes`), so
      MD frees it before matching the turn's prefix and keeps the blocks that
      already arrived (`Engine.abort`): the turn finds them cached.
+  4. Shed: alignments are the first thing given up under pressure.  Each
+     books the KV bytes it may still move over the WAN (MD's missing range;
+     none once MD has the prompt KV), and their sum is bounded
+     (`policy.alignment_max_backlog_bytes`): an alignment that would cross
+     the bound sheds the oldest ones, itself last, until the rest fits.  A
+     shed alignment is cancelled like a superseded one (P stops sending, MD
+     keeps the blocks that arrived), counted in `counts["shed"]` and logged
+     once.  So background KV never piles up into a backlog that drains for
+     long after the last answer.
 Each alignment runs as one task owned by the registry; `drain` waits for all.
 """
 
@@ -23,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -49,30 +58,67 @@ class AlignKey:
 class _Pending:
     rid: str
     key: AlignKey | None
-    task: asyncio.Task[None]
+    wan_bytes: int = 0          # KV bytes it may still move over the WAN (step 4)
+    started: bool = False       # its task runs its body (a task cancelled before that never would)
+    dropped: bool = False       # superseded or shed: it ends at once, releasing the request
+    task: asyncio.Task[None] = field(init=False)
 
 
 class Alignments:
-    def __init__(self, timeout: float, control_timeout: float) -> None:
+    def __init__(self, timeout: float, control_timeout: float, max_backlog_bytes: int = 16 << 30) -> None:
         self.timeout = timeout
         self.control_timeout = control_timeout
+        self.max_backlog_bytes = max_backlog_bytes
+        # Insertion-ordered: the oldest alignment is shed first.
         self._pending: dict[str, _Pending] = {}
-        self.counts = {"started": 0, "completed": 0, "superseded": 0, "failed": 0}
+        self.counts = {"started": 0, "completed": 0, "superseded": 0, "failed": 0, "shed": 0}
 
     def __len__(self) -> int:
         return len(self._pending)
 
+    @property
+    def backlog_bytes(self) -> int:
+        """KV bytes the pending alignments may still move over the WAN."""
+        return sum(p.wan_bytes for p in self._pending.values() if not p.task.done())
+
     def start(self, rid: str, key: AlignKey | None, p: Link | None, md: Link, md_node: object,
               ready: bool, output_ids: tuple[int, ...], next_event: Callable[[], Awaitable[Event]],
-              cleanup: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
-        """Steps 1-2 for one request, in the background.  `next_event` yields the
-        request's remaining events; `cleanup` (always awaited last) releases it."""
-        task = asyncio.create_task(self._run(rid, p, md, md_node, ready, output_ids, next_event, cleanup),
-                                   name=f"align-{rid}")
-        self._pending[rid] = _Pending(rid, key, task)
-        task.add_done_callback(lambda _: self._pending.pop(rid, None))
+              cleanup: Callable[[], Awaitable[None]], wan_bytes: int = 0) -> asyncio.Task[None]:
+        """Steps 1-2 for one request, in the background, then step 4 over all.
+        `next_event` yields the request's remaining events; `cleanup` (always
+        awaited last) releases it; `wan_bytes`: the KV it may still move over
+        the WAN (0 when MD has the prompt KV already)."""
+        pend = _Pending(rid, key, 0 if ready else wan_bytes)
+        pend.task = asyncio.create_task(self._run(pend, p, md, md_node, ready, output_ids, next_event, cleanup),
+                                        name=f"align-{rid}")
+        self._pending[rid] = pend
+        pend.task.add_done_callback(lambda _: self._pending.pop(rid, None))
         self.counts["started"] += 1
-        return task
+        self._shed()
+        return pend.task
+
+    def _shed(self) -> None:
+        """Step 4: oldest first, drop alignments until the backlog fits the bound."""
+        backlog = self.backlog_bytes
+        for pend in list(self._pending.values()):
+            if backlog <= self.max_backlog_bytes:
+                return
+            if pend.task.done() or pend.dropped or not pend.wan_bytes:
+                continue
+            backlog -= pend.wan_bytes
+            log.warning("md_alignment_shed", request_id=pend.rid, wan_bytes=pend.wan_bytes,
+                        backlog_bytes=backlog + pend.wan_bytes,
+                        max_backlog_bytes=self.max_backlog_bytes)
+            pend.wan_bytes = 0
+            self._drop(pend)
+            self.counts["shed"] += 1
+
+    @staticmethod
+    def _drop(pend: _Pending) -> None:
+        """End one alignment now; its cleanup still runs (a task not yet started checks `dropped`)."""
+        pend.dropped = True
+        if pend.started:
+            pend.task.cancel()
 
     def supersede(self, md: str, hashes: Callable[[int], tuple[int, ...]]) -> tuple[str, ...]:
         """Step 3: drop every alignment on `md` whose first missing block the new
@@ -80,12 +126,12 @@ class Alignments:
         dropped = []
         for pend in list(self._pending.values()):
             k = pend.key
-            if k is None or k.md != md or pend.task.done():
+            if k is None or k.md != md or pend.task.done() or pend.dropped:
                 continue
             h = hashes(k.block_size)
             if k.index < len(h) and h[k.index] == k.block_hash:
                 log.info("md_alignment_superseded", request_id=pend.rid)
-                pend.task.cancel()
+                self._drop(pend)
                 self.counts["superseded"] += 1
                 dropped.append(pend.rid)
         return tuple(dropped)
@@ -94,10 +140,14 @@ class Alignments:
         while self._pending:
             await asyncio.gather(*(p.task for p in list(self._pending.values())), return_exceptions=True)
 
-    async def _run(self, rid: str, p: Link | None, md: Link, md_node: object, ready: bool,
+    async def _run(self, pend: _Pending, p: Link | None, md: Link, md_node: object, ready: bool,
                    output_ids: tuple[int, ...], next_event: Callable[[], Awaitable[Event]],
                    cleanup: Callable[[], Awaitable[None]]) -> None:
+        rid = pend.rid
+        pend.started = True
         try:
+            if pend.dropped:
+                return
             async with asyncio.timeout(self.timeout):
                 if p is not None:
                     with contextlib.suppress(LinkError):
@@ -106,6 +156,7 @@ class Alignments:
                     ev = await next_event()
                     if isinstance(ev, KvReady) and ev.node is md_node:
                         ready = True
+                        pend.wan_bytes = 0          # the KV is on MD: nothing left to shed
                     elif isinstance(ev, NodeFailed) and ev.node is md_node:
                         self.counts["failed"] += 1
                         return

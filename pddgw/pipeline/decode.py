@@ -156,6 +156,12 @@ class DecodeWorker:
                 self._drain_posted = False
                 raise EngineStopped("the engine is stopped")
 
+    def past_import(self, rid: str) -> bool:
+        """Whether `rid` is open here and takes no KV any more (its import is complete, or it
+        computes its prompt here): a chunk for it is a late frame of an earlier attempt."""
+        s = self.sessions.get(rid)
+        return s is not None and s.state != DecodeState.IMPORTING
+
     def drop_kv(self, chunk: KVChunk) -> None:
         """A chunk of a request cancelled here: a payload that landed in the pool gives its memory back."""
         with contextlib.suppress(RequestError):

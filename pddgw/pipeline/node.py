@@ -194,9 +194,11 @@ class WorkerNode:
             case pm.Prefill():
                 return await self._run_prefill(msg)
             case m.KvChunk(span=m.KvSpan(request_id=rid)):
-                if rid in self._cancelled:
-                    # P's frames still in flight when the request was cancelled here: dropped (a
-                    # payload that landed in the pool gives its blocks back).
+                if rid in self._cancelled or (self.decode is not None and self.decode.past_import(rid)):
+                    # P's frames still in flight when the request was cancelled here, or from an
+                    # earlier attempt of a request re-driven here since (it computes its prompt
+                    # itself, or has all its KV): dropped, a payload that landed in the pool
+                    # gives its blocks back.
                     if self.decode is not None:
                         self.decode.drop_kv(from_wire(msg))
                     return None

@@ -27,7 +27,10 @@ For each request (`Router.run`), in order:
      alignment goes on in the background (alignment.py).  Finally, Cancel
      on every node involved: it frees whatever is left.
 Failures re-drive: MD or the WAN lost while RLD still decodes -> RLD finishes
-alone; a decoder lost after the handoff, or P lost -> the request restarts
+alone; RLD lost before the handoff while MD still imports P's KV -> MD takes
+over from the tokens already emitted once that KV is in (the router sends
+them as the final handoff round), so the transfer in flight is reused, never
+started again; a decoder lost after the handoff, or P lost -> the request restarts
 on a healthy node from the tokens already emitted (their KV recomputed
 there); sampling is position-keyed, so the user sees the same tokens.  When
 no path is left the caller gets a RouterError that says why.
@@ -205,7 +208,7 @@ class Router:
         self.timeout = cfg.server.request_timeout_s
         self.control_timeout = cfg.net.request_timeout_s
         self.counts = {"P-MD": 0, "P-RLD-MD": 0, "P-RLD": 0, "redrives": 0, "fallbacks": 0, "rld_full": 0}
-        self.alignments = Alignments(self.timeout, self.control_timeout)
+        self.alignments = Alignments(self.timeout, self.control_timeout, cfg.policy.alignment_max_backlog_bytes)
         self.md_index = PrefixIndex()
         # Foreground KV bytes on their way to MD over the WAN (live requests between
         # Prefill and PrefillDone); background alignments are not counted.
@@ -621,15 +624,32 @@ class Router:
         tasks.append(prefill_task)
         handoff: asyncio.Task | None = None
         md_alive = md is not None
+        rld_alive = rld is not None
         md_ready = False
         try:
             while not fl.merger.complete:
                 ev = await events.get()
                 match ev:
+                    case NodeFailed(node=node) if node is rld and not rld_alive:
+                        continue        # MD took over (below): what else fails on RLD is moot
+                    case Tokens(node=node) if node is rld and not rld_alive:
+                        continue
                     case NodeFailed(node=node, why=why):
                         if node is p:
                             raise _NodeLost(p, f"prefill failed: {why}")
-                        if node is md and md_alive and rld is not None and fl.tracker.state in (
+                        if (node is rld and md is not None and md_alive and handoff is None and not md_ready
+                                and fl.merger.next_position > 0 and fl.tracker.state == RequestState.RLD_DECODING):
+                            # MD still imports P's KV: it takes over from the emitted tokens once
+                            # the KV is in, so the transfer in flight is reused, not sent again.
+                            rld_alive = False
+                            self._end_relay(fl)
+                            fl.excluded.add(node.name)
+                            self.counts["redrives"] += 1
+                            fl.tracker.redrive(f"RLD {node.name} lost: {why}; MD {md.name} takes over")
+                            log.warning("node_lost", request_id=rid, node=node.name, error=why,
+                                        emitted=fl.merger.next_position, takeover=md.name)
+                            continue
+                        if node is md and md_alive and rld_alive and fl.tracker.state in (
                                 RequestState.PREFILLING, RequestState.RLD_DECODING,
                                 RequestState.HANDOFF_PENDING, RequestState.CATCHING_UP):
                             # RLD still holds the KV: it finishes the request alone.
@@ -646,7 +666,10 @@ class Router:
                     case PrefillFinished(done=done):
                         self._on_prefill_done(fl, done, p, list(starts))
                         for name, err in zip(starts, done.errors):
-                            if err and md is not None and name == md.name and rld is not None and md_alive:
+                            if err and rld is not None and name == rld.name:
+                                if rld_alive:   # lost: MD may take over (above), else a re-drive
+                                    events.put_nowait(NodeFailed(rld, f"KV transfer failed: {err}"))
+                            elif err and md is not None and name == md.name and rld_alive and md_alive:
                                 events.put_nowait(NodeFailed(md, f"KV transfer failed: {err}"))
                             elif err:
                                 raise _NodeLost(self.nodes[name], f"KV transfer failed: {err}")
@@ -654,6 +677,10 @@ class Router:
                         await self._on_tokens(fl, ev, "rld" if node is rld else "md")
                         if node is rld and item.done:
                             self._end_relay(fl)
+                    case KvReady(node=node) if node is md and md_alive and rld is not None and not rld_alive:
+                        md_ready = True
+                        fl.tracker.md_ready("RLD lost: MD takes over", held=1)   # P's first token is there
+                        handoff = asyncio.create_task(self._take_over(fl, md, events))
                     case KvReady(node=node) if node is md and md_alive and rld is not None:
                         md_ready = True
                         if fl.tracker.state == RequestState.PREFILLING:
@@ -666,7 +693,7 @@ class Router:
                             fl.tracker.handoff_round(r.start, r.end, r.final)
                     case HandoffEnded():
                         self._end_relay(fl)
-            if md is not None and md_alive and rld is not None and handoff is None:
+            if md is not None and md_alive and rld_alive and handoff is None:
                 self._align_md(fl, p, md, md_ready, starts[md.name], prefill_task, events, tasks, streams)
         finally:
             if fl.background is None:
@@ -694,9 +721,22 @@ class Router:
                 st.close()
             await self._release(fl)
 
+        # What it may still move over the WAN: MD's missing range, unless P has sent it all.
+        wan_bytes = 0 if prefill_task.done() else (len(fl.prompt) - md_start) * self.kv_bytes_per_token
         fl.background = self.alignments.start(
             fl.rid, key, None if prefill_task.done() else p.link, md.link, md, ready,
-            fl.merger.emitted_tokens, events.get, cleanup)
+            fl.merger.emitted_tokens, events.get, cleanup, wan_bytes)
+
+    async def _take_over(self, fl: _Flight, md: NodeHandle, events: asyncio.Queue[Event]) -> None:
+        """RLD was lost before the handoff and MD now holds the prompt KV: the router
+        hands MD the tokens already emitted itself (a final one-shot round), and MD
+        decodes from there."""
+        emitted = fl.merger.emitted_tokens
+        fl.tracker.handoff_round(1, len(emitted), True)
+        try:
+            await md.link.request(pm.Extend(fl.rid, 1, True, emitted[1:]), timeout=self.control_timeout)
+        except LinkError as e:
+            events.put_nowait(NodeFailed(md, f"takeover refused: {e}"))
 
     async def _hand_off(self, fl: _Flight, rld: NodeHandle, md: NodeHandle, events: asyncio.Queue[Event]) -> None:
         try:

@@ -43,6 +43,10 @@ Failure re-drives (each recorded with its reason):
   prompt KV to another MD or back to an RLD), or HANDOFF_PENDING when the
   new MD already holds the whole prompt (token-ID handoff of the emitted
   tokens).  Leaving REDRIVING moves backwards in the enum order.
+* RLD dies before the handoff while MD still imports P's KV (P-RLD-MD):
+  `redrive` -> REDRIVING, and once MD holds the KV, HANDOFF_PENDING and one
+  final round of the emitted tokens (sent by the router) -> HANDING_OFF ->
+  MD_DECODING: the transfer in flight is reused, not started again.
 
 The enum order is the order of progress along the happy paths; REDRIVING
 sits after the decode states because it is entered from any of them, and
