@@ -341,7 +341,9 @@ async def test_shaping_accuracy_10MB_over_100Mbps_20ms_rtt(make_pair):
     t0 = time.perf_counter()
     await p.client.send_all(m.KvChunk(span(i), payload, i, i == 9) for i in range(10))
     elapsed = await asyncio.wait_for(done, 5) - t0
-    assert 0.81 <= elapsed <= 0.95, elapsed
+    # Never faster than the wire (its bytes at 100 Mbps + 10 ms); how much slower is the machine's
+    # load, not shaping: the exact arrival is pinned on the virtual clock (test_shaping_virtual.py).
+    assert elapsed >= 0.81, elapsed
 
 
 async def test_shaped_latency_is_paid_both_ways(make_pair):

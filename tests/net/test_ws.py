@@ -296,7 +296,7 @@ async def test_connect_failures_are_typed(served):
 
 
 async def test_shaping_accuracy_server_to_client_striped(served):
-    """10 MB over an emulated 100 Mbps, 20 ms RTT link takes 0.81-0.95 s end to end (both ends shape)."""
+    """10 MB over an emulated 100 Mbps, 20 ms RTT link takes at least 0.81 s end to end (both ends shape)."""
     from pddgw.config import ShapingConfig
 
     cfg = cfg_for(links=(ShapingConfig(name="emu", gbps=0.1, latency_ms=10.0),))
@@ -311,7 +311,8 @@ async def test_shaping_accuracy_server_to_client_striped(served):
         got = [c.seq async for c in st]
         elapsed = time.perf_counter() - t0
     assert got == list(range(10))
-    assert 0.81 <= elapsed <= 0.95, elapsed
+    # Never faster than the wire; the exact arrival is pinned on the virtual clock (test_shaping_virtual.py).
+    assert elapsed >= 0.81, elapsed
     await link.close()
 
 
