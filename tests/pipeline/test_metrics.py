@@ -17,26 +17,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pddgw.api.server import build_app
 from pddgw.bench.common import free_port
-from pddgw.config import (Config, EngineConfig, ModelConfig, NetConfig, NodeConfig, PolicyConfig, ServerConfig,
-                          ShapingConfig)
+from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, NodeConfig
 from pddgw.pipeline.deploy import Embedded, run_worker
 
 from .pdd_client import chat, collect, create
+from .test_embedded import make_cfg, prompt_of
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 8      # layers x (K, V) x kv heads x head dim x float64
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def make_cfg(gbps: float = 0.05, **policy) -> Config:
-    return Config(model=ModelConfig(dtype="float64"),
-                  engine=EngineConfig(num_blocks=256, block_size=16, max_num_batched_tokens=256),
-                  net=NetConfig(links=(ShapingConfig(name="wan", gbps=gbps, latency_ms=20.0),)),
-                  policy=PolicyConfig(**policy), server=ServerConfig(max_streams_per_connection=4))
-
-
-def prompt_of(n: int, start: int = 40) -> list[int]:
-    return [start + (i * 7) % 80 for i in range(n)]
 
 
 def parse(text: str) -> tuple[Samples, dict[str, str]]:
