@@ -6,8 +6,8 @@ are not on any datasheet: the fraction of the FLOP/s peak a prefill reaches,
 the fraction of the HBM peak a decode reaches, a fixed cost per engine step
 and the fixed latency of one tensor-parallel all-reduce.  Those four are
 fitted to published end-to-end measurements (`python -m
-pddgw.bench.calibration` prints the comparison; CALIBRATION.md beside this
-file says where the fit holds and where it does not).
+pddgw.bench.calibration` prints the comparison; the README's "Cost-model
+calibration" says where the fit holds and where it does not).
 
 `ModelProfile` is a decoder's shape as its Hugging Face `config.json` states
 it, without weights: enough for FLOPs, bytes and KV size, and for the
@@ -120,8 +120,8 @@ class HardwareProfile:
 #   ConnectX-6 200 Gb/s = 25 GB/s per GPU.
 #
 # Efficiencies, overheads and all-reduce latencies are fitted to the
-# published measurements in pddgw/bench/calibration.py; CALIBRATION.md lists
-# the rows and the residuals:
+# published measurements in pddgw/bench/calibration.py; the README's
+# "Cost-model calibration" lists the rows and the residuals:
 #   bandwidth_efficiency 0.8: the HBM fraction weight-streaming GEMVs and
 #     decode attention sustain; one value fits the batch-1..8 decode rows of
 #     gpt-fast, LMDeploy and vLLM on all three parts.
@@ -135,10 +135,26 @@ class HardwareProfile:
 #     row at batch <= 8 within 12 %.
 #   compute_efficiency: the MFU of a 2K-token prefill once the all-reduce
 #     time is taken out.  A100 reaches ~0.65 (TensorRT-LLM, LMDeploy and
-#     Splitwise profiles agree); the only H100 prefill profile found
-#     (Splitwise, 2023; 16-bit assumed, the data does not say) reaches ~0.4.
+#     Splitwise profiles agree); Splitwise's H100 profile (2023; 16-bit
+#     assumed, the data does not say) reaches ~0.4.
 #     H200 has the same SMs and clocks as H100 and no published bf16 prefill
 #     profile was found, so it inherits H100's.
+#
+#   Refreshed with FP8 and MoE measurements (pddgw/bench/calibration.py,
+#     README "Cost-model calibration"): TensorRT-LLM's H100 FP8 first-token
+#     latencies (Llama-2-70B TP4 and Llama-2-7B TP1 at 2K tokens) sit within
+#     6 % of 0.40 of the FP8 peak, and DeepSeek's own H800 prefill profile
+#     (EP32, 4K prompts, 16K tokens per GPU, communication hidden by two
+#     micro-batches) implies ~0.33 of the FP8 peak end to end.  0.40 stays,
+#     now as the fraction of the peak the weights' precision runs at.
+#
+# H800 SXM5 (DeepSeek's own serving part): the H100 SXM die and HBM3 (same
+#   FP8 / BF16 peaks, 80 GB at 3.35 TB/s) with NVLink cut to 400 GB/s both
+#   directions together (NVIDIA H800 SXM5 specification; DeepSeek-V3
+#   technical report, arXiv 2412.19437, sec. 3.1-3.2.2: "NVLink ... 160 GB/s"
+#   achieved, "IB (50 GB/s)" per GPU: 8 x 400 Gb/s InfiniBand per node).
+#   Efficiencies are H100's (same SMs, clocks and HBM).  Price: the $2 per
+#   H800 GPU-hour DeepSeek's inference-system overview assumes.
 #
 # Prices: on-demand USD per GPU-hour at specialty GPU clouds, inside the
 # ranges of mercatus-ai.com/blog/cloud-gpu-pricing (May 2026): A100 80GB
@@ -167,6 +183,20 @@ HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in (
         bandwidth_efficiency=0.8,
         step_overhead_ms=2.0,
         price_per_gpu_hour=3.00,
+        allreduce_latency_us=25.0,
+        peak_tflops_fp8=1979.0,
+        scaleout_gb_s=50.0,
+    ),
+    HardwareProfile(
+        name="H800-SXM",
+        peak_tflops_bf16=989.5,
+        hbm_tb_s=3.35,
+        hbm_gb=80.0,
+        interconnect_gb_s=200.0,
+        compute_efficiency=0.40,
+        bandwidth_efficiency=0.8,
+        step_overhead_ms=2.0,
+        price_per_gpu_hour=2.00,
         allreduce_latency_us=25.0,
         peak_tflops_fp8=1979.0,
         scaleout_gb_s=50.0,

@@ -140,11 +140,15 @@ class GoodputSpec:
     rate_min: float = 0.25
     rate_max: float = 16.0
     probes: int = 6
+    # Agentic workloads: conversations arrive open-loop for warmup_s + seconds and requests
+    # arriving in the last `seconds` are measured (pddgw.sim.report.window_goodput).
+    warmup_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.seconds > 0 and self.min_requests >= 1 and self.probes >= 1,
                "seconds must be > 0, min_requests and probes >= 1")
         _check(0 < self.rate_min < self.rate_max, "need 0 < rate_min < rate_max")
+        _check(self.warmup_s >= 0, "warmup_s must be >= 0")
 
     def requests(self, rate: float) -> int:
         return max(self.min_requests, round(rate * self.seconds))

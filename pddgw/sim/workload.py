@@ -26,7 +26,12 @@ to the request's input length.
 Arrivals: conversations start as a Poisson process, or a gamma process with
 coefficient of variation `gamma_cv` (bursty when > 1), at `rate /
 mean turns` conversations per second, so that requests arrive at about
-`rate` per second once conversations overlap.
+`rate` per second once conversations overlap.  Conversations arrive
+open-loop (a slow deployment does not slow their arrival); the turns of one
+conversation are a closed loop (each waits for the previous answer and the
+think time).  `agentic` either stops at `requests` requests (the last
+conversation cut short) or, given `horizon_s`, starts conversations over
+that horizon with all their turns (a goodput probe's fixed arrival window).
 """
 
 from __future__ import annotations
@@ -120,15 +125,18 @@ def _gaps(rng: random.Random, n: int, rate: float, arrival: str, cv: float) -> l
     return [rng.gammavariate(shape, 1.0 / (rate * shape)) for _ in range(n)]
 
 
-def agentic(spec: AgenticSpec, seed: int) -> list[Conversation]:
-    """Conversations whose turns add up to `spec.requests` requests."""
+def agentic(spec: AgenticSpec, seed: int, horizon_s: float | None = None) -> list[Conversation]:
+    """Conversations whose turns add up to `spec.requests` requests; with `horizon_s`, every
+    conversation that starts before horizon_s (the first at 0), each with all its turns."""
+    if horizon_s is not None and horizon_s <= 0:
+        raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
     rng = random.Random(seed)
     weights = [b[0] for b in spec.hit_buckets]
     convs: list[Conversation] = []
-    left = spec.requests
+    left = spec.requests if horizon_s is None else math.inf
     t = 0.0
     conv_rate = spec.rate / spec.mean_turns
-    while left > 0:
+    while left > 0 and (horizon_s is None or t < horizon_s):
         n = min(left, rng.randint(spec.turns_min, spec.turns_max))
         turns = []
         for k in range(n):

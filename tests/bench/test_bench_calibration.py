@@ -8,8 +8,8 @@ from pddgw.bench import calibration as bench
 from pddgw.sim import profiles
 from pddgw.sim.roofline import SeqWork, step_cost
 
-ROW_KEYS = {"setup", "kind", "unit", "published", "predicted", "ratio", "bound", "engine", "hardware", "tp",
-            "model", "batch", "prompt", "output", "conditions", "source"}
+ROW_KEYS = {"setup", "kind", "unit", "published", "predicted", "ratio", "bound", "comm_share", "engine",
+            "hardware", "tp", "model", "batch", "prompt", "output", "conditions", "source"}
 
 
 def test_main_json(capsys):
@@ -19,9 +19,14 @@ def test_main_json(capsys):
     assert data["benchmark"] == "calibration"
     assert len(rows) == len(bench.MEASUREMENTS)
     assert all(set(r) == ROW_KEYS and r["ratio"] > 0 and r["source"] for r in rows)
-    assert {r["hardware"] for r in rows} == {"A100-80G", "H100-SXM", "H200-SXM"}
-    assert {"prefill_tok_s", "decode_ms"} <= {r["kind"] for r in rows}
+    assert {r["hardware"] for r in rows} == {"A100-80G", "H100-SXM", "H200-SXM", "H800-SXM"}
+    assert {"prefill_tok_s", "decode_ms", "decode_tok_s"} <= {r["kind"] for r in rows}
     assert data["within_20pct"] == sum(0.8 <= r["ratio"] <= 1.2 for r in rows)
+    assert data["within_25pct"] == sum(0.75 <= r["ratio"] <= 1.25 for r in rows)
+    assert all(0 <= r["comm_share"] < 1 for r in rows)
+    # At least six MoE rows (expert-parallel DeepSeek-V3 deployments), each citing its source.
+    moe = [r for r in rows if r["model"] == "deepseek-v3"]
+    assert len(moe) >= 6 and all("lmsys.org/blog/2025-05-05-large-scale-ep" in r["source"] for r in moe)
 
     # TensorRT-LLM 0.5, A100 TP4, Llama-2-70B: 2048-token prompt, first token in 377 ms.
     trt = next(r for r in rows if r["engine"].startswith("TensorRT-LLM"))
@@ -61,3 +66,56 @@ def test_a_moe_row_is_replayed_on_its_instance_shape():
     assert value == pytest.approx(sum(steps) / 2 * 1e3, rel=1e-12) and bound == "memory"
     assert step_cost(model, hw, Parallel(tp=16), [SeqWork(1, 1000)] * 16).seconds != steps[0]
     assert bench.run([m]).rows[0].setup.startswith("example, H100-SXM TP1xDP16, deepseek-v3")
+
+
+def test_a_per_node_expert_parallel_prefill_row():
+    # SGLang, 4 x 8 H100 as DP-attention 32 x EP32: 128 prompts of 4,096 tokens (16,384 per GPU),
+    # 50,302 tok/s per node measured.
+    from pddgw.sim.roofline import Parallel
+
+    m = next(m for m in bench.MEASUREMENTS if m.engine == "SGLang" and m.prompt == 4096)
+    assert (m.batch, m.dp, m.ep, m.per_gpus, m.scale) == (128, 32, 32, 8, 0.25)
+    step = step_cost(profiles.model("deepseek-v3"), profiles.hardware("H100-SXM"), Parallel(tp=1, dp=32, ep=32),
+                     [SeqWork(4096, 0)] * 128)
+    row = bench.run([m]).rows[0]
+    # Per node: the instance's 128 x 4096 tokens per step, over its 4 nodes.
+    assert row.predicted == pytest.approx(128 * 4096 / step.seconds / 4, rel=1e-12)
+    assert row.ratio == pytest.approx(step.seconds / (128 * 4096 / (50_302 * 4)), rel=1e-12)
+    assert row.comm_share == pytest.approx(step.comm_s / step.seconds, rel=1e-12)
+    assert row.unit == "prefill tok/s per node" and row.bound == "compute"
+
+
+def test_a_per_node_decode_throughput_row():
+    # DeepSeek's decode profile: 16 x 8 H800, 128 requests per GPU at a 4,096-token KV, one step.
+    from pddgw.sim.roofline import Parallel
+
+    m = next(m for m in bench.MEASUREMENTS if m.kind == "decode_tok_s" and m.hardware == "H800-SXM")
+    step = step_cost(profiles.model("deepseek-v3"), profiles.hardware("H800-SXM"),
+                     Parallel(tp=1, dp=128, ep=128), [SeqWork(1, 4096)] * (128 * 128))
+    value, seconds, _ = bench.predict(m)
+    assert seconds == pytest.approx(step.seconds, rel=1e-12)
+    assert value == pytest.approx(128 * 128 / step.seconds / 16, rel=1e-12)
+    assert bench.measured_seconds(m) == pytest.approx(128 * 128 / (18_598 * 16), rel=1e-12)
+
+
+def test_fp8_rows_run_fp8_weights_at_the_fp8_peak():
+    fp8 = bench.model_profile("llama2-70b@fp8")
+    bf16 = profiles.model("llama2-70b")
+    assert fp8.weight_bytes * 2 == bf16.weight_bytes and fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
+    assert fp8.fp8_compute and not bf16.fp8_compute
+    h100 = profiles.hardware("H100-SXM")
+    # A 2K prefill at TP4 is compute-bound: FP8 halves the compute seconds (1,979 vs 989.5 TFLOPS).
+    a = step_cost(fp8, h100, 4, [SeqWork(2048, 0)])
+    b = step_cost(bf16, h100, 4, [SeqWork(2048, 0)])
+    assert a.compute_s == pytest.approx(b.compute_s * 989.5 / 1979.0, rel=1e-12)
+    assert bench.model_profile("llama2-7b").num_kv_heads == 32
+    with pytest.raises(ValueError, match="per_gpus applies to throughputs"):
+        bench.Measurement("x", "H100-SXM", 1, "llama3-8b", 1, 10, 10, "decode_ms", 1.0, "", "", per_gpus=8)
+
+
+def test_h800_is_h100_compute_with_a_narrower_nvlink():
+    h800, h100 = profiles.hardware("H800-SXM"), profiles.hardware("H100-SXM")
+    assert h800.interconnect_gb_s == 200.0 and h100.interconnect_gb_s == 450.0
+    assert (h800.peak_tflops_bf16, h800.peak_tflops_fp8, h800.hbm_tb_s, h800.hbm_gb, h800.scaleout_gb_s) == (
+        h100.peak_tflops_bf16, h100.peak_tflops_fp8, h100.hbm_tb_s, h100.hbm_gb, h100.scaleout_gb_s)
+    assert (h800.compute_efficiency, h800.bandwidth_efficiency) == (h100.compute_efficiency, h100.bandwidth_efficiency)

@@ -188,8 +188,9 @@ def test_scenario_errors_name_the_key(tmp_path):
         load_scenario(bad)
 
 
-def test_the_paper_scenario_prices_pdd_below_same_dc_pd():
-    sc = load_scenario(ROOT / "scenarios" / "paper.toml")
+def test_the_dense_contrast_scenario_prices_pdd_below_same_dc_pd():
+    sc = load_scenario(ROOT / "scenarios" / "dense70b.toml")
+    assert (sc.name, sc.model) == ("dense70b", "llama3.1-70b")
     same, same_gpus = deployment_price(sc, sc.deployment("same-dc-pd"))
     pdd, pdd_gpus = deployment_price(sc, sc.deployment("pdd"))
     assert (same_gpus, pdd_gpus) == (88, 76)
@@ -262,7 +263,7 @@ def test_goodput_search_and_one_run_per_same_dc_deployment():
     from pddgw.sim.scenario import GoodputSpec
 
     sc = dataclasses.replace(sc, wan_gbps=(1.0, 100.0),
-                             goodput=GoodputSpec(seconds=4.0, min_requests=4, rate_min=0.5, rate_max=4.0, probes=3))
+                             goodput=GoodputSpec(seconds=4.0, warmup_s=1.0, rate_min=0.5, rate_max=4.0, probes=3))
     rep, private = simulate(sc, jobs=1)
     # main + goodput for same-dc once; for pdd once per WAN.
     assert sorted(name for name, _, _ in private["runs"]) == [
@@ -274,6 +275,11 @@ def test_goodput_search_and_one_run_per_same_dc_deployment():
         probes = d["goodput_probes"]
         assert [p["rate"] for p in probes][:2] == [0.5, 4.0] and len(probes) <= 3
         assert all(p["achieved_rps"] > 0 for p in probes)
-        passing = [p["rate"] for p in probes if p["attainment"] >= 0.9]
-        assert d["goodput_rps"] == (max(passing) if passing else 0.0)
+        # Each probe's window is the 4 s of arrivals after a 1 s warm-up; within SLO <= arrived.
+        assert all(p["slo_rps"] <= p["arrival_rps"] and p["slo_rps"] == pytest.approx(
+            p["attainment"] * p["arrival_rps"], abs=1e-3) for p in probes)
+        passing = [p for p in probes if p["attainment"] >= 0.9]
+        best = max(passing, key=lambda p: p["rate"]) if passing else None
+        assert d["goodput_offered_rps"] == (best["rate"] if best else 0.0)
+        assert d["goodput_rps"] == (best["slo_rps"] if best else 0.0)
     assert v1["same-dc"]["bcr_vs_baseline"] in (1.0, None)

@@ -1,0 +1,107 @@
+"""SLA goodput the paper's way: open-loop conversations, a measured window, requests per second within SLO."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pddgw.sim import report
+from pddgw.sim.cluster import RequestResult
+from pddgw.sim.run import Job, goodput_probe, run_job
+from pddgw.sim.scenario import GoodputSpec, SloSpec, load_scenario
+from pddgw.sim.workload import AgenticSpec, agentic
+
+TINY = Path(__file__).parent / "tiny.toml"
+
+
+def _req(i: int, arrival: float, ttft: float | None, tpot: float | None = 0.01, error: str | None = None):
+    r = RequestResult(f"r{i}", i, 0, arrival, 100, 10, 0.0)
+    r.ttft_s, r.tpot_s, r.error = ttft, tpot, error
+    return r
+
+
+def test_window_counts_the_arrivals_inside_it_and_those_within_slo():
+    slo = SloSpec(ttft_s=1.0, tpot_ms=50.0, attainment=0.9)
+    reqs = [_req(0, 0.5, 0.2),                     # before the window
+            _req(1, 1.0, 0.9),                     # in, meets
+            _req(2, 2.0, 1.5),                     # in, TTFT too slow
+            _req(3, 2.5, 0.3, tpot=0.06),          # in, TPOT 60 ms > 50
+            _req(4, 3.0, None, error="node_lost: x"),   # in, failed
+            _req(5, 3.5, 0.1),                     # in, meets
+            _req(6, 5.0, 0.1)]                     # at the window's end: out
+    w = report.window_goodput(reqs, slo, 1.0, 5.0)
+    assert (w.requests, w.met, w.seconds) == (5, 2, 4.0)
+    assert (w.arrival_rps, w.slo_rps, w.attainment) == (1.25, 0.5, 0.4)
+    empty = report.window_goodput(reqs, slo, 10.0, 12.0)
+    assert (empty.requests, empty.met, empty.slo_rps, empty.attainment) == (0, 0, 0.0, 0.0)
+    with pytest.raises(ValueError, match=r"need 0 <= start_s < end_s, got \[2.0, 2.0\)"):
+        report.window_goodput(reqs, slo, 2.0, 2.0)
+
+
+def test_a_horizon_starts_conversations_open_loop_with_all_their_turns():
+    spec = AgenticSpec(requests=5, rate=3.0, context_tokens=256, output_tokens=4, shared_prefix_tokens=64,
+                       turns_min=2, turns_max=4)
+    convs = agentic(spec, 7, horizon_s=20.0)
+    assert convs[0].start_s == 0.0 and all(c.start_s < 20.0 for c in convs)
+    assert all(2 <= len(c.turns) <= 4 for c in convs)
+    # Starts at rate / mean turns = 1 conversation per second: ~20 of them, far past 5 requests.
+    assert 10 <= len(convs) <= 30 and sum(len(c.turns) for c in convs) > spec.requests
+    # The same draws as the request-budget mode: its conversations are the horizon's first ones,
+    # the last cut to the budget.
+    budget = agentic(spec, 7)
+    assert sum(len(c.turns) for c in budget) == 5
+    k = len(budget) - 1
+    assert budget[:k] == convs[:k]
+    assert budget[k].start_s == convs[k].start_s and budget[k].turns == convs[k].turns[:len(budget[k].turns)]
+    assert agentic(spec, 7, horizon_s=20.0) == convs
+    with pytest.raises(ValueError, match="horizon_s must be > 0"):
+        agentic(spec, 7, horizon_s=0.0)
+
+
+def _tiny(**goodput):
+    sc = load_scenario(TINY)
+    return dataclasses.replace(sc, goodput=GoodputSpec(**goodput))
+
+
+def test_a_probe_measures_the_window_after_the_warm_up_on_the_virtual_clock():
+    sc = _tiny(seconds=3.0, warmup_s=1.0, rate_min=0.5, rate_max=4.0, probes=2)
+    w, run = goodput_probe(sc, Job("goodput", "same-dc", None), 3.5)
+    convs = agentic(dataclasses.replace(sc.workload.agentic, rate=3.5), sc.seed, horizon_s=4.0)
+    # Every conversation started before the horizon plays all its turns; first turns arrive
+    # exactly at their conversation's start, whatever the deployment's speed (open loop).
+    assert len(run.requests) == sum(len(c.turns) for c in convs)
+    firsts = {r.conversation: r.arrival_s for r in run.requests if r.turn == 0}
+    assert firsts == pytest.approx({c.cid: c.start_s for c in convs}, abs=1e-6)
+    inside = [r for r in run.requests if 1.0 <= r.arrival_s < 4.0]
+    assert (w.requests, w.seconds) == (len(inside), 3.0)
+    assert w.met == sum(report.meets_slo(r, sc.slo) for r in inside)
+    assert w.slo_rps == w.met / 3.0
+
+
+def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch):
+    # A stand-in deployment that meets the SLO for 95 % of requests up to 2 req/s offered and
+    # for half of them above: the search offers 1, 4 (fails), 2 (passes); goodput = 2's window.
+    sc = _tiny(seconds=10.0, warmup_s=5.0, rate_min=1.0, rate_max=4.0, probes=3)
+    from pddgw.sim import run as sim_run
+
+    class FakeRun:
+        def __init__(self, rate):
+            self.requests = [_req(i, 0.0, 0.1) for i in range(int(rate * 15))]
+            self.duration_s = 20.0
+            self.wall_s = 0.0
+
+    def fake_probe(sc_, job, rate):
+        n = int(rate * 10)                                   # arrivals in the 10 s window
+        met = round(0.95 * n) if rate <= 2.0 else n // 2
+        return report.Window(n, met, 10.0), FakeRun(rate)
+
+    monkeypatch.setattr(sim_run, "goodput_probe", fake_probe)
+    out = run_job(sc, Job("goodput", "same-dc", None))
+    assert [p["rate"] for p in out["probes"]] == [1.0, 4.0, 2.0]
+    assert [p["attainment"] for p in out["probes"]] == [1.0, 0.5, 0.95]
+    # At 2 req/s offered, 20 arrivals in 10 s, 19 within SLO: 1.9 requests per second.
+    assert (out["goodput_offered_rps"], out["goodput_rps"]) == (2.0, 1.9)
+    assert [p["slo_rps"] for p in out["probes"]] == [1.0, 2.0, 1.9]
+    assert [p["achieved_rps"] for p in out["probes"]] == [0.75, 3.0, 1.5]     # served / 20 s
