@@ -1,4 +1,4 @@
-"""pddgw command line: serve, chat, keys, generate, sim.
+"""pddgw command line: serve, chat, keys, generate, sim, plan.
 
 A mistake in what the user gave (a config key, a --model path, a device this
 machine lacks, an unreadable secret or certificate) prints `pddgw: error: ...`
@@ -374,6 +374,7 @@ COMMANDS = (
     ("keys", "write a link secret, a CA and node certificates for a config"),
     ("generate", "run one request on a local engine and print the output"),
     ("sim", "simulate deployments of a scenario on a virtual clock"),
+    ("plan", "size deployments: role counts and parallelism for the best SLA goodput per cost"),
 )
 
 
@@ -435,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_keys)
     sub.add_parser("sim", help=helps["sim"] + " (pddgw sim --scenario FILE.toml [--trace T.jsonl] "
                    "[--json] [--plots DIR])")
+    sub.add_parser("plan", help=helps["plan"] + " (pddgw plan --plan PLAN.toml [--out DIR] [--json] "
+                   "[--dry-run])")
     return p
 
 
@@ -450,6 +453,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pddgw.sim.run import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:1] == ["plan"]:
+        # The planner has its own options (pddgw.sim.plan); `pddgw plan --help` lists them.
+        from pddgw.sim.plan import main as plan_main
+
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     from pddgw.logs import setup_logging
 

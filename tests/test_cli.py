@@ -66,7 +66,7 @@ def test_help_lists_every_command_with_one_line():
     text = " ".join(r.stdout.split())
     for name, line in cli.COMMANDS:
         assert f"{name} {line}" in text, name
-    assert [n for n, _ in cli.COMMANDS] == ["serve", "chat", "keys", "generate", "sim"]
+    assert [n for n, _ in cli.COMMANDS] == ["serve", "chat", "keys", "generate", "sim", "plan"]
 
 
 # ---- what the user gave: exit 2 -------------------------------------------------------------

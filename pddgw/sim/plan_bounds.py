@@ -1,0 +1,299 @@
+"""The roofline's verdict on a candidate at a rate: which side cannot keep up, without simulating.
+
+A probe offers the workload at a rate.  Its demand (`Demand`) is what each
+of its requests asks of a deployment, counted as low as it can be:
+
+  uncached  prompt tokens no cache can hold, with infinite caches: a first
+            turn misses all but the shared prefix, a follow-up turn misses
+            what it does not keep of the previous turn (a trace request: its
+            blocks no earlier request had).  P computes them; a prefix-caching
+            MD lacks them (without one, naive cross-DC PD, it lacks the prompt)
+  output    output tokens (the cost-model engine runs every answer to max_tokens)
+
+and the probe's horizon: the latest its last request can arrive if every
+earlier turn of its conversation took its whole SLO budget (ttft + tpot x
+its output tokens but the first), from the first arrival.
+
+A candidate's capacity is counted as high as it can be, from the same step
+roofline the engines run on (`pddgw.sim.roofline.step_cost`):
+
+  prefill  P instances x B / step(B tokens with no context), B =
+           max_num_batched_tokens: the fastest a P turns prompt tokens into KV
+  decode   the decoders (MD, and RLD for PDD) x n / step(n decodes at the
+           shortest context), n = as many sequences as max_num_seqs and
+           their KV pool allow: the most output tokens per second
+  kv       the pools' tokens; a request holds at least its prompt's KV for
+           its output tokens but the first x the fastest decode step
+  wan      cross-DC kinds: bytes per second of the WAN (one pipe when it
+           is shared, one per P x MD pair when not) against the missing
+           KV.  PDD adds what RLD can carry instead: a request whose KV has
+           not crossed when its answer ends was decoded whole by a relay,
+           which holds one of rld_max_relays slots per RLD instance for its
+           output tokens but the first x the fastest RLD step
+  latency  a decode step at batch 1 longer than the TPOT SLO: no request
+           whose answer has two tokens or more meets it, at any rate
+
+`capacity` states each side in requests per second of this workload (the
+steady state, what the tables print).  `attainment_bound` is what prunes:
+a request that meets its SLOs has had its prefill by its arrival + ttft
+(P-MD kinds: its KV at MD too), its decode by that + tpot x its output
+tokens, so the requests meeting them fit, smallest first, into each side's
+capacity x (horizon + that budget); the least of those counts over the
+requests bounds the probe's attainment.  A probe whose bound is below the
+SLO's attainment target is not simulated (it counts as failed).  The
+horizon takes conversations whose every turn met its SLO; a turn that
+missed it may delay its conversation's next turns further, which the
+planner's brute-force tests check does not move an optimum on a small space.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from pddgw.sim.costmodel_engine import parallel
+from pddgw.sim.plan_space import Candidate, Plan
+from pddgw.sim.profiles import ModelProfile, hardware
+from pddgw.sim.roofline import SeqWork, memory_fit, step_cost
+from pddgw.sim.scenario import NodeGroup, Scenario
+from pddgw.sim.workload import Conversation, agentic, load_trace, shared_prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one probe's workload asks (module docstring): per request, in arrival order."""
+
+    uncached: tuple[int, ...]        # prompt tokens P computes, and a prefix-caching MD lacks
+    prompt: tuple[int, ...]          # prompt tokens (naive: all of them cross)
+    output: tuple[int, ...]          # output tokens
+    horizon_s: float                 # first arrival to the latest the last can come (module docstring)
+
+    @property
+    def requests(self) -> int:
+        return len(self.prompt)
+
+    def mean(self, xs: tuple[int, ...]) -> float:
+        return sum(xs) / len(xs)
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A candidate's roofline: requests per second each side can carry, and the least of them."""
+
+    sides: dict[str, float]
+
+    @property
+    def rate(self) -> float:
+        return min(self.sides.values())
+
+    @property
+    def side(self) -> str:
+        return min(self.sides, key=lambda k: (self.sides[k], k))
+
+
+# ---- the probe's workload --------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4)
+def _trace(path: str, limit: int, output_cap: int, seed: int) -> tuple[Conversation, ...]:
+    return tuple(load_trace(path, limit, output_cap=output_cap, seed=seed))
+
+
+def probe_workload(sc: Scenario, rate: float, requests: int) -> tuple[list[Conversation], tuple[int, ...]]:
+    """The conversations of one probe at `rate`: the agentic workload with that rate and request
+    count, or the trace with its timestamps scaled so that it arrives at `rate` on average."""
+    wl = sc.workload
+    if wl.kind == "trace":
+        t = wl.trace
+        convs = _trace(t.path, t.requests, t.output_cap, sc.seed)
+        span = convs[-1].start_s - convs[0].start_s if len(convs) > 1 else 0.0
+        native = (len(convs) - 1) / span if span > 0 else rate
+        scale = native / rate
+        return [dataclasses.replace(c, start_s=(c.start_s - convs[0].start_s) * scale) for c in convs], ()
+    spec = dataclasses.replace(wl.agentic, rate=rate, requests=requests)
+    return agentic(spec, sc.seed), shared_prefix(spec.shared_prefix_tokens, sc.seed)
+
+
+def _trace_misses(convs: list[Conversation], block: int) -> list[int]:
+    """Per request, the prompt tokens in no earlier request's whole blocks (infinite prefix cache)."""
+    seen: set[int] = set()
+    out = []
+    for c in convs:
+        p = c.turns[0].prompt
+        h, cached, hitting = 0, 0, True
+        for i in range(len(p) // block):
+            h = hash((h, p[i * block:(i + 1) * block]))
+            if hitting and h in seen:
+                cached += block
+            else:
+                hitting = False
+            seen.add(h)
+        out.append(len(p) - cached)
+    return out
+
+
+def _turn_budget_s(sc: Scenario, out: int) -> float:
+    """The longest a turn that meets every SLO can take (inf when a bound is unset)."""
+    slo = sc.slo
+    bounds = []
+    if slo.ttft_s and slo.tpot_ms:
+        bounds.append(slo.ttft_s + slo.tpot_ms / 1000.0 * max(0, out - 1))
+    if slo.e2e_s:
+        bounds.append(slo.e2e_s)
+    return min(bounds) if bounds else math.inf
+
+
+def demand(sc: Scenario, rate: float, requests: int) -> Demand:
+    convs, prefix = probe_workload(sc, rate, requests)
+    late: list[float] = []          # each request's latest arrival (module docstring)
+    ctx: list[int] = []
+    miss: list[int] = []
+    outs: list[int] = []
+    if sc.workload.kind == "trace":
+        miss = _trace_misses(convs, sc.block_size)
+        for c in convs:
+            late.append(c.start_s)
+            ctx.append(len(c.turns[0].prompt))
+            outs.append(c.turns[0].max_tokens)
+    else:
+        for c in convs:
+            t = c.start_s
+            for k, turn in enumerate(c.turns):
+                if k:
+                    t += _turn_budget_s(sc, c.turns[k - 1].max_tokens)
+                t += turn.think_s
+                late.append(t)
+                ctx.append(turn.context)
+                outs.append(turn.max_tokens)
+                kept = min(len(prefix), turn.context) if k == 0 else math.floor(turn.hit * turn.context)
+                miss.append(turn.context - kept)
+    first = min(c.start_s for c in convs)
+    return Demand(uncached=tuple(miss), prompt=tuple(ctx), output=tuple(outs), horizon_s=max(late) - first)
+
+
+# ---- the candidate's capacity ----------------------------------------------------------------------
+
+# The capacities are pure functions of (model, group) and the planner asks them per candidate
+# and probe rate: cached (a 64K-token chunk is 65,536 SeqWork items to price).
+@functools.lru_cache(maxsize=1024)
+def _kv_tokens(prof: ModelProfile, g: NodeGroup) -> int:
+    cm = g.costmodel()
+    return memory_fit(prof, hardware(g.hardware), parallel(cm), cm.gpu_memory_utilization, g.max_num_seqs).kv_tokens
+
+
+@functools.lru_cache(maxsize=1024)
+def prefill_tokens_per_s(prof: ModelProfile, g: NodeGroup) -> float:
+    """The most prompt tokens per second one instance computes: full chunks of
+    max_num_batched_tokens tokens with no context (the least attention any prefill does)."""
+    b = g.max_num_batched_tokens
+    return b / step_cost(prof, hardware(g.hardware), parallel(g.costmodel()), [SeqWork(1, 0)] * b).seconds
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_step_s(prof: ModelProfile, g: NodeGroup, batch: int, context: int) -> float:
+    return step_cost(prof, hardware(g.hardware), parallel(g.costmodel()), [SeqWork(1, context)] * batch).seconds
+
+
+def decode_tokens_per_s(prof: ModelProfile, g: NodeGroup, context: int) -> float:
+    """The most output tokens per second one instance decodes at `context` tokens a sequence:
+    the largest batch its max_num_seqs and its KV pool allow (tokens per step grow faster than
+    the step with the batch)."""
+    n = max(1, min(g.max_num_seqs, _kv_tokens(prof, g) // max(1, context + 1)))
+    return n / decode_step_s(prof, g, n, context)
+
+
+def wan_bytes_per_s(sc: Scenario, wan_gbps: float | None, cand: Candidate) -> float:
+    link = next((s for s in sc.links if s.name == "wan"), None)
+    if link is None:
+        return math.inf
+    gbps = wan_gbps if wan_gbps is not None else (link.gbps or (max(g for _, g in link.trace) if link.trace else 0))
+    if not gbps:
+        return math.inf                     # unshaped: no WAN limit to bound by
+    pipes = 1 if link.shared else cand.group("prefill").count * cand.group("md").count
+    return gbps * 1e9 / 8 * pipes
+
+
+@dataclass(frozen=True, slots=True)
+class _Sides:
+    """Per side: capacity per second, and each request's use of it."""
+
+    prefill: tuple[float, list[float]]
+    decode: tuple[float, list[float]]
+    kv: tuple[float, list[float]]
+    wan: tuple[float, list[float]] | None
+    relay: tuple[float, float] | None    # (relay slots, seconds one holds) for PDD
+    latency: bool                        # no request with >= 2 output tokens meets the TPOT SLO
+
+
+def _sides(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> _Sides:
+    p = cand.group("prefill")
+    decoders = [g for g in cand.groups if g.role in ("md", "rld")]
+    ctx = min(d.prompt)
+    fastest = min(decode_step_s(prof, g, 1, ctx) for g in decoders)
+    wan = relay = None
+    if cand.kind != "same-dc":
+        missing = d.prompt if cand.kind == "naive-cross-dc" else d.uncached
+        per_token = prof.kv_bytes_per_token
+        wan = (wan_bytes_per_s(plan.scenario, plan.wan_gbps, cand), [m * per_token for m in missing])
+        rld = cand.group("rld")
+        if rld is not None:
+            relay = (rld.count * cand.policy(plan.spec).rld_max_relays,
+                     (min(d.output) - 1) * decode_step_s(prof, rld, 1, ctx))
+    tpot = plan.scenario.slo.tpot_ms
+    return _Sides(
+        prefill=(p.count * prefill_tokens_per_s(prof, p), [float(x) for x in d.uncached]),
+        decode=(sum(g.count * decode_tokens_per_s(prof, g, ctx) for g in decoders), [o - 1.0 for o in d.output]),
+        kv=(sum(g.count * _kv_tokens(prof, g) for g in decoders),
+            [c * (o - 1) * fastest for c, o in zip(d.prompt, d.output)]),
+        wan=wan, relay=relay,
+        latency=bool(tpot) and min(d.output) >= 2 and fastest * 1000.0 > tpot)
+
+
+def capacity(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> Bound:
+    """Requests per second each side of `cand` carries in the steady state for the workload of `d`."""
+    s = _sides(plan, prof, cand, d)
+
+    def rate(side: tuple[float, list[float]]) -> float:
+        per = sum(side[1]) / len(side[1])
+        return side[0] / per if per > 0 else math.inf
+
+    sides = {"prefill": rate(s.prefill), "decode": rate(s.decode), "kv": rate(s.kv)}
+    if s.wan is not None:
+        relays = s.relay[0] / s.relay[1] if s.relay and s.relay[1] > 0 else (math.inf if s.relay else 0.0)
+        sides["wan"] = rate(s.wan) + relays
+    if s.latency:
+        sides["latency"] = 0.0
+    return Bound(sides)
+
+
+def _fit(budget: float, uses: list[float]) -> int:
+    """How many of the requests fit in `budget`, smallest first."""
+    n, total = 0, 0.0
+    for u in sorted(uses):
+        total += u
+        if total > budget * (1 + 1e-9):
+            break
+        n += 1
+    return n
+
+
+def attainment_bound(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
+    """An upper bound on the share of the probe's requests that can meet every SLO (module docstring)."""
+    s = _sides(plan, prof, cand, d)
+    if s.latency:
+        return 0.0
+    slo = plan.scenario.slo
+    first = slo.ttft_s or slo.e2e_s or math.inf
+    whole = _turn_budget_s(plan.scenario, max(d.output))
+    n = d.requests
+    counts = [_fit(s.prefill[0] * (d.horizon_s + first), s.prefill[1]),
+              _fit(s.decode[0] * (d.horizon_s + whole), s.decode[1]),
+              _fit(s.kv[0] * (d.horizon_s + whole), s.kv[1])]
+    if s.wan is not None:
+        if s.relay is None:       # P-MD: the KV is at MD before its first token
+            counts.append(_fit(s.wan[0] * (d.horizon_s + first), s.wan[1]))
+        else:                     # PDD: across by the answer's end, or relayed whole
+            slots = s.relay[0] * (d.horizon_s + whole) / s.relay[1] if s.relay[1] > 0 else math.inf
+            counts.append(min(n, _fit(s.wan[0] * (d.horizon_s + whole), s.wan[1]) + slots))
+    return min(min(counts), n) / n

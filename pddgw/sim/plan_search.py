@@ -1,0 +1,203 @@
+"""The planner's search: SLA goodput per dollar-hour of every candidate worth simulating.
+
+Lifecycle of one kind's search (`search_kind`):
+
+  1. Enumerate the candidates within the budgets (`plan_space.candidates`).
+  2. Bound each one without simulating: run the goodput bisection of
+     `report.sla_goodput` with a probe that passes wherever the roofline
+     does not prune the rate (`plan_bounds`).  That is an upper bound on the
+     goodput the real bisection finds: the two walk the same rates until the
+     first rate the simulation fails and the roofline passes, after which
+     the real one stays below that rate and the bound at or above it.
+  3. Order the candidates by bound per USD, best first, and evaluate them
+     in that order: the real bisection, each probe simulated on the virtual
+     clock (`pddgw sim`'s deployment, engines and control plane) unless the
+     roofline prunes its rate.
+  4. Stop once `top` candidates are evaluated and the next one's bound per
+     USD ranks below the top-th real result: no candidate left can enter
+     the table (branch and bound).
+
+`exhaustive = True` is the brute force the tests compare against: every
+candidate, every probe simulated, no pruning and no bound.  Ranking key:
+goodput per USD per hour, then the lower price, then the label, so ties
+resolve the same way in every mode and at any `jobs`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+
+from pddgw.logs import setup_logging
+from pddgw.sim import report
+from pddgw.sim.clock import run_virtual
+from pddgw.sim.cluster import run_deployment
+from pddgw.sim.plan_bounds import Bound, Demand, attainment_bound, capacity, demand, probe_workload
+from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
+from pddgw.sim.profiles import ModelProfile, model
+from pddgw.sim.scenario import deployment_config
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    rate: float
+    attainment: float
+    achieved_rps: float | None           # None: not simulated (the roofline pruned the rate)
+    attainment_bound: float              # the roofline's bound on its attainment (plan_bounds)
+
+    @property
+    def simulated(self) -> bool:
+        return self.achieved_rps is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    candidate: Candidate
+    roofline: Bound                      # the steady-state roofline at the smallest probe's workload
+    upper_rps: float                     # the bisection's bound (lifecycle step 2)
+    goodput_rps: float | None = None     # None: not evaluated (bounded out)
+    probes: tuple[Probe, ...] = ()
+    wall_s: float = 0.0
+
+    @property
+    def per_usd(self) -> float:
+        """Goodput (requests/s) per USD per hour; the bound's when not evaluated."""
+        g = self.upper_rps if self.goodput_rps is None else self.goodput_rps
+        return g / self.candidate.price
+
+    def key(self) -> tuple[float, float, str]:
+        return (-self.per_usd, self.candidate.price, self.candidate.label())
+
+    @property
+    def simulated_probes(self) -> int:
+        return sum(p.simulated for p in self.probes)
+
+
+@dataclass(frozen=True, slots=True)
+class KindResult:
+    kind: Kind
+    ranked: tuple[Evaluation, ...]       # the table: best first, at most `top`
+    candidates: int
+    evaluated: int
+    pruned: int                          # candidates the roofline prunes at every probe rate
+    bounded_out: int                     # candidates never evaluated: their bound ranks below the table
+    simulated_probes: int
+    pruned_probes: int
+    all_evaluations: tuple[Evaluation, ...] = field(default=(), repr=False)
+
+    @property
+    def winner(self) -> Evaluation:
+        return self.ranked[0]
+
+
+class _Workloads:
+    """Per-rate demand of the probes, computed once per rate (the bisections share most rates)."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self._cache: dict[float, Demand] = {}
+
+    def requests(self, rate: float) -> int:
+        return self.plan.goodput.requests(rate)
+
+    def __call__(self, rate: float) -> Demand:
+        if rate not in self._cache:
+            self._cache[rate] = demand(self.plan.scenario, rate, self.requests(rate))
+        return self._cache[rate]
+
+
+def _pruned(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> tuple[bool, float]:
+    """(whether the probe is not simulated, the roofline's bound on its attainment)."""
+    bound = attainment_bound(plan, prof, cand, d)
+    return bound < plan.slo.attainment, bound
+
+
+def upper_bound(plan: Plan, prof: ModelProfile, cand: Candidate, work: _Workloads) -> float:
+    """The goodput the bisection would find if every probe the roofline allows passed."""
+    g = plan.goodput
+    got, _ = report.sla_goodput(lambda r: 0.0 if _pruned(plan, prof, cand, work(r))[0] else 1.0,
+                                plan.slo.attainment, g.rate_min, g.rate_max, g.probes)
+    return got
+
+
+def simulate_probe(plan: Plan, cand: Candidate, rate: float, requests: int) -> tuple[float, float]:
+    """(SLO attainment, achieved requests/s) of one probe, simulated on the virtual clock."""
+    sc = plan.scenario
+    cfg = deployment_config(sc, cand.deployment(plan.spec), plan.wan_gbps if cand.kind != "same-dc" else None)
+    convs, prefix = probe_workload(sc, rate, requests)
+    run = run_virtual(run_deployment(cfg, convs, prefix))
+    achieved = sum(r.error is None for r in run.requests) / run.duration_s
+    return report.attainment(run.requests, sc.slo), achieved
+
+
+def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluation:
+    """The candidate's SLA goodput: the bisection, each probe simulated unless pruned."""
+    prof = model(plan.scenario.model)
+    work = _Workloads(plan)
+    g = plan.goodput
+    probes: list[Probe] = []
+    wall0 = time.perf_counter()
+
+    def probe(rate: float) -> float:
+        d = work(rate)
+        pruned, bound = _pruned(plan, prof, cand, d)
+        if pruned and not exhaustive:
+            probes.append(Probe(rate, 0.0, None, bound))
+            return 0.0
+        att, achieved = simulate_probe(plan, cand, rate, work.requests(rate))
+        probes.append(Probe(rate, att, achieved, bound))
+        return att
+
+    goodput, _ = report.sla_goodput(probe, plan.slo.attainment, g.rate_min, g.rate_max, g.probes)
+    return Evaluation(cand, capacity(plan, prof, cand, work(g.rate_min)), upper_bound(plan, prof, cand, work),
+                      goodput, tuple(probes), time.perf_counter() - wall0)
+
+
+def _init_worker() -> None:
+    setup_logging("warning")
+
+
+def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
+                pool: concurrent.futures.Executor | None = None) -> KindResult:
+    """Lifecycle steps 1-4 of the module docstring for one deployment kind."""
+    prof = model(plan.scenario.model)
+    work = _Workloads(plan)
+    cands = candidates(plan, prof, kind)
+    g = plan.goodput
+    bounded = [Evaluation(c, capacity(plan, prof, c, work(g.rate_min)), upper_bound(plan, prof, c, work))
+               for c in cands]
+    bounded.sort(key=Evaluation.key)
+    top = plan.spec.search.top
+    done: list[Evaluation] = []
+    left = list(bounded)
+    while left:
+        if not exhaustive and len(done) >= top:
+            kth = sorted(done, key=Evaluation.key)[top - 1]
+            left = [e for e in left if e.key() <= kth.key()]
+            if not left:
+                break
+        batch, left = left[:max(1, jobs)], left[max(1, jobs):]
+        if pool is None or len(batch) == 1:
+            done += [evaluate(plan, e.candidate, exhaustive) for e in batch]
+        else:
+            done += list(pool.map(evaluate, [plan] * len(batch), [e.candidate for e in batch],
+                                  [exhaustive] * len(batch)))
+    done.sort(key=Evaluation.key)
+    probes = [p for e in done for p in e.probes]
+    return KindResult(kind, tuple(done[:top]), len(cands), len(done),
+                      sum(e.upper_rps == 0 for e in bounded), len(cands) - len(done),
+                      sum(p.simulated for p in probes), sum(not p.simulated for p in probes), tuple(done))
+
+
+def search(plan: Plan, exhaustive: bool = False, jobs: int = 1) -> dict[Kind, KindResult]:
+    """Every kind of the plan, with `jobs` processes evaluating candidates side by side."""
+    if jobs <= 1:
+        return {k: search_kind(plan, k, exhaustive) for k in plan.spec.kinds}
+    with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_init_worker) as pool:
+        return {k: search_kind(plan, k, exhaustive, jobs, pool) for k in plan.spec.kinds}
+
+
+def winner(results: dict[Kind, KindResult]) -> Evaluation:
+    """The best deployment over every kind."""
+    return min((r.winner for r in results.values()), key=Evaluation.key)

@@ -1,0 +1,332 @@
+"""The search space of `pddgw plan`: a planner TOML decoded, and the candidate deployments it allows.
+
+A plan names a scenario (model, links, workload, SLOs; `pddgw sim`'s format;
+the plan may replace its `model`, workload (`[workload]` or a `trace`), `[slo]`,
+`[goodput]` search and WAN bandwidth) and the space to search: a hardware menu with prices per cluster, a GPU cap
+and a USD budget per cluster and in total, and per role the instance counts
+and parallelism shapes allowed.  It is TOML decoded with the config loader
+(`pddgw.config.build`): an unknown key or a bad value is an error naming the
+file and the dotted key.
+
+Deployment kinds (DESIGN.md §8: each one sized for its own hardware):
+
+  same-dc         P and decode in cluster A, P-MD forced (homogeneous PD)
+  naive-cross-dc  P in A, MD in B without a prefix cache, P-MD forced: the
+                  whole prompt KV crosses the WAN
+  pdd             P and RLD in A, MD in B, the router's policy decides
+
+`candidates(plan, sc, kind)` enumerates every combination of (hardware,
+shape, count) per role of a kind, drops the (hardware, shape) pairs the
+model does not fit (weights + KV, as `pddgw sim` would refuse them), and
+keeps the combinations within the budgets; none left is a ConfigError that
+names the kind, the smallest deployment's needs and the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pddgw.config import ConfigError, PolicyConfig, load_toml
+from pddgw.sim.costmodel_engine import parallel
+from pddgw.sim.profiles import HARDWARE, ModelProfile, hardware
+from pddgw.sim.roofline import memory_fit
+from pddgw.sim.scenario import DeploymentSpec, GoodputSpec, NodeGroup, Scenario, SloSpec, WorkloadSpec, load_scenario
+
+Kind = Literal["same-dc", "naive-cross-dc", "pdd"]
+KINDS: tuple[Kind, ...] = ("same-dc", "naive-cross-dc", "pdd")
+ROLE_PREFIX = {"prefill": "P", "rld": "RLD", "md": "MD"}
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareOption:
+    """One entry of a cluster's hardware menu."""
+
+    hardware: str
+    price_per_gpu_hour: float = 0.0      # USD; 0 = the hardware profile's price
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        _check(self.hardware in HARDWARE, f"hardware {self.hardware!r} is not one of {sorted(HARDWARE)}")
+        _check(self.price_per_gpu_hour >= 0, "price_per_gpu_hour must be >= 0")
+        _check(self.gpus_per_node >= 1, "gpus_per_node must be >= 1")
+
+    @property
+    def price(self) -> float:
+        return self.price_per_gpu_hour or hardware(self.hardware).price_per_gpu_hour
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpace:
+    """What one cluster offers: its hardware menu and its limits (0 = none)."""
+
+    name: str
+    hardware: tuple[HardwareOption, ...] = ()
+    gpus: int = 0                        # at most this many GPUs in the cluster
+    usd_per_hour: float = 0.0            # at most this much per hour for the cluster's GPUs
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "name must not be empty")
+        _check(bool(self.hardware), f"cluster {self.name!r}: the hardware menu is empty")
+        _check(self.gpus >= 0 and self.usd_per_hour >= 0, "gpus and usd_per_hour must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One instance shape: tensor_parallel x data_parallel GPUs, experts over expert_parallel (0 = all)."""
+
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    expert_parallel: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel >= 1 and self.data_parallel >= 1, "tensor_parallel and data_parallel must be >= 1")
+        gpus = self.tensor_parallel * self.data_parallel
+        _check(self.expert_parallel >= 0 and (not self.expert_parallel or gpus % self.expert_parallel == 0),
+               f"expert_parallel = {self.expert_parallel} must divide the shape's {gpus} GPUs, or be 0 (all)")
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel * self.data_parallel
+
+    def label(self) -> str:
+        s = f"tp{self.tensor_parallel}"
+        if self.data_parallel > 1:
+            s += f"xdp{self.data_parallel}"
+        if self.expert_parallel:
+            s += f" ep{self.expert_parallel}"
+        return s
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSpace:
+    """Counts and shapes one role may take; every count from count_min to count_max."""
+
+    count_min: int = 1
+    count_max: int = 1
+    shapes: tuple[Shape, ...] = (Shape(),)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.count_min <= self.count_max, "need 1 <= count_min <= count_max")
+        _check(bool(self.shapes), "shapes must not be empty")
+        _check(self.max_num_seqs >= 1 and self.max_num_batched_tokens >= self.max_num_seqs,
+               "need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
+
+
+@dataclass(frozen=True, slots=True)
+class RolesSpace:
+    prefill: RoleSpace = field(default_factory=RoleSpace)
+    rld: RoleSpace = field(default_factory=RoleSpace)
+    md: RoleSpace = field(default_factory=RoleSpace)
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSpec:
+    """How candidates are evaluated: `top` rows in each kind's table (the branch and bound
+    proves these are the best; plan_search)."""
+
+    top: int = 5
+
+    def __post_init__(self) -> None:
+        _check(self.top >= 1, "top must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSpec:
+    name: str = "plan"
+    scenario: str = ""                   # scenario TOML, relative to the plan file
+    model: str = ""                      # "" = the scenario's
+    trace: str = ""                      # a Mooncake trace instead of the scenario's workload
+    kinds: tuple[Kind, ...] = KINDS
+    wan_gbps: float = 0.0                # 0 = the scenario's first WAN variant (or its links)
+    usd_per_hour: float = 0.0            # total budget of a deployment (0 = none)
+    clusters: tuple[ClusterSpace, ...] = ()
+    roles: RolesSpace = field(default_factory=RolesSpace)
+    # None = the scenario's; a [workload] table replaces it whole (its unset keys take their defaults).
+    workload: WorkloadSpec | None = None
+    slo: SloSpec | None = None           # None = the scenario's
+    goodput: GoodputSpec | None = None   # None = the scenario's
+    policy: PolicyConfig | None = None   # PDD's router policy; None = the default
+    search: SearchSpec = field(default_factory=SearchSpec)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.scenario), "scenario: name the scenario TOML (model, links, workload, SLOs)")
+        _check(bool(self.kinds) and len(set(self.kinds)) == len(self.kinds), "kinds must be distinct and not empty")
+        _check(self.wan_gbps >= 0 and self.usd_per_hour >= 0, "wan_gbps and usd_per_hour must be >= 0")
+        names = [c.name for c in self.clusters]
+        _check(len(set(names)) == len(names), "clusters: duplicate name")
+        need = {"A"} | ({"B"} if any(k != "same-dc" for k in self.kinds) else set())
+        missing = sorted(need - set(names))
+        _check(not missing, f"clusters: no cluster named {', '.join(map(repr, missing))} (cluster A holds P, "
+                            "RLD and same-DC decode, cluster B the cross-DC MD)")
+
+    def cluster(self, name: str) -> ClusterSpace:
+        return next(c for c in self.clusters if c.name == name)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A loaded plan: its spec and the scenario with the plan's overrides applied."""
+
+    spec: PlanSpec
+    scenario: Scenario
+    wan_gbps: float | None               # the WAN every cross-DC candidate runs at (None: links as configured)
+
+    @property
+    def slo(self) -> SloSpec:
+        return self.scenario.slo
+
+    @property
+    def goodput(self) -> GoodputSpec:
+        return self.scenario.goodput
+
+
+def load_plan(path: str | Path, trace: str = "", wan_gbps: float = 0.0) -> Plan:
+    p = Path(path)
+    spec: PlanSpec = load_toml(p, PlanSpec, "plan")
+    sc = load_scenario(p.parent / spec.scenario)
+    model = spec.model
+    if model and (p.parent / model).exists():
+        model = str((p.parent / model).resolve())
+    trace_path = trace or (str((p.parent / spec.trace).resolve()) if spec.trace else "")
+    wl = spec.workload or sc.workload
+    if spec.workload and wl.kind == "trace" and not trace_path:
+        raise ConfigError(f"{p}: workload.trace.path: name the trace with the plan's `trace` key")
+    if trace_path:
+        wl = dataclasses.replace(wl, kind="trace", trace=dataclasses.replace(wl.trace, path=trace_path))
+    sc = dataclasses.replace(sc, model=model or sc.model, workload=wl, slo=spec.slo or sc.slo,
+                             goodput=spec.goodput or sc.goodput)
+    wan = wan_gbps or spec.wan_gbps or (sc.wan_gbps[0] if sc.wan_gbps else None)
+    if not any(s.name == "wan" for s in sc.links) and any(k != "same-dc" for k in spec.kinds):
+        raise ConfigError(f"{p}: scenario {spec.scenario}: cross-DC kinds need a [[links]] entry named \"wan\"")
+    return Plan(spec, sc, wan)
+
+
+# ---- candidates ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One deployment the planner may pick: a kind and its node groups."""
+
+    kind: Kind
+    groups: tuple[NodeGroup, ...]
+
+    @property
+    def price(self) -> float:
+        return sum(g.price for g in self.groups)
+
+    @property
+    def gpus(self) -> int:
+        return sum(g.gpus for g in self.groups)
+
+    def gpus_in(self, cluster: str) -> int:
+        return sum(g.gpus for g in self.groups if g.cluster == cluster)
+
+    def usd_in(self, cluster: str) -> float:
+        return sum(g.price for g in self.groups if g.cluster == cluster)
+
+    def group(self, role: str) -> NodeGroup | None:
+        return next((g for g in self.groups if g.role == role), None)
+
+    def label(self) -> str:
+        """e.g. "P 2 x H100-SXM tp8 | MD 1 x H200-SXM tp8" (counts x hardware shape)."""
+        parts = []
+        for g in self.groups:
+            shape = Shape(g.tensor_parallel, g.data_parallel, g.expert_parallel).label()
+            parts.append(f"{ROLE_PREFIX[g.role]} {g.count} x {g.hardware} {shape}")
+        return " | ".join(parts)
+
+    def policy(self, plan: PlanSpec) -> PolicyConfig:
+        if self.kind == "pdd":
+            return plan.policy or PolicyConfig()
+        return dataclasses.replace(plan.policy or PolicyConfig(), pipeline="P-MD")
+
+    def deployment(self, plan: PlanSpec, name: str = "") -> DeploymentSpec:
+        return DeploymentSpec(name=name or self.kind, nodes=self.groups, policy=self.policy(plan))
+
+
+def _roles(kind: Kind) -> tuple[tuple[str, str], ...]:
+    """(role, cluster) of each group of a kind, in the order a deployment lists them."""
+    if kind == "same-dc":
+        return ("prefill", "A"), ("md", "A")
+    if kind == "naive-cross-dc":
+        return ("prefill", "A"), ("md", "B")
+    return ("prefill", "A"), ("rld", "A"), ("md", "B")
+
+
+def _fits(prof: ModelProfile, g: NodeGroup, block_size: int) -> bool:
+    """Whether one instance holds the weights and one block of KV (what `scenario.check_fit` refuses)."""
+    cm = g.costmodel()
+    fit = memory_fit(prof, hardware(g.hardware), parallel(cm), cm.gpu_memory_utilization, g.max_num_seqs)
+    return fit.kv_tokens >= block_size
+
+
+def role_options(plan: Plan, prof: ModelProfile, kind: Kind, role: str, cluster: str) -> list[NodeGroup]:
+    """Every (hardware, shape, count) group of one role that fits the model; ConfigError when none does."""
+    rs: RoleSpace = getattr(plan.spec.roles, role)
+    cs = plan.spec.cluster(cluster)
+    out, tried = [], []
+    for opt in cs.hardware:
+        for shape in rs.shapes:
+            one = NodeGroup(role=role, count=1, cluster=cluster, hardware=opt.hardware,
+                            tensor_parallel=shape.tensor_parallel, data_parallel=shape.data_parallel,
+                            expert_parallel=shape.expert_parallel, gpus_per_node=opt.gpus_per_node,
+                            max_num_seqs=rs.max_num_seqs, max_num_batched_tokens=rs.max_num_batched_tokens,
+                            prefix_cache=not (kind == "naive-cross-dc" and role == "md"),
+                            price_per_gpu_hour=opt.price)
+            tried.append(f"{shape.gpus} x {opt.hardware} {shape.label()}")
+            if not _fits(prof, one, plan.scenario.block_size):
+                continue
+            out += [dataclasses.replace(one, count=n) for n in range(rs.count_min, rs.count_max + 1)]
+    if not out:
+        raise ConfigError(f"plan: {kind}: {prof.name} ({prof.weight_bytes / 1e9:.1f} GB of weights) fits no "
+                          f"{role} shape of cluster {cluster} ({', '.join(tried)}): roles.{role}.shapes needs "
+                          "more GPUs per instance")
+    return out
+
+
+def _within(plan: PlanSpec, c: Candidate) -> bool:
+    if plan.usd_per_hour and c.price > plan.usd_per_hour + 1e-9:
+        return False
+    for cs in plan.clusters:
+        if cs.gpus and c.gpus_in(cs.name) > cs.gpus:
+            return False
+        if cs.usd_per_hour and c.usd_in(cs.name) > cs.usd_per_hour + 1e-9:
+            return False
+    return True
+
+
+def _budget_text(plan: PlanSpec, clusters: set[str]) -> str:
+    parts = [f"cluster {cs.name}: {cs.gpus or 'any'} GPUs, "
+             + (f"${cs.usd_per_hour:g}/h" if cs.usd_per_hour else "any $/h")
+             for cs in plan.clusters if cs.name in clusters]
+    if plan.usd_per_hour:
+        parts.append(f"total ${plan.usd_per_hour:g}/h")
+    return "; ".join(parts)
+
+
+def candidates(plan: Plan, prof: ModelProfile, kind: Kind) -> list[Candidate]:
+    """Every deployment of `kind` the space allows within the budgets, cheapest first."""
+    per_role = [role_options(plan, prof, kind, role, cluster) for role, cluster in _roles(kind)]
+    every = [Candidate(kind, tuple(gs)) for gs in itertools.product(*per_role)]
+    ok = [c for c in every if _within(plan.spec, c)]
+    if not ok:
+        small = min(every, key=lambda c: (c.price, c.gpus, c.label()))
+        clusters = {g.cluster for g in small.groups}
+        need = ", ".join(f"{small.gpus_in(x)} GPUs / ${small.usd_in(x):.2f}/h in cluster {x}"
+                         for x in sorted(clusters))
+        raise ConfigError(f"plan: no {kind} deployment fits the budget: the smallest, {small.label()}, needs "
+                          f"{need} (${small.price:.2f}/h in all); the budget allows "
+                          f"{_budget_text(plan.spec, clusters)}")
+    ok.sort(key=lambda c: (c.price, c.gpus, c.label()))
+    return ok

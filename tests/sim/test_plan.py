@@ -1,0 +1,312 @@
+"""`pddgw plan`: the space, the roofline's bounds, the pruned search against brute force, the files it writes."""
+
+import dataclasses
+from pathlib import Path
+
+import orjson
+import pytest
+
+from pddgw import cli
+from pddgw.config import ConfigError, load_config
+from pddgw.sim import plan_search
+from pddgw.sim.plan import main as plan_main
+from pddgw.sim.plan import write_outputs
+from pddgw.sim.plan_bounds import (Demand, _fit, _kv_tokens, attainment_bound, capacity, decode_step_s,
+                                   decode_tokens_per_s, demand, prefill_tokens_per_s, probe_workload)
+from pddgw.sim.plan_space import candidates, load_plan
+from pddgw.sim.plan_write import config_toml, serve_config
+from pddgw.sim.profiles import model
+from pddgw.sim.scenario import NodeGroup, load_scenario
+
+HERE = Path(__file__).parent
+TINY = HERE / "plan_tiny.toml"
+LLAMA8B = model("llama3-8b")
+
+
+def _plan_text(**replace: str) -> str:
+    text = TINY.read_text()
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new)
+    return text
+
+
+def _write_plan(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "tiny.toml").write_text((HERE / "tiny.toml").read_text())
+    p = tmp_path / "plan.toml"
+    p.write_text(text)
+    return p
+
+
+# ---- the space --------------------------------------------------------------------------------------
+
+def test_the_tiny_space_has_four_candidates_per_kind_cheapest_first():
+    plan = load_plan(TINY)
+    assert plan.wan_gbps == 10.0 and plan.slo.ttft_s == 1.5 and plan.goodput.probes == 5
+    # The plan's workload replaces the scenario's; links and model stay the scenario's.
+    assert plan.scenario.workload.agentic.context_tokens == 4096 and plan.scenario.model == "llama3-8b"
+    labels = [c.label() for c in candidates(plan, LLAMA8B, "pdd")]
+    assert labels == ["P 1 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1",
+                      "P 2 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1",
+                      "P 1 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 2 x H200-SXM tp1",
+                      "P 2 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 2 x H200-SXM tp1"]
+    # 3 + 3.75 x 1 ... : prices per hour from the menu.
+    assert [c.price for c in candidates(plan, LLAMA8B, "pdd")] == [9.75, 12.75, 13.5, 16.5]
+    naive = candidates(plan, LLAMA8B, "naive-cross-dc")
+    assert all(not c.group("md").prefix_cache for c in naive)
+    assert all(c.policy(plan.spec).pipeline == "P-MD" for c in naive)
+
+
+def test_budgets_cut_the_space(tmp_path):
+    # Cluster A holds 3 GPUs: same-DC 2 P + 2 MD (4 GPUs) is out; a $12/h total cuts PDD to two.
+    p = _write_plan(tmp_path, _plan_text(**{'gpus = 4': 'gpus = 3', 'wan_gbps = 10.0': 'wan_gbps = 10.0\n'
+                                                                                       'usd_per_hour = 13.0'}))
+    plan = load_plan(p)
+    assert len(candidates(plan, LLAMA8B, "same-dc")) == 3
+    assert [c.price for c in candidates(plan, LLAMA8B, "pdd")] == [9.75, 12.75]
+
+
+def test_a_too_small_budget_is_a_clear_error(tmp_path, capsys):
+    p = _write_plan(tmp_path, _plan_text(**{'gpus = 4': 'gpus = 1'}))
+    with pytest.raises(ConfigError) as ei:
+        candidates(load_plan(p), LLAMA8B, "same-dc")
+    assert str(ei.value) == ("plan: no same-dc deployment fits the budget: the smallest, P 1 x H100-SXM tp1 | "
+                             "MD 1 x H100-SXM tp1, needs 2 GPUs / $6.00/h in cluster A ($6.00/h in all); the "
+                             "budget allows cluster A: 1 GPUs, any $/h")
+    # The command line says it in one line, before simulating anything.
+    assert plan_main(["--plan", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pddgw plan: error: plan: no same-dc deployment fits the budget") and err.count("\n") == 1
+
+
+def test_a_model_no_shape_holds_is_a_clear_error(tmp_path):
+    p = _write_plan(tmp_path, _plan_text(**{'wan_gbps = 10.0': 'wan_gbps = 10.0\nmodel = "deepseek-v4-pro"'}))
+    with pytest.raises(ConfigError, match=r"^plan: same-dc: deepseek-v4-pro \(846\.8 GB of weights\) fits no "
+                                          r"prefill shape of cluster A \(1 x H100-SXM tp1\): roles\.prefill\.shapes "
+                                          r"needs more GPUs per instance$"):
+        candidates(load_plan(p), model("deepseek-v4-pro"), "same-dc")
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("count_max = 2\n[roles.rld]", "count_maxx = 2\n[roles.rld]", "roles.prefill.count_maxx: unknown key"),
+    ("[search]\ntop = 2", "[search]\ntop = 0", "search: top must be >= 1"),
+    ('name = "B"', 'name = "C"', "clusters: no cluster named 'B'"),
+    ('hardware = "H200-SXM"', 'hardware = "B300"', "hardware 'B300' is not one of"),
+])
+def test_bad_plan_keys_are_refused_with_the_key_named(tmp_path, old, new, message):
+    with pytest.raises(ConfigError, match=message):
+        load_plan(_write_plan(tmp_path, _plan_text(**{old: new})))
+
+
+# ---- the roofline's bounds ----------------------------------------------------------------------------
+
+def test_prefill_and_decode_capacity_are_the_step_roofline_by_hand():
+    h100 = NodeGroup(role="md", tensor_parallel=1, hardware="H100-SXM")
+    # Llama-3-8B: 7,504,924,672 active parameters (8,030,261,248 less the 128,256 x 4,096
+    # embedding), 32 layers x 4 x 32 heads x 128 = 524,288 attention FLOPs per (query, key)
+    # pair.  A chunk of 8,192 tokens, each its own single pair: compute-bound at 989.5 TFLOP/s x
+    # 0.40 = 3.958e14 FLOP/s, plus the 2 ms step overhead.
+    flops = 8192 * (2 * 7_504_924_672 + 524_288)
+    assert prefill_tokens_per_s(LLAMA8B, h100) == pytest.approx(8192 / (flops / 3.958e14 + 0.002), rel=1e-12)
+    # A decode at 4,096 tokens of context: 16,060,522,496 weight bytes + 4,097 x 131,072 KV bytes
+    # at 3.35 TB/s x 0.8, plus 2 ms.
+    assert decode_step_s(LLAMA8B, h100, 1, 4096) == pytest.approx(
+        (16_060_522_496 + 4097 * 131_072) / 2.68e12 + 0.002, rel=1e-12)
+    # The pool: (80 GB x 0.9 - the weights) // 131,072 = 426,784 tokens; 426,784 // 4,097 = 104
+    # sequences decode at once.
+    assert _kv_tokens(LLAMA8B, h100) == 426_784
+    assert decode_tokens_per_s(LLAMA8B, h100, 4096) == pytest.approx(
+        104 / ((16_060_522_496 + 104 * 4097 * 131_072) / 2.68e12 + 0.002), rel=1e-12)
+
+
+def test_the_smallest_requests_fit_first():
+    assert _fit(10.0, [4.0, 3.0, 5.0]) == 2          # 3 + 4 = 7 fits, + 5 = 12 does not
+    assert _fit(12.0, [4.0, 3.0, 5.0]) == 3
+    assert _fit(2.0, [4.0, 3.0]) == 0
+
+
+def test_the_attainment_bound_by_hand():
+    plan = load_plan(TINY)
+    cand = candidates(plan, LLAMA8B, "naive-cross-dc")[0]        # P 1 x H100 | MD 1 x H200, no MD cache
+    # Four requests of 4,096 prompt tokens, 1,000 of them uncached, 2 output tokens, arriving
+    # within 1 s at the latest.  Naive P-MD: each prompt's whole KV (4,096 x 131,072 B = 537 MB)
+    # reaches MD before its first token, within horizon + TTFT = 1 + 1.5 s: 10 Gbps carries
+    # 1.25e9 x 2.5 = 3.125 GB, all four (2.15 GB).  At 1 s + 0.1 s TTFT only 1.375 GB: two.
+    d = Demand(uncached=(1000,) * 4, prompt=(4096,) * 4, output=(2,) * 4, horizon_s=1.0)
+    assert attainment_bound(plan, LLAMA8B, cand, d) == 1.0
+    tight = dataclasses.replace(plan, scenario=dataclasses.replace(
+        plan.scenario, slo=dataclasses.replace(plan.scenario.slo, ttft_s=0.1)))
+    assert attainment_bound(tight, LLAMA8B, cand, d) == 0.5
+    # In the steady state the WAN carries 1.25e9 / 536,870,912 = 2.33 requests/s of it.
+    assert capacity(plan, LLAMA8B, cand, d).sides["wan"] == pytest.approx(1.25e9 / (4096 * 131_072), rel=1e-12)
+    assert capacity(plan, LLAMA8B, cand, d).side == "wan"
+
+
+def test_the_demand_of_a_conversation_by_hand():
+    plan = load_plan(TINY)
+    spec = dataclasses.replace(plan.scenario.workload.agentic, context_tokens=1000, output_tokens=11,
+                               shared_prefix_tokens=200, turns_min=2, turns_max=2, think_s_min=1.0,
+                               think_s_max=1.0, hit_buckets=((1.0, 0.5, 0.5),))
+    sc = dataclasses.replace(plan.scenario, workload=dataclasses.replace(plan.scenario.workload, agentic=spec))
+    d = demand(sc, 1.0, 2)          # one conversation of two turns, starting at 0
+    # Turn 0 keeps the 200 shared tokens; turn 1 keeps half of turn 0 (500 tokens).
+    assert d.uncached == (800, 500) and d.prompt == (1000, 1000) and d.output == (11, 11)
+    # Turn 1 arrives at the latest after turn 0's SLO budget (1.5 s TTFT + 10 x 50 ms) and 1 s of thinking.
+    assert d.horizon_s == pytest.approx(1.5 + 10 * 0.05 + 1.0, rel=1e-12)
+
+
+def test_the_demand_of_a_trace_counts_blocks_no_earlier_request_had(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in (
+        {"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2]},
+        {"timestamp": 1000, "input_length": 1200, "output_length": 8, "hash_ids": [1, 2, 3]},
+        {"timestamp": 2000, "input_length": 100, "output_length": 4, "hash_ids": [4]})))
+    plan = load_plan(TINY, trace=str(trace))
+    sc = plan.scenario
+    # 3 requests over 2 s arrive at 1 req/s: at 2 req/s the timestamps halve.
+    convs, _ = probe_workload(sc, 2.0, 0)
+    assert [c.start_s for c in convs] == [0.0, 0.5, 1.0]
+    d = demand(sc, 2.0, 0)
+    # Second request: its first 1,024 tokens are the first request's two blocks.
+    assert d.uncached == (1024, 1200 - 1024, 100) and d.prompt == (1024, 1200, 100) and d.output == (8, 8, 4)
+    assert d.horizon_s == 1.0
+    # The probe replays it on the simulator at that rate: all three within the SLOs, over the
+    # 1 s of arrivals plus the last answer (3 requests / (1 s + its service) between 2 and 3 per s).
+    cand = candidates(plan, LLAMA8B, "pdd")[0]
+    attained, achieved = plan_search.simulate_probe(plan, cand, 2.0, 0)
+    assert attained == 1.0 and 2.0 < achieved < 3.0
+
+
+# ---- the search against brute force ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def searched():
+    """Brute force (every candidate, every probe simulated) and the pruned search over the tiny
+    space; each (candidate, rate) probe is simulated once and shared by both (the sim is
+    deterministic), so the pruned search's simulations are counted exactly."""
+    plan = load_plan(TINY)
+    real = plan_search.simulate_probe
+    memo: dict = {}
+    calls: dict[str, list] = {"brute": [], "pruned": []}
+    mode = ["brute"]
+
+    def cached(plan, cand, rate, requests):
+        calls[mode[0]].append((cand, rate))
+        if (cand, rate) not in memo:
+            memo[cand, rate] = real(plan, cand, rate, requests)
+        return memo[cand, rate]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(plan_search, "simulate_probe", cached)
+    try:
+        brute = plan_search.search(plan, exhaustive=True)
+        mode[0] = "pruned"
+        pruned = plan_search.search(plan)
+    finally:
+        mp.undo()
+    return plan, brute, pruned, memo, calls
+
+
+def test_the_pruned_search_finds_the_brute_force_optimum(searched):
+    plan, brute, pruned, memo, calls = searched
+    for kind in plan.spec.kinds:
+        b, p = brute[kind], pruned[kind]
+        assert b.bounded_out == 0 and b.pruned_probes == 0 and b.evaluated == 4
+        # The same table: candidates, goodputs and order.
+        assert [(e.candidate, e.goodput_rps) for e in p.ranked] == [(e.candidate, e.goodput_rps) for e in b.ranked]
+    assert plan_search.winner(pruned).candidate == plan_search.winner(brute).candidate
+    # The optimum on this space: two P and one decode GPU in one datacenter carry the top rate.
+    best = plan_search.winner(pruned)
+    assert (best.candidate.label(), best.goodput_rps, best.candidate.price) == (
+        "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.0, 9.0)
+    # One P carries less (10.4 req/s on the bisection's grid of 0.5 .. 16 req/s, 5 probes).
+    assert [(e.candidate.label(), round(e.goodput_rps, 4)) for e in pruned["same-dc"].ranked] == [
+        ("P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.0), ("P 1 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 10.3747)]
+    assert [(e.candidate.label(), round(e.goodput_rps, 4)) for e in pruned["pdd"].ranked] == [
+        ("P 1 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 10.3747),
+        ("P 2 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 10.3747)]
+    assert [(e.candidate.label(), round(e.goodput_rps, 4)) for e in pruned["naive-cross-dc"].ranked] == [
+        ("P 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 2.8284), ("P 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 2.8284)]
+    # It got there with fewer simulations: probes the roofline pruned, candidates it bounded out.
+    assert len(calls["pruned"]) < len(calls["brute"])
+    assert sum(r.pruned_probes for r in pruned.values()) > 0 and sum(r.bounded_out for r in pruned.values()) > 0
+
+
+def test_the_roofline_never_prunes_a_probe_that_would_pass(searched):
+    plan, brute, pruned, memo, calls = searched
+    target = plan.slo.attainment
+    checked = 0
+    for r in pruned.values():
+        for e in r.all_evaluations:
+            for probe in e.probes:
+                if not probe.simulated:
+                    attained, _ = memo[e.candidate, probe.rate]       # brute force simulated it
+                    assert attained < target and probe.attainment_bound < target
+                    checked += 1
+            # The bound the branch and bound orders by is never below the real goodput.
+            assert e.upper_rps >= e.goodput_rps
+    assert checked == sum(r.pruned_probes for r in pruned.values()) > 0
+    # Nor below it for the candidates it bounded out, whose real goodput brute force knows.
+    for kind, r in pruned.items():
+        ub = {e.candidate: e.upper_rps for e in r.all_evaluations}
+        for e in brute[kind].all_evaluations:
+            if e.candidate in ub:
+                assert ub[e.candidate] >= e.goodput_rps
+
+
+def test_the_winner_is_written_as_a_serve_config_and_scenario_deployments(searched, tmp_path):
+    plan, _, pruned, _, _ = searched
+    paths = write_outputs(plan, pruned, tmp_path)
+    assert [p.name for p in paths] == ["config.toml", "same-dc.config.toml", "naive-cross-dc.config.toml",
+                                       "pdd.config.toml", "deployments.toml"]
+    pdd = pruned["pdd"].winner.candidate
+    cfg = load_config(tmp_path / "pdd.config.toml")
+    assert cfg == serve_config(plan, pdd)
+    roles = [(n.name, n.role, n.cluster, n.port) for n in cfg.nodes]
+    assert roles == [("router", "router", "A", 0), ("p0", "prefill", "A", 9101), ("rld0", "rld", "A", 9102),
+                     ("md0", "md", "B", 9103)]
+    md = cfg.engine_for(cfg.node("md0"))
+    assert (md.implementation, md.costmodel.hardware, md.costmodel.tensor_parallel, md.costmodel.data_parallel) == (
+        "costmodel", "H200-SXM", 1, 1)
+    assert cfg.node("md0").cost == 3.75 and cfg.model.profile == "llama3-8b" and cfg.policy.pipeline == "auto"
+    assert cfg.net.shaping("wan").gbps == 10.0
+    text = (tmp_path / "pdd.config.toml").read_text()
+    assert 'hardware = "H200-SXM"\ntensor_parallel = 1\n' in text
+    best = load_config(tmp_path / "config.toml")
+    assert best.policy.pipeline == "P-MD" and [n.role for n in best.nodes] == ["router", "prefill", "prefill", "md"]
+    # The [[deployments]] blocks make a scenario's deployments, named by kind, equal to the winners.
+    header = (HERE / "tiny.toml").read_text().split("[[deployments]]")[0]
+    (tmp_path / "sized.toml").write_text(header + (tmp_path / "deployments.toml").read_text())
+    sc = load_scenario(tmp_path / "sized.toml")
+    assert [d.name for d in sc.deployments] == ["same-dc", "naive-cross-dc", "pdd"]
+    for kind, r in pruned.items():
+        assert sc.deployment(kind) == r.winner.candidate.deployment(plan.spec)
+
+
+@pytest.mark.parametrize("name", ["config.toml", "config.local.toml"])
+def test_the_config_writer_round_trips_the_shipped_configs(name, tmp_path):
+    cfg = load_config(HERE.parent.parent / name)
+    (tmp_path / "c.toml").write_text(config_toml(cfg, "round trip"))
+    assert load_config(tmp_path / "c.toml") == cfg
+
+
+def test_the_dry_run_prints_every_kind_without_simulating(capsys, monkeypatch):
+    monkeypatch.setattr(plan_search, "simulate_probe", lambda *a: pytest.fail("the dry run simulated"))
+    assert cli.main(["plan", "--plan", str(TINY), "--dry-run"]) == 0       # `pddgw plan` reaches the planner
+    out = capsys.readouterr().out
+    for kind in ("same-dc", "naive-cross-dc", "pdd"):
+        assert f"== {kind}: 4 candidates ==" in out
+
+
+def test_the_json_report_names_the_winner_and_each_kinds_table(searched):
+    from pddgw.sim.plan import report_json
+
+    plan, _, pruned, _, _ = searched
+    rep = report_json(plan, pruned)
+    assert orjson.loads(orjson.dumps(rep)) == rep
+    assert (rep["winner"]["kind"], rep["winner"]["deployment"], rep["winner"]["goodput_rps"]) == (
+        "same-dc", "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.0)
+    assert rep["winner"]["gpus_by_cluster"] == {"A": 3} and rep["winner"]["price_per_hour"] == 9.0
+    naive = rep["kinds"]["naive-cross-dc"]
+    assert (naive["candidates"], naive["pruned_probes"], len(naive["ranked"])) == (4, 4, 2)
+    assert naive["ranked"][0]["roofline"]["limit"] == "wan"
