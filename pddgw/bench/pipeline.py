@@ -39,11 +39,8 @@ from pddgw.config import Config, EngineConfig, NetConfig, PolicyConfig, RegimeCo
 from pddgw.logs import setup_logging
 from pddgw.pipeline import regime
 from pddgw.pipeline.deploy import Embedded, embedded_nodes, with_topology
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+from pddgw.sim.report import percentile
+from pddgw.sim.workload import TRACE_BLOCK_TOKENS, read_mooncake
 
 
 def make_config(naive: bool, step_ms: float = 0.0) -> Config:
@@ -93,7 +90,7 @@ async def _conversation(client: TestClient, conv: int, turns: int, out_tokens: i
 
 
 def load_trace(path: str, limit: int, block_tokens: int, out_scale: float, seed: int) -> list[dict]:
-    """Mooncake-format trace -> requests on the tiny model's scale.
+    """Mooncake-format trace (`sim.workload.read_mooncake`) -> requests on the tiny model's scale.
 
     Each 512-token block id becomes a fixed random block of `block_tokens`
     tokens (equal ids at the start of two prompts stay a shared prefix);
@@ -102,19 +99,14 @@ def load_trace(path: str, limit: int, block_tokens: int, out_scale: float, seed:
     rng = random.Random(seed)
     blocks: dict[int, list[int]] = {}
     out = []
-    with open(path, "rb") as f:
-        for line in f:
-            if len(out) >= limit:
-                break
-            r = orjson.loads(line)
-            ids = []
-            for h in r["hash_ids"]:
-                if h not in blocks:
-                    blocks[h] = [rng.randrange(32, 127) for _ in range(block_tokens)]
-                ids += blocks[h]
-            n_in = max(1, min(len(ids), round(r["input_length"] * block_tokens / 512)))
-            out.append({"t_s": r["timestamp"] / 1000.0, "prompt": ids[:n_in],
-                        "max_tokens": max(1, round(r["output_length"] * out_scale))})
+    for r in read_mooncake(path, limit):
+        ids = []
+        for h in r.hash_ids:
+            if h not in blocks:
+                blocks[h] = [rng.randrange(32, 127) for _ in range(block_tokens)]
+            ids += blocks[h]
+        n_in = max(1, min(len(ids), round(r.input_length * block_tokens / TRACE_BLOCK_TOKENS)))
+        out.append({"t_s": r.t_s, "prompt": ids[:n_in], "max_tokens": max(1, round(r.output_length * out_scale))})
     return out
 
 
@@ -183,8 +175,8 @@ def summarize(results: list[dict], wan_bytes: int, drain_s: float) -> dict:
     pipelines = {}
     for r in results:
         pipelines[r["pipeline"]] = pipelines.get(r["pipeline"], 0) + 1
-    return {"requests": n, "ttft_p50_ms": round(_percentile(ttft, 50), 1),
-            "ttft_p90_ms": round(_percentile(ttft, 90), 1), "ttft_p99_ms": round(_percentile(ttft, 99), 1),
+    return {"requests": n, "ttft_p50_ms": round(percentile(ttft, 50), 1),
+            "ttft_p90_ms": round(percentile(ttft, 90), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
             "pipeline_share": {k: round(v / n, 3) for k, v in sorted(pipelines.items())},
             "rld_token_share": round(tokens.get("rld", 0) / max(1, sum(tokens.values())), 3),
             "max_handoff_stall_ms": max(stalls) if stalls else None,

@@ -182,6 +182,33 @@ def shared_prefix(n: int, seed: int) -> tuple[int, ...]:
     return tuple(np.random.default_rng([seed, 7]).integers(_TOKEN_LOW, _TOKEN_HIGH, size=n).tolist())
 
 
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """One request of a Mooncake-format trace (one JSON object a line)."""
+
+    line: int                 # 1-based line in the file
+    t_s: float                # arrival, seconds from the trace's start (`timestamp` is ms)
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]  # one id per 512-token block of the prompt
+
+
+def read_mooncake(path: str | Path, limit: int = 0) -> list[TraceRecord]:
+    """The first `limit` (0: all) records of a Mooncake-format trace; ValueError naming the line."""
+    out: list[TraceRecord] = []
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit and len(out) >= limit:
+                break
+            try:
+                r = orjson.loads(line)
+                out.append(TraceRecord(lineno, r["timestamp"] / 1000.0, int(r["input_length"]),
+                                       int(r["output_length"]), tuple(r["hash_ids"])))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({e})") from None
+    return out
+
+
 def load_trace(path: str | Path, limit: int = 0, *, output_cap: int = 0, speed: float = 1.0,
                seed: int = 0) -> list[Conversation]:
     """A Mooncake-format trace -> one-turn conversations at its timestamps (divided by `speed`).
@@ -191,23 +218,14 @@ def load_trace(path: str | Path, limit: int = 0, *, output_cap: int = 0, speed: 
     """
     blocks: dict[int, list[int]] = {}
     convs: list[Conversation] = []
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit and len(convs) >= limit:
-                break
-            try:
-                r = orjson.loads(line)
-                ts, n_in, n_out, ids = r["timestamp"], r["input_length"], r["output_length"], r["hash_ids"]
-            except (orjson.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({e})") from None
-            prompt: list[int] = []
-            for h in ids:
-                if h not in blocks:
-                    blocks[h] = np.random.default_rng([seed, h]).integers(
-                        _TOKEN_LOW, _TOKEN_HIGH, size=TRACE_BLOCK_TOKENS).tolist()
-                prompt += blocks[h]
-            prompt = prompt[: max(1, n_in)]
-            out = max(1, min(n_out, output_cap) if output_cap else n_out)
-            convs.append(Conversation(len(convs), ts / 1000.0 / speed, lineno,
-                                      (Turn(len(prompt), out, prompt=tuple(prompt)),)))
+    for r in read_mooncake(path, limit):
+        prompt: list[int] = []
+        for h in r.hash_ids:
+            if h not in blocks:
+                blocks[h] = np.random.default_rng([seed, h]).integers(
+                    _TOKEN_LOW, _TOKEN_HIGH, size=TRACE_BLOCK_TOKENS).tolist()
+            prompt += blocks[h]
+        prompt = prompt[: max(1, r.input_length)]
+        out = max(1, min(r.output_length, output_cap) if output_cap else r.output_length)
+        convs.append(Conversation(len(convs), r.t_s / speed, r.line, (Turn(len(prompt), out, prompt=tuple(prompt)),)))
     return convs
