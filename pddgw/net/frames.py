@@ -154,6 +154,35 @@ def encode(msg: m.Message, *, corr: int = 0, seq: int = 0, flags: int = 0) -> tu
     return head + meta, payload
 
 
+def frame_size(msg: m.Message) -> int:
+    """len(head) + payload.nbytes of `encode(msg)`, without building the frame.
+
+    In-process links charge the wire by it for every frame (tokens, polls, KV):
+    the metadata is still serialized (its length depends on the values), the
+    header is a constant and the payload is counted, not packed.  Raises as
+    `encode` does.
+    """
+    kind = m.KIND_OF[type(msg)]
+    schema = _SCHEMAS[kind]
+    if schema.packed == "raw":
+        span = msg.span  # type: ignore[union-attr]
+        meta_len = len(orjson.dumps({
+            "request_id": span.request_id, "layer_start": span.layer_start, "layer_end": span.layer_end,
+            "token_start": span.token_start, "token_end": span.token_end, "dtype": span.dtype,
+            "shape": span.shape, "virtual": span.virtual, "seq": msg.seq,  # type: ignore[union-attr]
+            "last": msg.last,  # type: ignore[union-attr]
+        }))
+        payload = memoryview(msg.payload).nbytes  # type: ignore[union-attr]
+    else:
+        meta_len = len(orjson.dumps({name: getattr(msg, name) for name in schema.meta_order}))
+        payload = len(getattr(msg, schema.packed_field)) * _ITEM_SIZE[schema.packed] if schema.packed else 0
+    if meta_len > MAX_META:
+        raise FrameTooLarge(f"metadata of {meta_len} bytes exceeds {MAX_META}")
+    if payload > MAX_U32:
+        raise FrameTooLarge(f"payload of {payload} bytes exceeds 4 GiB")
+    return HEADER_SIZE + meta_len + payload
+
+
 def encode_bytes(msg: m.Message, *, corr: int = 0, seq: int = 0, flags: int = 0) -> bytes:
     """The whole frame as one bytes object (copies; for small frames and tests)."""
     head, payload = encode(msg, corr=corr, seq=seq, flags=flags)

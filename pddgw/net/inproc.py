@@ -28,8 +28,7 @@ def wire_size(msg: m.Message) -> int:
 
     A virtual KV chunk counts the KV it stands for, as shaping charges it.
     """
-    head, payload = frames.encode(msg)
-    n = len(head) + payload.nbytes
+    n = frames.frame_size(msg)
     virtual = msg.span.nbytes if isinstance(msg, m.KvChunk) and msg.span.virtual else 0
     return ws_header_size(n, masked=False) + n + virtual
 

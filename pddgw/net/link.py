@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -193,6 +193,12 @@ class LinkStream:
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False
         self._registered = True
+        # The wait in progress times out at `_deadline`.  One timer serves every wait: it is
+        # re-armed at the newest deadline when it fires early, not armed and cancelled per
+        # message (a token stream waits once per token).
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     def _put(self, item: m.Message | LinkError, nbytes: int) -> None:
         self._items.append((item, nbytes))
@@ -212,12 +218,13 @@ class LinkStream:
         if self._ended:
             raise StopAsyncIteration
         if not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            self._deadline = loop.time() + self._timeout
+            if self._timer is None:
+                self._arm(loop, self._deadline)
             try:
-                async with asyncio.timeout(self._timeout):
-                    await self._waiter
-            except TimeoutError:
-                raise LinkTimeout(f"stream {self.request_id!r}: nothing within {self._timeout}s") from None
+                await self._waiter
             finally:
                 self._waiter = None
         item, nbytes = self._items.popleft()
@@ -232,6 +239,20 @@ class LinkStream:
             self._ended = True
         return item
 
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        self._timer_at = at
+        self._timer = loop.call_at(at, self._on_timer, loop)
+
+    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return                       # nobody waits: the next wait arms its own deadline
+        if self._deadline > self._timer_at:
+            self._arm(loop, self._deadline)          # a later wait than the one armed for
+            return
+        waiter.set_exception(LinkTimeout(f"stream {self.request_id!r}: nothing within {self._timeout}s"))
+
     def _unregister(self) -> None:
         if self._registered:
             self._registered = False
@@ -241,6 +262,9 @@ class LinkStream:
     def close(self) -> None:
         """Unregister and drop what was not read."""
         self._unregister()
+        if self._timer is not None and self._waiter is None:    # a reader still waiting keeps its deadline
+            self._timer.cancel()
+            self._timer = None
         while self._items:
             self._link._consumed(self._items.popleft()[1])
         self._ended = True
@@ -392,10 +416,13 @@ class LinkBase(Link):
 
     # -- internals -------------------------------------------------------------
 
-    def _spawn(self, coro: Awaitable, name: str) -> asyncio.Task:
+    def _spawn(self, coro: Awaitable, name: str,
+               done: Callable[[asyncio.Task], None] | None = None) -> asyncio.Task:
+        """A task of this link (cancelled with it); `done` replaces the callback that forgets it
+        and must forget it itself (one callback per task: a request is served per task)."""
         task = self._loop.create_task(coro, name=f"link {self.local}->{self.peer} {name}")  # type: ignore[arg-type]
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._tasks.discard if done is None else done)
         return task
 
     async def _cancel_tasks(self) -> None:
@@ -410,10 +437,18 @@ class LinkBase(Link):
     def _closed_error(self) -> LinkClosed:
         return self._close_error or LinkClosed(f"link to {self.peer} is closed", CloseCode.NORMAL)
 
-    async def _timed(self, coro: Awaitable, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    async def _timed(self, coro: Coroutine, timeout: float, what: str):  # type: ignore[no-untyped-def]
+        # Most sends (a frame the transport takes at once) finish without suspending: those
+        # run to the end here and never arm a timer.  One that suspends continues under a
+        # deadline counted from the call, as if the timer had been armed at the start.
+        deadline = self._loop.time() + timeout
         try:
-            async with asyncio.timeout(timeout) as cm:
-                return await coro
+            first = coro.send(None)
+        except StopIteration as done:
+            return done.value
+        try:
+            async with asyncio.timeout_at(deadline) as cm:
+                return await _Resumed(coro, first)
         except TimeoutError:
             if cm.expired():
                 raise LinkTimeout(f"{what} to {self.peer}: no completion within {timeout}s") from None
@@ -530,7 +565,7 @@ class LinkBase(Link):
                                               f"(net.max_inflight_requests)"), corr, _FLAG_REPLY)
                 return
             self._serving += 1
-            self._spawn(self._serve_request(msg, corr), "request").add_done_callback(self._request_done)
+            self._spawn(self._serve_request(msg, corr), "request", self._request_done)
             return
         if isinstance(msg, m.Ping):
             self._transmit_nowait(m.Pong(msg.sent_ns))
@@ -581,6 +616,7 @@ class LinkBase(Link):
 
     def _request_done(self, task: asyncio.Task) -> None:
         # A done callback, not a `finally`: a task cancelled before it starts never runs its body.
+        self._tasks.discard(task)
         self._serving -= 1
 
     async def _serve_request(self, msg: m.Message, corr: int) -> None:
@@ -618,6 +654,36 @@ class LinkBase(Link):
 
     def _peer_silent(self) -> None:
         self._lost(LinkClosed(f"no byte from {self.peer} within {self.cfg.dead_after_s}s", CloseCode.PEER_SILENT))
+
+
+class _Resumed:
+    """The rest of a coroutine that has suspended once (on `first`), as an awaitable:
+    what `await coro` would have continued with, results, exceptions and
+    cancellation passed through unchanged."""
+
+    __slots__ = ("_coro", "_first")
+
+    def __init__(self, coro: Coroutine, first: Any) -> None:
+        self._coro, self._first = coro, first
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, yielded = self._coro, self._first
+        while True:
+            try:
+                sent = yield yielded
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as e:       # cancellation (a timeout's too) goes to the coroutine
+                try:
+                    yielded = coro.throw(e)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    yielded = coro.send(sent)
+                except StopIteration as done:
+                    return done.value
 
 
 _FLAG_REPLY = 0x01  # frames.FLAG_REPLY; duplicated to keep this module free of the codec

@@ -43,8 +43,9 @@ two strict-priority traffic classes (`Priority`) feeding a pipe:
 `ShapedPipe` applies the schedule to one link direction: `put` waits until the
 frame has left the emulated NIC (the sender feels the bandwidth and the
 traffic of its class ahead of it, not the latency: transfers are pipelined)
-and returns the seconds the frame itself was on the wire; a delivery task hands
-each frame to the real transport at its arrival time.  Times are absolute, so
+and returns the seconds the frame itself was on the wire; a loop timer (or,
+for a coroutine transport, a delivery task) hands each frame to the real
+transport at its arrival time, every frame due at that instant in one go.  Times are absolute, so
 timer lateness does not accumulate.  Everything runs on the loop's clock (a
 virtual clock too: there is no busy wait and no wall-clock read).
 """
@@ -387,9 +388,11 @@ class Shaper:
 class ShapedPipe:
     """Delivers items to `deliver` at their shaped arrival times, in order.
 
-    `deliver` may be a plain function or a coroutine function (awaited: the
-    real transport's back-pressure then delays later arrivals too).  Pipes
-    given the same `shaper` share one wire (a WAN that several links cross).
+    `deliver` is a plain function (called from one loop timer, every item due
+    at that instant in one go; what it returns is ignored) or a coroutine
+    function (awaited by a delivery task: the real transport's back-pressure
+    then delays later arrivals too).  Pipes given the same `shaper` share one
+    wire (a WAN that several links cross).
     """
 
     def __init__(self, cfg: ShapingConfig, deliver: Callable[[Any], Awaitable[None] | None],
@@ -403,8 +406,14 @@ class ShapedPipe:
         # the arrival window of the bytes of this pipe's last background service interval.
         self._busy_since = math.inf
         self._bg_heard = (-math.inf, -math.inf)
+        # A plain-function `deliver` (in-process links) is called from one loop timer at the
+        # head frame's arrival, every frame then due in one go: a frame costs no task wake-up
+        # and no sleep of its own.  A coroutine `deliver` (a real transport's back-pressure)
+        # keeps a delivery task that awaits each.
+        self._timer: asyncio.TimerHandle | None = None
         self._wake = asyncio.Event()
-        self._task = self._loop.create_task(self._run(), name="shaped-pipe")
+        self._task = (self._loop.create_task(self._run(), name="shaped-pipe")
+                      if inspect.iscoroutinefunction(deliver) else None)
         self.closed = False
 
     def put_nowait(self, item: Any, nbytes: int) -> float:
@@ -447,7 +456,36 @@ class ShapedPipe:
             if not self._queue:
                 self._busy_since = self._loop.time()
             self._queue.append((arrival, item))
-            self._wake.set()
+            if self._task is not None:
+                self._wake.set()
+            elif self._timer is None:
+                self._arm(arrival)
+
+    def _arm(self, arrival: float) -> None:
+        """One timer at the head frame's arrival (`call_soon` when it is due already, so a
+        delivery never runs inside the sender's call)."""
+        if arrival - self._loop.time() >= _MIN_SLEEP_S:
+            self._timer = self._loop.call_at(arrival, self._on_due)
+        else:
+            self._timer = self._loop.call_soon(self._on_due)  # type: ignore[assignment]
+
+    def _on_due(self) -> None:
+        """Deliver, in order, every frame whose arrival is due (what `_run` does, without a task)."""
+        self._timer = None
+        loop, queue = self._loop, self._queue
+        while queue and not self.closed:
+            arrival, item = queue[0]
+            if arrival - loop.time() >= _MIN_SLEEP_S:
+                if self._timer is None:      # (a delivery may have queued and armed already)
+                    self._arm(arrival)
+                return
+            queue.popleft()
+            if not queue:
+                self._busy_since = math.inf
+            try:
+                self._deliver(item)
+            except Exception as e:  # the link behind is failing; it reports that itself
+                log.debug("shaped delivery failed", error=repr(e))
 
     def heard_since(self, since: float) -> bool:
         """Step 6: whether the far end has heard bytes of this pipe after loop time `since`."""
@@ -492,8 +530,13 @@ class ShapedPipe:
             return
         self.closed = True
         self._queue.clear()
-        self._task.cancel()
+        if self._task is not None:
+            self._task.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.shaper._drop(self, self._loop.time())
 
     async def wait_closed(self) -> None:
-        await asyncio.wait([self._task])
+        if self._task is not None:
+            await asyncio.wait([self._task])
