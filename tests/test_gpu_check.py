@@ -35,6 +35,11 @@ def _statuses(report: dict) -> list[tuple[str, str]]:
     return [(s["name"], s["status"]) for s in report["steps"]]
 
 
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh", "gpu_standin.sh"])
+def test_the_gpu_scripts_are_valid_bash(script):
+    subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True)
+
+
 def test_dry_run_runs_what_it_can_and_exits_2(tmp_path):
     rc, report, err = _check(tmp_path, PDDGW_GPU_CHECK_DRY_RUN="1")
     assert rc == 2, err
