@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pddgw.engines.model_spec import RopeScaling
-from pddgw.sim.profiles import ModelProfile
+from pddgw.sim.model_shape import ModelProfile
 
 CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 FP4_BYTES_PER_PARAM = 0.5 + 1 / 32        # MXFP4: E2M1 values, one UE8M0 scale per 32

@@ -70,8 +70,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pddgw.sim.profiles import (V4_CSA_RATIO, V4_HCA_RATIO, HardwareProfile, ModelProfile, _sum_floor,
-                                _sum_floor_capped, _sum_min)
+from pddgw.sim.model_shape import (V4_CSA_RATIO, V4_HCA_RATIO, ModelProfile, sum_floor, sum_floor_capped,
+                                   sum_min)
+from pddgw.sim.profiles import HardwareProfile
 
 ACTIVATION_BYTES = 2          # bf16 hidden states in the TP all-reduces and the EP combine
 DISPATCH_BYTES = 1            # FP8 hidden states in the EP dispatch (DeepEP's low-latency and normal modes)
@@ -182,10 +183,10 @@ def _v4_attention(model: ModelProfile, work: Sequence[SeqWork]) -> tuple[float, 
             entries += layers * min(hi, window) + csa * min(comp, k) + hca * (hi // h)
             scored += comp
         else:
-            entries += (layers * (_sum_min(hi, window) - _sum_min(lo, window))
-                        + csa * (_sum_floor_capped(hi, c, k) - _sum_floor_capped(lo, c, k))
-                        + hca * (_sum_floor(hi, h) - _sum_floor(lo, h)))
-            scored += _sum_floor(hi, c) - _sum_floor(lo, c)
+            entries += (layers * (sum_min(hi, window) - sum_min(lo, window))
+                        + csa * (sum_floor_capped(hi, c, k) - sum_floor_capped(lo, c, k))
+                        + hca * (sum_floor(hi, h) - sum_floor(lo, h)))
+            scored += sum_floor(hi, c) - sum_floor(lo, c)
         nbytes += (layers * min(hi, window + new - 1) * e + csa * (comp * i + min(comp, k * new) * e)
                    + hca * (hi // h) * e)
     return float(per_entry * entries + per_index * csa * scored), float(nbytes)
