@@ -12,7 +12,7 @@ Two kinds of series:
 * Observed as it happens (prometheus-client Counters and Histograms): TTFT,
   inter-token latency, E2E, queue time, tokens, handoffs, KV transfer times.
 * Read at scrape time (custom collectors): the router's pipeline counters
-  (`Router.counts`), running / waiting requests, and each node's engine stats
+  (`Router.counts`, a `RouterCounts`), running / waiting requests, and each node's engine stats
   (KV usage, prefix cache, running / waiting) and per-link KV bytes.  Engine
   stats are read on the engine's thread (`AsyncEngine.call`), so a scrape
   first awaits `refresh()` on every source, then renders; the loop never blocks.
@@ -37,8 +37,9 @@ Lifecycle of one request's series on the router (`Router.run`):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sized
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -47,8 +48,6 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 
 if TYPE_CHECKING:
     from pddgw.engines.types import EngineStats
-    from pddgw.pipeline.router import Router
-    from pddgw.pipeline.state import RequestRecord
 
 PREFIX = "pddgw:"
 
@@ -75,6 +74,55 @@ class MetricsSource(Protocol):
     async def refresh(self) -> None: ...
 
 
+@dataclass(slots=True)
+class RouterCounts:
+    """The router's decisions, counted (its Prometheus counters and /debug/state read them)."""
+
+    p_md: int = 0
+    p_rld_md: int = 0
+    p_rld: int = 0
+    redrives: int = 0          # requests re-driven after a lost node
+    fallbacks: int = 0         # P-RLD-MD requests RLD finished alone (MD or WAN lost)
+    rld_full: int = 0          # requests that found the relay pool full (went P-MD)
+
+    def add_pipeline(self, pipeline: str) -> None:
+        """One decision for `pipeline` (one of PIPELINES)."""
+        field = "p_" + pipeline[2:].lower().replace("-", "_")
+        setattr(self, field, getattr(self, field) + 1)
+
+    def pipeline(self, pipeline: str) -> int:
+        return getattr(self, "p_" + pipeline[2:].lower().replace("-", "_"))
+
+    def as_dict(self) -> dict[str, int]:
+        """{"P-MD": n, "P-RLD-MD": n, "P-RLD": n, "redrives": n, "fallbacks": n, "rld_full": n}."""
+        return {**{p: self.pipeline(p) for p in PIPELINES}, "redrives": self.redrives,
+                "fallbacks": self.fallbacks, "rld_full": self.rld_full}
+
+
+class RoomView(Sized, Protocol):
+    refused: int
+
+
+class RouterView(Protocol):
+    """What the router's series read of a `pipeline.router.Router` at scrape time."""
+
+    counts: RouterCounts
+    room: RoomView
+    live: int
+    alignments: Sized
+
+
+class RecordView(Protocol):
+    """What `RouterMetrics.ended` reads of a `pipeline.state.RequestRecord`."""
+
+    total_ms: float
+    final_state: Any                                  # a RequestState (its name is the outcome)
+    states: tuple[tuple[str, float, str], ...]        # (state name, t_ms, reason)
+    handoff_mode: str | None                          # "one-shot" | "catch-up" (state.HandoffMode)
+    handoff_stall_ms: float | None
+    wan_kv_bytes: int
+
+
 class _Collector:
     """A custom collector over a function that yields families at scrape time."""
 
@@ -91,7 +139,7 @@ class _Collector:
 class RouterMetrics:
     """The router's series (see the module docstring); `registry` is this router's own."""
 
-    def __init__(self, router: Router | None = None):
+    def __init__(self, router: RouterView | None = None):
         self.router = router
         self.registry = reg = CollectorRegistry()
         self._extra: list[MetricsSource] = []
@@ -148,7 +196,7 @@ class RouterMetrics:
         child.inc(count)
         self._by_role[role] = self._by_role.get(role, 0) + count
 
-    def ended(self, rec: RequestRecord, queue_s: float) -> None:
+    def ended(self, rec: RecordView, queue_s: float) -> None:
         """The request left the router (any outcome)."""
         self.e2e.observe(rec.total_ms / 1000.0)
         self.queue_time.observe(queue_s)
@@ -182,12 +230,13 @@ class RouterMetrics:
         pipe = CounterMetricFamily(PREFIX + "pipeline_requests", "Pipeline decisions (a re-drive decides again).",
                                    labels=["pipeline"])
         for p in PIPELINES:
-            pipe.add_metric([p], r.counts.get(p, 0))
+            pipe.add_metric([p], r.counts.pipeline(p))
         yield pipe
-        for key, name, doc in (("redrives", "redrives", "Requests re-driven after a lost node."),
-                               ("fallbacks", "fallbacks", "P-RLD-MD requests RLD finished alone (MD or WAN lost)."),
-                               ("rld_full", "rld_full", "Requests that found the relay pool full (went P-MD).")):
-            yield CounterMetricFamily(PREFIX + name, doc, value=r.counts.get(key, 0))
+        for name, value, doc in (("redrives", r.counts.redrives, "Requests re-driven after a lost node."),
+                                 ("fallbacks", r.counts.fallbacks,
+                                  "P-RLD-MD requests RLD finished alone (MD or WAN lost)."),
+                                 ("rld_full", r.counts.rld_full, "Requests that found the relay pool full (went P-MD).")):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
         yield CounterMetricFamily(PREFIX + "request_queue_refused", "Requests refused at a room-queue bound.",
                                   value=r.room.refused)
         waiting = len(r.room)
@@ -202,7 +251,7 @@ class RouterMetrics:
                                 value=rld / (rld + md) if rld + md else 0.0)
 
 
-def _finish_reason(rec: RequestRecord) -> str:
+def _finish_reason(rec: RecordView) -> str:
     for state, _t, reason in reversed(rec.states):
         if state == "FINISHED":
             return reason or "stop"

@@ -106,7 +106,7 @@ class RouterSide:
                 return {"node": n.name, "role": n.role, "healthy": False, "error": str(e)}
 
         nodes = await asyncio.gather(*(one(n) for n in self.router.nodes.values()))
-        return {"router": {"active_requests": self.door.active, "pipelines": self.router.counts,
+        return {"router": {"active_requests": self.door.active, "pipelines": self.router.counts.as_dict(),
                            "inflight": self.router.inflight()},
                 "nodes": {n["node"]: n for n in nodes}}
 

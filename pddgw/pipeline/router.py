@@ -59,7 +59,7 @@ from pddgw.config import Config, NodeConfig
 from pddgw.engines.block_manager import chain_hashes
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.types import SamplingParams
-from pddgw.metrics import RouterMetrics
+from pddgw.metrics import RouterCounts, RouterMetrics
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkClosed, LinkError, RemoteError
 from pddgw.net.link import Link, LinkState
@@ -207,7 +207,7 @@ class Router:
         self.wan = LinkEstimator.from_config(cfg.policy)
         self.timeout = cfg.server.request_timeout_s
         self.control_timeout = cfg.net.request_timeout_s
-        self.counts = {"P-MD": 0, "P-RLD-MD": 0, "P-RLD": 0, "redrives": 0, "fallbacks": 0, "rld_full": 0}
+        self.counts = RouterCounts()
         self.alignments = Alignments(self.timeout, self.control_timeout, cfg.policy.alignment_max_backlog_bytes)
         self.md_index = PrefixIndex()
         # Foreground KV bytes on their way to MD over the WAN (live requests between
@@ -417,7 +417,7 @@ class Router:
                         fl.tracker.advance(RequestState.PREFILLING, "opening failed")
                     if fl.tracker.state != RequestState.REDRIVING:
                         fl.tracker.redrive(str(e))
-                self.counts["redrives"] += 1
+                self.counts.redrives += 1
                 attempt += 1
                 if attempt >= MAX_ATTEMPTS:
                     raise RouterError(f"request {fl.rid}: no healthy path left after {MAX_ATTEMPTS} attempts",
@@ -483,7 +483,7 @@ class Router:
             use_md = md if pipeline in ("P-MD", "P-RLD-MD") else None
             use_rld = rld if pipeline in ("P-RLD-MD", "P-RLD") else None
             if decision.reason == "rld_full":
-                self.counts["rld_full"] += 1
+                self.counts.rld_full += 1
             if use_rld is not None:
                 # The relay slot is taken before the first await: concurrent decisions see it.
                 fl.relay = use_rld
@@ -498,7 +498,7 @@ class Router:
                         raise
                     # RLD is full after all (its pool, not this router's count): wait for the WAN.
                     log.info("rld_full", request_id=rid, rld=use_rld.name, error=str(e))
-                    self.counts["rld_full"] += 1
+                    self.counts.rld_full += 1
                     streams.pop(use_rld.name).close()
                     pipeline, use_rld = "P-MD", None
             if md is not None and use_md is None:
@@ -508,7 +508,7 @@ class Router:
                 self.md_index.record(use_md.name, fl.block_hashes(use_md.block_size))
             if fl.tracker.state == RequestState.RECEIVED:
                 fl.tracker.route(pipeline, decision.reason)
-            self.counts[pipeline] += 1
+            self.counts.add_pipeline(pipeline)
             starts = {}
             holds = []
             if use_rld is not None:
@@ -644,7 +644,7 @@ class Router:
                             rld_alive = False
                             self._end_relay(fl)
                             fl.excluded.add(node.name)
-                            self.counts["redrives"] += 1
+                            self.counts.redrives += 1
                             fl.tracker.redrive(f"RLD {node.name} lost: {why}; MD {md.name} takes over")
                             log.warning("node_lost", request_id=rid, node=node.name, error=why,
                                         emitted=fl.merger.next_position, takeover=md.name)
@@ -654,7 +654,7 @@ class Router:
                                 RequestState.HANDOFF_PENDING, RequestState.CATCHING_UP):
                             # RLD still holds the KV: it finishes the request alone.
                             md_alive = False
-                            self.counts["fallbacks"] += 1
+                            self.counts.fallbacks += 1
                             if fl.tracker.state == RequestState.PREFILLING:
                                 fl.tracker.advance(RequestState.RLD_DECODING, "RLD decodes")
                             fl.tracker.fall_back_to_rld(f"MD {node.name} lost: {why}")

@@ -202,8 +202,8 @@ async def run_deployment(cfg: Config, conversations: list[Conversation], shared_
         results.sort(key=lambda r: (r.arrival_s, r.rid))
         return RunResult(results, duration, drain, time.perf_counter() - wall0, emb.wan_kv_bytes(), util,
                          {r: sum(v) / len(v) for r, v in sorted(busy.items())},
-                         dict(router.alignments.counts), router.counts["rld_full"],
-                         classes, router.counts["redrives"], dict(sorted(preempted.items())),
+                         dict(router.alignments.counts), router.counts.rld_full,
+                         classes, router.counts.redrives, dict(sorted(preempted.items())),
                          leaked, pins)
     finally:
         await emb.stop()

@@ -68,7 +68,7 @@ async def run(lose_rld: bool):
         await router.drain()
         md = emb.workers["md0"].engine.stats()
         used = sum(w.engine.stats().used_blocks for name, w in emb.workers.items() if name != "rld0")
-        return (res, tuple(out), emb.wan_kv_bytes(), list(prefills), dict(router.counts), lost,
+        return (res, tuple(out), emb.wan_kv_bytes(), list(prefills), router.counts.as_dict(), lost,
                 router.kv_bytes_per_token, used, router.inflight(), md)
     finally:
         await emb.stop()

@@ -169,7 +169,7 @@ def test_an_md_without_room_is_skipped_before_routing():
 
     async def main():
         out, router, emb, leaked = await serve(cfg, [("r1", prompt(1500), 16)])
-        return out["r1"], router.counts["redrives"], leaked
+        return out["r1"], router.counts.redrives, leaked
 
     outcome, redrives, leaked = run_virtual(main())
     rec = outcome.record
