@@ -54,10 +54,13 @@ def evaluation_json(e: Evaluation) -> dict[str, Any]:
             "price_per_hour": round(c.price, 4), "roofline": _bound_json(e.roofline),
             "goodput_upper_rps": round(e.upper_rps, 4),
             "goodput_rps": None if e.goodput_rps is None else round(e.goodput_rps, 4),
+            "goodput_offered_rps": None if e.offered_rps is None else round(e.offered_rps, 4),
             "goodput_per_usd_hour": round(e.per_usd, 6),
             "probes": [{"rate": round(p.rate, 4), "attainment": round(p.attainment, 4),
                         "simulated": p.simulated, "attainment_bound": round(p.attainment_bound, 4)}
-                       | ({"achieved_rps": round(p.achieved_rps, 4)} if p.simulated else {}) for p in e.probes],
+                       | ({"arrival_rps": round(p.window.arrival_rps, 4), "slo_rps": round(p.window.slo_rps, 4),
+                           "achieved_rps": round(p.achieved_rps, 4)} if p.window is not None and
+                          p.achieved_rps is not None else {}) for p in e.probes],
             "groups": [{"role": g.role, "count": g.count, "cluster": g.cluster, "hardware": g.hardware,
                         "tensor_parallel": g.tensor_parallel, "data_parallel": g.data_parallel,
                         "expert_parallel": g.expert_parallel} for g in c.groups]}
@@ -78,12 +81,13 @@ def report_json(plan: Plan, results: dict[str, KindResult]) -> dict[str, Any]:
 def _row(rank: int, e: Evaluation) -> list[Any]:
     c = e.candidate
     gp = "-" if e.goodput_rps is None else f"{e.goodput_rps:.3g}"
+    offered = "-" if e.offered_rps is None else f"{e.offered_rps:.3g}"
     probes = f"{e.simulated_probes} / {len(e.probes) - e.simulated_probes}"
-    return [rank, c.label(), c.gpus, f"{c.price:.2f}", f"{e.roofline.rate:.3g} ({e.roofline.side})", gp,
+    return [rank, c.label(), c.gpus, f"{c.price:.2f}", f"{e.roofline.rate:.3g} ({e.roofline.side})", gp, offered,
             f"{e.per_usd * 100:.3g}", probes]
 
 
-HEADS = ["#", "deployment", "GPUs", "$/h", "roofline cap (req/s)", "SLA goodput (req/s)",
+HEADS = ["#", "deployment", "GPUs", "$/h", "roofline cap (req/s)", "SLA goodput (req/s in SLO)", "at offered",
          "goodput per $100/h", "probes sim / pruned"]
 
 
@@ -99,7 +103,7 @@ def format_report(plan: Plan, results: dict[str, KindResult]) -> str:
                   format_table(HEADS, [_row(i + 1, e) for i, e in enumerate(r.ranked)])]
     best = winner(results)
     gp = best.goodput_rps or 0.0
-    lines += ["", f"winner: {best.candidate.kind}, {best.candidate.label()}: {gp:.3g} req/s for "
+    lines += ["", f"winner: {best.candidate.kind}, {best.candidate.label()}: {gp:.3g} req/s within SLO for "
                   f"${best.candidate.price:.2f}/h ({best.per_usd * 100:.3g} req/s per $100/h)"]
     return "\n".join(lines)
 
@@ -110,9 +114,10 @@ def format_dry_run(plan: Plan) -> str:
     work = _Workloads(plan)
     d = work(plan.goodput.rate_min)
     lines = [f"pddgw plan {plan.spec.name} --dry-run: the probe at {plan.goodput.rate_min:g} req/s: {d.requests} "
-             f"requests, per request {d.mean(d.uncached):.0f} uncached prompt tokens of {d.mean(d.prompt):.0f}, "
-             f"{d.mean(d.output):.0f} output tokens; the steady-state roofline per side (req/s) and the goodput "
-             "the bisection could reach where the roofline allows"]
+             f"requests ({d.surely} surely in its {d.seconds:g} s window), per request {d.mean(d.uncached):.0f} "
+             f"uncached prompt tokens of {d.mean(d.prompt):.0f}, {d.mean(d.output):.0f} output tokens; the "
+             "steady-state roofline per side (req/s) and the most requests per second within SLO the bisection "
+             "could reach where the roofline allows"]
     for kind in plan.spec.kinds:
         rows = []
         for c in candidates(plan, prof, kind):
@@ -122,7 +127,7 @@ def format_dry_run(plan: Plan) -> str:
             rows.append([c.label(), c.gpus, f"{c.price:.2f}", sides, f"{ub:.3g}", f"{ub / c.price * 100:.3g}"])
         rows.sort(key=lambda r: -float(r[5]))
         lines += ["", f"== {kind}: {len(rows)} candidates ==",
-                  format_table(["deployment", "GPUs", "$/h", "roofline req/s per side", "goodput bound",
+                  format_table(["deployment", "GPUs", "$/h", "roofline req/s per side", "goodput bound (req/s)",
                                 "bound per $100/h"], rows)]
     return "\n".join(lines)
 

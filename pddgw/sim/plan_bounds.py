@@ -1,7 +1,10 @@
 """The roofline's verdict on a candidate at a rate: which side cannot keep up, without simulating.
 
-A probe offers the workload at a rate.  Its demand (`Demand`) is what each
-of its requests asks of a deployment, counted as low as it can be:
+A probe offers the workload at a rate: `pddgw sim`'s goodput probe
+(`run.probe_workload`: open-loop conversations over warm-up + window, or a
+trace's head scaled to the rate), whose attainment counts the requests
+that arrive in its window [W0, W1).  Its demand (`Demand`) is what each of
+its requests asks of a deployment, counted as low as it can be:
 
   uncached  prompt tokens no cache can hold, with infinite caches: a first
             turn misses all but the shared prefix, a follow-up turn misses
@@ -10,9 +13,12 @@ of its requests asks of a deployment, counted as low as it can be:
             MD lacks them (without one, naive cross-DC PD, it lacks the prompt)
   output    output tokens (the cost-model engine runs every answer to max_tokens)
 
-and the probe's horizon: the latest its last request can arrive if every
-earlier turn of its conversation took its whole SLO budget (ttft + tpot x
-its output tokens but the first), from the first arrival.
+and when each request can arrive: at the earliest its conversation's start
+plus the think times before it (every earlier turn answered at once), at
+the latest that plus each earlier turn's whole SLO budget (ttft + tpot x
+its output tokens but the first).  A trace request arrives at its (scaled)
+timestamp.  A request is surely in the window when both lie in it, maybe
+in it when the two straddle it.
 
 A candidate's capacity is counted as high as it can be, from the same step
 roofline the engines run on (`pddgw.sim.roofline.step_cost`):
@@ -35,20 +41,23 @@ roofline the engines run on (`pddgw.sim.roofline.step_cost`):
 
 `capacity` states each side in requests per second of this workload (the
 steady state, what the tables print).  `attainment_bound` is what prunes:
-a request that meets its SLOs has had its prefill by its arrival + ttft
-(P-MD kinds: its KV at MD too), its decode by that + tpot x its output
-tokens, so the requests meeting them fit, smallest first, into each side's
-capacity x (horizon + that budget); the least of those counts over the
-requests bounds the probe's attainment.  A probe whose bound is below the
-SLO's attainment target is not simulated (it counts as failed).  The
-horizon takes conversations whose every turn met its SLO; a turn that
-missed it may delay its conversation's next turns further, which the
-planner's brute-force tests check does not move an optimum on a small space.
+a window request that meets its SLOs arrived in [W0, W1) and had its
+prefill by its arrival + ttft (P-MD kinds: its KV at MD too), its decode by
+that + tpot x its output tokens, so the window's requests meeting them fit,
+smallest first among those maybe in the window, into each side's capacity
+x (W1 - W0 + that budget); the least of those counts (`met_bound`) over the
+requests surely in the window bounds the probe's attainment (met / arrived
+<= met_bound / surely arrived).  A probe whose bound is below the SLO's
+attainment target is not simulated (it counts as failed); met_bound /
+(W1 - W0) bounds the requests per second within SLO, the probe's goodput.
+The latest arrivals take conversations whose every earlier turn met its
+SLO; a turn that missed it may push its conversation's next turns later,
+out of the window, which the planner's brute-force tests check does not
+move an optimum on a small space.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -58,7 +67,8 @@ from pddgw.sim.plan_space import Candidate, Plan
 from pddgw.sim.profiles import ModelProfile, hardware
 from pddgw.sim.roofline import SeqWork, memory_fit, step_cost
 from pddgw.sim.scenario import NodeGroup, Scenario
-from pddgw.sim.workload import Conversation, agentic, load_trace, shared_prefix
+from pddgw.sim.run import probe_workload
+from pddgw.sim.workload import Conversation
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +78,36 @@ class Demand:
     uncached: tuple[int, ...]        # prompt tokens P computes, and a prefix-caching MD lacks
     prompt: tuple[int, ...]          # prompt tokens (naive: all of them cross)
     output: tuple[int, ...]          # output tokens
-    horizon_s: float                 # first arrival to the latest the last can come (module docstring)
+    earliest: tuple[float, ...]      # the earliest each can arrive (module docstring)
+    latest: tuple[float, ...]        # the latest, every earlier turn of its conversation within SLO
+    start_s: float                   # the probe's window of measured arrivals [start_s, end_s)
+    end_s: float
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt)
+        if not (len(self.uncached) == len(self.output) == len(self.earliest) == len(self.latest) == n):
+            raise ValueError("Demand: one entry per request in every field")
+        if not self.end_s > self.start_s:
+            raise ValueError(f"Demand: empty window [{self.start_s}, {self.end_s})")
 
     @property
     def requests(self) -> int:
         return len(self.prompt)
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def maybe(self) -> tuple[int, ...]:
+        """Requests that can arrive in the window."""
+        return tuple(i for i, (e, l) in enumerate(zip(self.earliest, self.latest))
+                     if e < self.end_s and l >= self.start_s)
+
+    @property
+    def surely(self) -> int:
+        """How many requests arrive in the window whenever every earlier turn met its SLO."""
+        return sum(self.start_s <= e and l < self.end_s for e, l in zip(self.earliest, self.latest))
 
     def mean(self, xs: tuple[int, ...]) -> float:
         return sum(xs) / len(xs)
@@ -94,26 +129,6 @@ class Bound:
 
 
 # ---- the probe's workload --------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=4)
-def _trace(path: str, limit: int, output_cap: int, seed: int) -> tuple[Conversation, ...]:
-    return tuple(load_trace(path, limit, output_cap=output_cap, seed=seed))
-
-
-def probe_workload(sc: Scenario, rate: float, requests: int) -> tuple[list[Conversation], tuple[int, ...]]:
-    """The conversations of one probe at `rate`: the agentic workload with that rate and request
-    count, or the trace with its timestamps scaled so that it arrives at `rate` on average."""
-    wl = sc.workload
-    if wl.kind == "trace":
-        t = wl.trace
-        convs = _trace(t.path, t.requests, t.output_cap, sc.seed)
-        span = convs[-1].start_s - convs[0].start_s if len(convs) > 1 else 0.0
-        native = (len(convs) - 1) / span if span > 0 else rate
-        scale = native / rate
-        return [dataclasses.replace(c, start_s=(c.start_s - convs[0].start_s) * scale) for c in convs], ()
-    spec = dataclasses.replace(wl.agentic, rate=rate, requests=requests)
-    return agentic(spec, sc.seed), shared_prefix(spec.shared_prefix_tokens, sc.seed)
-
 
 def _trace_misses(convs: list[Conversation], block: int) -> list[int]:
     """Per request, the prompt tokens in no earlier request's whole blocks (infinite prefix cache)."""
@@ -144,32 +159,38 @@ def _turn_budget_s(sc: Scenario, out: int) -> float:
     return min(bounds) if bounds else math.inf
 
 
-def demand(sc: Scenario, rate: float, requests: int) -> Demand:
-    convs, prefix = probe_workload(sc, rate, requests)
-    late: list[float] = []          # each request's latest arrival (module docstring)
+def demand(sc: Scenario, rate: float) -> Demand:
+    """The demand of `pddgw sim`'s goodput probe at `rate` (`run.probe_workload`)."""
+    pw = probe_workload(sc, rate)
+    convs = list(pw.conversations)
+    early: list[float] = []
+    late: list[float] = []
     ctx: list[int] = []
     miss: list[int] = []
     outs: list[int] = []
     if sc.workload.kind == "trace":
         miss = _trace_misses(convs, sc.block_size)
         for c in convs:
+            early.append(c.start_s)
             late.append(c.start_s)
             ctx.append(len(c.turns[0].prompt))
             outs.append(c.turns[0].max_tokens)
     else:
         for c in convs:
-            t = c.start_s
+            lo = hi = c.start_s
             for k, turn in enumerate(c.turns):
                 if k:
-                    t += _turn_budget_s(sc, c.turns[k - 1].max_tokens)
-                t += turn.think_s
-                late.append(t)
+                    hi += _turn_budget_s(sc, c.turns[k - 1].max_tokens)
+                lo += turn.think_s
+                hi += turn.think_s
+                early.append(lo)
+                late.append(hi)
                 ctx.append(turn.context)
                 outs.append(turn.max_tokens)
-                kept = min(len(prefix), turn.context) if k == 0 else math.floor(turn.hit * turn.context)
+                kept = min(len(pw.prefix), turn.context) if k == 0 else math.floor(turn.hit * turn.context)
                 miss.append(turn.context - kept)
-    first = min(c.start_s for c in convs)
-    return Demand(uncached=tuple(miss), prompt=tuple(ctx), output=tuple(outs), horizon_s=max(late) - first)
+    return Demand(uncached=tuple(miss), prompt=tuple(ctx), output=tuple(outs), earliest=tuple(early),
+                  latest=tuple(late), start_s=pw.start_s, end_s=pw.end_s)
 
 
 # ---- the candidate's capacity ----------------------------------------------------------------------
@@ -278,22 +299,39 @@ def _fit(budget: float, uses: list[float]) -> int:
     return n
 
 
-def attainment_bound(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
-    """An upper bound on the share of the probe's requests that can meet every SLO (module docstring)."""
+def met_bound(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> int:
+    """The most of the window's requests that can meet every SLO (module docstring)."""
     s = _sides(plan, prof, cand, d)
     if s.latency:
-        return 0.0
+        return 0
     slo = plan.scenario.slo
-    first = slo.ttft_s or slo.e2e_s or math.inf
-    whole = _turn_budget_s(plan.scenario, max(d.output))
-    n = d.requests
-    counts = [_fit(s.prefill[0] * (d.horizon_s + first), s.prefill[1]),
-              _fit(s.decode[0] * (d.horizon_s + whole), s.decode[1]),
-              _fit(s.kv[0] * (d.horizon_s + whole), s.kv[1])]
+    idx = d.maybe
+    if not idx:
+        return 0
+    first = d.seconds + (slo.ttft_s or slo.e2e_s or math.inf)
+    whole = d.seconds + _turn_budget_s(plan.scenario, max(d.output[i] for i in idx))
+
+    def fit(budget: float, uses: list[float]) -> int:
+        return _fit(budget, [uses[i] for i in idx])
+
+    counts = [fit(s.prefill[0] * first, s.prefill[1]), fit(s.decode[0] * whole, s.decode[1]),
+              fit(s.kv[0] * whole, s.kv[1])]
     if s.wan is not None:
         if s.relay is None:       # P-MD: the KV is at MD before its first token
-            counts.append(_fit(s.wan[0] * (d.horizon_s + first), s.wan[1]))
+            counts.append(fit(s.wan[0] * first, s.wan[1]))
         else:                     # PDD: across by the answer's end, or relayed whole
-            slots = s.relay[0] * (d.horizon_s + whole) / s.relay[1] if s.relay[1] > 0 else math.inf
-            counts.append(min(n, _fit(s.wan[0] * (d.horizon_s + whole), s.wan[1]) + slots))
-    return min(min(counts), n) / n
+            slots = s.relay[0] * whole / s.relay[1] if s.relay[1] > 0 else math.inf
+            counts.append(int(min(len(idx), fit(s.wan[0] * whole, s.wan[1]) + slots)))
+    return min(min(counts), len(idx))
+
+
+def attainment_bound(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
+    """An upper bound on the share of the window's requests that can meet every SLO: met_bound
+    over the requests surely in the window (1.0 when none surely is: nothing to bound by)."""
+    surely = d.surely
+    return 1.0 if not surely else min(1.0, met_bound(plan, prof, cand, d) / surely)
+
+
+def slo_rps_bound(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
+    """An upper bound on the probe's requests per second within SLO (its goodput)."""
+    return met_bound(plan, prof, cand, d) / d.seconds

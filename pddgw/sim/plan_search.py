@@ -5,14 +5,21 @@ Lifecycle of one kind's search (`search_kind`):
   1. Enumerate the candidates within the budgets (`plan_space.candidates`).
   2. Bound each one without simulating: run the goodput bisection of
      `report.sla_goodput` with a probe that passes wherever the roofline
-     does not prune the rate (`plan_bounds`).  That is an upper bound on the
-     goodput the real bisection finds: the two walk the same rates until the
-     first rate the simulation fails and the roofline passes, after which
-     the real one stays below that rate and the bound at or above it.
+     does not prune the rate (`plan_bounds`).  The offered rate it ends at
+     is at or above the one the real bisection ends at: the two walk the
+     same rates until the first rate the simulation fails and the roofline
+     passes, after which the real one stays below that rate and the bound
+     at or above it.  The real one ends on a rate of the bisection's grid
+     (`bisection_rates`) that the roofline does not prune, so the most
+     requests per second within SLO the roofline allows at any such rate up
+     to the bound's is an upper bound on the goodput.
   3. Order the candidates by bound per USD, best first, and evaluate them
-     in that order: the real bisection, each probe simulated on the virtual
-     clock (`pddgw sim`'s deployment, engines and control plane) unless the
-     roofline prunes its rate.
+     in that order: the real bisection, each probe `pddgw sim`'s goodput
+     probe (`run.run_probe`: open-loop conversations, the window's
+     requests counted) simulated on the virtual clock (`pddgw sim`'s
+     deployment, engines and control plane) unless the roofline prunes its
+     rate.  The goodput is `pddgw sim`'s: the window's requests per second
+     within SLO at the highest offered rate whose attainment holds.
   4. Stop once `top` candidates are evaluated and the next one's bound per
      USD ranks below the top-th real result: no candidate left can enter
      the table (branch and bound).
@@ -26,37 +33,39 @@ resolve the same way in every mode and at any `jobs`.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from dataclasses import dataclass, field
 
 from pddgw.logs import setup_logging
 from pddgw.sim import report
-from pddgw.sim.clock import run_virtual
-from pddgw.sim.cluster import run_deployment
-from pddgw.sim.plan_bounds import Bound, Demand, attainment_bound, capacity, demand, probe_workload
+from pddgw.sim.plan_bounds import Bound, Demand, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
+from pddgw.sim.run import run_probe
 from pddgw.sim.scenario import deployment_config
 
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    rate: float
-    attainment: float
-    achieved_rps: float | None           # None: not simulated (the roofline pruned the rate)
+    rate: float                          # offered requests per second
+    attainment: float                    # of the window's requests (0.0: not simulated)
+    window: report.Window | None         # None: not simulated (the roofline pruned the rate)
+    achieved_rps: float | None           # requests served per second over the run
     attainment_bound: float              # the roofline's bound on its attainment (plan_bounds)
 
     @property
     def simulated(self) -> bool:
-        return self.achieved_rps is not None
+        return self.window is not None
 
 
 @dataclass(frozen=True, slots=True)
 class Evaluation:
     candidate: Candidate
     roofline: Bound                      # the steady-state roofline at the smallest probe's workload
-    upper_rps: float                     # the bisection's bound (lifecycle step 2)
-    goodput_rps: float | None = None     # None: not evaluated (bounded out)
+    upper_rps: float                     # the bound on the goodput (lifecycle step 2)
+    goodput_rps: float | None = None     # within SLO at the highest passing probe; None: not evaluated
+    offered_rps: float | None = None     # that probe's offered rate
     probes: tuple[Probe, ...] = ()
     wall_s: float = 0.0
 
@@ -98,13 +107,21 @@ class _Workloads:
         self.plan = plan
         self._cache: dict[float, Demand] = {}
 
-    def requests(self, rate: float) -> int:
-        return self.plan.goodput.requests(rate)
-
     def __call__(self, rate: float) -> Demand:
         if rate not in self._cache:
-            self._cache[rate] = demand(self.plan.scenario, rate, self.requests(rate))
+            self._cache[rate] = demand(self.plan.scenario, rate)
         return self._cache[rate]
+
+
+def bisection_rates(lo: float, hi: float, probes: int) -> list[float]:
+    """Every rate `report.sla_goodput(.., lo, hi, probes)` can probe, computed as it does."""
+    def mids(a: float, b: float, depth: int) -> list[float]:
+        if depth <= 0:
+            return []
+        m = math.sqrt(a * b)
+        return [m, *mids(a, m, depth - 1), *mids(m, b, depth - 1)]
+
+    return sorted({lo, hi, *mids(lo, hi, probes - 2)})
 
 
 def _pruned(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> tuple[bool, float]:
@@ -114,21 +131,22 @@ def _pruned(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> tuple
 
 
 def upper_bound(plan: Plan, prof: ModelProfile, cand: Candidate, work: _Workloads) -> float:
-    """The goodput the bisection would find if every probe the roofline allows passed."""
+    """A bound on the goodput the real bisection finds (lifecycle step 2): requests per second."""
     g = plan.goodput
-    got, _ = report.sla_goodput(lambda r: 0.0 if _pruned(plan, prof, cand, work(r))[0] else 1.0,
+    top, _ = report.sla_goodput(lambda r: 0.0 if _pruned(plan, prof, cand, work(r))[0] else 1.0,
                                 plan.slo.attainment, g.rate_min, g.rate_max, g.probes)
-    return got
+    rates = [r for r in bisection_rates(g.rate_min, g.rate_max, g.probes)
+             if r <= top and not _pruned(plan, prof, cand, work(r))[0]]
+    return max((slo_rps_bound(plan, prof, cand, work(r)) for r in rates), default=0.0)
 
 
-def simulate_probe(plan: Plan, cand: Candidate, rate: float, requests: int) -> tuple[float, float]:
-    """(SLO attainment, achieved requests/s) of one probe, simulated on the virtual clock."""
+def simulate_probe(plan: Plan, cand: Candidate, rate: float) -> tuple[report.Window, float]:
+    """`pddgw sim`'s goodput probe at `rate` on the candidate: (its window, requests served per
+    second over the run)."""
     sc = plan.scenario
     cfg = deployment_config(sc, cand.deployment(plan.spec), plan.wan_gbps if cand.kind != "same-dc" else None)
-    convs, prefix = probe_workload(sc, rate, requests)
-    run = run_virtual(run_deployment(cfg, convs, prefix))
-    achieved = sum(r.error is None for r in run.requests) / run.duration_s
-    return report.attainment(run.requests, sc.slo), achieved
+    window, run = run_probe(sc, cfg, rate)
+    return window, sum(r.error is None for r in run.requests) / run.duration_s
 
 
 def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluation:
@@ -140,18 +158,18 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluatio
     wall0 = time.perf_counter()
 
     def probe(rate: float) -> float:
-        d = work(rate)
-        pruned, bound = _pruned(plan, prof, cand, d)
+        pruned, bound = _pruned(plan, prof, cand, work(rate))
         if pruned and not exhaustive:
-            probes.append(Probe(rate, 0.0, None, bound))
+            probes.append(Probe(rate, 0.0, None, None, bound))
             return 0.0
-        att, achieved = simulate_probe(plan, cand, rate, work.requests(rate))
-        probes.append(Probe(rate, att, achieved, bound))
-        return att
+        window, achieved = simulate_probe(plan, cand, rate)
+        probes.append(Probe(rate, window.attainment, window, achieved, bound))
+        return window.attainment
 
-    goodput, _ = report.sla_goodput(probe, plan.slo.attainment, g.rate_min, g.rate_max, g.probes)
+    offered, _ = report.sla_goodput(probe, plan.slo.attainment, g.rate_min, g.rate_max, g.probes)
+    best = next((p.window for p in probes if p.rate == offered and p.window is not None), None)
     return Evaluation(cand, capacity(plan, prof, cand, work(g.rate_min)), upper_bound(plan, prof, cand, work),
-                      goodput, tuple(probes), time.perf_counter() - wall0)
+                      best.slo_rps if best else 0.0, offered, tuple(probes), time.perf_counter() - wall0)
 
 
 def _init_worker() -> None:

@@ -120,7 +120,7 @@ def serve_config(plan: Plan, cand: Candidate) -> Config:
 
 
 def serve_comment(plan: Plan, cand: Candidate, goodput_rps: float | None, filename: str = "config.toml") -> str:
-    gp = "not evaluated" if goodput_rps is None else f"{goodput_rps:.4g} req/s"
+    gp = "not evaluated" if goodput_rps is None else f"{goodput_rps:.4g} req/s within SLO"
     return (f"Written by `pddgw plan` ({plan.spec.name}): the {cand.kind} winner,\n"
             f"  {cand.label()}\n"
             f"  {cand.gpus} GPUs, ${cand.price:.2f}/h, SLA goodput {gp} on scenario {plan.scenario.name}.\n"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 import orjson
 
 from pddgw.bench.common import format_table
-from pddgw.config import ConfigError
+from pddgw.config import Config, ConfigError
 from pddgw.logs import setup_logging
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
@@ -65,18 +66,65 @@ def _simulate(sc: Scenario, job: Job, rate: float | None = None, requests: int |
     return run_virtual(run_deployment(cfg, convs, prefix))
 
 
-def goodput_probe(sc: Scenario, job: Job, rate: float) -> tuple[report.Window, RunResult]:
-    """One probe of the SLA-goodput search at `rate` offered requests per second.
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProbeWorkload:
+    """One SLA-goodput probe: its conversations and the window [start_s, end_s) of arrivals it
+    measures.  The one definition of a probe: `pddgw sim`'s goodput search and `pddgw plan`'s
+    (simulated, and bounded by the roofline in plan_bounds) both take it from `probe_workload`."""
+
+    conversations: tuple[Conversation, ...]
+    prefix: tuple[int, ...]
+    start_s: float
+    end_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+@functools.lru_cache(maxsize=16)
+def _trace_head(path: str, limit: int, output_cap: int, seed: int) -> tuple[Conversation, ...]:
+    # A search probes many rates of one trace: its records are read once per request count.
+    return tuple(load_trace(path, limit, output_cap=output_cap, seed=seed))
+
+
+def probe_workload(sc: Scenario, rate: float) -> ProbeWorkload:
+    """The workload of one goodput probe at `rate` offered requests per second.
 
     Agentic: conversations arrive open-loop at rate / mean turns for warmup_s + seconds, every
-    one plays all its turns, and the window is the arrivals of the last `seconds`.  A trace
-    has its own arrival times: its first rate x seconds requests, the whole run the window."""
+    one plays all its turns, and the window is the arrivals of the last `seconds`.  A trace:
+    its first rate x seconds requests (at least min_requests, at most the trace's `requests`
+    when set) with their timestamps scaled so that they arrive at `rate` on average; the
+    window holds every one of them: [0, n / rate), n / rate seconds for n requests."""
     g = sc.goodput
-    if sc.workload.kind == "agentic":
-        run = _simulate(sc, job, rate, horizon_s=g.warmup_s + g.seconds)
-        return report.window_goodput(run.requests, sc.slo, g.warmup_s, g.warmup_s + g.seconds), run
-    run = _simulate(sc, job, rate, g.requests(rate))
-    return report.window_goodput(run.requests, sc.slo, 0.0, max(run.duration_s, 1e-9)), run
+    wl = sc.workload
+    if wl.kind == "agentic":
+        spec = dataclasses.replace(wl.agentic, rate=rate)
+        convs = agentic(spec, sc.seed, g.warmup_s + g.seconds)
+        return ProbeWorkload(tuple(convs), shared_prefix(spec.shared_prefix_tokens, sc.seed),
+                             g.warmup_s, g.warmup_s + g.seconds)
+    t = wl.trace
+    n = g.requests(rate)
+    head = _trace_head(t.path, min(n, t.requests) if t.requests else n, t.output_cap, sc.seed)
+    if not head:
+        raise ValueError(f"trace {t.path}: no requests to probe")
+    span = head[-1].start_s - head[0].start_s
+    # seconds per unit of recorded time: the n - 1 gaps of the head take (n - 1) / rate seconds.
+    scale = (len(head) - 1) / rate / span if span > 0 else 0.0
+    convs = tuple(dataclasses.replace(c, start_s=(c.start_s - head[0].start_s) * scale) for c in head)
+    return ProbeWorkload(convs, (), 0.0, len(head) / rate)
+
+
+def run_probe(sc: Scenario, cfg: Config, rate: float) -> tuple[report.Window, RunResult]:
+    """One probe (`probe_workload`) simulated on deployment `cfg`: its window and the whole run."""
+    pw = probe_workload(sc, rate)
+    run = run_virtual(run_deployment(cfg, list(pw.conversations), pw.prefix))
+    return report.window_goodput(run.requests, sc.slo, pw.start_s, pw.end_s), run
+
+
+def goodput_probe(sc: Scenario, job: Job, rate: float) -> tuple[report.Window, RunResult]:
+    """One probe of the SLA-goodput search of a scenario's deployment (`run_probe`)."""
+    return run_probe(sc, deployment_config(sc, sc.deployment(job.deployment), job.wan_gbps), rate)
 
 
 def run_job(sc: Scenario, job: Job) -> dict[str, Any]:

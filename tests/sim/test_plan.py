@@ -1,6 +1,7 @@
 """`pddgw plan`: the space, the roofline's bounds, the pruned search against brute force, the files it writes."""
 
 import dataclasses
+import math
 from pathlib import Path
 
 import orjson
@@ -8,14 +9,16 @@ import pytest
 
 from pddgw import cli
 from pddgw.config import ConfigError, load_config
-from pddgw.sim import plan_search
+from pddgw.sim import plan_search, report
 from pddgw.sim.plan import main as plan_main
 from pddgw.sim.plan import write_outputs
 from pddgw.sim.plan_bounds import (Demand, _fit, _kv_tokens, attainment_bound, capacity, decode_step_s,
-                                   decode_tokens_per_s, demand, prefill_tokens_per_s, probe_workload)
+                                   decode_tokens_per_s, demand, met_bound, prefill_tokens_per_s, slo_rps_bound)
+from pddgw.sim.plan_search import bisection_rates
 from pddgw.sim.plan_space import candidates, load_plan
 from pddgw.sim.plan_write import config_toml, serve_config
 from pddgw.sim.profiles import model
+from pddgw.sim.run import Job, goodput_probe, probe_workload
 from pddgw.sim.scenario import NodeGroup, load_scenario
 
 HERE = Path(__file__).parent
@@ -128,11 +131,13 @@ def test_the_smallest_requests_fit_first():
 def test_the_attainment_bound_by_hand():
     plan = load_plan(TINY)
     cand = candidates(plan, LLAMA8B, "naive-cross-dc")[0]        # P 1 x H100 | MD 1 x H200, no MD cache
-    # Four requests of 4,096 prompt tokens, 1,000 of them uncached, 2 output tokens, arriving
-    # within 1 s at the latest.  Naive P-MD: each prompt's whole KV (4,096 x 131,072 B = 537 MB)
-    # reaches MD before its first token, within horizon + TTFT = 1 + 1.5 s: 10 Gbps carries
+    # Four requests of 4,096 prompt tokens, 1,000 of them uncached, 2 output tokens, all arriving
+    # in the window [0, 1 s).  Naive P-MD: each prompt's whole KV (4,096 x 131,072 B = 537 MB)
+    # reaches MD before its first token, within window + TTFT = 1 + 1.5 s: 10 Gbps carries
     # 1.25e9 x 2.5 = 3.125 GB, all four (2.15 GB).  At 1 s + 0.1 s TTFT only 1.375 GB: two.
-    d = Demand(uncached=(1000,) * 4, prompt=(4096,) * 4, output=(2,) * 4, horizon_s=1.0)
+    at = (0.0, 0.25, 0.5, 0.75)
+    d = Demand(uncached=(1000,) * 4, prompt=(4096,) * 4, output=(2,) * 4, earliest=at, latest=at,
+               start_s=0.0, end_s=1.0)
     assert attainment_bound(plan, LLAMA8B, cand, d) == 1.0
     tight = dataclasses.replace(plan, scenario=dataclasses.replace(
         plan.scenario, slo=dataclasses.replace(plan.scenario.slo, ttft_s=0.1)))
@@ -142,17 +147,45 @@ def test_the_attainment_bound_by_hand():
     assert capacity(plan, LLAMA8B, cand, d).side == "wan"
 
 
+def test_the_attainment_bound_counts_the_window_only():
+    plan = load_plan(TINY)
+    cand = candidates(plan, LLAMA8B, "naive-cross-dc")[0]
+    # The window [1.0, 1.5): request 0 arrived before it, request 4 after; 1 and 2 arrive in it
+    # whenever they can; 3 may (between 1.3 and 1.7 s).  So 3 may meet their SLOs and 2 surely count.
+    d = Demand(uncached=(1000,) * 5, prompt=(4096,) * 5, output=(2,) * 5, earliest=(0.2, 1.0, 1.2, 1.3, 1.6),
+               latest=(0.2, 1.1, 1.4, 1.7, 1.6), start_s=1.0, end_s=1.5)
+    assert (d.maybe, d.surely, d.seconds) == ((1, 2, 3), 2, 0.5)
+    # Within window + TTFT = 0.5 + 1.5 s the WAN carries 2.5 GB: the three that may (1.61 GB),
+    # met 3 of at least 2 arrivals bounds nothing; 3 in SLO over the 0.5 s window: 6 req/s.
+    assert (met_bound(plan, LLAMA8B, cand, d), attainment_bound(plan, LLAMA8B, cand, d)) == (3, 1.0)
+    assert slo_rps_bound(plan, LLAMA8B, cand, d) == 6.0
+    # TTFT 0.1 s: 0.6 s x 1.25 GB/s = 0.75 GB, one prompt's KV: at most 1 of the 2 sure arrivals.
+    tight = dataclasses.replace(plan, scenario=dataclasses.replace(
+        plan.scenario, slo=dataclasses.replace(plan.scenario.slo, ttft_s=0.1)))
+    assert (met_bound(tight, LLAMA8B, cand, d), attainment_bound(tight, LLAMA8B, cand, d)) == (1, 0.5)
+    assert slo_rps_bound(tight, LLAMA8B, cand, d) == 2.0
+    with pytest.raises(ValueError, match="one entry per request"):
+        dataclasses.replace(d, latest=(0.2,))
+    with pytest.raises(ValueError, match=r"empty window \[1.0, 1.0\)"):
+        dataclasses.replace(d, end_s=1.0)
+
+
 def test_the_demand_of_a_conversation_by_hand():
     plan = load_plan(TINY)
     spec = dataclasses.replace(plan.scenario.workload.agentic, context_tokens=1000, output_tokens=11,
                                shared_prefix_tokens=200, turns_min=2, turns_max=2, think_s_min=1.0,
                                think_s_max=1.0, hit_buckets=((1.0, 0.5, 0.5),))
-    sc = dataclasses.replace(plan.scenario, workload=dataclasses.replace(plan.scenario.workload, agentic=spec))
-    d = demand(sc, 1.0, 2)          # one conversation of two turns, starting at 0
+    sc = dataclasses.replace(plan.scenario, workload=dataclasses.replace(plan.scenario.workload, agentic=spec),
+                             goodput=dataclasses.replace(plan.goodput, warmup_s=1.0, seconds=3.0))
+    # At 0.01 req/s (a conversation per 200 s) only the first starts within the 4 s horizon, at 0.
+    assert [(c.start_s, len(c.turns)) for c in probe_workload(sc, 0.01).conversations] == [(0.0, 2)]
+    d = demand(sc, 0.01)
     # Turn 0 keeps the 200 shared tokens; turn 1 keeps half of turn 0 (500 tokens).
     assert d.uncached == (800, 500) and d.prompt == (1000, 1000) and d.output == (11, 11)
-    # Turn 1 arrives at the latest after turn 0's SLO budget (1.5 s TTFT + 10 x 50 ms) and 1 s of thinking.
-    assert d.horizon_s == pytest.approx(1.5 + 10 * 0.05 + 1.0, rel=1e-12)
+    # Turn 1 arrives after 1 s of thinking at the earliest, and at the latest after turn 0's
+    # SLO budget too (1.5 s TTFT + 10 x 50 ms): in [1, 4) s, the window after the 1 s warm-up.
+    assert d.earliest == (0.0, 1.0) and d.latest == pytest.approx((0.0, 1.5 + 10 * 0.05 + 1.0), rel=1e-12)
+    assert (d.start_s, d.end_s, d.maybe, d.surely) == (1.0, 4.0, (1,), 1)
 
 
 def test_the_demand_of_a_trace_counts_blocks_no_earlier_request_had(tmp_path):
@@ -163,18 +196,32 @@ def test_the_demand_of_a_trace_counts_blocks_no_earlier_request_had(tmp_path):
         {"timestamp": 2000, "input_length": 100, "output_length": 4, "hash_ids": [4]})))
     plan = load_plan(TINY, trace=str(trace))
     sc = plan.scenario
-    # 3 requests over 2 s arrive at 1 req/s: at 2 req/s the timestamps halve.
-    convs, _ = probe_workload(sc, 2.0, 0)
-    assert [c.start_s for c in convs] == [0.0, 0.5, 1.0]
-    d = demand(sc, 2.0, 0)
+    # A probe takes rate x 4 s = 8 requests (the trace has 3) and scales them to the rate:
+    # 3 requests over 2 s arrive at 1 req/s, at 2 req/s the timestamps halve; the window holds
+    # all three, 3 / 2 = 1.5 s of them.
+    pw = probe_workload(sc, 2.0)
+    assert [c.start_s for c in pw.conversations] == [0.0, 0.5, 1.0] and (pw.start_s, pw.end_s) == (0.0, 1.5)
+    d = demand(sc, 2.0)
     # Second request: its first 1,024 tokens are the first request's two blocks.
     assert d.uncached == (1024, 1200 - 1024, 100) and d.prompt == (1024, 1200, 100) and d.output == (8, 8, 4)
-    assert d.horizon_s == 1.0
-    # The probe replays it on the simulator at that rate: all three within the SLOs, over the
-    # 1 s of arrivals plus the last answer (3 requests / (1 s + its service) between 2 and 3 per s).
+    assert d.earliest == d.latest == (0.0, 0.5, 1.0) and (d.maybe, d.surely) == ((0, 1, 2), 3)
+    # The probe replays it on the simulator at that rate: all three within the SLOs, 2 per
+    # second of the window, over the 1 s of arrivals plus the last answer (3 requests / (1 s +
+    # its service) between 2 and 3 per s).
     cand = candidates(plan, LLAMA8B, "pdd")[0]
-    attained, achieved = plan_search.simulate_probe(plan, cand, 2.0, 0)
-    assert attained == 1.0 and 2.0 < achieved < 3.0
+    window, achieved = plan_search.simulate_probe(plan, cand, 2.0)
+    assert (window.requests, window.met, window.seconds, window.slo_rps) == (3, 3, 1.5, 2.0)
+    assert 2.0 < achieved < 3.0
+
+
+def test_the_bisection_rates_are_every_rate_the_search_can_probe():
+    # 1 .. 16 req/s in 5 probes: the ends, then 3 levels of geometric midpoints.
+    assert bisection_rates(1.0, 16.0, 5) == [1.0, math.sqrt(2), 2.0, math.sqrt(8), 4.0, math.sqrt(32), 8.0,
+                                             math.sqrt(128), 16.0]
+    assert bisection_rates(1.0, 16.0, 2) == bisection_rates(1.0, 16.0, 1) == [1.0, 16.0]
+    for passing in (0.0, 1.0, 3.0, 5.0, 12.0, 99.0):
+        _, points = report.sla_goodput(lambda r: float(r <= passing), 0.9, 1.0, 16.0, 5)
+        assert {r for r, _ in points} <= set(bisection_rates(1.0, 16.0, 5))
 
 
 # ---- the search against brute force ---------------------------------------------------------------------
@@ -190,10 +237,10 @@ def searched():
     calls: dict[str, list] = {"brute": [], "pruned": []}
     mode = ["brute"]
 
-    def cached(plan, cand, rate, requests):
+    def cached(plan, cand, rate):
         calls[mode[0]].append((cand, rate))
         if (cand, rate) not in memo:
-            memo[cand, rate] = real(plan, cand, rate, requests)
+            memo[cand, rate] = real(plan, cand, rate)
         return memo[cand, rate]
 
     mp = pytest.MonkeyPatch()
@@ -216,17 +263,28 @@ def test_the_pruned_search_finds_the_brute_force_optimum(searched):
         assert [(e.candidate, e.goodput_rps) for e in p.ranked] == [(e.candidate, e.goodput_rps) for e in b.ranked]
     assert plan_search.winner(pruned).candidate == plan_search.winner(brute).candidate
     # The optimum on this space: two P and one decode GPU in one datacenter carry the top rate.
+    # Goodput is `pddgw sim`'s (issue 20): the requests per second within SLO of the window's
+    # arrivals at the highest passing offer, not the offered rate.  At 16 req/s offered, 66
+    # requests arrived in the 4 s window (Poisson: more than 16 x 4) and all met the SLO: 16.5.
     best = plan_search.winner(pruned)
-    assert (best.candidate.label(), best.goodput_rps, best.candidate.price) == (
-        "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.0, 9.0)
-    # One P carries less (10.4 req/s on the bisection's grid of 0.5 .. 16 req/s, 5 probes).
-    assert [(e.candidate.label(), round(e.goodput_rps, 4)) for e in pruned["same-dc"].ranked] == [
-        ("P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.0), ("P 1 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 10.3747)]
-    assert [(e.candidate.label(), round(e.goodput_rps, 4)) for e in pruned["pdd"].ranked] == [
-        ("P 1 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 10.3747),
-        ("P 2 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 10.3747)]
-    assert [(e.candidate.label(), round(e.goodput_rps, 4)) for e in pruned["naive-cross-dc"].ranked] == [
-        ("P 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 2.8284), ("P 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 2.8284)]
+    assert (best.candidate.label(), best.goodput_rps, best.offered_rps, best.candidate.price) == (
+        "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.5, 16.0, 9.0)
+    assert [(p.rate, p.window.requests, p.window.met) for p in best.probes] == [(1.0, 3, 3), (16.0, 66, 66)]
+    # One P passes 8 req/s offered on the bisection's grid of 1 .. 16 req/s (5 probes): 35
+    # arrivals in 4 s, all in SLO, 8.75 req/s.
+    assert [(e.candidate.label(), e.goodput_rps, e.offered_rps) for e in pruned["same-dc"].ranked] == [
+        ("P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.5, 16.0),
+        ("P 1 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 8.75, 8.0)]
+    # PDD with two P passes sqrt(128) = 11.3 req/s offered: 46 of 50 window arrivals in SLO.
+    assert [(e.candidate.label(), e.goodput_rps, round(e.offered_rps, 4)) for e in pruned["pdd"].ranked] == [
+        ("P 2 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 11.5, 11.3137),
+        ("P 2 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 2 x H200-SXM tp1", 11.5, 11.3137)]
+    # Naive cross-DC passes sqrt(2) req/s offered (5 of 5 arrivals: 1.25 req/s): the WAN carries the
+    # prompts of 2.33 req/s in the steady state, and 2 req/s already fails (4 of 7 in SLO).
+    assert [(e.candidate.label(), e.goodput_rps, round(e.offered_rps, 4))
+            for e in pruned["naive-cross-dc"].ranked] == [
+        ("P 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 1.25, 1.4142),
+        ("P 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 1.25, 1.4142)]
     # It got there with fewer simulations: probes the roofline pruned, candidates it bounded out.
     assert len(calls["pruned"]) < len(calls["brute"])
     assert sum(r.pruned_probes for r in pruned.values()) > 0 and sum(r.bounded_out for r in pruned.values()) > 0
@@ -240,18 +298,32 @@ def test_the_roofline_never_prunes_a_probe_that_would_pass(searched):
         for e in r.all_evaluations:
             for probe in e.probes:
                 if not probe.simulated:
-                    attained, _ = memo[e.candidate, probe.rate]       # brute force simulated it
-                    assert attained < target and probe.attainment_bound < target
+                    window, _ = memo[e.candidate, probe.rate]       # brute force simulated it
+                    assert window.attainment < target and probe.attainment_bound < target
                     checked += 1
             # The bound the branch and bound orders by is never below the real goodput.
             assert e.upper_rps >= e.goodput_rps
     assert checked == sum(r.pruned_probes for r in pruned.values()) > 0
-    # Nor below it for the candidates it bounded out, whose real goodput brute force knows.
-    for kind, r in pruned.items():
-        ub = {e.candidate: e.upper_rps for e in r.all_evaluations}
-        for e in brute[kind].all_evaluations:
-            if e.candidate in ub:
-                assert ub[e.candidate] >= e.goodput_rps
+    # Nor for any candidate, those it bounded out included (brute force evaluated every one),
+    # and no simulated probe met more of its window than the roofline allows.
+    grid = set(bisection_rates(plan.goodput.rate_min, plan.goodput.rate_max, plan.goodput.probes))
+    prof = LLAMA8B
+    for r in brute.values():
+        for e in r.all_evaluations:
+            assert e.upper_rps >= e.goodput_rps
+            for probe in e.probes:
+                assert probe.rate in grid
+                assert probe.window.met <= met_bound(plan, prof, e.candidate, demand(plan.scenario, probe.rate))
+
+
+def test_the_planners_probe_is_pddgw_sims_goodput_probe(searched):
+    plan, brute, _, memo, _ = searched
+    # The PDD winner's probe at 4 req/s, as `pddgw sim` runs it for the same deployment in a scenario.
+    cand = brute["pdd"].winner.candidate
+    sc = dataclasses.replace(plan.scenario, deployments=(cand.deployment(plan.spec, "x"),), baseline="x")
+    window, run = goodput_probe(sc, Job("goodput", "x", plan.wan_gbps), 4.0)
+    assert memo[cand, 4.0] == (window, sum(r.error is None for r in run.requests) / run.duration_s)
+    assert (window.seconds, window.requests) == (4.0, 21)
 
 
 def test_the_winner_is_written_as_a_serve_config_and_scenario_deployments(searched, tmp_path):
@@ -263,8 +335,9 @@ def test_the_winner_is_written_as_a_serve_config_and_scenario_deployments(search
     cfg = load_config(tmp_path / "pdd.config.toml")
     assert cfg == serve_config(plan, pdd)
     roles = [(n.name, n.role, n.cluster, n.port) for n in cfg.nodes]
-    assert roles == [("router", "router", "A", 0), ("p0", "prefill", "A", 9101), ("rld0", "rld", "A", 9102),
-                     ("md0", "md", "B", 9103)]
+    # The PDD winner (2 P, issue 20's window counting: 11.5 req/s in SLO against one P's 6.25).
+    assert roles == [("router", "router", "A", 0), ("p0", "prefill", "A", 9101), ("p1", "prefill", "A", 9102),
+                     ("rld0", "rld", "A", 9103), ("md0", "md", "B", 9104)]
     md = cfg.engine_for(cfg.node("md0"))
     assert (md.implementation, md.costmodel.hardware, md.costmodel.tensor_parallel, md.costmodel.data_parallel) == (
         "costmodel", "H200-SXM", 1, 1)
@@ -301,12 +374,16 @@ def test_the_dry_run_prints_every_kind_without_simulating(capsys, monkeypatch):
 def test_the_json_report_names_the_winner_and_each_kinds_table(searched):
     from pddgw.sim.plan import report_json
 
-    plan, _, pruned, _, _ = searched
+    plan, _, pruned, memo, _ = searched
+    best = plan_search.winner(pruned).candidate
     rep = report_json(plan, pruned)
     assert orjson.loads(orjson.dumps(rep)) == rep
-    assert (rep["winner"]["kind"], rep["winner"]["deployment"], rep["winner"]["goodput_rps"]) == (
-        "same-dc", "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.0)
+    assert (rep["winner"]["kind"], rep["winner"]["deployment"], rep["winner"]["goodput_rps"],
+            rep["winner"]["goodput_offered_rps"]) == ("same-dc", "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.5, 16.0)
+    assert rep["winner"]["probes"][1] == {"rate": 16.0, "attainment": 1.0, "simulated": True, "attainment_bound": 1.0,
+                                          "arrival_rps": 16.5, "slo_rps": 16.5,
+                                          "achieved_rps": round(memo[best, 16.0][1], 4)}
     assert rep["winner"]["gpus_by_cluster"] == {"A": 3} and rep["winner"]["price_per_hour"] == 9.0
     naive = rep["kinds"]["naive-cross-dc"]
-    assert (naive["candidates"], naive["pruned_probes"], len(naive["ranked"])) == (4, 4, 2)
+    assert (naive["candidates"], naive["pruned_probes"], len(naive["ranked"])) == (4, 8, 2)
     assert naive["ranked"][0]["roofline"]["limit"] == "wan"
