@@ -124,14 +124,17 @@ class SloSpec:
 
 @dataclass(frozen=True, slots=True)
 class GoodputSpec:
-    """Search of SLA goodput per deployment: bisection over request rates.
+    """Search of SLA goodput per deployment: bisection over offered request rates.
 
-    Each probe offers `rate` requests per second for `seconds` (rate x
-    seconds requests, at least `min_requests`).  Conversations are closed
-    loops (a turn waits for the previous answer), so the offered rate is
-    reached only once conversations overlap: `seconds` must exceed a
-    conversation's lifetime (turns x (answer time + think time)) for the
-    probe to hold its rate at all; each probe reports the rate it achieved.
+    One probe (pddgw.sim.run.probe_workload, the planner's too): agentic
+    conversations arrive open-loop at `rate / mean turns` for `warmup_s +
+    seconds`, each plays all its turns closed-loop (think time after each
+    answer), and the requests that arrive in the last `seconds` are measured;
+    `warmup_s` lets conversations overlap so the load holds.  A trace's probe
+    takes its first rate x seconds requests (at least `min_requests`), their
+    timestamps scaled to arrive at `rate`, and measures them all.  Goodput is
+    the measured requests per second within SLO at the highest rate whose
+    attainment holds.
     """
 
     enabled: bool = True
