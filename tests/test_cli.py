@@ -18,9 +18,9 @@ import pytest
 import torch
 from aiohttp import web
 
-from pddgw.bench.common import free_port
 from pddgw import cli
 from pddgw.config import TlsConfig, load_config
+from pddgw.harness.ports import free_port
 from pddgw.keys import config_lines, write_keys
 from pddgw.net.tls import client_context, front_door_context, server_context
 

@@ -5,15 +5,13 @@ numbers, strings), then calls `emit(report, as_json, table)`: with --json the
 report is printed as JSON (orjson, dataclasses natively), else the human
 table.  Timings are noisy on shared machines, so benchmarks repeat
 interleaved runs and keep the best (`best`), and compare only within one run
-(`ratio`).  Benchmarks (and tests) that start real processes share the
-loopback plumbing below: free ports, the PDD topology's `[[nodes]]`, and
-what a quiet deployment's /debug/state must show.
+(`ratio`).  Benchmarks that start real processes take their deployment,
+fault proxy, leak check and reference from `pddgw.harness`.
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
@@ -33,7 +31,7 @@ def add_torch_args(parser: argparse.ArgumentParser, device_help: str = "cpu or c
 
 def apply_torch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse a CUDA device this torch build cannot see; set torch's thread count if given."""
-    import torch      # here: the loopback helpers below serve benchmarks that never load torch
+    import torch      # here: most benchmarks never load torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch build sees no CUDA device")
@@ -87,68 +85,3 @@ def emit(report: Any, as_json: bool, table: str, out: TextIO | None = None) -> N
     stream = sys.stdout if out is None else out
     stream.write((to_json(report) if as_json else table) + "\n")
     stream.flush()
-
-
-# ---- real deployments on loopback (benches and tests that start processes) ------------
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pdd_nodes_toml(p_port: int, rld_port: int, md_port: int, md_engine: str = "", p_engine: str = "") -> str:
-    """The `[[nodes]]` of the PDD topology: router, p0 and rld0 in cluster A, md0 in B.
-
-    `md_engine` / `p_engine`: TOML lines of that node's `[nodes.engine]` table ("" = none).
-    """
-    def engine(lines: str) -> str:
-        return f"[nodes.engine]\n{lines.strip()}\n" if lines.strip() else ""
-
-    return f'''[[nodes]]
-name = "router"
-role = "router"
-cluster = "A"
-
-[[nodes]]
-name = "p0"
-role = "prefill"
-cluster = "A"
-port = {p_port}
-{engine(p_engine)}
-[[nodes]]
-name = "rld0"
-role = "rld"
-cluster = "A"
-port = {rld_port}
-
-[[nodes]]
-name = "md0"
-role = "md"
-cluster = "B"
-port = {md_port}
-{engine(md_engine)}'''
-
-
-def state_leftovers(state: dict[str, Any]) -> dict[str, Any]:
-    """Everything non-zero in the router's /debug/state document that should be zero at
-    rest (empty: quiet): the router's in-flight counters, and per reachable node its KV
-    blocks in use and in-flight entries (a node that is down holds nothing any more)."""
-    out: dict[str, Any] = {}
-    router = state["router"]
-    busy = {k: v for k, v in router["inflight"].items() if v}
-    if router["active_requests"]:
-        busy["active_requests"] = router["active_requests"]
-    if busy:
-        out["router"] = busy
-    for name, node in state["nodes"].items():
-        if not node.get("healthy", True):
-            continue
-        nb = {k: v for k, v in node["inflight"].items() if v}
-        if node["kv_blocks_in_use"]:
-            nb["kv_blocks_in_use"] = node["kv_blocks_in_use"]
-        if nb:
-            out[name] = nb
-    return out

@@ -46,6 +46,9 @@ The processes are warmed up with one request on an unrelated prompt (shares
 no prefix block with the workload) before the real clock starts, so the
 first measured request does not pay for lazy imports and cold code paths.
 
+The config writer, the processes, the WebSocket client and the idle check
+are `pddgw.harness`'s.
+
 `run_fidelity(...)` is the entry point for tests (tests/sim/test_fidelity.py
 runs a CI-sized version).
 """
@@ -54,25 +57,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import secrets
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import orjson
 
-from pddgw.bench.common import add_output_args, emit, format_table, free_port, pdd_nodes_toml, ratio
+from pddgw.bench.common import add_output_args, emit, format_table, ratio
 from pddgw.config import load_config
+from pddgw.harness.client import Answer, respond
+from pddgw.harness.cluster import ClusterToml, free_ports, serve_processes, toml_lines
+from pddgw.harness.leaks import count_leaks, router_state, wait_until_quiet
 from pddgw.logs import setup_logging
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import RequestResult, play_conversation, run_deployment, token_digest
@@ -80,7 +79,6 @@ from pddgw.sim.report import percentile
 from pddgw.sim.workload import AgenticSpec, Conversation, Turn, agentic, shared_prefix
 
 TOLERANCE = 0.15
-NODES = (("md0", "md"), ("rld0", "rld"), ("p0", "prefill"), ("router", "router"))   # start order
 
 
 # ---- the deployment -------------------------------------------------------------------
@@ -105,55 +103,26 @@ class DeploymentSpec:
 
 
 def _engine_toml(spec: DeploymentSpec, hardware: str) -> str:
-    return f'''implementation = "costmodel"
-num_blocks = 0
-block_size = {spec.block_size}
-max_num_seqs = {spec.max_num_seqs}
-max_num_batched_tokens = {spec.max_num_batched_tokens}
-enable_prefix_caching = true
-costmodel = {{ hardware = "{hardware}", tensor_parallel = 1, gpu_memory_utilization = 0.9 }}
-'''
+    return toml_lines(implementation="costmodel", num_blocks=0, block_size=spec.block_size,
+                      max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
+                      enable_prefix_caching=True) + (
+        f'\ncostmodel = {{ hardware = "{hardware}", tensor_parallel = 1, gpu_memory_utilization = 0.9 }}')
 
 
 def write_config(directory: Path, spec: DeploymentSpec) -> tuple[Path, dict[str, int]]:
     """config.toml for `spec` in `directory`, on free loopback ports -> (path, ports by node)."""
-    ports = {name: free_port() for name, _ in NODES}
-    text = f'''# pddgw.bench.fidelity: the same deployment simulated and served by real processes.
-[model]
-profile = "{spec.model}"
-
-[engine]
-{_engine_toml(spec, spec.a_hardware)}
-[server]
-host = "127.0.0.1"
-port = {ports["router"]}
-request_timeout_s = 300
-
-[log]
-level = "warning"
-
-[net]
-secret = "{secrets.token_urlsafe(32)}"
-kv_frame_bytes = {spec.kv_frame_bytes}
-max_frame_bytes = {spec.kv_frame_bytes}
-inbound_buffer_bytes = {max(spec.kv_frame_bytes, 64 << 20)}
-heartbeat_s = 1.0
-dead_after_s = 10.0
-request_timeout_s = 30.0
-
-[[net.links]]
-name = "wan"
-gbps = {spec.wan_gbps}
-latency_ms = {spec.wan_latency_ms}
-
-[policy]
-p_md_max_transfer_ms = {spec.p_md_max_transfer_ms}
-
-{pdd_nodes_toml(ports["p0"], ports["rld0"], ports["md0"], md_engine=_engine_toml(spec, spec.b_hardware))}'''
-    path = directory / "config.toml"
-    path.write_text(text)
-    load_config(path)            # fail here, naming the key, rather than in four processes
-    return path, ports
+    ports = free_ports()
+    toml = ClusterToml(
+        header="pddgw.bench.fidelity: the same deployment simulated and served by real processes.",
+        model=toml_lines(profile=spec.model), engine=_engine_toml(spec, spec.a_hardware),
+        server=toml_lines(request_timeout_s=300), log=toml_lines(level="warning"),
+        net=toml_lines(kv_frame_bytes=spec.kv_frame_bytes, max_frame_bytes=spec.kv_frame_bytes,
+                       inbound_buffer_bytes=max(spec.kv_frame_bytes, 64 << 20), heartbeat_s=1.0,
+                       dead_after_s=10.0, request_timeout_s=30.0),
+        wan=toml_lines(gbps=spec.wan_gbps, latency_ms=spec.wan_latency_ms),
+        policy=toml_lines(p_md_max_transfer_ms=spec.p_md_max_transfer_ms),
+        md_engine=_engine_toml(spec, spec.b_hardware))
+    return toml.write(directory / "config.toml", ports), ports
 
 
 # ---- the workload -----------------------------------------------------------------------
@@ -208,126 +177,16 @@ def simulate(config_path: Path, workload: Workload) -> SideResult:
 # ---- real processes ----------------------------------------------------------------------
 
 
-class ServeProcesses:
-    """The deployment of `config` as one `python -m pddgw serve` process per node.
-
-    Every process started here is stopped here, by its pid.  Logs go to
-    `<directory>/<node>.log`.
-    """
-
-    def __init__(self, config: Path, ports: dict[str, int], directory: Path):
-        self.config = config
-        self.ports = ports
-        self.dir = directory
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.ports['router']}/v1/responses"
-
-    @property
-    def state_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['router']}/debug/state"
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for name, role in NODES:
-            with open(self.dir / f"{name}.log", "wb") as log:
-                self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "pddgw", "serve", "--config", str(self.config), "--role", role,
-                     "--node", name], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + timeout_s
-        pending = [name for name, _ in NODES]
-        while pending:
-            for name in list(pending):
-                p = self.procs[name]
-                if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited early (rc {p.returncode}):\n{self.log(name)}")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[name]}/health", timeout=1.0) as r:
-                        if r.status == 200:
-                            pending.remove(name)
-                except OSError:
-                    pass
-            if pending:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{', '.join(pending)} did not come up within {timeout_s:.0f} s:\n"
-                                       + "\n".join(self.log(n) for n in pending))
-                time.sleep(0.2)
-
-    def log(self, name: str) -> str:
-        try:
-            return (self.dir / f"{name}.log").read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        for name, _ in reversed(NODES):
-            p = self.procs.get(name)
-            if p is not None and p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-
-    def __enter__(self) -> ServeProcesses:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+async def _ask(ws: aiohttp.ClientWebSocketResponse, prompt: tuple[int, ...], max_tokens: int,
+               seed: int) -> Answer:
+    """One sampled response (temperature 1); a socket that closes first ends it as an error "closed"."""
+    ans = await respond(ws, Answer(), prompt, max_tokens, temperature=1.0, seed=seed)
+    if ans.final is None:
+        ans.final = {"type": "error", "error": {"code": "closed", "message": f"socket {ans.closed}"}}
+    return ans
 
 
-class _Answer:
-    """One response as the client saw it."""
-
-    __slots__ = ("tokens", "first_t", "last_t", "itl", "final")
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.first_t: float | None = None
-        self.last_t = 0.0
-        self.itl = array("d")
-        self.final: dict | None = None
-
-
-async def _ask(ws: aiohttp.ClientWebSocketResponse, prompt: tuple[int, ...], max_tokens: int, seed: int,
-               loop: asyncio.AbstractEventLoop) -> tuple[float, _Answer]:
-    """Send one response.create and read its events -> (send time, answer)."""
-    ans = _Answer()
-    t0 = loop.time()
-    await ws.send_bytes(orjson.dumps({"type": "response.create", "prompt_token_ids": prompt,
-                                      "max_output_tokens": max_tokens, "temperature": 1.0, "seed": seed}))
-    while True:
-        msg = await ws.receive()
-        now = loop.time()
-        if msg.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
-            ans.final = {"type": "error", "error": {"code": "closed", "message": f"socket {msg.type.name}"}}
-            return t0, ans
-        ev = orjson.loads(msg.data)
-        kind = ev["type"]
-        if kind == "response.output_text.delta":
-            ids = ev["pddgw"]["token_ids"]
-            if ans.first_t is None:
-                ans.first_t = now
-            else:
-                ans.itl.append(now - ans.last_t)
-            ans.itl.extend([0.0] * (len(ids) - 1))
-            ans.last_t = now
-            ans.tokens += ids
-        elif kind in ("response.completed", "error"):
-            ans.final = ev
-            return t0, ans
-
-
-def _fill(res: RequestResult, t0: float, end: float, ans: _Answer) -> None:
+def _fill(res: RequestResult, t0: float, end: float, ans: Answer) -> None:
     """The fields `pddgw.sim.cluster._one` fills, from the client's view of one response."""
     res.output_tokens = len(ans.tokens)
     if ans.first_t is not None:
@@ -358,27 +217,19 @@ def warmup_prompt(length: int) -> tuple[int, ...]:
     return tuple(100 + i % 800 for i in range(length))
 
 
-async def _wait_idle(session: aiohttp.ClientSession, state_url: str, timeout_s: float) -> tuple[int, int]:
+async def _wait_idle(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[int, int]:
     """Until no node has a block in use or anything in flight -> (blocks in use, pins) at the end."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        async with session.get(state_url) as r:
-            st = await r.json()
-        nodes = [n for n in st["nodes"].values() if n.get("healthy")]
-        blocks = sum(n["kv_blocks_in_use"] for n in nodes)
-        pins = sum(n["inflight"]["pins"] for n in nodes)
-        busy = blocks or any(any(n["inflight"].values()) for n in nodes) or st["router"]["active_requests"]
-        if not busy or time.monotonic() > deadline:
-            return blocks, pins
-        await asyncio.sleep(0.1)
+    left, _, _ = await wait_until_quiet(router_state(session, url), timeout_s, 0.1)
+    blocks, pins, _ = count_leaks(left)
+    return blocks, pins
 
 
-async def play(url: str, workload: Workload, *, state_url: str | None = None, warmup_tokens: int = 256,
+async def play(url: str, workload: Workload, *, router_url: str | None = None, warmup_tokens: int = 256,
                warmup_output: int = 8, timeout_s: float = 600.0) -> SideResult:
     """Replay `workload` against a running router in real time (what `run_deployment` does in virtual time).
 
-    `state_url`: the router's /debug/state, polled at the end until every
-    node is idle, for the leak counts.
+    `router_url`: the router's http://host:port, whose /debug/state is polled
+    at the end until every node is idle, for the leak counts.
     """
     loop = asyncio.get_running_loop()
     results: list[RequestResult] = []
@@ -388,7 +239,7 @@ async def play(url: str, workload: Workload, *, state_url: str | None = None, wa
         sockets = [await session.ws_connect(url, max_msg_size=64 << 20) for _ in workload.conversations]
         try:
             if warmup_tokens:
-                _, ans = await _ask(sockets[0], warmup_prompt(warmup_tokens), warmup_output, 1, loop)
+                ans = await _ask(sockets[0], warmup_prompt(warmup_tokens), warmup_output, 1)
                 if (ans.final or {}).get("type") != "response.completed":
                     raise RuntimeError(f"warm-up request failed: {ans.final}")
             t0 = loop.time()
@@ -396,8 +247,8 @@ async def play(url: str, workload: Workload, *, state_url: str | None = None, wa
             def over(ws: aiohttp.ClientWebSocketResponse):  # type: ignore[no-untyped-def]
                 async def serve(res: RequestResult, prompt: tuple[int, ...], turn: Turn,
                                 seed: int) -> tuple[int, ...]:
-                    sent, ans = await _ask(ws, prompt, turn.max_tokens, seed, loop)
-                    _fill(res, sent, loop.time(), ans)
+                    ans = await _ask(ws, prompt, turn.max_tokens, seed)
+                    _fill(res, ans.sent_t, loop.time(), ans)
                     outputs[res.rid] = tuple(ans.tokens)
                     return outputs[res.rid]
                 return serve
@@ -406,7 +257,7 @@ async def play(url: str, workload: Workload, *, state_url: str | None = None, wa
                 await asyncio.gather(*(play_conversation(c, workload.shared_prefix, t0, over(ws), results.append)
                                        for c, ws in zip(workload.conversations, sockets)))
             wall = time.perf_counter() - wall0
-            blocks, pins = await _wait_idle(session, state_url, 30.0) if state_url else (0, 0)
+            blocks, pins = await _wait_idle(session, router_url, 30.0) if router_url else (0, 0)
         finally:
             for ws in sockets:
                 await ws.close()
@@ -416,11 +267,16 @@ async def play(url: str, workload: Workload, *, state_url: str | None = None, wa
 
 def serve_and_play(config_path: Path, ports: dict[str, int], workload: Workload, directory: Path,
                    **play_kw) -> SideResult:
-    with ServeProcesses(config_path, ports, directory) as procs:
-        try:
-            return asyncio.run(play(procs.url, workload, state_url=procs.state_url, **play_kw))
-        except Exception as e:
-            raise RuntimeError(f"real run failed: {e!r}\nrouter log:\n{procs.log('router')}") from e
+    """The deployment as one `pddgw serve` process per node (pddgw.harness), the workload replayed on it."""
+    procs = serve_processes(directory, config_path, ports)
+    router = f"127.0.0.1:{ports['router']}"
+    procs.start()
+    try:
+        return asyncio.run(play(f"ws://{router}/v1/responses", workload, router_url=f"http://{router}", **play_kw))
+    except Exception as e:
+        raise RuntimeError(f"real run failed: {e!r}\nrouter log:\n{procs.log('router')}") from e
+    finally:
+        procs.stop()
 
 
 # ---- comparison ------------------------------------------------------------------------

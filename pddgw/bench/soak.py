@@ -55,10 +55,15 @@ request with an error after 30 s (`server.request_timeout_s`, below the
 default grace of 45 s), the embedded default's only after 600 s, so there a
 request stuck for longer than the grace counts as lost.  A node the router
 cannot reach at the end (killed and not restarted, behind a cut WAN) is
-listed as unhealthy and its pool is not checked.
+listed as unhealthy and its pool is not checked; one the bench restarted is
+waited for (within `--quiet-timeout`) until the router reaches it again.
 
 float64 by default (`--dtype`): with float32, batch composition can flip a
 near-tie between two tokens and show up as a wrong token that is not a bug.
+
+The deployment, the WAN proxy, the WebSocket client, the leak check and the
+references are `pddgw.harness`'s; what is here is the scenario: the load
+mix, the fault schedule and the report.
 
 `run_soak(SoakOptions(...))` is the entry point for tests
 (tests/bench/test_bench_soak.py runs a CI-sized version).
@@ -68,9 +73,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import secrets
 import shutil
 import signal
 import sys
@@ -85,12 +88,16 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pddgw.bench.common import add_output_args, emit, format_table, free_port, pdd_nodes_toml, state_leftovers
-from pddgw.config import load_config
+from pddgw.bench.common import add_output_args, emit, format_table
+from pddgw.harness.client import Answer, respond
+from pddgw.harness.cluster import WORKERS, ClusterToml, free_ports, serve_processes, toml_lines
+from pddgw.harness.launch import Node, Processes
+from pddgw.harness.leaks import Leaks, measure_leaks, router_state
+from pddgw.harness.ports import free_port
+from pddgw.harness.proxy import FaultProxy
+from pddgw.harness.reference import generate_cli_many, generate_engine
 from pddgw.sim.report import percentile
 
-WORKERS = ("md0", "rld0", "p0")                       # start order; the router dials them last
-ROLES = {"md0": "md", "rld0": "rld", "p0": "prefill", "router": "router"}
 WAN = "wan"
 ACTIONS = ("kill", "restart", "cut", "slow", "heal")
 TOKEN_LO, TOKEN_HI = 32, 127                          # printable bytes of the tiny model's vocabulary
@@ -152,125 +159,7 @@ def parse_faults(text: str) -> list[Fault]:
     return sorted(out, key=lambda f: f.at_s)
 
 
-# ---- the WAN proxy ------------------------------------------------------------------
-
-
-class WanProxy:
-    """127.0.0.1:port -> 127.0.0.1:target on this process's event loop: cut, slow, heal.
-
-    `slow(mbps)` shares one wire per direction between every connection
-    through the proxy (a bandwidth collapse of the WAN, not of one socket).
-    """
-
-    CHUNK = 1 << 16
-
-    def __init__(self, target: int):
-        self.target = target
-        self.port = 0
-        self.cut_off = False
-        self.bytes_per_s: float | None = None
-        self.bytes = {"to_md": 0, "from_md": 0}
-        self._free_at = {"to_md": 0.0, "from_md": 0.0}
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._client, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.cut_off:
-            writer.transport.abort()
-            return
-        try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
-        except OSError:
-            writer.transport.abort()
-            return
-        self._writers |= {writer, up_w}
-        pipes = [asyncio.create_task(self._pipe(reader, up_w, "to_md")),
-                 asyncio.create_task(self._pipe(up_r, writer, "from_md"))]
-        self._tasks.update(pipes)
-        try:
-            await asyncio.gather(*pipes)
-        finally:
-            self._tasks.difference_update(pipes)
-            self._writers -= {writer, up_w}
-
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, way: str) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while data := await r.read(self.CHUNK):
-                if self.cut_off:
-                    break
-                rate = self.bytes_per_s
-                if rate:
-                    now = loop.time()
-                    self._free_at[way] = max(now, self._free_at[way]) + len(data) / rate
-                    await asyncio.sleep(self._free_at[way] - now)
-                    if self.cut_off:
-                        break
-                w.write(data)
-                self.bytes[way] += len(data)
-                await w.drain()
-        except (OSError, RuntimeError):
-            pass
-        finally:
-            if self.cut_off:
-                w.transport.abort()
-            else:
-                w.close()
-
-    def cut(self) -> None:
-        """The WAN goes dark: open connections drop, new ones are refused."""
-        self.cut_off = True
-        for w in list(self._writers):
-            w.transport.abort()
-
-    def slow(self, mbps: float) -> None:
-        self.bytes_per_s = mbps * 1e6 / 8.0
-
-    def heal(self) -> None:
-        self.cut_off = False
-        self.bytes_per_s = None
-
-    async def close(self) -> None:
-        self.cut()
-        if self._server is not None:
-            self._server.close()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
 # ---- the deployment -----------------------------------------------------------------
-
-
-def rss_kb(pid: int) -> int | None:
-    """VmRSS of a live process from /proc (kB), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-@dataclass(slots=True)
-class ProcInfo:
-    """One node's process across its restarts."""
-
-    args: list[str]
-    port: int                         # where its own /health answers
-    proc: asyncio.subprocess.Process | None = None
-    restarts: int = 0
-    kills: int = 0
-    rss_start_kb: int | None = None   # after warm-up (after its restart, for a restarted node)
-    rss_end_kb: int | None = None
-    exit_code: int | None = None      # at the end, before the bench stopped it (None: running)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,168 +175,83 @@ class ClusterSpec:
     request_timeout_s: float = 30.0
     log_level: str = "info"
 
-
-def cluster_config(ports: dict[str, int], proxy_port: int, spec: ClusterSpec) -> str:
-    return f'''# pddgw.bench.soak: router, p0, rld0 in cluster A; md0 in cluster B behind the bench's WAN proxy.
-[model]
-dtype = "{spec.dtype}"
-
-[engine]
-num_blocks = {spec.num_blocks}
-block_size = 16
-max_num_batched_tokens = 512
-
-[server]
-host = "127.0.0.1"
-port = {ports["router"]}
-request_timeout_s = {spec.request_timeout_s}
-
-[log]
-level = "{spec.log_level}"
-
-[net]
-secret = "{secrets.token_urlsafe(32)}"
-heartbeat_s = 0.5
-stripes = 2
-dead_after_s = 2.0
-request_timeout_s = 10.0
-
-[[net.links]]
-name = "wan"
-gbps = {spec.wan_gbps}
-latency_ms = {spec.wan_latency_ms}
-
-[policy]
-p_md_max_transfer_ms = {spec.p_md_max_transfer_ms}
-
-{pdd_nodes_toml(ports["p0"], ports["rld0"], proxy_port, md_engine=f"""
-block_size = 32
-num_blocks = {spec.num_blocks // 2}
-max_num_batched_tokens = 512""")}'''
+    def toml(self) -> ClusterToml:
+        return ClusterToml(
+            header="pddgw.bench.soak: router, p0, rld0 in cluster A; md0 in cluster B behind the bench's WAN proxy.",
+            model=toml_lines(dtype=self.dtype),
+            engine=toml_lines(num_blocks=self.num_blocks, block_size=16, max_num_batched_tokens=512),
+            server=toml_lines(request_timeout_s=self.request_timeout_s), log=toml_lines(level=self.log_level),
+            wan=toml_lines(gbps=self.wan_gbps, latency_ms=self.wan_latency_ms),
+            policy=toml_lines(p_md_max_transfer_ms=self.p_md_max_transfer_ms),
+            md_engine=toml_lines(block_size=32, num_blocks=self.num_blocks // 2, max_num_batched_tokens=512))
 
 
 class Deployment:
-    """Processes started and stopped by pid; `embedded` = one process, else router + 3 workers."""
+    """The processes (pddgw.harness) and the WAN proxy on this event loop; the RSS the report shows.
+
+    `embedded` = one `pddgw serve` process, else router + 3 workers.
+    """
 
     def __init__(self, directory: Path, embedded: bool, spec: ClusterSpec):
         self.dir = directory
         self.embedded = embedded
         self.spec = spec
-        self.nodes: dict[str, ProcInfo] = {}
-        self.proxy: WanProxy | None = None
+        self.procs = Processes(directory)
+        self.proxy: FaultProxy | None = None
         self.router_port = 0
-        self.config: Path | None = None
+        self.rss_start_kb: dict[str, int | None] = {}    # after warm-up (after its restart, if restarted)
+        self.rss_end_kb: dict[str, int | None] = {}
+        self.exit_codes: dict[str, int | None] = {}      # at the end, before the bench stopped them
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
 
-    async def start(self, session: aiohttp.ClientSession, timeout_s: float = 180.0) -> None:
-        py = [sys.executable, "-m", "pddgw", "serve"]
+    async def start(self, timeout_s: float = 180.0) -> None:
         if self.embedded:
             self.router_port = free_port()
-            self.nodes["embedded"] = ProcInfo(py + ["--host", "127.0.0.1", "--port", str(self.router_port),
-                                                    "--dtype", self.spec.dtype], self.router_port)
+            self.procs.add("embedded", ["serve", "--host", "127.0.0.1", "--port", str(self.router_port),
+                                        "--dtype", self.spec.dtype], self.router_port)
         else:
-            ports = {n: free_port() for n in ROLES}
+            ports = free_ports()
             self.router_port = ports["router"]
-            self.proxy = WanProxy(ports["md0"])
+            self.proxy = FaultProxy(ports["md0"])
             await self.proxy.start()
-            self.config = self.dir / "config.toml"
-            self.config.write_text(cluster_config(ports, self.proxy.port, self.spec))
-            load_config(self.config)     # fail here, naming the key, rather than in four processes
-            for name in (*WORKERS, "router"):
-                args = py + ["--role", ROLES[name], "--node", name, "--config", str(self.config)]
-                if name == "md0":
-                    args += ["--port", str(ports["md0"])]      # the others dial it through the proxy
-                self.nodes[name] = ProcInfo(args, ports[name])
-        for name in self.nodes:
-            await self._spawn(name)
-        await asyncio.gather(*(self.wait_healthy(session, n, timeout_s) for n in self.nodes))
+            config = self.spec.toml().write(self.dir / "config.toml", ports, md_dialed=self.proxy.port)
+            self.procs = serve_processes(self.dir, config, ports)
+        for name in self.procs.nodes:
+            self.procs.spawn(name)
+        await self.procs.wait_ready_async(timeout_s=timeout_s)
 
-    async def _spawn(self, name: str) -> None:
-        info = self.nodes[name]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(self.dir / f"{name}.log", "ab") as log:
-            info.proc = await asyncio.create_subprocess_exec(
-                *info.args, stdout=log, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-                env=env)
+    def log(self, name: str) -> str:
+        return self.procs.log(name)
 
-    async def wait_healthy(self, session: aiohttp.ClientSession, name: str, timeout_s: float) -> None:
-        info = self.nodes[name]
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert info.proc is not None
-            if info.proc.returncode is not None:
-                raise RuntimeError(f"{name} exited (rc {info.proc.returncode}):\n{self.log(name)}")
-            try:
-                async with session.get(f"http://127.0.0.1:{info.port}/health",
-                                       timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not come up within {timeout_s:.0f} s:\n{self.log(name)}")
-            await asyncio.sleep(0.2)
+    async def kill(self, name: str) -> int | None:
+        """SIGKILL by pid -> the pid (None: it was not running)."""
+        return await asyncio.to_thread(self.procs.kill, name)
 
-    def log(self, name: str, chars: int = 4000) -> str:
-        try:
-            return (self.dir / f"{name}.log").read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def alive(self, name: str) -> bool:
-        p = self.nodes[name].proc
-        return p is not None and p.returncode is None
-
-    async def kill(self, name: str) -> None:
-        """SIGKILL, by pid."""
-        info = self.nodes[name]
-        if self.alive(name):
-            assert info.proc is not None
-            info.proc.kill()
-            await info.proc.wait()
-            info.kills += 1
-
-    async def restart(self, session: aiohttp.ClientSession, name: str, timeout_s: float = 120.0) -> bool:
-        """Start a dead node again (-> True), or do nothing (-> False) when it runs."""
-        if self.alive(name):
+    async def restart(self, name: str, timeout_s: float = 120.0) -> bool:
+        """Start a dead node again and wait for its /health (-> True), or nothing when it runs (-> False)."""
+        if not self.procs.restart(name):
             return False
-        info = self.nodes[name]
-        await self._spawn(name)
-        await self.wait_healthy(session, name, timeout_s)
-        info.restarts += 1
-        assert info.proc is not None
-        info.rss_start_kb = rss_kb(info.proc.pid)
+        await self.procs.wait_ready_async([name], timeout_s)
+        self.rss_start_kb[name] = self.procs.rss_kb(name)
         return True
 
     def sample_rss(self, end: bool) -> None:
-        for info in self.nodes.values():
-            kb = rss_kb(info.proc.pid) if info.proc is not None and info.proc.returncode is None else None
+        for name, node in self.procs.nodes.items():
             if end:
-                info.rss_end_kb = kb
-                info.exit_code = info.proc.returncode if info.proc is not None else None
+                self.rss_end_kb[name] = self.procs.rss_kb(name)
+                self.exit_codes[name] = node.returncode
             else:
-                info.rss_start_kb = kb
+                self.rss_start_kb[name] = self.procs.rss_kb(name)
 
     async def stop(self) -> None:
         """SIGTERM every live process (router first), SIGKILL what has not exited after 10 s."""
-        order = [n for n in ("router", "embedded", "p0", "rld0", "md0") if n in self.nodes]
-        for name in order:
-            if self.alive(name):
-                self.nodes[name].proc.terminate()      # type: ignore[union-attr]
-        for name in order:
-            p = self.nodes[name].proc
-            if p is None:
-                continue
-            try:
-                await asyncio.wait_for(p.wait(), 10)
-            except asyncio.TimeoutError:
-                p.kill()
-                await p.wait()
+        await asyncio.to_thread(self.procs.stop)
         if self.proxy is not None:
             await self.proxy.close()
+
 
 
 # ---- the workload -------------------------------------------------------------------
@@ -483,162 +287,61 @@ class Outcome:
     lost_reason: str | None = None            # "timeout" | "socket_closed"
     code: str | None = None
     message: str | None = None
-    response_id: str | None = None
-    tokens: list[int] = field(default_factory=list)
-    positions_ok: bool = True
     completed_ids: list[int] | None = None
     pipeline: str | None = None
     handoff_mode: str | None = None
     redrives: int = 0
-    sent_t: float = 0.0
-    first_t: float | None = None
-    end_t: float | None = None
+    # What streamed, filled as it comes (a cancelled request keeps what came before the cancel).
+    answer: Answer = field(default_factory=Answer)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.answer.tokens
+
+    @property
+    def positions_ok(self) -> bool:
+        return self.answer.positions_ok
+
+    @property
+    def response_id(self) -> str | None:
+        return self.answer.response_id or (self.answer.final or {}).get("response_id")
+
+    @property
+    def sent_t(self) -> float:
+        return self.answer.sent_t
+
+    @property
+    def first_t(self) -> float | None:
+        return self.answer.first_t
+
+    @property
+    def end_t(self) -> float | None:
+        return self.answer.end_t
 
 
-async def ask(ws: aiohttp.ClientWebSocketResponse, out: Outcome, loop: asyncio.AbstractEventLoop) -> None:
-    """Send one greedy response.create and read its events into `out` (cancellation leaves it lost)."""
-    out.sent_t = loop.time()
-    await ws.send_bytes(orjson.dumps({"type": "response.create", "prompt_token_ids": out.prompt,
-                                      "max_output_tokens": out.max_tokens, "temperature": 0, "seed": 0}))
-    while True:
-        msg = await ws.receive()
-        now = loop.time()
-        if msg.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
-            out.lost_reason = "socket_closed"
-            return
-        ev = orjson.loads(msg.data)
-        kind = ev.get("type")
-        if kind == "response.created":
-            out.response_id = ev["response"]["id"]
-        elif kind == "response.output_text.delta":
-            ext = ev["pddgw"]
-            ids = ext["token_ids"]
-            if ext["position"] != len(out.tokens) or not ids:
-                out.positions_ok = False
-            if out.first_t is None:
-                out.first_t = now
-            out.tokens += ids
-        elif kind == "response.completed":
-            resp = ev["response"]
-            tl = resp.get("pddgw") or {}
-            out.status, out.end_t = "completed", now
-            out.completed_ids = list(tl.get("output_token_ids", out.tokens))
-            out.pipeline, out.handoff_mode = tl.get("pipeline"), tl.get("handoff_mode")
-            out.redrives = len(tl.get("redrives") or ())
-            return
-        elif kind == "error":
-            err = ev.get("error") or {}
-            out.status, out.end_t = "error", now
-            out.code, out.message = str(err.get("code") or err.get("type") or "unknown"), err.get("message")
-            out.response_id = out.response_id or ev.get("response_id")
-            return
-
-
-@dataclass(frozen=True, slots=True)
-class Leaks:
-    quiet: bool                        # everything reached zero within the quiet timeout
-    waited_s: float
-    blocks: int                        # KV blocks in use on healthy nodes
-    pins: int                          # prefix pins on healthy nodes
-    inflight: int                      # every other in-flight entry (router and nodes; bytes count as 1)
-    leftovers: dict[str, Any]
-    unhealthy_nodes: list[str]         # not checked: the router could not reach them at the end
-
-
-def count_leaks(left: dict[str, Any]) -> tuple[int, int, int]:
-    blocks = pins = inflight = 0
-    for where, entries in left.items():
-        for k, v in entries.items():
-            if k == "kv_blocks_in_use":
-                blocks += v
-            elif k == "pins":
-                pins += v
-            elif k.endswith("_bytes"):
-                inflight += 1
-            else:
-                inflight += v
-    return blocks, pins, inflight
+async def ask(ws: aiohttp.ClientWebSocketResponse, out: Outcome) -> None:
+    """One greedy request (seed 0) into `out` (cancellation leaves it lost)."""
+    a = await respond(ws, out.answer, out.prompt, out.max_tokens, temperature=0, seed=0)
+    ev = a.final
+    if ev is None:
+        out.lost_reason = "socket_closed"
+    elif ev["type"] == "response.completed":
+        tl = ev["response"].get("pddgw") or {}
+        out.status = "completed"
+        out.completed_ids = list(tl.get("output_token_ids", a.tokens))
+        out.pipeline, out.handoff_mode = tl.get("pipeline"), tl.get("handoff_mode")
+        out.redrives = len(tl.get("redrives") or ())
+    else:
+        err = ev.get("error") or {}
+        out.status = "error"
+        out.code, out.message = str(err.get("code") or err.get("type") or "unknown"), err.get("message")
 
 
 async def _state(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
     try:
-        async with session.get(url + "/debug/state", timeout=aiohttp.ClientTimeout(total=30)) as r:
-            return await r.json()
+        return await router_state(session, url)()
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
-
-
-async def wait_quiet(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[Leaks, dict[str, Any]]:
-    """Poll GET /debug/state until `leftovers` is empty or the timeout -> (leaks, last document)."""
-    t0 = time.monotonic()
-    doc: dict[str, Any] = {}
-    left: dict[str, Any] = {"router": {"state": "unreachable"}}
-    while True:
-        try:
-            async with session.get(url + "/debug/state", timeout=aiohttp.ClientTimeout(total=30)) as r:
-                doc = await r.json()
-            left = state_leftovers(doc)
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as e:
-            left = {"router": {"state": f"unreachable: {e!r}"[:200]}}
-        waited = time.monotonic() - t0
-        if not left or waited > timeout_s:
-            break
-        await asyncio.sleep(0.2)
-    blocks, pins, inflight = count_leaks({k: {kk: vv for kk, vv in v.items() if isinstance(vv, int)}
-                                          for k, v in left.items()})
-    if left and not (blocks or pins or inflight):
-        inflight = 1                    # the router did not answer: nothing is known to be free
-    unhealthy = sorted(n for n, s in doc.get("nodes", {}).items() if not s.get("healthy", True))
-    return Leaks(not left, round(waited, 2), blocks, pins, inflight, left, unhealthy), doc
-
-
-# ---- references ---------------------------------------------------------------------
-
-
-def reference_engine(prompts: Sequence[tuple[tuple[int, ...], int]], dtype: str) -> list[list[int]]:
-    """What `pddgw generate --prompt-ids P --max-tokens N --dtype D --json` prints, for each (P, N).
-
-    The same code path (default config, one engine, one request at a time, greedy),
-    without a Python start per prompt; blocking: call it off the event loop.
-    """
-    import torch
-
-    from pddgw.config import Config, ModelConfig
-    from pddgw.engines.base import create_engine
-    from pddgw.engines.types import EngineRequest, SamplingParams
-
-    cfg = Config(model=ModelConfig(dtype=dtype))          # type: ignore[arg-type]
-    out: list[list[int]] = []
-    with torch.inference_mode():
-        for prompt, n in prompts:
-            engine, _ = create_engine(cfg)
-            engine.add_request(EngineRequest("ref", prompt, SamplingParams(max_tokens=n, temperature=0.0,
-                                                                           seed=0)))
-            ids: list[int] = []
-            while engine.has_work():
-                for o in engine.step():
-                    ids += o.new_token_ids
-            out.append(ids)
-    return out
-
-
-async def reference_cli(prompts: Sequence[tuple[tuple[int, ...], int]], dtype: str,
-                        jobs: int = 2) -> list[list[int]]:
-    """`python -m pddgw generate --prompt-ids ... --json`, one process per prompt, `jobs` at a time."""
-    sem = asyncio.Semaphore(jobs)
-
-    async def one(prompt: tuple[int, ...], n: int) -> list[int]:
-        async with sem:
-            p = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pddgw", "generate", "--prompt-ids", ",".join(map(str, prompt)),
-                "--max-tokens", str(n), "--dtype", dtype, "--temperature", "0", "--seed", "0", "--json",
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            stdout, stderr = await p.communicate()
-            if p.returncode:
-                raise RuntimeError(f"pddgw generate failed (rc {p.returncode}): {stderr.decode()[-2000:]}")
-            return orjson.loads(stdout.splitlines()[-1])["token_ids"]
-
-    return list(await asyncio.gather(*(one(p, n) for p, n in prompts)))
 
 
 # ---- the run ------------------------------------------------------------------------
@@ -789,7 +492,7 @@ async def _client(i: int, opts: SoakOptions, url: str, session: aiohttp.ClientSe
                 out = Outcome("turn", tuple(prompt), rng.randint(max(1, opts.max_tokens // 2), opts.max_tokens))
             outcomes.append(out)
             try:
-                await ask(ws, out, loop)
+                await ask(ws, out)
             except (aiohttp.ClientError, OSError, RuntimeError):     # the socket broke under the send
                 out.lost_reason = "socket_closed"
                 await ws.close()
@@ -806,8 +509,8 @@ async def _client(i: int, opts: SoakOptions, url: str, session: aiohttp.ClientSe
             await ws.close()
 
 
-async def _apply_faults(faults: Sequence[Fault], dep: Deployment, session: aiohttp.ClientSession,
-                        t0: float, records: list[FaultRecord], pending: list[asyncio.Task[None]]) -> None:
+async def _apply_faults(faults: Sequence[Fault], dep: Deployment, t0: float,
+                        records: list[FaultRecord], pending: list[asyncio.Task[None]]) -> None:
     loop = asyncio.get_running_loop()
     unix0 = time.time() - (loop.time() - t0)
 
@@ -818,7 +521,7 @@ async def _apply_faults(faults: Sequence[Fault], dep: Deployment, session: aioht
         await asyncio.sleep(delay)
         at = loop.time() - t0
         try:
-            started = await dep.restart(session, f.target)
+            started = await dep.restart(f.target)
             note = (f"healthy again after {loop.time() - t0 - at:.1f} s" if started else "was running")
         except RuntimeError as e:
             note = f"restart failed: {e}"[:500]
@@ -828,12 +531,8 @@ async def _apply_faults(faults: Sequence[Fault], dep: Deployment, session: aioht
         await asyncio.sleep(max(0.0, t0 + f.at_s - loop.time()))
         at = loop.time() - t0
         if f.action == "kill":
-            if dep.alive(f.target):
-                pid = dep.nodes[f.target].proc.pid     # type: ignore[union-attr]
-                await dep.kill(f.target)
-                note = f"SIGKILL pid {pid}"
-            else:
-                note = "was not running"
+            pid = await dep.kill(f.target)
+            note = "was not running" if pid is None else f"SIGKILL pid {pid}"
             record(str(f), at, note)
             if f.arg is not None:
                 pending.append(asyncio.create_task(restart(f, f"(restart {f.target} after kill at {f.at_s:g})",
@@ -865,12 +564,12 @@ async def _soak(opts: SoakOptions, directory: Path) -> SoakReport:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         try:
-            await dep.start(session)
+            await dep.start()
             # Warm-up: one request on a prompt that shares no block with the load (ids below its range).
             warm = Outcome("warmup", tuple(1 + i % 30 for i in range(64)), 4)
             async with session.ws_connect(dep.url + "/v1/responses") as ws:
                 async with asyncio.timeout(120):
-                    await ask(ws, warm, loop)
+                    await ask(ws, warm)
             if warm.status != "completed":
                 raise RuntimeError(f"warm-up request failed: {warm.code} {warm.message}\n{dep.log('router')}")
             dep.sample_rss(end=False)
@@ -884,7 +583,7 @@ async def _soak(opts: SoakOptions, directory: Path) -> SoakReport:
             progress = _Progress(opts.progress, opts.duration_s)
             clients = [asyncio.create_task(_client(i, opts, dep.url, session, shared, stop_at, outcomes))
                        for i in range(opts.concurrency)]
-            faults = asyncio.create_task(_apply_faults(opts.faults, dep, session, t0, records, pending))
+            faults = asyncio.create_task(_apply_faults(opts.faults, dep, t0, records, pending))
             try:
                 while not all(c.done() for c in clients) and loop.time() < hard_deadline:
                     await asyncio.wait(clients, timeout=0.5)
@@ -907,7 +606,9 @@ async def _soak(opts: SoakOptions, directory: Path) -> SoakReport:
             for o in outcomes:
                 if o.status == "lost" and o.lost_reason is None:
                     o.lost_reason = "timeout"
-            leaks, doc = await wait_quiet(session, dep.url, opts.quiet_timeout_s)
+            # A node restarted here must be reachable again before its pool counts as checked.
+            restarted = [n for n, node in dep.procs.nodes.items() if node.restarts and node.alive]
+            leaks, doc = await measure_leaks(router_state(session, dep.url), opts.quiet_timeout_s, restarted)
             dep.sample_rss(end=True)
         finally:
             await dep.stop()
@@ -916,9 +617,9 @@ async def _soak(opts: SoakOptions, directory: Path) -> SoakReport:
     load = [o for o in outcomes if o.kind != "warmup"]
     distinct = sorted({(o.prompt, o.max_tokens) for o in load if o.status != "lost" or o.tokens})
     if opts.reference == "cli":
-        refs = await reference_cli(distinct, opts.cluster.dtype)
+        refs = await generate_cli_many(distinct, opts.cluster.dtype)
     else:
-        refs = await asyncio.to_thread(reference_engine, distinct, opts.cluster.dtype)
+        refs = await asyncio.to_thread(generate_engine, distinct, opts.cluster.dtype)
     ref = dict(zip(distinct, refs))
 
     examples: list[dict[str, Any]] = []
@@ -962,10 +663,13 @@ async def _soak(opts: SoakOptions, directory: Path) -> SoakReport:
     def r1(x: float | None) -> float | None:
         return None if x is None else round(x, 1)
 
-    rss = {name: ProcRss(info.proc.pid if info.proc else None, info.rss_start_kb, info.rss_end_kb,
-                         None if info.rss_start_kb is None or info.rss_end_kb is None
-                         else info.rss_end_kb - info.rss_start_kb, info.kills, info.restarts, info.exit_code)
-           for name, info in dep.nodes.items()}
+    def proc_rss(name: str, node: Node) -> ProcRss:
+        start, end = dep.rss_start_kb.get(name), dep.rss_end_kb.get(name)
+        return ProcRss(node.proc.pid if node.proc else None, start, end,
+                       None if start is None or end is None else end - start, node.kills, node.restarts,
+                       dep.exit_codes.get(name))
+
+    rss = {name: proc_rss(name, node) for name, node in dep.procs.nodes.items()}
     crashed = [n for n, r in rss.items() if r.exit_code is not None and r.exit_code != -signal.SIGKILL]
     ok = not lost and not wrong and not disorder and leaks.quiet and not crashed
     report = SoakReport(

@@ -4,18 +4,16 @@ Pins the JSON field set and the invariants every run must keep, faults or
 not: every request ends (completed or an error event, none lost), every
 token is what `pddgw generate` gives for that prompt (float64: no near-tie
 flips), positions come once and in order, and once the load is over no node
-holds a KV block, a pin or an in-flight entry.  Plus the small pieces
-without processes: the fault grammar, the leak accounting, the WAN proxy.
+holds a KV block, a pin or an in-flight entry.  Plus the fault grammar,
+without processes (the proxy, leak accounting and reference it runs on:
+tests/bench/test_harness.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-
 import orjson
 import pytest
 
-from pddgw.bench.common import state_leftovers
 from pddgw.bench import soak
 
 REPORT_FIELDS = {
@@ -79,75 +77,3 @@ def test_fault_grammar():
         with pytest.raises(soak.OptionError, match="--faults"):
             soak.parse_faults(bad)
     assert soak.main(["--embedded", "--faults", "5:cut=wan"]) == 2      # one process: nothing to cut
-
-
-def test_leak_accounting():
-    idle = {"inflight": {"requests": 0, "transfers": 0, "sessions": 0, "pins": 0, "streams": 0},
-            "kv_blocks_in_use": 0, "healthy": True}
-    doc = {"router": {"active_requests": 1, "inflight": {"requests": 1, "queued": 0, "wan_backlog_bytes": 4096}},
-           "nodes": {"p0": {**idle, "kv_blocks_in_use": 62, "inflight": {**idle["inflight"], "requests": 1}},
-                     "md0": {**idle, "inflight": {**idle["inflight"], "streams": 3, "pins": 2}},
-                     "rld0": {"healthy": False, "error": "link CLOSED"}}}
-    left = state_leftovers(doc)
-    assert left == {"router": {"requests": 1, "wan_backlog_bytes": 4096, "active_requests": 1},
-                    "p0": {"requests": 1, "kv_blocks_in_use": 62}, "md0": {"streams": 3, "pins": 2}}
-    # blocks, pins, everything else (a byte counter counts once)
-    assert soak.count_leaks(left) == (62, 2, 1 + 1 + 1 + 1 + 3)
-    assert state_leftovers({"router": {"active_requests": 0, "inflight": {"requests": 0}},
-                           "nodes": {"p0": idle}}) == {}
-
-
-async def _dropped(r: asyncio.StreamReader) -> bool:
-    try:
-        return await asyncio.wait_for(r.read(), 5) == b""
-    except ConnectionError:
-        return True
-
-
-async def test_wan_proxy_cut_slow_heal():
-    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while data := await r.read(1 << 16):
-            w.write(data)
-            await w.drain()
-        w.close()
-
-    server = await asyncio.start_server(echo, "127.0.0.1", 0)
-    proxy = soak.WanProxy(server.sockets[0].getsockname()[1])
-    await proxy.start()
-    loop = asyncio.get_running_loop()
-    try:
-        r, w = await asyncio.open_connection("127.0.0.1", proxy.port)
-        w.write(b"x" * 1000)
-        assert await r.readexactly(1000) == b"x" * 1000
-
-        proxy.slow(0.8)                     # 0.8 Mbit/s = 100 kB/s each way: 20 kB takes >= 0.2 s
-        t = loop.time()
-        w.write(b"y" * 20_000)
-        assert await asyncio.wait_for(r.readexactly(20_000), 5) == b"y" * 20_000
-        assert loop.time() - t >= 0.19
-
-        proxy.cut()                         # open connections drop, new ones are refused
-        assert await _dropped(r)
-        r2, w2 = await asyncio.open_connection("127.0.0.1", proxy.port)
-        assert await _dropped(r2)
-        w.close()
-        w2.close()
-
-        proxy.heal()
-        r3, w3 = await asyncio.open_connection("127.0.0.1", proxy.port)
-        t = loop.time()
-        w3.write(b"z" * 20_000)
-        assert await asyncio.wait_for(r3.readexactly(20_000), 5) == b"z" * 20_000
-        assert loop.time() - t < 0.19        # full speed again
-        w3.close()
-        assert proxy.bytes["to_md"] >= 41_000 and proxy.bytes["from_md"] >= 41_000
-    finally:
-        await proxy.close()
-        server.close()
-
-
-def test_reference_is_what_pddgw_generate_prints():
-    prompts = [(tuple(40 + i % 50 for i in range(70)), 6), ((5, 6, 7), 3)]
-    ours = soak.reference_engine(prompts, "float64")
-    assert ours == asyncio.run(soak.reference_cli(prompts[:1], "float64")) + ours[1:]
-    assert [len(t) for t in ours] == [6, 3]

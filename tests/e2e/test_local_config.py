@@ -22,7 +22,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from .cluster import free_port
+from pddgw.harness.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,10 @@ import aiohttp
 import orjson
 import pytest
 
+from pddgw.harness.reference import generate_cli as generate_one_node
 from tests.pipeline.pdd_client import chat, collect, create
 
-from .cluster import Cluster, fresh, generate_one_node  # noqa: F401 (fresh: a fixture)
+from .cluster import Cluster, fresh  # noqa: F401 (fresh: a fixture)
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pddgw.api.server import build_app
-from pddgw.bench.common import free_port
 from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, NodeConfig
+from pddgw.harness.ports import free_port
 from pddgw.pipeline.deploy import Embedded, run_worker
 
 from .pdd_client import chat, collect, create

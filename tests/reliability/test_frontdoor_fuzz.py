@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
-import time
-import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,9 +34,10 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from pddgw.api.responses import _CREATE_KEYS
+from pddgw.harness.launch import Processes
+from pddgw.harness.leaks import wait_quiescent
+from pddgw.harness.ports import free_port
 from tests.api.ws_raw import PING, TEXT, RawWs, frame
-from tests.e2e.cluster import free_port
-from tests.reliability.quiet import wait_quiescent
 
 ROOT = Path(__file__).resolve().parents[2]
 # The built-in tiny model and the embedded default config.
@@ -73,33 +71,13 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
     port = free_port()
-    log = tmp_path_factory.mktemp("frontdoor") / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pddgw", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    s = Served(proc, port, log)
+    procs = Processes(tmp_path_factory.mktemp("frontdoor"))
+    procs.add("serve", ["serve", "--host", "127.0.0.1", "--port", str(port)], port, cwd=ROOT)
+    procs.start()
     try:
-        deadline = time.monotonic() + 120
-        while not _healthy(s):
-            assert proc.poll() is None, f"pddgw serve exited early:\n{s.log_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"pddgw serve did not come up:\n{s.log_text()[-4000:]}"
-            time.sleep(0.2)
-        yield s
+        yield Served(procs.nodes["serve"].proc, port, procs.dir / "serve.log")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-def _healthy(s: Served) -> bool:
-    try:
-        with urllib.request.urlopen(s.url + "/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
+        procs.stop()
 
 
 class Conn:

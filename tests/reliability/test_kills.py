@@ -15,7 +15,8 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.e2e.cluster import Cluster, fresh, generate_one_node  # noqa: F401 (fresh: a fixture)
+from pddgw.harness.reference import generate_cli as generate_one_node
+from tests.e2e.cluster import Cluster, fresh  # noqa: F401 (fresh: a fixture)
 from tests.pipeline.pdd_client import Response, chat
 
 from .quiet import wait_quiescent

@@ -18,8 +18,6 @@ import os
 import socket
 import struct
 import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -29,7 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pddgw.bench.common import free_port
+from pddgw.harness.launch import Processes
+from pddgw.harness.ports import free_port
 from pddgw.net import auth, frames
 from pddgw.net import messages as m
 from pddgw.net.errors import CloseCode
@@ -104,31 +103,16 @@ role = "md"
 cluster = "B"
 port = {port}
 ''')
-    log = tmp / "md0.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pddgw", "serve", "--role", "md", "--node", "md0",
-                                 "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    w = Worker(proc, port, log)
+    procs = Processes(tmp)
+    procs.add("md0", ["serve", "--role", "md", "--node", "md0", "--config", str(cfg), "--host", "127.0.0.1",
+                      "--port", str(port)], port)
+    procs.start()
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
-            try:
-                w.assert_alive()
-                break
-            except (OSError, AssertionError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        w = Worker(procs.nodes["md0"].proc, port, tmp / "md0.log")
+        w.assert_alive()
         yield w
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        procs.stop()
 
 
 # ---------------------------------------------------------------------------
