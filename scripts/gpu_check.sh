@@ -4,9 +4,11 @@
 #
 #   scripts/gpu_check.sh [REPORT.json]          (default: gpu_report.json)
 #
-# On the lent GPU machine (device tool: carry .gpu-wheels):
-#   bash scripts/gpu_check.sh "$OUT/gpu_report.json"
-# Here, first: scripts/gpu_wheels.sh (the wheels that machine lacks, into the ignored .gpu-wheels/).
+# On a GPU machine with nothing to fetch from (its own python and torch), with the repo's
+# .gpu-wheels/ copied beside the tree:
+#   bash scripts/gpu_check.sh /path/to/gpu_report.json
+# First, where the package registry is reachable: scripts/gpu_wheels.sh (the wheels such a machine
+# lacks, into the ignored .gpu-wheels/).
 #
 # Steps, in order:
 #   wheels      .gpu-wheels/*.whl installed with --no-index --no-deps --target into a temporary folder
