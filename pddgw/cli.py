@@ -170,7 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             nodes = [None]      # the embedded topology: every engine from [engine] (MD: twice the block size)
         preflight(cfg, nodes, _model_key(args), front_door=True)
-        from pddgw.pipeline import deploy
+        from pddgw.deploy import serve as deploy
 
         main = deploy.run_embedded(cfg, args.host, args.port)
     else:
@@ -184,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # One config for every node: "{node}" in the certificate paths is this node's name.
         cfg = dataclasses.replace(cfg, net=dataclasses.replace(cfg.net, tls=cfg.net.tls.for_node(me.name)))
         preflight(cfg, [me], _model_key(args), links=True, front_door=me.role == "router")
-        from pddgw.pipeline import deploy
+        from pddgw.deploy import serve as deploy
 
         runner = deploy.run_router if me.role == "router" else deploy.run_worker
         main = runner(cfg, me, args.host, args.port)
@@ -352,7 +352,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
     if importlib.util.find_spec("cryptography") is None:
         raise ConfigError("pddgw keys needs the cryptography package (pip install cryptography)")
-    from pddgw.keys import config_lines, write_keys
+    from pddgw.deploy.keys import config_lines, write_keys
 
     cfg = load_config(args.config)
     w = write_keys(args.dir, cfg, force=args.force)

@@ -22,7 +22,7 @@ MIN_TRITON = (3, 6)
 # dependencies (orjson, structlog, numpy, safetensors, tokenizers, jinja2, prometheus_client, aiohttp).
 MODULES = ("orjson", "structlog", "cryptography", "numpy", "safetensors", "tokenizers", "jinja2",
            "prometheus_client", "aiohttp", "transformers", "hypothesis", "pytest", "pytest_timeout",
-           "pddgw", "pddgw.cli", "pddgw.keys", "pddgw.engines.torch_engine", "pddgw.engines.cuda_graphs",
+           "pddgw", "pddgw.cli", "pddgw.deploy.keys", "pddgw.engines.torch_engine", "pddgw.engines.cuda_graphs",
            "pddgw.kernels.triton_ops", "pddgw.bench.kernels", "pddgw.bench.engine")
 
 

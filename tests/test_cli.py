@@ -21,7 +21,7 @@ from aiohttp import web
 from pddgw import cli
 from pddgw.config import TlsConfig, load_config
 from pddgw.harness.ports import free_port
-from pddgw.keys import config_lines, write_keys
+from pddgw.deploy.keys import config_lines, write_keys
 from pddgw.net.tls import client_context, front_door_context, server_context
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -371,7 +371,7 @@ async def test_front_door_tls(tmp_path):
     import aiohttp
 
     from pddgw.config import Config, NetConfig
-    from pddgw.pipeline import deploy
+    from pddgw.deploy import serve as deploy
 
     write_keys(tmp_path, Config())
     port = free_port()
@@ -409,7 +409,7 @@ def test_front_door_files_must_be_readable(tmp_path):
 async def test_router_without_workers_says_which_node(tmp_path):
     """A router whose workers never answer ends with a StartupError naming the node and its URL."""
     from pddgw.config import StartupError
-    from pddgw.pipeline import deploy
+    from pddgw.deploy import serve as deploy
 
     cfg = load_config(nodes_config(tmp_path))
     port = free_port()

@@ -37,8 +37,8 @@ from pddgw.api.server import build_app
 from pddgw.bench.common import add_output_args, emit, format_table
 from pddgw.config import Config, EngineConfig, NetConfig, PolicyConfig, RegimeConfig
 from pddgw.logs import setup_logging
-from pddgw.pipeline import regime
-from pddgw.pipeline.deploy import Embedded, embedded_nodes, with_topology
+from pddgw.deploy import regime
+from pddgw.deploy.serve import Embedded, embedded_nodes, with_topology
 from pddgw.sim.report import percentile
 from pddgw.sim.workload import TRACE_BLOCK_TOKENS, read_mooncake
 

@@ -1,7 +1,7 @@
 """One simulated run: a deployment, a workload, a virtual clock.
 
 `run_deployment` builds the deployment exactly as `pddgw serve` with no
-config builds the embedded one (`pipeline.deploy.Embedded`: the real router,
+config builds the embedded one (`deploy.serve.Embedded`: the real router,
 policy, state machine, P and decode workers over in-process links, shaped
 per `[[net.links]]`), with cost-model engines, on the running loop.  A client
 per conversation plays its turns against `Router.run`, as the front door
@@ -25,7 +25,7 @@ from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.engines.types import SamplingParams
 from pddgw.net.link import Priority
 from pddgw.net.shaping import Shaper
-from pddgw.pipeline.deploy import Embedded
+from pddgw.deploy.serve import Embedded
 from pddgw.pipeline.ordering import TokenRun
 from pddgw.pipeline.router import Router, RouterError
 from pddgw.sim.workload import Conversation, PromptBuilder, Turn

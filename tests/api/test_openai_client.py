@@ -18,7 +18,7 @@ from openai import AsyncOpenAI
 
 from pddgw.api.server import build_app
 from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, PolicyConfig, ServerConfig, ShapingConfig
-from pddgw.pipeline.deploy import Embedded
+from pddgw.deploy.serve import Embedded
 from pddgw.pipeline.ordering import TokenRun
 from pddgw.pipeline.router import RouterError
 from tests.pipeline.pdd_client import reference

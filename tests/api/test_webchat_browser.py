@@ -29,7 +29,7 @@ from pddgw.api.server import build_app
 from pddgw.api.webchat import add_webchat_routes
 from pddgw.cli import DEFAULT_SYSTEM
 from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, ServerConfig, ShapingConfig
-from pddgw.pipeline.deploy import Embedded
+from pddgw.deploy.serve import Embedded
 
 
 def _chromium() -> str | None:

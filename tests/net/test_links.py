@@ -374,7 +374,7 @@ async def test_silent_peer_is_detected_by_heartbeats():
 
 async def test_inproc_network_connect_errors():
     # An emulated WAN given explicitly: the default "wan" entry has no figures of
-    # its own (the embedded deployment derives them, pipeline/regime.py).
+    # its own (the embedded deployment derives them, deploy/regime.py).
     net = InProcNetwork(cfg_for(links=(ShapingConfig(name="wan", gbps=0.004, latency_ms=15.0),)))
     with pytest.raises(LinkClosed, match="no node 'ghost' is listening"):
         await net.connect("cli", "ghost")

@@ -18,7 +18,7 @@ from pddgw.config import PolicyConfig
 from pddgw.engines.types import SamplingParams
 from pddgw.net import messages as m
 from pddgw.pipeline.alignment import Alignments
-from pddgw.pipeline.deploy import Embedded
+from pddgw.deploy.serve import Embedded
 from pddgw.pipeline.events import KvReady
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.scenario import deployment_config, load_scenario

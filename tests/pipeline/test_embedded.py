@@ -12,7 +12,7 @@ import pytest
 
 from pddgw.api.server import build_app
 from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, PolicyConfig, ServerConfig, ShapingConfig
-from pddgw.pipeline.deploy import Embedded
+from pddgw.deploy.serve import Embedded
 
 from .pdd_client import chat, collect, create, reference
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pddgw.api.server import build_app
 from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, NodeConfig
 from pddgw.harness.ports import free_port
-from pddgw.pipeline.deploy import Embedded, run_worker
+from pddgw.deploy.serve import Embedded, run_worker
 
 from .pdd_client import chat, collect, create
 from .test_embedded import make_cfg, prompt_of
@@ -229,7 +229,7 @@ async def test_a_worker_serves_its_own_node_metrics_without_auth():
 async def test_a_request_that_waits_for_kv_room_counts_its_queue_time(deploy):
     """MD's pool holds one of these requests at a time: the second waits in the room queue
     until the first ends, and its wait is what request_queue_time_seconds records."""
-    from pddgw.pipeline.deploy import embedded_nodes
+    from pddgw.deploy.serve import embedded_nodes
 
     cfg = make_cfg(pipeline="P-MD")
     nodes = tuple(dataclasses.replace(n, engine=dataclasses.replace(n.engine, num_blocks=16)) if n.role == "md"

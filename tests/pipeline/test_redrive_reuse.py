@@ -17,7 +17,7 @@ from pathlib import Path
 from pddgw.config import PolicyConfig
 from pddgw.engines.types import SamplingParams
 from pddgw.net.errors import CloseCode
-from pddgw.pipeline.deploy import Embedded
+from pddgw.deploy.serve import Embedded
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.scenario import deployment_config, load_scenario
 

@@ -1,4 +1,4 @@
-"""The embedded default's WAN in the paper's regime (pipeline/regime.py, `[net.regime]`).
+"""The embedded default's WAN in the paper's regime (deploy/regime.py, `[net.regime]`).
 
 The derivation is exact arithmetic; the measurement is checked for what it
 must leave behind; the end-to-end test drives `Embedded(Config())` as a new
@@ -17,8 +17,8 @@ from pddgw.api.server import build_app
 from pddgw.config import (Config, ConfigError, EngineConfig, ModelConfig, NetConfig, PolicyConfig, RegimeConfig,
                           ShapingConfig, build, load_config)
 from pddgw.engines.base import create_engine
-from pddgw.pipeline import regime
-from pddgw.pipeline.deploy import Embedded, with_topology
+from pddgw.deploy import regime
+from pddgw.deploy.serve import Embedded, with_topology
 
 from .pdd_client import chat
 

@@ -14,7 +14,7 @@ import pytest
 
 from pddgw.config import PolicyConfig
 from pddgw.engines.types import SamplingParams
-from pddgw.pipeline.deploy import Embedded
+from pddgw.deploy.serve import Embedded
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.scenario import deployment_config, load_scenario
 

@@ -246,7 +246,7 @@ def test_prefix_queries_leave_no_pins_behind_while_requests_decode():
     seen: list[int] = []
 
     async def main() -> None:
-        from pddgw.pipeline.deploy import Embedded
+        from pddgw.deploy.serve import Embedded
 
         emb = Embedded(cfg)
         side = await emb.start()

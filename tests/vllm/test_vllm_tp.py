@@ -26,7 +26,7 @@ from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import EngineRequest, SamplingParams
 from pddgw.engines.vllm_engine import VllmEngine
 from pddgw.engines.weights import build_random, save_hf_checkpoint
-from pddgw.pipeline.deploy import Embedded
+from pddgw.deploy.serve import Embedded
 from tests.pipeline.pdd_client import chat
 
 from .conftest import BLOCK, config, model_config, spec, torch_engine_config, vllm_engine_config

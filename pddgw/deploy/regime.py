@@ -36,7 +36,7 @@ from pddgw.engines.weights import load_spec_for
 
 log = structlog.get_logger(__name__)
 
-WAN = "wan"            # the `[[net.links]]` entry deploy.py shapes links between clusters with
+WAN = "wan"            # the `[[net.links]]` entry serve.py shapes links between clusters with
 
 # The probe: a short prompt, a few decode steps to warm caches and allocators
 # up (the first ones are slower), then an odd number of timed steps (a true
@@ -106,7 +106,7 @@ def regime_applies(cfg: Config) -> bool:
 
 
 def kv_bytes_per_token(cfg: Config) -> int:
-    """KV bytes per token as the router counts them for the policy (pipeline/deploy.py RouterSide)."""
+    """KV bytes per token as the router counts them for the policy (deploy/serve.py RouterSide)."""
     spec, _, kv_dtype = load_spec_for(cfg.model)
     return spec.kv_bytes_per_token(DTYPES[kv_dtype])
 

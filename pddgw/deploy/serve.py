@@ -36,7 +36,7 @@ from pddgw.net.link import KvSink, Link
 from pddgw.net.ws import WsServer
 from pddgw.net.ws import connect as ws_connect
 from pddgw.pipeline import protocol as pm
-from pddgw.pipeline import regime
+from pddgw.deploy import regime
 from pddgw.pipeline.node import WorkerNode
 from pddgw.pipeline.router import NodeHandle, Router
 
@@ -141,7 +141,7 @@ class Embedded:
     """Every role in one process, in-process links (the WAN shaped between clusters).
 
     Unless the config gives the WAN's figures, `start` derives them from the
-    decode step of MD's engine (pipeline/regime.py): after `start`,
+    decode step of MD's engine (deploy/regime.py): after `start`,
     `self.cfg` is the config the deployment runs with and `self.wan_regime`
     what was derived (None when the WAN was configured).
     """
