@@ -74,6 +74,9 @@ class MetricsSource(Protocol):
     async def refresh(self) -> None: ...
 
 
+_PIPELINE_FIELDS = {"P-MD": "p_md", "P-RLD-MD": "p_rld_md", "P-RLD": "p_rld"}    # PIPELINES -> RouterCounts
+
+
 @dataclass(slots=True)
 class RouterCounts:
     """The router's decisions, counted (its Prometheus counters and /debug/state read them)."""
@@ -87,11 +90,11 @@ class RouterCounts:
 
     def add_pipeline(self, pipeline: str) -> None:
         """One decision for `pipeline` (one of PIPELINES)."""
-        field = "p_" + pipeline[2:].lower().replace("-", "_")
+        field = _PIPELINE_FIELDS[pipeline]
         setattr(self, field, getattr(self, field) + 1)
 
     def pipeline(self, pipeline: str) -> int:
-        return getattr(self, "p_" + pipeline[2:].lower().replace("-", "_"))
+        return getattr(self, _PIPELINE_FIELDS[pipeline])
 
     def as_dict(self) -> dict[str, int]:
         """{"P-MD": n, "P-RLD-MD": n, "P-RLD": n, "redrives": n, "fallbacks": n, "rld_full": n}."""

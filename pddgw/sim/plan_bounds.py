@@ -65,8 +65,8 @@ from dataclasses import dataclass
 from pddgw.sim.costmodel_engine import parallel
 from pddgw.sim.plan_space import Candidate, Plan
 from pddgw.sim.profiles import ModelProfile, hardware
-from pddgw.sim.roofline import SeqWork, memory_fit, step_cost
-from pddgw.sim.scenario import NodeGroup, Scenario
+from pddgw.sim.roofline import SeqWork, step_cost
+from pddgw.sim.scenario import NodeGroup, Scenario, group_fit
 from pddgw.sim.run import probe_workload
 from pddgw.sim.workload import Conversation
 
@@ -199,8 +199,7 @@ def demand(sc: Scenario, rate: float) -> Demand:
 # and probe rate: cached (a 64K-token chunk is 65,536 SeqWork items to price).
 @functools.lru_cache(maxsize=1024)
 def _kv_tokens(prof: ModelProfile, g: NodeGroup) -> int:
-    cm = g.costmodel()
-    return memory_fit(prof, hardware(g.hardware), parallel(cm), cm.gpu_memory_utilization, g.max_num_seqs).kv_tokens
+    return group_fit(prof, g).kv_tokens
 
 
 @functools.lru_cache(maxsize=1024)

@@ -37,12 +37,11 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from pddgw.logs import setup_logging
 from pddgw.sim import report
 from pddgw.sim.plan_bounds import Bound, Demand, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
-from pddgw.sim.run import run_probe
+from pddgw.sim.run import init_worker, run_probe
 from pddgw.sim.scenario import deployment_config
 
 
@@ -172,10 +171,6 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluatio
                       best.slo_rps if best else 0.0, offered, tuple(probes), time.perf_counter() - wall0)
 
 
-def _init_worker() -> None:
-    setup_logging("warning")
-
-
 def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
                 pool: concurrent.futures.Executor | None = None) -> KindResult:
     """Lifecycle steps 1-4 of the module docstring for one deployment kind."""
@@ -212,7 +207,7 @@ def search(plan: Plan, exhaustive: bool = False, jobs: int = 1) -> dict[Kind, Ki
     """Every kind of the plan, with `jobs` processes evaluating candidates side by side."""
     if jobs <= 1:
         return {k: search_kind(plan, k, exhaustive) for k in plan.spec.kinds}
-    with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_init_worker) as pool:
+    with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
         return {k: search_kind(plan, k, exhaustive, jobs, pool) for k in plan.spec.kinds}
 
 

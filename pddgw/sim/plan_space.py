@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Literal
 
 from pddgw.config import ConfigError, PolicyConfig, load_toml
-from pddgw.sim.costmodel_engine import parallel
 from pddgw.sim.profiles import HARDWARE, ModelProfile, hardware
-from pddgw.sim.roofline import memory_fit
-from pddgw.sim.scenario import DeploymentSpec, GoodputSpec, NodeGroup, Scenario, SloSpec, WorkloadSpec, load_scenario
+from pddgw.sim.scenario import (DeploymentSpec, GoodputSpec, NodeGroup, Scenario, SloSpec, WorkloadSpec, group_fit,
+                                load_scenario)
 
 Kind = Literal["same-dc", "naive-cross-dc", "pdd"]
 KINDS: tuple[Kind, ...] = ("same-dc", "naive-cross-dc", "pdd")
@@ -264,13 +263,6 @@ def _roles(kind: Kind) -> tuple[tuple[str, str], ...]:
     return ("prefill", "A"), ("rld", "A"), ("md", "B")
 
 
-def _fits(prof: ModelProfile, g: NodeGroup, block_size: int) -> bool:
-    """Whether one instance holds the weights and one block of KV (what `scenario.check_fit` refuses)."""
-    cm = g.costmodel()
-    fit = memory_fit(prof, hardware(g.hardware), parallel(cm), cm.gpu_memory_utilization, g.max_num_seqs)
-    return fit.kv_tokens >= block_size
-
-
 def role_options(plan: Plan, prof: ModelProfile, kind: Kind, role: str, cluster: str) -> list[NodeGroup]:
     """Every (hardware, shape, count) group of one role that fits the model; ConfigError when none does."""
     rs: RoleSpace = getattr(plan.spec.roles, role)
@@ -285,7 +277,7 @@ def role_options(plan: Plan, prof: ModelProfile, kind: Kind, role: str, cluster:
                             prefix_cache=not (kind == "naive-cross-dc" and role == "md"),
                             price_per_gpu_hour=opt.price)
             tried.append(f"{shape.gpus} x {opt.hardware} {shape.label()}")
-            if not _fits(prof, one, plan.scenario.block_size):
+            if group_fit(prof, one).kv_tokens < plan.scenario.block_size:     # what check_fit refuses
                 continue
             out += [dataclasses.replace(one, count=n) for n in range(rs.count_min, rs.count_max + 1)]
     if not out:

@@ -20,6 +20,7 @@ NVIDIA datasheets; KV sizes are exact byte counts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -130,6 +131,20 @@ class HardwareProfile:
 # Prices: on-demand USD per GPU-hour at specialty GPU clouds, inside the
 # ranges of mercatus-ai.com/blog/cloud-gpu-pricing (May 2026): A100 80GB
 # $1.10-1.50, H100 SXM $2.50-3.50, H200 SXM $3.50-4.50.
+_H100 = HardwareProfile(
+    name="H100-SXM",
+    peak_tflops_bf16=989.5,
+    hbm_tb_s=3.35,
+    hbm_gb=80.0,
+    interconnect_gb_s=450.0,
+    compute_efficiency=0.40,
+    bandwidth_efficiency=0.8,
+    step_overhead_ms=2.0,
+    price_per_gpu_hour=3.00,
+    allreduce_latency_us=25.0,
+    peak_tflops_fp8=1979.0,
+    scaleout_gb_s=50.0,
+)
 HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in (
     HardwareProfile(
         name="A100-80G",
@@ -144,48 +159,11 @@ HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in (
         allreduce_latency_us=30.0,
         scaleout_gb_s=25.0,
     ),
-    HardwareProfile(
-        name="H100-SXM",
-        peak_tflops_bf16=989.5,
-        hbm_tb_s=3.35,
-        hbm_gb=80.0,
-        interconnect_gb_s=450.0,
-        compute_efficiency=0.40,
-        bandwidth_efficiency=0.8,
-        step_overhead_ms=2.0,
-        price_per_gpu_hour=3.00,
-        allreduce_latency_us=25.0,
-        peak_tflops_fp8=1979.0,
-        scaleout_gb_s=50.0,
-    ),
-    HardwareProfile(
-        name="H800-SXM",
-        peak_tflops_bf16=989.5,
-        hbm_tb_s=3.35,
-        hbm_gb=80.0,
-        interconnect_gb_s=200.0,
-        compute_efficiency=0.40,
-        bandwidth_efficiency=0.8,
-        step_overhead_ms=2.0,
-        price_per_gpu_hour=2.00,
-        allreduce_latency_us=25.0,
-        peak_tflops_fp8=1979.0,
-        scaleout_gb_s=50.0,
-    ),
-    HardwareProfile(
-        name="H200-SXM",
-        peak_tflops_bf16=989.5,
-        hbm_tb_s=4.8,
-        hbm_gb=141.0,
-        interconnect_gb_s=450.0,
-        compute_efficiency=0.40,
-        bandwidth_efficiency=0.8,
-        step_overhead_ms=2.0,
-        price_per_gpu_hour=3.75,
-        allreduce_latency_us=25.0,
-        peak_tflops_fp8=1979.0,
-        scaleout_gb_s=50.0,
-    ),
+    _H100,
+    # The H100 die and HBM; NVLink cut to half, and DeepSeek's price (above).
+    dataclasses.replace(_H100, name="H800-SXM", interconnect_gb_s=200.0, price_per_gpu_hour=2.00),
+    # The H100's SMs and clocks with HBM3e: 141 GB at 4.8 TB/s.
+    dataclasses.replace(_H100, name="H200-SXM", hbm_tb_s=4.8, hbm_gb=141.0, price_per_gpu_hour=3.75),
 )}
 
 

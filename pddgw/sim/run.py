@@ -175,7 +175,8 @@ def _jobs(sc: Scenario) -> list[Job]:
     return jobs
 
 
-def _init_worker() -> None:
+def init_worker() -> None:
+    """A simulation worker process: warnings only (a run logs per request at info)."""
     setup_logging("warning")
 
 
@@ -194,7 +195,7 @@ def simulate(sc: Scenario, jobs: int = 1, progress: bool = False) -> tuple[dict[
             if bar is not None:
                 bar.update()
     else:
-        with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_init_worker) as pool:
+        with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
             futures = {pool.submit(run_job, sc, job): job for job in todo}
             for fut in concurrent.futures.as_completed(futures):
                 results[futures[fut]] = fut.result()

@@ -20,8 +20,9 @@ from typing import Literal
 from pddgw.config import (Config, ConfigError, CostModelConfig, EngineConfig, LogConfig, ModelConfig, NetConfig,
                           NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, load_config, load_toml)
 from pddgw.sim.costmodel_engine import parallel
+from pddgw.sim.model_shape import ModelProfile
 from pddgw.sim.profiles import HARDWARE, MODELS, hardware, model
-from pddgw.sim.roofline import memory_fit
+from pddgw.sim.roofline import Fit, memory_fit
 from pddgw.sim.workload import AgenticSpec
 
 
@@ -287,6 +288,12 @@ def deployment_config(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None 
                   log=LogConfig(level="warning"), nodes=tuple(nodes))
 
 
+def group_fit(prof: ModelProfile, g: NodeGroup) -> Fit:
+    """How one instance of the group divides its memory (`roofline.memory_fit` of its shape)."""
+    cm = g.costmodel()
+    return memory_fit(prof, hardware(g.hardware), parallel(cm), cm.gpu_memory_utilization, g.max_num_seqs)
+
+
 def check_fit(sc: Scenario, dep: DeploymentSpec, g: NodeGroup) -> None:
     """ConfigError naming the deployment, the group and the numbers unless the scenario's
     model fits one of the group's instances with room for KV."""
@@ -296,7 +303,7 @@ def check_fit(sc: Scenario, dep: DeploymentSpec, g: NodeGroup) -> None:
         raise ConfigError(f"model: {e.args[0]}") from None
     hw = hardware(g.hardware)
     cm = g.costmodel()
-    fit = memory_fit(prof, hw, parallel(cm), cm.gpu_memory_utilization, g.max_num_seqs)
+    fit = group_fit(prof, g)
     if fit.kv_tokens < sc.block_size:
         shape = (f"{g.count} x {g.gpus_per_instance} x {g.hardware} (tensor_parallel {g.tensor_parallel} "
                  f"x data_parallel {g.data_parallel}, expert_parallel {cm.expert_parallel or cm.gpus})")

@@ -13,7 +13,7 @@ from pddgw.api import server
 from pddgw.api.server import build_app
 from pddgw.config import Config, ServerConfig
 from pddgw.deploy.serve import Embedded
-from tests.reliability.quiet import wait_quiescent
+from pddgw.harness.leaks import wait_quiescent
 
 from .ws_raw import BINARY, PING, TEXT, RawWs, frame
 

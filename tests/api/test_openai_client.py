@@ -19,10 +19,10 @@ from openai import AsyncOpenAI
 from pddgw.api.server import build_app
 from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, PolicyConfig, ServerConfig, ShapingConfig
 from pddgw.deploy.serve import Embedded
+from pddgw.harness.leaks import wait_quiescent
 from pddgw.pipeline.ordering import TokenRun
 from pddgw.pipeline.router import RouterError
 from tests.pipeline.pdd_client import reference
-from tests.reliability.quiet import wait_quiescent
 
 KEY, ADMIN = "sk-user", "sk-admin"
 SYSTEM = "You are a terse assistant. Answer in one short line, then stop. " * 2

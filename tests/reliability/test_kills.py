@@ -15,11 +15,11 @@ import aiohttp
 import orjson
 import pytest
 
+from pddgw.harness.leaks import wait_quiescent
 from pddgw.harness.reference import generate_cli as generate_one_node
 from tests.e2e.cluster import Cluster, fresh  # noqa: F401 (fresh: a fixture)
 from tests.pipeline.pdd_client import Response, chat
 
-from .quiet import wait_quiescent
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ import asyncio
 import aiohttp
 import pytest
 
+from pddgw.harness.leaks import wait_quiescent
 from tests.pipeline.pdd_client import chat, reference
 
-from .quiet import wait_quiescent
 from .served import Served
 
 OFFERED = 24

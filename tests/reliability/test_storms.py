@@ -15,9 +15,9 @@ import aiohttp
 import orjson
 import pytest
 
+from pddgw.harness.leaks import wait_quiescent
 from tests.pipeline.pdd_client import chat, reference
 
-from .quiet import wait_quiescent
 from .served import Served
 
 CONFIG = '''
