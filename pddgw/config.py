@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pddgw.core.roles import NodeRole
+
 
 class ConfigError(ValueError):
     """A config file or value is invalid; the message names file and key."""
@@ -269,15 +271,12 @@ class PolicyConfig:
         _check(self.link_min_sample_bytes >= 1, "link_min_sample_bytes must be >= 1")
 
 
-Role = Literal["router", "prefill", "rld", "md"]
-
-
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     """One node of a multi-node deployment (`pddgw serve --node NAME`)."""
 
     name: str
-    role: Role
+    role: NodeRole
     # Nodes in different clusters talk over the shaped WAN link, within a
     # cluster over the fabric link.
     cluster: str = "A"
@@ -319,12 +318,37 @@ class ServerConfig:
     max_queue_wait_s: float = 120.0
     # No healthy node of a role a request needs (a P restarting): wait this long for one.
     node_wait_s: float = 30.0
+    # SIGTERM drains a node (a rolling restart): it takes no new request and its in-flight
+    # ones finish or are moved to another node within this bound; then it exits.
+    drain_timeout_s: float = 30.0
+    # Read timeouts at the front door (api/guard.py).  A new connection's first request
+    # head must be complete within header_read_timeout_s; an idle kept-alive connection
+    # (also one sending a later request's head) is closed keepalive_timeout_s after its
+    # last response.
+    header_read_timeout_s: float = 10.0
+    keepalive_timeout_s: float = 75.0
+    # A request body must arrive at >= body_min_bytes_per_s after a grace period: by
+    # t seconds after its head, (t - body_read_grace_s) * body_min_bytes_per_s bytes.
+    body_read_grace_s: float = 10.0
+    body_min_bytes_per_s: int = 16384
+    # A WebSocket that sends no event this long after its upgrade is closed (1008).
+    websocket_idle_timeout_s: float = 30.0
+    # Open connections from one client address; one more gets 429 and is closed.
+    max_connections_per_client: int = 128
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port must be in [0, 65535]")
+        _check(self.header_read_timeout_s > 0, "header_read_timeout_s must be > 0")
+        _check(self.keepalive_timeout_s >= self.header_read_timeout_s,
+               "keepalive_timeout_s must be >= header_read_timeout_s")
+        _check(self.body_read_grace_s > 0, "body_read_grace_s must be > 0")
+        _check(self.body_min_bytes_per_s > 0, "body_min_bytes_per_s must be > 0")
+        _check(self.websocket_idle_timeout_s > 0, "websocket_idle_timeout_s must be > 0")
+        _check(self.max_connections_per_client > 0, "max_connections_per_client must be > 0")
         _check(self.max_queued_requests >= 0, "max_queued_requests must be >= 0")
         _check(self.max_queue_wait_s > 0, "max_queue_wait_s must be > 0")
         _check(self.node_wait_s >= 0, "node_wait_s must be >= 0")
+        _check(self.drain_timeout_s > 0, "drain_timeout_s must be > 0")
         _check(self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024")
         _check(self.max_concurrent_requests > 0, "max_concurrent_requests must be > 0")
         _check(self.max_streams_per_connection > 0, "max_streams_per_connection must be > 0")

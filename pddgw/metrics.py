@@ -17,6 +17,10 @@ Two kinds of series:
   stats are read on the engine's thread (`AsyncEngine.call`), so a scrape
   first awaits `refresh()` on every source, then renders; the loop never blocks.
 
+The front door's own series (`FrontDoorMetrics`, in the router's registry):
+refusals and read-timeout closes by reason, admitted requests and open
+client connections.
+
 A scrape (`scrape(sources)`) merges the families of several sources by name
 (node series carry `node` and `role` labels, so they never clash): the
 embedded deployment's router `/metrics` includes every in-process worker
@@ -176,6 +180,7 @@ class RouterMetrics:
                                        ["mode"], buckets=STALL_BUCKETS, registry=reg)
         self.wan_kv_bytes = Counter(PREFIX + "wan_kv_bytes", "KV bytes P sent across the WAN for requests.",
                                     registry=reg)
+        self.front_door = FrontDoorMetrics(reg)
         # Children looked up once: `labels()` takes a lock and a dict lookup per call.
         self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ("rld", "md")}
         for mode in ("one-shot", "catch-up"):
@@ -259,6 +264,52 @@ def _finish_reason(rec: RecordView) -> str:
         if state == "FINISHED":
             return reason or "stop"
     return "stop"
+
+
+# ---- front door -------------------------------------------------------------------------
+
+# What the front door refuses (`front_door_refused`) and closes for a read timeout
+# (`front_door_closed`), each a `reason` label named after the [server] setting it enforces.
+REFUSED_REASONS = ("max_concurrent_requests", "max_connections_per_client", "max_message_bytes",
+                   "malformed_head")
+CLOSED_REASONS = ("header_read_timeout", "body_min_rate", "keepalive_timeout", "websocket_idle_timeout")
+
+
+class FrontDoorMetrics:
+    """The front door's counters (api/door.py's admission, api/guard.py's connection guard).
+
+    Every reason's series exists from the start (value 0), so a scrape can be compared exactly;
+    `requests_active` and `connections` read their owners at scrape time (`watch`)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.refused = Counter(PREFIX + "front_door_refused", "Requests or connections the front door refused.",
+                               ["reason"], registry=registry)
+        self.closed = Counter(PREFIX + "front_door_closed", "Connections the front door closed for a read timeout.",
+                              ["reason"], registry=registry)
+        self._refused = {r: self.refused.labels(r) for r in REFUSED_REASONS}
+        self._closed = {r: self.closed.labels(r) for r in CLOSED_REASONS}
+        self._active: Callable[[], int] = lambda: 0
+        self._connections: Callable[[], int] = lambda: 0
+        registry.register(_Collector(self._gauges))
+
+    def refuse(self, reason: str) -> None:
+        self._refused[reason].inc()
+
+    def close(self, reason: str) -> None:
+        self._closed[reason].inc()
+
+    def watch(self, active: Callable[[], int] | None = None, connections: Callable[[], int] | None = None) -> None:
+        """Read the admitted requests / open client connections from these at scrape time."""
+        if active is not None:
+            self._active = active
+        if connections is not None:
+            self._connections = connections
+
+    def _gauges(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(PREFIX + "front_door_requests_active",
+                                "Requests admitted under [server] max_concurrent_requests.", value=self._active())
+        yield GaugeMetricFamily(PREFIX + "front_door_connections", "Open client connections to the front door.",
+                                value=self._connections())
 
 
 # ---- worker node ------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_help_lists_every_command_with_one_line():
     text = " ".join(r.stdout.split())
     for name, line in cli.COMMANDS:
         assert f"{name} {line}" in text, name
-    assert [n for n, _ in cli.COMMANDS] == ["serve", "chat", "keys", "generate", "sim", "plan"]
+    assert [n for n, _ in cli.COMMANDS] == ["serve", "chat", "keys", "generate", "export-model", "sim", "plan"]
 
 
 # ---- what the user gave: exit 2 -------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_port_in_use():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        assert_error(pddgw("serve", "--port", str(port)),
+        assert_error(pddgw("serve", "--model", "tiny", "--port", str(port)),
                      f"cannot listen on 127.0.0.1:{port}: address already in use", 1)
 
 
@@ -421,3 +421,26 @@ async def test_router_without_workers_says_which_node(tmp_path):
     assert msg.startswith(f"cannot reach prefill node p0 at ws://127.0.0.1:{port}/pddgw/link within 0.3 s: "), msg
     assert msg.endswith("(start every worker node with `pddgw serve --config ... --node NAME`; the router waits "
                         "0.3 s for them; every node needs the same net secret and CA)"), msg
+
+
+def test_chat_port_and_host_name_the_router(fake_router):
+    url = f"ws://127.0.0.1:{fake_router.port}/v1/responses"
+    assert_error(pddgw("chat", "hi", "--port", str(fake_router.port)),
+                 f"{url}: 401 Unauthorized: the router needs an API key: pass --api-key KEY "
+                 "(one of the router config's [server] api_keys)", 1)
+    assert_error(pddgw("chat", "hi", "--host", "127.0.0.1", "--port", str(fake_router.port), "--api-key",
+                       FakeRouter.KEY), "the router answered with an error (overloaded): too many requests", 1)
+    args = cli.build_parser().parse_args(["chat", "--host", "10.1.2.3", "--port", "9"])
+    assert (args.host, args.port, args.url) == ("10.1.2.3", 9, None)
+
+
+def test_serve_without_config_or_model_serves_smollm2():
+    args = cli.build_parser().parse_args(["serve"])
+    assert cli._config_with_overrides(args).model.path == "smollm2" == cli.DEFAULT_SERVE_MODEL
+    assert cli._model_key(args) == "--model"
+    args = cli.build_parser().parse_args(["serve", "--model", "tiny"])
+    assert cli._config_with_overrides(args).model.path == "tiny"
+    args = cli.build_parser().parse_args(["serve", "--config", str(ROOT / "config.local.toml"), "--role", "md"])
+    assert cli._config_with_overrides(args).model.path == load_config(str(ROOT / "config.local.toml")).model.path
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
+    assert cli._config_with_overrides(args).model.path == ""        # generate: the built-in tiny model

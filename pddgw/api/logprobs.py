@@ -81,3 +81,32 @@ def completion(pieces: TokenPieces, token_ids: Sequence[int], lps: Sequence[Toke
         top.setdefault(text, lp.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def prompt_completion(pieces: TokenPieces, token_ids: Sequence[int],
+                      lps: Sequence[TokenLogprobs]) -> tuple[dict[str, Any], int]:
+    """Completions' `logprobs` object of an echoed prompt (OpenAI's `echo`): one entry per
+    prompt token, the first with null token_logprobs / top_logprobs (it has no context);
+    `lps` scores tokens 1..n-1.  -> (the object, the text offset after the prompt), so the
+    completion's entries continue it (`completion(..., offset)`)."""
+    first = pieces(token_ids[0])[0]
+    rest, offset = completion(pieces, token_ids[1:], lps, len(first))
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}, offset
+
+
+def vllm_prompt(pieces: TokenPieces, token_ids: Sequence[int],
+                lps: Sequence[TokenLogprobs]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a choice: null for the first prompt token, then per token
+    {token id (a string key): {logprob, rank, decoded_token}} of the token itself and its top
+    alternatives; rank (1 = most probable) is known for the alternatives, and for the token
+    when it is among them, else null."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for t, lp in zip(token_ids[1:], lps, strict=True):
+        entry: dict[str, dict[str, Any]] = {}
+        rank = next((r + 1 for r, i in enumerate(lp.top_ids) if i == t), None)
+        entry[str(t)] = {"logprob": lp.logprob, "rank": rank, "decoded_token": pieces(t)[0]}
+        for r, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs)):
+            entry.setdefault(str(i), {"logprob": v, "rank": r + 1, "decoded_token": pieces(i)[0]})
+        out.append(entry)
+    return out

@@ -18,14 +18,16 @@ One request's lifecycle:
 
   1. Authorize: `Authorization: Bearer KEY` with `[server] api_keys` (an admin key is an API key
      too) -> 401 `invalid_api_key`.
-  2. Decode and validate the JSON body at the edge -> 400 naming the field in `param`; a field
+  2. The front door's bound (`max_concurrent_requests`, `door.admission`: taken before the
+     body is read, released when the request ends) -> 429 `rate_limit_exceeded` at once.  The
+     body is read at a minimum rate (`door.read_body`: too slow -> the connection is closed).
+  3. Decode and validate the JSON body at the edge -> 400 naming the field in `param`; a field
      this server does not implement -> 400 `unsupported_parameter` naming it; a `model` other
      than the served one -> 404 `model_not_found`.
-  3. Who may steer: a `pddgw` extension that forces a pipeline or handoff mode
+  4. Who may steer: a `pddgw` extension that forces a pipeline or handoff mode
      (`{"pddgw": {"pipeline": "P-MD", "handoff_mode": "catch-up"}}`) is an operator's tool: it
      needs an admin key (`[server] admin_keys`) or `[server] allow_request_steering = true`,
      else 403 `permission_denied` naming `pddgw.pipeline` / `pddgw.handoff_mode`.
-  4. The front door's bound (`max_concurrent_requests`) -> 429 `rate_limit_exceeded`.
   5. Tokenize (chat: the same chat template as the WebSocket route; a completions text prompt:
      its plain tokens, nothing added) and bound the output by the context (below).
   6. Run on the router while watching the client's connection: a client that goes away
@@ -47,13 +49,47 @@ Behaviours chosen:
     response that ends at the client's own, unclamped `max_output_tokens` is `completed` (the
     WebSocket route's contract); `pddgw.finish_reason` says `length` either way.  A prompt that
     leaves no room at all -> 400 `context_length_exceeded`.
-  * Sampling: `temperature` [0, 2] (0 = greedy), `top_p` (0, 1], `seed` [0, 2**63) (none: the
-    router draws one; it is in the `pddgw` timeline), and vLLM's `top_k` (an integer in [-1, 2**31):
-    keep the k most probable tokens; -1 or 0 = no filter) and `min_p` [0, 1] (keep tokens with
-    p >= min_p * p_max; 0 = no filter), which the `openai` client sends in `extra_body`.  The
-    response object echoes `temperature` and `top_p` only, as OpenAI's.  `n` must be 1 (else 400
-    naming `n`); `stop` is not supported (400 `unsupported_parameter` naming `stop`; null or []
-    are accepted); penalties other than 0, tools, `echo`, `suffix`, `best_of` > 1 likewise.
+  * Sampling: every route decodes the same fields (`responses.SAMPLING_KEYS`) into one
+    `pddgw.core.sampling.SamplingParams`, whose constructor holds every bound and names the
+    field of a refusal: `temperature` [0, 2] (0 = greedy), `top_p` (0, 1], `seed` [0, 2**63)
+    (none: one is drawn; it is in the `pddgw` timeline), and vLLM's sampling parameters with
+    vLLM's meaning and defaults, which the `openai` client sends in `extra_body`: `top_k`
+    (-1 or 0 = no filter), `min_p`, `repetition_penalty`, `presence_penalty`,
+    `frequency_penalty`, `logit_bias` (token id -> [-100, 100]), `min_tokens`, `ignore_eos`,
+    `stop_token_ids`, `skip_special_tokens` (the text always drops special tokens: pddgw's
+    tokenizers have no other mode), `include_stop_str_in_output` (stop strings, below).  vLLM's
+    `request_id` is accepted (a string) and logged beside the router's own id.  The response
+    object echoes `temperature` and `top_p` only, as OpenAI's.  `max_tokens` and
+    `max_completion_tokens` are both validated; the latter wins.
+  * Stop strings (chat, completions; the Responses API has none): `stop`, a string or at most
+    `stops.MAX_STOPS` (16) strings of at most 256 characters, matched on the detokenized text at
+    the router (api/stops.py, door.OutputText): the text ends right before the first complete
+    stop string (through it with `include_stop_str_in_output`), wherever the token boundaries
+    fall; streamed text that could start a stop string is held back until it cannot.  The
+    request is then stopped on every node at once (router.StopRequest), `finish_reason` is
+    "stop" and `stop_reason` (vLLM's, in every choice: null unless set) the string; a stop token
+    id (`stop_token_ids`) that ended the output is its `stop_reason`.  Usage and
+    `pddgw.output_token_ids` count the tokens up to the one the stop string completed at.
+  * Choices: `n` in [1, `MAX_CHOICES`] (16); vLLM's `best_of` only equal to n (null: n; less:
+    400 naming it; more: 400 `unsupported_parameter`: the n highest-logprob of best_of are not
+    ranked here).  Choice i is a router request of its own with the same prompt and seed
+    `choice_seed(seed, i)` = seed + i (mod 2**63): exactly a single request with that seed.
+    Choices 1..n-1 start when choice 0 has its first token (P has prefilled the prompt), so
+    they find its full blocks in P's and MD's prefix caches: what they prefill and move is the
+    prompt's last partial block.  Streamed, each choice's chunks carry its `index` (chat: each
+    opens with its role chunk, each ends with its finish chunk); usage (object, or the one
+    usage chunk) counts the prompt once and the completion tokens of every choice.  With n > 1
+    each choice of the object also carries its own `pddgw` timeline.
+  * Refusals: every 4xx answer is logged once, `request_refused` with route, field (the error's
+    `param`), reason (its message) and status (`openai_not_found`, the routes' middleware).
+  * Tools and structured output (chat): `tools`, `tool_choice`, `parallel_tool_calls`, `response_format`
+    (api/toolcalls.py, engines/grammar.py); a forced call or a response format is a grammar on every
+    node; with tools the streamed text is held back and parsed at the end (tool-call deltas).
+  * Tools and structured output (responses): `tools` (flat), `tool_choice`, `parallel_tool_calls`,
+    `text.format`, `function_call` / `function_call_output` input items (api/responses.py); calls
+    come back as `function_call` output items, streamed as `response.output_item.added`,
+    `response.function_call_arguments.delta` / `.done`, `response.output_item.done`.
+  * Not supported: `suffix`.
   * Log-probabilities (api/logprobs.py: the model's raw distribution, the shapes): chat
     `logprobs: true` with `top_logprobs` 0..20 (`top_logprobs` without `logprobs: true` -> 400
     naming it) -> `choices[].logprobs.content` in the object and in each chunk; completions
@@ -74,9 +110,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
+import json
 import time
-from collections.abc import Awaitable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Coroutine
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
@@ -84,16 +123,29 @@ import structlog
 from aiohttp import web
 
 from pddgw.api import logprobs as lpfmt
-from pddgw.api.responses import (ApiError, CreateResponse, SamplingFields, brief, output_message, output_text,
-                                 parse_create_body, parse_extension, parse_sampling, response_object,
-                                 top_logprobs_param)
+from pddgw.api.errors import ApiError, brief
+from pddgw.api.responses import (SAMPLING_KEYS, CreateResponse, function_call_item, output_message, output_text,
+                                 parse_create_body, parse_extension, parse_sampling, response_format_grammar,
+                                 response_object, top_logprobs_param)
+from pddgw.core.sampling import SEED_LIMIT, SamplingParams
 from pddgw.pipeline.ordering import TokenRun
-from pddgw.pipeline.router import Outcome, RouterError, new_request_id
+from pddgw.pipeline.router import Outcome, RouterError, StopRequest, new_request_id
+
+from pddgw.api.door import ClientTooSlow
+from pddgw.api.toolcalls import ToolCall, ToolFormat, ToolRequest, format_for, grammar_for, parse_calls, parse_tools
+from pddgw.core.errors import FieldError
+from pddgw.engines.grammar import check_spec
+from pddgw.engines.types import RequestError
+from pddgw.api.stops import parse_stop
 
 if TYPE_CHECKING:
-    from pddgw.api.door import FrontDoor, Prepared
+    from pddgw.api.door import FrontDoor, OutputText, Prepared
 
 log = structlog.get_logger(__name__)
+
+MAX_CLIENT_ID_LEN = 256    # a client's `request_id`, at most (it is logged)
+MAX_CHOICES = 16           # `n`, at most: each choice is a request of its own on the router
+ARGUMENT_FRAGMENT_CHARS = 16   # a streamed tool call's arguments go out in fragments of this many characters
 
 # How often a request waiting on the router (queued, or between tokens) looks at its client's socket.
 DISCONNECT_POLL_S = 0.25
@@ -122,9 +174,15 @@ def error_body(message: str, code: str, param: str | None = None) -> dict[str, A
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# An error answer's (param, message), kept on the response for the middleware's one log line.
+REFUSAL = web.ResponseKey("pddgw_refusal", tuple)
+
+
 def error_response(message: str, code: str, param: str | None = None) -> web.Response:
     status, _ = ERRORS.get(code, ERRORS["server_error"])
-    return web.json_response(error_body(message, code, param), status=status, dumps=_dumps)
+    resp = web.json_response(error_body(message, code, param), status=status, dumps=_dumps)
+    resp[REFUSAL] = (param, message)
+    return resp
 
 
 def _dumps(obj: Any) -> str:
@@ -143,7 +201,7 @@ class GenRequest:
     prompt_token_ids: tuple[int, ...] | None     # completions with token IDs, responses' extension
     prompt_text: str | None                      # completions with a string
     max_tokens: int | None
-    sampling: SamplingFields
+    sampling: SamplingParams                     # max_tokens: set by the door (the room left)
     stream: bool
     include_usage: bool
     model: str | None
@@ -152,22 +210,30 @@ class GenRequest:
     input_param: str                             # the field a too-long prompt is blamed on
     create: CreateResponse | None = None         # responses: the decoded request
     logprobs: int | None = None                  # None: none; k: each token's + k top alternatives
+    client_request_id: str | None = None         # vLLM's `request_id`: logged with the router's id
+    stop: tuple[str, ...] = ()                   # stop strings (api/stops.py), matched on the text
+    n: int = 1                                   # choices (chat, completions)
+    echo: bool = False                           # completions: the prompt comes back before the text
+    score_only: bool = False                     # completions' echo with max_tokens 0: the prompt only
+    vllm_prompt_logprobs: bool = False           # vLLM's `prompt_logprobs` asked: choices[].prompt_logprobs
+    tools: ToolRequest | None = None             # chat / responses `tools` (api/toolcalls.py)
+    chat: tuple[dict[str, Any], ...] | None = None   # message objects, when they carry tool calls / results
 
 
-_CHAT_KEYS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-              "seed", "stream", "stream_options", "n", "stop", "user", "store", "metadata", "logprobs",
-              "top_logprobs", "presence_penalty", "frequency_penalty", "pddgw"}
-_COMPLETION_KEYS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
-                    "stream_options", "n", "stop", "user", "logprobs", "echo", "suffix", "best_of",
-                    "presence_penalty", "frequency_penalty", "pddgw"}
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CHAT_KEYS = {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "stop",
+              "best_of", "user", "store", "metadata", "logprobs", "top_logprobs", "request_id", "pddgw",
+              "tools", "tool_choice", "parallel_tool_calls", "response_format", *SAMPLING_KEYS}
+_COMPLETION_KEYS = {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "stop", "user", "logprobs",
+                    "echo", "suffix", "best_of", "request_id", "pddgw", "prompt_logprobs", *SAMPLING_KEYS}
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+               "tool": "tool"}
 
 
 def _unsupported(name: str, why: str = "is not supported by this server") -> ApiError:
     return ApiError(f"'{name}' {why}", name, "unsupported_parameter")
 
 
-def _check_keys(d: dict[str, Any], allowed: set[str]) -> None:
+def check_keys(d: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(d) - allowed)
     if unknown:
         raise _unsupported(unknown[0][:64], "is not a supported parameter")
@@ -180,19 +246,31 @@ def _pos_int(d: dict[str, Any], key: str) -> int | None:
     return v
 
 
-def _common(d: dict[str, Any]) -> dict[str, Any]:
-    """The sampling, streaming and extension fields chat and completions share."""
+def _choices(d: dict[str, Any]) -> int:
+    """`n` (null: 1) and vLLM's `best_of` (null, or equal to n: every choice generated is returned)."""
     n = d.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise ApiError(f"'n' must be 1 (one choice per request), got {brief(n)}", "n")
-    stop = d.get("stop")
-    if stop not in (None, []):
-        raise _unsupported("stop", "(stop sequences) is not supported: end on the model's own stop tokens "
-                           "or max tokens")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if d.get(key) not in (None, 0, 0.0):
-            raise _unsupported(key, "other than 0 is not supported")
-    sampling = parse_sampling(d)
+    if n is None:
+        n = 1
+    elif isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(f"'n' must be an integer in [1, {MAX_CHOICES}], got {brief(n)}", "n")
+    best_of = d.get("best_of")
+    if best_of is not None:
+        if isinstance(best_of, bool) or not isinstance(best_of, int) or best_of < n:
+            raise ApiError(f"'best_of' must be an integer >= n ({n}), got {brief(best_of)}", "best_of")
+        if best_of != n:
+            raise _unsupported("best_of", f"other than n ({n}) is not supported: ask for n = {best_of} choices "
+                               "and rank them by their logprobs")
+    return n
+
+
+def _common(d: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+    """The sampling, streaming, choices, stop and extension fields chat and completions share."""
+    n = _choices(d)
+    stop = parse_stop(d.get("stop"))
+    sampling = parse_sampling(d, max_tokens, logprobs)
+    client_id = d.get("request_id")
+    if client_id is not None and (not isinstance(client_id, str) or len(client_id) > MAX_CLIENT_ID_LEN):
+        raise ApiError(f"'request_id' must be a string of at most {MAX_CLIENT_ID_LEN} characters", "request_id")
     stream = d.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ApiError("'stream' must be a boolean", "stream")
@@ -211,7 +289,8 @@ def _common(d: dict[str, Any]) -> dict[str, Any]:
         raise ApiError("'model' must be a string", "model")
     pipeline, handoff_mode = parse_extension(d)
     return {"sampling": sampling, "stream": bool(stream), "include_usage": bool(include_usage), "model": model,
-            "pipeline": pipeline, "handoff_mode": handoff_mode}
+            "pipeline": pipeline, "handoff_mode": handoff_mode, "logprobs": logprobs, "client_request_id": client_id,
+            "stop": stop, "n": n}
 
 
 def _chat_content(content: Any, where: str) -> str:
@@ -227,14 +306,21 @@ def _chat_content(content: Any, where: str) -> str:
     raise ApiError(f"{where} must be a string or a list of text parts", where)
 
 
-def parse_chat(d: Any) -> GenRequest:
-    if not isinstance(d, dict):
-        raise ApiError("the request body must be a JSON object")
-    _check_keys(d, _CHAT_KEYS)
-    msgs = d.get("messages")
+def json_body(raw: bytes) -> Any:
+    """A request body's JSON; ApiError when it is not JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(f"the request body is not valid JSON: {e}") from None
+
+
+def parse_messages(msgs: Any) -> tuple[list[tuple[str, str]], bool]:
+    """A chat's `messages` -> (role, text) pairs, and whether any carries tool calls / is a tool
+    result (then the template needs the messages whole); ApiError names the message."""
     if not isinstance(msgs, list) or not msgs:
         raise ApiError("'messages' must be a non-empty list", "messages")
     out: list[tuple[str, str]] = []
+    rich = False
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -242,18 +328,82 @@ def parse_chat(d: Any) -> GenRequest:
         role = m.get("role")
         if role not in _CHAT_ROLES:
             raise ApiError(f"{where}.role must be one of {', '.join(_CHAT_ROLES)}", f"{where}.role")
-        extra = sorted(set(m) - {"role", "content", "name"})
+        extra = sorted(set(m) - {"role", "content", "name"} - _TOOL_MESSAGE_KEYS.get(role, set()))
         if extra:
             raise _unsupported(f"{where}.{extra[0][:64]}")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
         out.append((_CHAT_ROLES[role], _chat_content(content, f"{where}.content")))
-    max_tokens = _pos_int(d, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = _pos_int(d, "max_tokens")
-    return GenRequest("chat", tuple(out), None, None, max_tokens, input_param="messages",
-                      logprobs=_chat_logprobs(d), **_common(d))
+        if set(m) & _TOOL_MESSAGE_KEYS.get(role, set()) or role == "tool":
+            rich = True
+    return out, rich
+
+
+def parse_chat(d: Any) -> GenRequest:
+    if not isinstance(d, dict):
+        raise ApiError("the request body must be a JSON object")
+    check_keys(d, _CHAT_KEYS)
+    msgs = d.get("messages")
+    out, rich = parse_messages(msgs)
+    # Both validated; max_completion_tokens (OpenAI's newer name) wins when both are given.
+    legacy, newer = _pos_int(d, "max_tokens"), _pos_int(d, "max_completion_tokens")
+    max_tokens = newer if newer is not None else legacy
+    common = _common(d, max_tokens, _chat_logprobs(d))
+    tools = parse_tools(d)
+    grammar = response_format_grammar(d.get("response_format"), "response_format")
+    if grammar is not None:
+        if tools is not None and tools.forced:
+            raise ApiError("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
+        common["sampling"] = _with_grammar(common["sampling"], grammar, "response_format")
+    chat = tuple(_tool_message(m, i, r) for i, (m, r) in enumerate(zip(msgs, out))) if rich or tools else None
+    return GenRequest("chat", tuple(out), None, None, max_tokens, input_param="messages", tools=tools, chat=chat,
+                      **common)
+
+
+# Keys a chat message may carry besides role / content / name, by role.
+_TOOL_MESSAGE_KEYS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
+
+
+def _tool_message(m: dict[str, Any], i: int, pair: tuple[str, str]) -> dict[str, Any]:
+    """A message as the chat template gets it: role and text content, and its tool calls / call id."""
+    where = f"messages[{i}]"
+    msg: dict[str, Any] = {"role": pair[0], "content": pair[1]}
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise ApiError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+        norm = []
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                    or not isinstance(fn.get("arguments", ""), str)):
+                raise ApiError(f"{where}.tool_calls[{j}] must be {{'id', 'type': 'function', 'function': "
+                               "{'name', 'arguments'}}", f"{where}.tool_calls[{j}]")
+            # Templates index arguments as a mapping (transformers parses the JSON the same way).
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except ValueError:
+                raise ApiError(f"{where}.tool_calls[{j}].function.arguments must be JSON text",
+                               f"{where}.tool_calls[{j}].function.arguments") from None
+            norm.append({"id": str(c.get("id", "")), "type": "function",
+                         "function": {"name": fn["name"], "arguments": args}})
+        msg["tool_calls"] = norm
+    if pair[0] == "tool":
+        cid = m.get("tool_call_id")
+        if not isinstance(cid, str):
+            raise ApiError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+        msg["tool_call_id"] = cid
+    if isinstance(m.get("name"), str):
+        msg["name"] = m["name"]
+    return msg
+
+
+def _with_grammar(sp: SamplingParams, grammar: tuple[str, str], param: str) -> SamplingParams:
+    try:
+        return replace(sp, grammar=grammar)
+    except FieldError as e:
+        raise ApiError(f"'{param}': {e}", param) from None
 
 
 def _chat_logprobs(d: dict[str, Any]) -> int | None:
@@ -270,13 +420,17 @@ def _chat_logprobs(d: dict[str, Any]) -> int | None:
 def parse_completion(d: Any, vocab_size: int) -> GenRequest:
     if not isinstance(d, dict):
         raise ApiError("the request body must be a JSON object")
-    _check_keys(d, _COMPLETION_KEYS)
-    if d.get("echo"):
-        raise _unsupported("echo")
+    check_keys(d, _COMPLETION_KEYS)
+    echo = d.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise ApiError("'echo' must be a boolean", "echo")
+    # max_tokens 0 with echo (vLLM's, OpenAI's): only the prompt is scored - one token is
+    # generated (the engines' minimum) and dropped at the door.
+    score_only = bool(echo) and d.get("max_tokens") == 0 and not isinstance(d.get("max_tokens"), bool)
+    if score_only:
+        d = {**d, "max_tokens": 1}
     if d.get("suffix") is not None:
         raise _unsupported("suffix")
-    if d.get("best_of") not in (None, 1):
-        raise _unsupported("best_of", "other than 1 is not supported")
     p = d.get("prompt")
     # A batch of one prompt is that prompt.
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -295,15 +449,35 @@ def parse_completion(d: Any, vocab_size: int) -> GenRequest:
         raise ApiError("'prompt' must be a non-empty string or a non-empty list of token IDs (one prompt per "
                        "request)", "prompt")
     # Completions' `logprobs` is the number of top alternatives (0..20), not a boolean.
-    return GenRequest("completion", (), ids, text, _pos_int(d, "max_tokens"), input_param="prompt",
-                      logprobs=top_logprobs_param(d, "logprobs"), **_common(d))
+    max_tokens = _pos_int(d, "max_tokens")
+    common = _common(d, max_tokens, top_logprobs_param(d, "logprobs"))
+    # Prompt logprobs: echo's (the prompt's entries of `logprobs`, k alternatives) and vLLM's
+    # `prompt_logprobs` (choices[].prompt_logprobs); computed once, with the larger k.
+    vllm_k = top_logprobs_param(d, "prompt_logprobs")
+    echo_k = common["logprobs"] if echo else None
+    if echo_k is not None or vllm_k is not None:
+        if common["stream"]:
+            raise _unsupported("echo" if echo_k is not None else "prompt_logprobs",
+                               "with prompt logprobs is not supported with 'stream': true")
+        k = max(x for x in (echo_k, vllm_k) if x is not None)
+        common["sampling"] = replace(common["sampling"], prompt_logprobs=k)
+    if score_only and common["stream"]:
+        raise _unsupported("max_tokens", "0 (echo only) is not supported with 'stream': true")
+    return GenRequest("completion", (), ids, text, max_tokens, input_param="prompt", echo=bool(echo),
+                      score_only=score_only, vllm_prompt_logprobs=vllm_k is not None, **common)
 
 
 def parse_response(d: Any, max_prompt_tokens: int) -> GenRequest:
     req, stream = parse_create_body(d, max_prompt_tokens)
+    return response_request(req, stream)
+
+
+def response_request(req: CreateResponse, stream: bool) -> GenRequest:
+    """A decoded Responses API request (HTTP or WebSocket) as the generation path takes it."""
     return GenRequest("response", req.messages, req.prompt_token_ids, None, req.max_output_tokens, req.sampling,
                       stream, False, req.model, req.pipeline, req.handoff_mode,
-                      "prompt_token_ids" if req.prompt_token_ids is not None else "input", req, req.logprobs)
+                      "prompt_token_ids" if req.prompt_token_ids is not None else "input", req, req.logprobs,
+                      tools=req.tools, chat=req.chat)
 
 
 # ---- answers --------------------------------------------------------------------------
@@ -323,14 +497,20 @@ class _Result:
     timeline: dict[str, Any]
     incomplete: bool
     runs: list[TokenRun]
+    stop_reason: int | str | None = None     # vLLM's: the stop string matched, or the stop token id
+    rest: str = ""                           # the end of `text` not streamed with a token
+    prompt_ids: tuple[int, ...] = ()         # the prompt (completions' echo)
 
 
 class _Format:
-    """How one route spells its answer: SSE events on the way and the final object."""
+    """How one route spells its answer, per choice (`index`): SSE events on the way, the final object."""
 
-    def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces):
+    def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces,
+                 index: int = 0, tool_format: ToolFormat = "json"):
         self.req, self.rid, self.model, self.created = req, rid, model, created
+        self.tool_format = tool_format
         self.pieces = pieces
+        self.index = index
 
     def content(self, runs: list[TokenRun]) -> list[dict[str, Any]]:
         """The chat / responses logprobs of these runs' tokens."""
@@ -343,7 +523,12 @@ class _Format:
         raise NotImplementedError
 
     def tail(self, res: _Result, rest: str) -> list[bytes]:
+        """The end of this choice: its last text and its finish."""
         raise NotImplementedError
+
+    def close(self, usage: dict[str, Any]) -> list[bytes]:
+        """After every choice's tail: what ends the stream (usage: summed over the choices)."""
+        return []
 
     def body(self, res: _Result, runs: list[TokenRun]) -> dict[str, Any]:
         raise NotImplementedError
@@ -372,8 +557,9 @@ class _ChatFormat(_Format):
                 "prompt_tokens_details": {"cached_tokens": res.out.cached_tokens}}
 
     def choice(self, delta: dict[str, Any] | str, finish: str | None,
-               runs: list[TokenRun] | None = None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "logprobs": self.logprobs(runs), "finish_reason": finish}
+               runs: list[TokenRun] | None = None, stop_reason: int | str | None = None) -> dict[str, Any]:
+        return {"index": self.index, "delta": delta, "logprobs": self.logprobs(runs), "finish_reason": finish,
+                "stop_reason": stop_reason}
 
     def logprobs(self, runs: list[TokenRun] | None) -> dict[str, Any] | None:
         """`choices[].logprobs` of these runs' tokens (None: not asked for, or a chunk without tokens)."""
@@ -391,30 +577,72 @@ class _ChatFormat(_Format):
     def head(self) -> list[bytes]:
         return [self.chunk([self.choice({"role": "assistant", "content": ""}, None)])]
 
+    @property
+    def parses_calls(self) -> bool:
+        """Whether the output may hold tool calls (tools given, tool_choice not "none"): its
+        text is then held back and parsed at the end (`tool_format` of OpenAIRoutes)."""
+        t = self.req.tools
+        return t is not None and t.choice != "none"
+
+    def calls(self, res: _Result) -> tuple[str | None, list[ToolCall]]:
+        if not self.parses_calls:
+            return res.text, []
+        return parse_calls(res.text, self.tool_format)
+
     def delta(self, run: TokenRun, text: str) -> list[bytes]:
+        if self.parses_calls:
+            # Held back: whether this is a call or content is known at the end.
+            return [self.chunk([self.choice({}, None, [run])], pddgw=_provenance(run))]
         return [self.chunk([self.choice({"content": text}, None, [run])], pddgw=_provenance(run))]
 
     def tail(self, res: _Result, rest: str) -> list[bytes]:
         out = []
-        if rest:
+        content, calls = self.calls(res)
+        finish = res.out.finish_reason
+        if calls:
+            # OpenAI's deltas: per call its index, id, type and name with empty arguments, then
+            # the arguments in fragments.
+            for k, c in enumerate(calls):
+                out.append(self.chunk([self.choice({"tool_calls": [{"index": k, "id": c.id, "type": "function",
+                                                                    "function": {"name": c.name, "arguments": ""}}]},
+                                                   None)]))
+                for j in range(0, len(c.arguments), ARGUMENT_FRAGMENT_CHARS):
+                    frag = c.arguments[j : j + ARGUMENT_FRAGMENT_CHARS]
+                    out.append(self.chunk([self.choice({"tool_calls": [{"index": k, "function": {"arguments": frag}}]},
+                                                       None)]))
+            finish = "tool_calls" if finish == "stop" else finish
+        elif self.parses_calls and content:
+            out.append(self.chunk([self.choice({"content": content}, None)]))
+        elif rest:
             out.append(self.chunk([self.choice({"content": rest}, None)]))
-        out.append(self.chunk([self.choice({}, res.out.finish_reason)], pddgw=res.timeline))
-        if self.req.include_usage:
-            out.append(self.chunk([], usage=self.usage(res)))
-        return [*out, _DONE]
+        out.append(self.chunk([self.choice({}, finish, stop_reason=res.stop_reason)],
+                              pddgw={**res.timeline, "finish_reason": finish} if calls else res.timeline))
+        return out
+
+    def close(self, usage: dict[str, Any]) -> list[bytes]:
+        return [*([self.chunk([], usage=usage)] if self.req.include_usage else []), _DONE]
 
     def body(self, res: _Result, runs: list[TokenRun]) -> dict[str, Any]:
+        content, calls = self.calls(res)
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        finish = res.out.finish_reason
+        if calls:
+            message["tool_calls"] = [c.as_openai() for c in calls]
+            finish = "tool_calls" if finish == "stop" else finish
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text, "refusal": None},
-                             "logprobs": self.logprobs(runs), "finish_reason": res.out.finish_reason}],
+                "choices": [{"index": self.index,
+                             "message": message,
+                             "logprobs": self.logprobs(runs), "finish_reason": finish,
+                             "stop_reason": res.stop_reason}],
                 "usage": self.usage(res), "pddgw": {**res.timeline, "runs": [_provenance(r) for r in runs]}}
 
 
 class _CompletionFormat(_ChatFormat):
     object = "text_completion"
 
-    def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces):
-        super().__init__(req, rid, model, created, pieces)
+    def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces,
+                 index: int = 0, tool_format: ToolFormat = "json"):
+        super().__init__(req, rid, model, created, pieces, index, tool_format)
         self.text_offset = 0        # of the next token string (streamed chunks continue it)
 
     @property
@@ -429,9 +657,10 @@ class _CompletionFormat(_ChatFormat):
         return _data(obj)
 
     def choice(self, delta: dict[str, Any] | str, finish: str | None,
-               runs: list[TokenRun] | None = None) -> dict[str, Any]:
+               runs: list[TokenRun] | None = None, stop_reason: int | str | None = None) -> dict[str, Any]:
         text = delta if isinstance(delta, str) else delta.get("content", "")
-        return {"index": 0, "text": text, "logprobs": self.logprobs(runs), "finish_reason": finish}
+        return {"index": self.index, "text": text, "logprobs": self.logprobs(runs), "finish_reason": finish,
+                "stop_reason": stop_reason}
 
     def logprobs(self, runs: list[TokenRun] | None) -> dict[str, Any] | None:
         if self.req.logprobs is None or runs is None:
@@ -440,22 +669,60 @@ class _CompletionFormat(_ChatFormat):
                                                  [lp for r in runs for lp in r.logprobs], self.text_offset)
         return obj
 
+    def echo_text(self) -> str:
+        """The prompt as echoed: the client's string, or its token IDs decoded."""
+        if self.req.prompt_text is not None:
+            return self.req.prompt_text
+        return self.pieces.tok.decode(list(self.req.prompt_token_ids or ()))
+
     def head(self) -> list[bytes]:
-        return []
+        # Streamed echo (without logprobs: refused at parse): the prompt is the first text.
+        return [self.chunk([self.choice(self.echo_text(), None)])] if self.req.echo else []
 
     def body(self, res: _Result, runs: list[TokenRun]) -> dict[str, Any]:
+        text = res.text
+        if self.req.echo:
+            text = self.echo_text() + text
+        if self.req.echo and self.req.logprobs is not None:
+            # The prompt's entries first (the first token's null), the completion's continue them.
+            lps, self.text_offset = lpfmt.prompt_completion(self.pieces, res.prompt_ids, res.out.prompt_logprobs)
+            more = self.logprobs(runs)
+            assert more is not None
+            logprobs: dict[str, Any] | None = {key: lps[key] + more[key] for key in lps}
+        else:
+            logprobs = self.logprobs(runs)
+        choice = {"index": self.index, "text": text, "logprobs": logprobs,
+                  "finish_reason": res.out.finish_reason, "stop_reason": res.stop_reason}
+        if self.req.vllm_prompt_logprobs:
+            choice["prompt_logprobs"] = lpfmt.vllm_prompt(self.pieces, res.prompt_ids, res.out.prompt_logprobs)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": res.text, "logprobs": self.logprobs(runs),
-                             "finish_reason": res.out.finish_reason}],
+                "choices": [choice],
                 "usage": self.usage(res), "pddgw": {**res.timeline, "runs": [_provenance(r) for r in runs]}}
 
 
 class _ResponsesFormat(_Format):
-    def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces):
-        super().__init__(req, rid, model, created, pieces)
+    def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces,
+                 index: int = 0, tool_format: ToolFormat = "json"):
+        super().__init__(req, rid, model, created, pieces, index, tool_format)
         assert req.create is not None
         self.create = req.create
         self.seq = 0
+        self.parsed: tuple[str | None, list[ToolCall]] | None = None
+
+    @property
+    def parses_calls(self) -> bool:
+        """Tools given and tool_choice not "none": the text is held back and parsed at the end."""
+        t = self.req.tools
+        return t is not None and t.choice != "none"
+
+    def calls(self, res: _Result) -> tuple[str | None, list[ToolCall]]:
+        """(the message's text or None, the calls); parsed once, so that the streamed items and the
+        completed response carry the same call ids."""
+        if not self.parses_calls:
+            return res.text, []
+        if self.parsed is None:
+            self.parsed = parse_calls(res.text, self.tool_format)
+        return self.parsed
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
@@ -469,23 +736,30 @@ class _ResponsesFormat(_Format):
                  "output_tokens": len(res.out.output_ids),
                  "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": res.prompt_tokens + len(res.out.output_ids)}
-        return response_object(self.rid, status, self.created, self.model, self.create, text=res.text,
-                               usage=usage, pddgw=res.timeline, logprobs=self.all_logprobs(res))
+        content, calls = self.calls(res)
+        return response_object(self.rid, status, self.created, self.model, self.create, text=content,
+                               usage=usage, pddgw=res.timeline, logprobs=self.all_logprobs(res), calls=calls)
 
     def all_logprobs(self, res: _Result) -> list[dict[str, Any]] | None:
         """The output_text's logprobs: every token's, when asked for (else absent)."""
         return None if self.req.logprobs is None else self.content(res.runs)
 
-    def head(self) -> list[bytes]:
+    def message_head(self) -> list[bytes]:
         item = {**output_message(self.rid, "", "in_progress"), "content": []}
         part = {"type": "output_text", "text": "", "annotations": []}
-        return [self.event("response.created", response=self.obj("in_progress")),
-                self.event("response.in_progress", response=self.obj("in_progress")),
-                self.event("response.output_item.added", output_index=0, item=item),
+        return [self.event("response.output_item.added", output_index=0, item=item),
                 self.event("response.content_part.added", item_id=f"msg_{self.rid}", output_index=0,
                            content_index=0, part=part)]
 
+    def head(self) -> list[bytes]:
+        # With tools the message's events wait for the end: the output may be calls only.
+        return [self.event("response.created", response=self.obj("in_progress")),
+                self.event("response.in_progress", response=self.obj("in_progress")),
+                *([] if self.parses_calls else self.message_head())]
+
     def delta(self, run: TokenRun, text: str) -> list[bytes]:
+        if self.parses_calls:
+            return []
         return [self.event("response.output_text.delta", item_id=f"msg_{self.rid}", output_index=0,
                            content_index=0, delta=text,
                            logprobs=self.content([run]) if self.req.logprobs is not None else [],
@@ -493,18 +767,26 @@ class _ResponsesFormat(_Format):
 
     def tail(self, res: _Result, rest: str) -> list[bytes]:
         out = []
+        content, calls = self.calls(res)
+        if self.parses_calls:
+            rest = content or ""
+            if content is not None:
+                out += self.message_head()
         if rest:
             out.append(self.event("response.output_text.delta", item_id=f"msg_{self.rid}", output_index=0,
                                   content_index=0, delta=rest, logprobs=[]))
         status = "incomplete" if res.incomplete else "completed"
-        where = {"item_id": f"msg_{self.rid}", "output_index": 0, "content_index": 0}
-        lps = self.all_logprobs(res)
-        return [*out,
-                self.event("response.output_text.done", **where, text=res.text, logprobs=lps or []),
-                self.event("response.content_part.done", **where, part=output_text(res.text, lps)),
-                self.event("response.output_item.done", output_index=0,
-                           item=output_message(self.rid, res.text, status, lps)),
-                self.event(f"response.{status}", response=self.obj(status, res))]
+        if content is not None:
+            where = {"item_id": f"msg_{self.rid}", "output_index": 0, "content_index": 0}
+            lps = self.all_logprobs(res)
+            out += [self.event("response.output_text.done", **where, text=content, logprobs=lps or []),
+                    self.event("response.content_part.done", **where, part=output_text(content, lps)),
+                    self.event("response.output_item.done", output_index=0,
+                               item=output_message(self.rid, content, status, lps))]
+        first = 0 if content is None else 1
+        for k, c in enumerate(calls, first):
+            out += function_call_events(self.event, k, c)
+        return [*out, self.event(f"response.{status}", response=self.obj(status, res))]
 
     def body(self, res: _Result, runs: list[TokenRun]) -> dict[str, Any]:
         obj = self.obj("incomplete" if res.incomplete else "completed", res)
@@ -513,6 +795,76 @@ class _ResponsesFormat(_Format):
 
     def error(self, message: str, code: str, param: str | None = None) -> list[bytes]:
         return [self.event("error", code=code, message=message, param=param)]
+
+
+def function_call_events(event: Any, index: int, call: ToolCall) -> list[Any]:
+    """A function_call output item's stream (HTTP and WebSocket): added (no arguments yet), its
+    arguments in fragments, their end, done.  `event(kind, **fields)` spells one event."""
+    item_id = "fc_" + call.id.removeprefix("call_")
+    out = [event("response.output_item.added", output_index=index,
+                 item=function_call_item(call, "in_progress", ""))]
+    for j in range(0, len(call.arguments), ARGUMENT_FRAGMENT_CHARS):
+        out.append(event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                         delta=call.arguments[j : j + ARGUMENT_FRAGMENT_CHARS]))
+    out += [event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                  name=call.name, arguments=call.arguments),
+            event("response.output_item.done", output_index=index, item=function_call_item(call))]
+    return out
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed: the request's seed + index (mod 2**63).  So choice i of a request
+    with seed s samples exactly as a single request with seed s + i."""
+    return (seed + index) % SEED_LIMIT
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One of a request's n choices: its router request, its seed, its format, its text."""
+
+    index: int
+    rid: str
+    sampling: SamplingParams
+    fmt: _Format
+    text: OutputText
+    runs: list[TokenRun] = field(default_factory=list)
+    started: bool = False
+
+    def head(self) -> list[bytes]:
+        """The format's head events, before this choice's first (chat: its role chunk)."""
+        if self.started:
+            return []
+        self.started = True
+        return self.fmt.head()
+
+
+def _usage(fmt: _Format, results: list[_Result]) -> dict[str, Any]:
+    """Chat / completions usage over every choice: the prompt once, the completions summed (OpenAI's
+    and vLLM's count); the prompt's cache hit is choice 0's."""
+    if not isinstance(fmt, _ChatFormat):
+        return {}
+    usage = fmt.usage(results[0])
+    done = sum(len(r.out.output_ids) for r in results)
+    usage.update(completion_tokens=done, total_tokens=usage["prompt_tokens"] + done)
+    return usage
+
+
+def _merged(bodies: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+    """n > 1: choice 0's object with every choice's (each carrying its own `pddgw` timeline) and the
+    summed usage."""
+    return {**bodies[0], "choices": [{**b["choices"][0], "pddgw": b["pddgw"]} for b in bodies], "usage": usage}
+
+
+async def _all(coros: list[Coroutine[Any, Any, _Result]]) -> list[_Result]:
+    """Every result, in order; one failing (or this being cancelled) cancels and awaits the others."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 _FORMATS: dict[str, type[_Format]] = {"chat": _ChatFormat, "completion": _CompletionFormat,
@@ -533,8 +885,14 @@ class _Sse:
         self.request = request
         self.resp: web.StreamResponse | None = None
         self.gone = asyncio.Event()
+        # n > 1: the choices send concurrently; one write (and the headers) at a time.
+        self._lock = asyncio.Lock()
 
     async def send(self, events: list[bytes]) -> None:
+        async with self._lock:
+            await self._send(events)
+
+    async def _send(self, events: list[bytes]) -> None:
         if self.gone.is_set() or not events:
             return
         try:
@@ -628,38 +986,42 @@ class OpenAIRoutes:
         door = self.door
         if not door.authorized(request):
             return _unauthorized()
+        # Admission before the first await (the body read): the check and the count are one step,
+        # and the slot is released in this one place, whatever the request's end.
+        slot = door.admission.try_acquire()
+        if slot is None:
+            return error_response("server busy: too many requests in flight ([server] max_concurrent_requests)",
+                                  "rate_limit_exceeded")
+        with slot:
+            return await self._admitted(request, kind)
+
+    async def _admitted(self, request: web.Request, kind: str) -> web.StreamResponse:
+        door = self.door
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(f"request body over {door.cfg.server.max_message_bytes} bytes "
-                                  "([server] max_message_bytes)", "request_too_large")
+            raw = await door.read_body(request)
+        except ApiError as e:
+            return error_response(str(e), e.code, e.param)
+        except ClientTooSlow:
+            return web.Response(status=408)      # already written: the connection is closed
         try:
             req = self._parse(raw, kind)
             if req.model is not None and req.model != door.model_name:
                 raise ApiError(f"the model {brief(req.model)} does not exist (this server serves "
                                f"{door.model_name!r})", "model", "model_not_found")
             door.check_steering(request, req.pipeline, req.handoff_mode)
-            if door.active >= door.cfg.server.max_concurrent_requests:
-                raise ApiError("server busy: too many requests in flight ([server] max_concurrent_requests)",
-                               None, "rate_limit_exceeded")
-            prep = (await asyncio.to_thread(self._prepare, req) if door.heavy(req.messages, len(raw))
+            # A grammar is checked (and a template with tools rendered) on a worker thread.
+            prep = (await asyncio.to_thread(self._prepare, req)
+                    if door.heavy(req.messages, len(raw)) or req.sampling.grammar is not None or req.chat is not None
                     else self._prepare(req))
         except ApiError as e:
             return error_response(str(e), e.code, e.param)
         except Exception as e:   # a bug: the client still hears why
             log.exception("openai_prepare_failed", route=kind)
             return error_response(f"internal error: {type(e).__name__}: {e}", "server_error")
-        door.active += 1
-        try:
-            return await self._run(request, req, prep)
-        finally:
-            door.active -= 1
+        return await self._run(request, req, prep)
 
     def _parse(self, raw: bytes, kind: str) -> GenRequest:
-        try:
-            d = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise ApiError(f"the request body is not valid JSON: {e}") from None
+        d = json_body(raw)
         if kind == "chat":
             return parse_chat(d)
         if kind == "completion":
@@ -672,39 +1034,93 @@ class OpenAIRoutes:
             ids = tuple(self.door.tok.encode(req.prompt_text))
             if not ids:
                 raise ApiError("'prompt' encodes to no tokens", "prompt")
-        return self.door.prepare(ids, req.messages, req.max_tokens, req.sampling, req.input_param, req.logprobs)
+        sampling = req.sampling
+        if req.chat is not None and ids is None:
+            # Tools and tool messages: the template gets them as transformers passes them.
+            try:
+                ids = tuple(self.door.tok.apply_chat_template(
+                    list(req.chat), tools=req.tools.templated() if req.tools is not None else None))
+            except RequestError as e:
+                raise ApiError(str(e), req.input_param) from None
+        if req.tools is not None:
+            forced = grammar_for(req.tools, self.tool_format)
+            if forced is not None:
+                sampling = _with_grammar(sampling, forced, "tool_choice")
+        if sampling.grammar is not None:
+            try:
+                check_spec(*sampling.grammar)
+            except ValueError as e:
+                param = "tool_choice" if req.tools is not None and req.tools.forced else (
+                    "text.format" if req.kind == "response" else "response_format")
+                raise ApiError(f"'{param}': the schema cannot be enforced: {e}", param) from None
+        return self.door.prepare(ids, req.messages, req.max_tokens, sampling, req.input_param, req.logprobs)
+
+    def prepare_response(self, req: GenRequest) -> Prepared:
+        """A Responses API request's prompt and sampling (the WebSocket door's; blocking: a
+        template with tools, a grammar's check)."""
+        return self._prepare(req)
+
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        """The call format the served model's chat template teaches (api/toolcalls.py)."""
+        tpl = getattr(self.door.tok, "chat_template", None)
+        return format_for(None if tpl is None else "\n".join(tpl.sources.values()))
 
     async def _run(self, request: web.Request, req: GenRequest, prep: Prepared) -> web.StreamResponse:
+        """Generate the request's choices on the router and answer (streamed or not).
+
+        Choice i is a router request of its own, with seed `choice_seed(seed, i)` and the
+        same prompt; choices 1..n-1 start once choice 0 has its first token (P has then
+        prefilled the prompt, so their prefills find it in P's prefix cache).  A stop
+        string ends a choice's text at the door and stops its router request at once
+        (StopRequest: cancelled on every node); its usage counts the tokens kept."""
         door = self.door
         rid = new_request_id()
-        fmt = _FORMATS[req.kind](req, rid, door.model_name, int(time.time()), door.pieces)
+        if req.client_request_id is not None:
+            # Logged, not used: the router's ids must be unique across every client's requests.
+            log.info("client_request_id", request_id=rid, client_request_id=req.client_request_id)
+        created = int(time.time())
+        choices = [_Choice(i, rid if i == 0 else f"{rid}_{i}",
+                           replace(prep.sampling, seed=choice_seed(prep.sampling.seed, i)),
+                           _FORMATS[req.kind](req, rid, door.model_name, created, door.pieces, i,
+                                              self.tool_format),
+                           door.output_text(prep.sampling, req.stop))
+                   for i in range(req.n)]
+        fmt = choices[0].fmt
         sse = _Sse(request) if req.stream else None
         gone = sse.gone if sse is not None else asyncio.Event()
-        detok = door.detokenizer()
-        runs: list[TokenRun] = []
-        sent: list[str] = []
+        first = asyncio.Event()         # choice 0 has a token (or ended): the others may start
 
-        async def emit(run: TokenRun) -> None:
-            text = detok.push(run.token_ids)
-            runs.append(run)
-            if sse is None:
-                return
-            sent.append(text)
-            await sse.send((fmt.head() if sse.resp is None else []) + fmt.delta(run, text))
+        async def one(c: _Choice) -> _Result:
+            async def emit(run: TokenRun) -> None:
+                text, kept = c.text.push(run.token_ids)
+                if kept < len(run.token_ids):      # a stop string ended the text inside this run
+                    run = dataclasses.replace(run, token_ids=run.token_ids[:kept], logprobs=run.logprobs[:kept])
+                c.runs.append(run)
+                first.set()
+                if sse is not None:
+                    await sse.send(c.head() + c.fmt.delta(run, text))
+                if c.text.stop is not None:
+                    raise StopRequest()
+
+            if c.index > 0:
+                await first.wait()
+            try:
+                out = await door.router.run(c.rid, prep.ids, c.sampling, emit, req.pipeline, req.handoff_mode)
+            finally:
+                first.set()
+            res = self._result(c, out, prep)
+            if sse is not None:
+                await sse.send(c.head() + c.fmt.tail(res, res.rest))
+            return res
 
         try:
-            out = await _until_gone(request, gone, door.router.run(rid, prep.ids, prep.sampling, emit,
-                                                                   req.pipeline, req.handoff_mode))
-            text = door.tok.decode(list(out.output_ids))
-            timeline = {**out.record.to_dict(), "seed": prep.sampling.seed, "finish_reason": out.finish_reason,
-                        "output_token_ids": list(out.output_ids)}
-            res = _Result(out, text, len(prep.ids), timeline,
-                          incomplete=prep.clamped and out.finish_reason == "length", runs=runs)
+            results = await _until_gone(request, gone, _all([one(c) for c in choices]))
+            usage = _usage(fmt, results)
             if sse is None:
-                return web.json_response(fmt.body(res, runs), dumps=_dumps)
-            streamed = "".join(sent)
-            rest = text[len(streamed):] if text.startswith(streamed) else ""
-            await sse.send((fmt.head() if sse.resp is None else []) + fmt.tail(res, rest))
+                bodies = [c.fmt.body(res, res.runs) for c, res in zip(choices, results)]
+                return web.json_response(_merged(bodies, usage) if req.n > 1 else bodies[0], dumps=_dumps)
+            await sse.send(fmt.close(usage))
             return await sse.end()
         except _ClientGone:
             log.info("client_gone", request_id=rid)
@@ -714,6 +1130,27 @@ class OpenAIRoutes:
         except Exception as e:   # a bug: the client still hears why its answer ended
             log.exception("openai_respond_failed", request_id=rid)
             return await self._fail(sse, fmt, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    @staticmethod
+    def _result(c: _Choice, out: Outcome, prep: Prepared) -> _Result:
+        """One choice's end: the router's outcome, cut where its text ended (a stop string)."""
+        rest = c.text.end()
+        ids = tuple(c.text.ids)
+        reason = "stop" if c.text.stop is not None else out.finish_reason
+        stop_reason: int | str | None = c.text.stop
+        if stop_reason is None and reason == "stop" and ids and ids[-1] in c.sampling.stop_token_ids:
+            stop_reason = ids[-1]
+        out = dataclasses.replace(out, output_ids=ids, finish_reason=reason)
+        timeline = {**out.record.to_dict(), "seed": c.sampling.seed, "finish_reason": reason,
+                    "output_token_ids": list(ids)}
+        text, runs = c.text.text, c.runs
+        if c.fmt.req.score_only:
+            # Echo with max_tokens 0: the prompt only; the one token generated is not the client's.
+            out = dataclasses.replace(out, output_ids=())
+            text, runs, rest = "", [], ""
+        return _Result(out, text, len(prep.ids), timeline,
+                       incomplete=prep.clamped and reason == "length", runs=runs, stop_reason=stop_reason,
+                       rest=rest, prompt_ids=tuple(prep.ids))
 
     @staticmethod
     async def _fail(sse: _Sse | None, fmt: _Format, message: str, code: str) -> web.StreamResponse:
@@ -729,7 +1166,30 @@ def _unauthorized() -> web.Response:
 
 @web.middleware
 async def openai_not_found(request: web.Request, handler: Any) -> web.StreamResponse:
-    """An unknown /v1/ path or method answers with an OpenAI-shaped error, not aiohttp's text page."""
+    """An unknown /v1/ path or method answers with an OpenAI-shaped error, not aiohttp's text page;
+    and every request refused with a 4xx, whatever its route, is logged here, once: `request_refused`
+    with the route, the field (the error's `param`), the reason (its message) and the status."""
+    try:
+        resp = await _not_found(request, handler)
+    except web.HTTPException as e:
+        if 400 <= e.status < 500:
+            _refused(request, e.status, None, e.reason)
+        raise
+    # 499: the client went away mid-answer (logged as client_gone), nothing was refused.
+    if 400 <= resp.status < 500 and resp.status != 499:
+        field_name, reason = resp.get(REFUSAL, (None, resp.reason))
+        _refused(request, resp.status, field_name, reason)
+    return resp
+
+
+def _refused(request: web.Request, status: int, field_name: str | None, reason: str) -> None:
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else request.path[:200]
+    log.info("request_refused", route=f"{request.method} {route}", field=field_name, reason=reason,
+             status=status)
+
+
+async def _not_found(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPNotFound:

@@ -19,18 +19,35 @@ output_text part all of them (shape: api/logprobs.py); absent otherwise.  The fi
 
 `parse_create_body` decodes the same fields from a POST /v1/responses body
 (HTTP: no `type`, `stream` a boolean).
+
+Tools and structured output: `tools` (function tools in the flat shape, `{"type": "function",
+"name", "description"?, "parameters"?, "strict"?}`), `tool_choice` ("none", "auto", "required",
+`{"type": "function", "name": N}`) and `parallel_tool_calls` decode into `CreateResponse.tools`
+(api/toolcalls.py, `flat=True`); `text.format` (`{"type": "text"}`, `{"type": "json_object"}`,
+`{"type": "json_schema", "name", "schema", "strict"}`) into `sampling.grammar`.  `input` may
+hold `function_call` items (`{"type": "function_call", "call_id", "name", "arguments"}`: the
+previous turn's calls, joined to the assistant message before them) and `function_call_output`
+items (`{"type": "function_call_output", "call_id", "output"}`: a tool's result); a request with
+either or with tools carries `chat`, the conversation as the chat template gets it.  A call in
+the output is a `function_call` output item (`function_call_item`): over HTTP streamed as
+`response.output_item.added`, `response.function_call_arguments.delta` / `.done` and
+`response.output_item.done` (openai_http.py); over WebSocket the same events, after the text
+deltas (which carry no text while the output may still be a call) and before `response.completed`.
 """
 
 from __future__ import annotations
 
-import reprlib
-from dataclasses import dataclass, field
+import json
+import secrets
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import orjson
 
-from pddgw.engines.types import MAX_LOGPROBS
-from pddgw.pipeline.protocol import TOP_K_LIMIT
+from pddgw.api.errors import QUOTE_LEN, ApiError, brief
+from pddgw.api.toolcalls import parse_tools
+from pddgw.core.errors import FieldError
+from pddgw.core.sampling import COUNT_LIMIT, MAX_LOGPROBS, SamplingParams
 
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_LEN = 64
@@ -38,52 +55,13 @@ MAX_METADATA_VALUE_LEN = 512
 _ROLES = ("system", "developer", "user", "assistant")
 MAX_STREAM_ID_LEN = 128
 
-# Error messages quote what the client sent; a bounded quote keeps a 1 MiB
-# field from coming back as a larger error event.
-_QUOTE_LEN = 64
-_quote = reprlib.Repr()
-_quote.maxstring = _quote.maxother = _quote.maxlong = _QUOTE_LEN
-_quote.maxlist = _quote.maxdict = 4
-_quote.maxlevel = 2
-
-
-def brief(value: Any) -> str:
-    """repr(value) cut to a few dozen characters, for quoting client input in error messages."""
-    return _quote.repr(value)
-
-
-class ApiError(ValueError):
-    """A client event is invalid; `param` names the offending field.
-
-    `stream_id` is the event's own, when it had a valid one, so that a
-    client multiplexing responses knows which of its requests failed.
-    """
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error"):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-        self.stream_id: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingFields:
-    """A request's sampling fields, decoded the same way on every route (`parse_sampling`)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0              # 0: no top-k filter (a request's -1, vLLM's spelling of it, arrives as 0)
-    min_p: float = 0.0          # 0: no min-p filter
-    seed: int | None = None     # None: the router draws one
-
-
 @dataclass(frozen=True, slots=True)
 class CreateResponse:
     type: Literal["response.create"]
     messages: tuple[tuple[str, str], ...]        # (role, text); empty when prompt_token_ids
     prompt_token_ids: tuple[int, ...] | None
     max_output_tokens: int | None
-    sampling: SamplingFields
+    sampling: SamplingParams     # max_tokens: as asked (or the placeholder); the door sets the room left
     metadata: dict[str, str] = field(default_factory=dict)
     stream_id: str | None = None
     model: str | None = None
@@ -92,6 +70,11 @@ class CreateResponse:
     handoff_mode: Literal["one-shot", "catch-up"] | None = None
     # None: no log-probabilities; k: each token's plus k top alternatives.
     logprobs: int | None = None
+    tools: Any = None            # api/toolcalls.ToolRequest, or None (no tools)
+    # The conversation as the chat template gets it (message dicts), when it holds tool calls or
+    # results or the request has tools; None: `messages` is the whole of it.
+    chat: tuple[dict[str, Any], ...] | None = None
+    text_format: dict[str, Any] | None = None     # `text.format` as given (echoed in the response)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +85,14 @@ class CancelResponse:
 
 ClientEvent = CreateResponse | CancelResponse
 
-_CREATE_KEYS = {"type", "model", "input", "instructions", "prompt_token_ids", "max_output_tokens",
-                "temperature", "top_p", "top_k", "min_p", "seed", "metadata", "stream_id", "store", "stream",
-                "pddgw", "include", "top_logprobs"}
+# The body fields every route decodes into `SamplingParams` under the same names (OpenAI's, and
+# vLLM's extra sampling parameters with vLLM's meaning and defaults); the values are checked there.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids",
+                 "skip_special_tokens", "include_stop_str_in_output")
+_CREATE_KEYS = {"type", "model", "input", "instructions", "prompt_token_ids", "max_output_tokens", "metadata",
+                "stream_id", "store", "stream", "pddgw", "include", "top_logprobs", "tools", "tool_choice",
+                "parallel_tool_calls", "text", *SAMPLING_KEYS}
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
@@ -145,29 +133,58 @@ def parse_extension(d: dict[str, Any]) -> tuple[Any, Any]:
     return pipeline, mode
 
 
-def _number(d: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise ApiError(f"'{key}' must be a number in [{lo}, {hi}], got {brief(v)}", key)
-    return float(v)
+def parse_sampling(d: dict[str, Any], max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
+    """The `SAMPLING_KEYS` of any route's request (null = not given) -> SamplingParams; ApiError
+    naming the field.
+
+    OpenAI's defaults where they differ from the engine's: temperature 1; no seed: one is
+    drawn here (it is in the `pddgw` timeline), so every node samples with the same one.
+    `max_tokens`: the client's (validated by the route), or, when not given, the largest
+    count as a placeholder until the door sets the room left in the context.
+    """
+    kw: dict[str, Any] = {"temperature": 1.0, **{k: d[k] for k in SAMPLING_KEYS if d.get(k) is not None}}
+    kw.setdefault("seed", secrets.randbits(63))
+    try:
+        return SamplingParams(max_tokens=max_tokens or COUNT_LIMIT - 1, logprobs=logprobs, **kw)
+    except FieldError as e:
+        raise ApiError(str(e), e.field) from None
 
 
-def parse_sampling(d: dict[str, Any]) -> SamplingFields:
-    """`temperature`, `top_p`, `top_k`, `min_p` and `seed` of any route's request; ApiError naming the field."""
-    temperature = _number(d, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(d, "top_p", 1.0, 1e-9, 1.0)
-    top_k = d.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                              or not -1 <= top_k < TOP_K_LIMIT):
-        raise ApiError(f"'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got {brief(top_k)}",
-                       "top_k")
-    min_p = _number(d, "min_p", 0.0, 0.0, 1.0)
-    seed = d.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise ApiError("'seed' must be an integer in [0, 2**63)", "seed")
-    return SamplingFields(temperature, top_p, max(top_k or 0, 0), min_p, seed)
+MAX_SCHEMA_CHARS = 64 * 1024     # a response format's JSON schema, at most (as compact JSON)
+
+
+def response_format_grammar(fmt: Any, param: str, flat: bool = False) -> tuple[str, str] | None:
+    """Chat's `response_format` (`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`)
+    or, `flat`, the Responses API's `text.format` (`{"type": "json_schema", "name", "schema",
+    "strict"}`) -> the grammar (SamplingParams.grammar) its output must match: None for "text",
+    any JSON object for "json_object", the schema for "json_schema" (xgrammar's strict mode
+    either way: properties the schema does not name are not generated).  ApiError names `param`."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_schema", '{"type": "object"}'
+    if kind != "json_schema":
+        raise ApiError(f"'{param}.type' must be 'text', 'json_object' or 'json_schema'", f"{param}.type")
+    body = fmt if flat else fmt.get("json_schema")
+    at = param if flat else f"{param}.json_schema"
+    if not isinstance(body, dict):
+        raise ApiError(f"'{at}' must be an object", at)
+    name = body.get("name")
+    if name is not None and not isinstance(name, str):
+        raise ApiError(f"'{at}.name' must be a string", f"{at}.name")
+    strict = body.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ApiError(f"'{at}.strict' must be a boolean", f"{at}.strict")
+    schema = body.get("schema", {})
+    if not isinstance(schema, dict):
+        raise ApiError(f"'{at}.schema' must be a JSON schema object", f"{at}.schema")
+    text = json.dumps(schema, sort_keys=True)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ApiError(f"'{at}.schema' must be at most {MAX_SCHEMA_CHARS} characters as JSON", f"{at}.schema")
+    return "json_schema", text
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -186,28 +203,86 @@ def _text_of(content: Any, where: str) -> str:
     raise ApiError(f"{where} must be a string or a list of text parts", where)
 
 
-def _messages(d: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+def _messages(d: dict[str, Any]) -> tuple[tuple[tuple[str, str], ...], tuple[dict[str, Any], ...] | None]:
+    """`instructions` + `input` -> ((role, text) pairs, the message dicts when the input holds
+    function calls or their outputs, else None)."""
     out: list[tuple[str, str]] = []
+    chat: list[dict[str, Any]] = []
+    rich = False
     instructions = d.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise ApiError("'instructions' must be a string", "instructions")
         out.append(("system", instructions))
+        chat.append({"role": "system", "content": instructions})
     inp = d.get("input")
     if isinstance(inp, str):
         out.append(("user", inp))
+        chat.append({"role": "user", "content": inp})
     elif isinstance(inp, list):
         for i, item in enumerate(inp):
             where = f"input[{i}]"
-            if not isinstance(item, dict) or item.get("type", "message") != "message":
-                raise ApiError(f"{where} must be a message item", where)
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind == "function_call":
+                rich = True
+                call = _function_call(item, where)
+                if chat and chat[-1]["role"] == "assistant":
+                    # A turn's calls belong to the assistant message before them (one template turn).
+                    chat[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    out.append(("assistant", ""))
+                    chat.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                continue
+            if kind == "function_call_output":
+                rich = True
+                cid, text = item.get("call_id"), item.get("output")
+                if not isinstance(cid, str) or not cid:
+                    raise ApiError(f"{where}.call_id must be a non-empty string", f"{where}.call_id")
+                text = _text_of(text, f"{where}.output")
+                out.append(("tool", text))
+                chat.append({"role": "tool", "content": text, "tool_call_id": cid})
+                continue
+            if kind != "message":
+                raise ApiError(f"{where} must be a message, function_call or function_call_output item", where)
             role = item.get("role")
             if role not in _ROLES:
                 raise ApiError(f"{where}.role must be one of {', '.join(_ROLES)}", where)
-            out.append(("system" if role == "developer" else role, _text_of(item.get("content"), f"{where}.content")))
+            pair = ("system" if role == "developer" else role, _text_of(item.get("content"), f"{where}.content"))
+            out.append(pair)
+            chat.append({"role": pair[0], "content": pair[1]})
     else:
         raise ApiError("'input' must be a string or a list of message items", "input")
-    return tuple(out)
+    return tuple(out), (tuple(chat) if rich else None)
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A `function_call` input item -> the tool call as the chat template gets it (arguments parsed:
+    templates index them as a mapping, as transformers passes them)."""
+    cid, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+    if not isinstance(cid, str) or not cid:
+        raise ApiError(f"{where}.call_id must be a non-empty string", f"{where}.call_id")
+    if not isinstance(name, str) or not name:
+        raise ApiError(f"{where}.name must be a non-empty string", f"{where}.name")
+    if not isinstance(args, str):
+        raise ApiError(f"{where}.arguments must be JSON text (a string)", f"{where}.arguments")
+    try:
+        parsed = json.loads(args or "{}")
+    except ValueError:
+        raise ApiError(f"{where}.arguments must be JSON text", f"{where}.arguments") from None
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": parsed}}
+
+
+def _text_format(d: dict[str, Any]) -> dict[str, Any] | None:
+    """`text` (only `format` is understood) -> the format object, or None."""
+    text = d.get("text")
+    if text is None:
+        return None
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise ApiError("'text' may only set 'format'", "text")
+    fmt = text.get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ApiError("'text.format' must be an object", "text.format")
+    return fmt
 
 
 def _metadata(d: dict[str, Any]) -> dict[str, str]:
@@ -271,7 +346,7 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
     if unknown:
         names = sorted(unknown)
         raise ApiError(f"unsupported field(s): {', '.join(map(brief, names[:4]))}{', ...' if names[4:] else ''}",
-                       names[0][:_QUOTE_LEN])
+                       names[0][:QUOTE_LEN])
     if d.get("stream") is not None or d.get("background"):
         raise ApiError("'stream' is implicit over WebSocket and must not be sent", "stream")
     ids = d.get("prompt_token_ids")
@@ -286,13 +361,14 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
             raise ApiError(f"prompt is {len(ids)} tokens; the context length is {max_prompt_tokens}",
                            "prompt_token_ids", "context_length_exceeded")
         messages: tuple[tuple[str, str], ...] = ()
+        chat: tuple[dict[str, Any], ...] | None = None
         ids = tuple(ids)
     else:
-        messages = _messages(d)
+        messages, chat = _messages(d)
     max_out = d.get("max_output_tokens")
     if max_out is not None and (isinstance(max_out, bool) or not isinstance(max_out, int) or max_out < 1):
         raise ApiError("'max_output_tokens' must be a positive integer", "max_output_tokens")
-    sampling = parse_sampling(d)
+    sampling = parse_sampling(d, max_out, _include_logprobs(d))
     stream_id = d.get("stream_id")
     if stream_id is not None and (not isinstance(stream_id, str) or len(stream_id) > MAX_STREAM_ID_LEN):
         raise ApiError(f"'stream_id' must be a string of at most {MAX_STREAM_ID_LEN} characters", "stream_id")
@@ -303,11 +379,23 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
     if store is not None and not isinstance(store, bool):
         raise ApiError("'store' must be a boolean", "store")
     pipeline, handoff_mode = parse_extension(d)
+    tools = parse_tools(d, flat=True)
+    fmt = _text_format(d)
+    grammar = response_format_grammar(fmt, "text.format", flat=True)
+    if grammar is not None:
+        if tools is not None and tools.forced:
+            raise ApiError("'text.format' cannot be combined with a forced 'tool_choice'", "text.format")
+        try:
+            sampling = replace(sampling, grammar=grammar)
+        except FieldError as e:
+            raise ApiError(f"'text.format': {e}", "text.format") from None
+    if tools is not None and ids is None and chat is None:
+        chat = tuple({"role": r, "content": t} for r, t in messages)
     return CreateResponse(
         type="response.create", messages=messages, prompt_token_ids=ids,
         max_output_tokens=max_out, sampling=sampling, metadata=_metadata(d),
         stream_id=stream_id, model=model, pipeline=pipeline, handoff_mode=handoff_mode,
-        logprobs=_include_logprobs(d))
+        logprobs=sampling.logprobs, tools=tools, chat=chat, text_format=fmt)
 
 
 # ---- server events -------------------------------------------------------------
@@ -335,19 +423,43 @@ def output_message(rid: str, text: str, status: str = "completed",
             "content": [output_text(text, logprobs)]}
 
 
+def function_call_item(call: Any, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
+    """A `function_call` output item of a toolcalls.ToolCall (`arguments`: as far as streamed)."""
+    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+            "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status}
+
+
+def _request_echo(req: CreateResponse) -> dict[str, Any]:
+    """The request's tool and text settings, as a response object repeats them."""
+    t = req.tools
+    if t is None:
+        tools: list[dict[str, Any]] = []
+        choice: Any = "auto"
+    else:
+        tools = [{"type": "function", **{k: v for k, v in x.as_template()["function"].items()}, "strict": None}
+                 for x in t.tools]
+        choice = t.choice if t.choice in ("none", "auto", "required") else {"type": "function", "name": t.choice}
+    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": True if t is None else t.parallel,
+            "text": {"format": req.text_format or {"type": "text"}}}
+
+
 def response_object(rid: str, status: str, created_at: int, model: str, req: CreateResponse,
-                    text: str = "", usage: dict[str, Any] | None = None,
+                    text: str | None = "", usage: dict[str, Any] | None = None,
                     pddgw: dict[str, Any] | None = None,
-                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """`status` "incomplete" (cut at the context length) adds incomplete_details: max_output_tokens."""
+                    logprobs: list[dict[str, Any]] | None = None,
+                    calls: list[Any] = ()) -> dict[str, Any]:
+    """`status` "incomplete" (cut at the context length) adds incomplete_details: max_output_tokens.
+    `calls` (toolcalls.ToolCall): function_call items after the message; `text` None: no message
+    (the output is only calls)."""
     obj: dict[str, Any] = {
         "id": rid, "object": "response", "created_at": created_at, "status": status, "model": model,
         "output": [], "metadata": req.metadata, "temperature": req.sampling.temperature,
         "top_p": req.sampling.top_p, "max_output_tokens": req.max_output_tokens, "error": None,
-        "incomplete_details": None,
+        "incomplete_details": None, **_request_echo(req),
     }
     if status in ("completed", "incomplete"):
-        obj["output"] = [output_message(rid, text, status, logprobs)]
+        msg = [] if text is None else [output_message(rid, text, status, logprobs)]
+        obj["output"] = msg + [function_call_item(c) for c in calls]
     if status == "incomplete":
         obj["incomplete_details"] = {"reason": "max_output_tokens"}
     if usage is not None:
@@ -355,6 +467,11 @@ def response_object(rid: str, status: str, created_at: int, model: str, req: Cre
     if pddgw is not None:
         obj["pddgw"] = pddgw
     return obj
+
+
+def item_event(seq: int, stream_id: str | None, kind: str, **fields: Any) -> bytes:
+    """Any other server event of a response (the output items of tool calls, held-back text)."""
+    return _envelope(kind, seq, stream_id, **fields)
 
 
 def created_event(seq: int, stream_id: str | None, response: dict[str, Any]) -> bytes:

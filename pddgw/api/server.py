@@ -7,11 +7,29 @@ behaviours and errors), the WebSocket Responses door here.
 
 One aiohttp app on the router.  A WebSocket at /v1/responses carries any
 number of responses at once (each `response.create` runs as its own task;
-`stream_id` tells them apart on the client side); `response.cancel` or a
+`stream_id` tells them apart on the client side); tools, `tool_choice`, `text.format` and
+function-call input items are decoded as over HTTP (responses.py) and the prompt and grammar
+prepared by the same code (`OpenAIRoutes.prepare_response`); with tools the text deltas carry
+tokens but no text, and a call comes as its `function_call` item's events before
+`response.completed`; `response.cancel` or a
 closed socket cancels them, which frees them on every node.  Every event
 (a text or binary frame holding UTF-8 JSON) is decoded and validated at the
 edge; a bad one gets an `error` event naming the problem (and echoing its
-`stream_id` when it had a valid one) and the socket keeps serving.
+`stream_id` when it had a valid one) and the socket keeps serving.  Each
+`response.create` takes its place under `[server] max_concurrent_requests`
+(`door.admission`) before the event loop moves on to the next event, and gives
+it back when its task ends (a done-callback: also for a task cancelled before
+it ran); one over the bound gets an `error` event `rate_limit_exceeded` at
+once.  While the router drains (SIGTERM: `door.drain`), a new request
+(a generating POST, a WebSocket upgrade, a `response.create` on an open
+socket) is refused with 503 / an error event `unavailable` saying so, and
+GET /health answers 503 `{"status": "draining"}`; what was admitted runs
+to its end.  A socket that sends no event within `[server] websocket_idle_timeout_s`
+of its upgrade is closed with 1008 (counted, `websocket_idle_timeout`).
+
+The connection guard (guard.py: read timeouts, the per-address cap) is the
+app's first middleware and its `handler_args`; deploy/serve.py serves the app
+with guard.py's `FrontDoorRunner`.
 
 A frame that breaks the WebSocket protocol itself is not an event: the
 connection fails with the RFC 6455 close code (1002 protocol error, 1007 a
@@ -44,10 +62,16 @@ from aiohttp._websocket import reader_py
 from aiohttp.helpers import DEFAULT_CHUNK_SIZE
 
 from pddgw.api import logprobs as lpfmt
-from pddgw.api.door import Detokenizer, FrontDoor, key_protocol
-from pddgw.api.openai_http import OpenAIRoutes, openai_not_found
-from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, brief, completed_event,
-                                 created_event, delta_event, error_event, parse_client_event, response_object)
+from pddgw.api.door import Detokenizer, FrontDoor, Slot, key_protocol
+from pddgw.api.guard import GUARD, ConnectionGuard
+from pddgw.api.openai_http import (OpenAIRoutes, error_response, function_call_events, openai_not_found,
+                                   response_request)
+from pddgw.api.errors import ApiError, brief
+from pddgw.api.responses import (CancelResponse, CreateResponse, completed_event,
+                                 created_event, delta_event, error_event, item_event, parse_client_event,
+                                 response_object)
+from pddgw.api.toolcalls import parse_calls
+from pddgw.api.tokenize import add_tokenize_routes
 from pddgw.api.webchat import add_webchat_routes
 from pddgw.metrics import metrics_route
 from pddgw.pipeline.ordering import TokenRun
@@ -59,7 +83,11 @@ log = structlog.get_logger(__name__)
 def build_app(door: FrontDoor) -> web.Application:
     """The front door's aiohttp app: every route is registered here."""
     openai = OpenAIRoutes(door)
-    app = web.Application(client_max_size=door.cfg.server.max_message_bytes, middlewares=[openai_not_found])
+    guard = ConnectionGuard(door.cfg.server, door.metrics)
+    app = web.Application(client_max_size=door.cfg.server.max_message_bytes,
+                          middlewares=[guard.middleware, openai_not_found, _draining(door)],
+                          handler_args=guard.handler_args())
+    app[GUARD] = guard
     r = app.router
     # Responses API, WebSocket mode (GET upgrade) and HTTP (POST, optionally SSE).
     r.add_get("/v1/responses", ResponsesSocket(door).handle)
@@ -70,12 +98,38 @@ def build_app(door: FrontDoor) -> web.Application:
     r.add_get("/v1/models", openai.models)
     r.add_get("/v1/models/{model}", openai.model)
     # Operations.
-    r.add_get("/health", door.health)
+    r.add_get("/health", _health(door))
     r.add_get("/debug/state", door.debug_state)
     # ---- further routes (metrics, web page, ...) are registered below this line ----
     add_webchat_routes(app)
+    add_tokenize_routes(app, door)                     # POST /tokenize, /detokenize (vLLM's; api/tokenize.py)
     metrics_route(app, door.router.metrics.scrape)     # GET /metrics (counts only: no key, like vLLM)
     return app
+
+
+# Routes that start a request (generation): refused while the router drains.
+_REQUEST_ROUTES = frozenset({("POST", "/v1/responses"), ("GET", "/v1/responses"), ("POST", "/v1/chat/completions"),
+                             ("POST", "/v1/completions")})
+
+
+def _draining(door: FrontDoor) -> Callable[..., Any]:
+    @web.middleware
+    async def draining(request: web.Request, handler: Any) -> web.StreamResponse:
+        if door.drain.draining and (request.method, request.path) in _REQUEST_ROUTES:
+            return error_response(door.drain.MESSAGE, "unavailable")
+        return await handler(request)
+
+    return draining
+
+
+def _health(door: FrontDoor) -> Callable[[web.Request], Any]:
+    async def health(request: web.Request) -> web.StreamResponse:
+        if door.drain.draining:
+            return web.json_response({"status": "draining", "role": "router",
+                                      "active_requests": door.admission.active}, status=503)
+        return await door.health(request)
+
+    return health
 
 
 class _MaskedFrameReader(reader_py.WebSocketReader):
@@ -117,10 +171,11 @@ class ResponsesSocket:
 
     def __init__(self, door: FrontDoor):
         self.door = door
+        self.routes = OpenAIRoutes(door)     # the prompt (tools, templates) and grammar as over HTTP
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         door = self.door
-        if not door.authorized(request):
+        if not door.authorized(request, websocket=True):
             return web.json_response({"error": {"type": "invalid_api_key", "message":
                                                 "invalid or missing API key (Authorization: Bearer KEY)"}},
                                      status=401)
@@ -129,14 +184,27 @@ class ResponsesSocket:
         ws = _StrictWebSocketResponse(max_msg_size=door.cfg.server.max_message_bytes + 1, heartbeat=30.0,
                                       compress=False, protocols=(proto,) if proto else ())
         await ws.prepare(request)
-        conn = _Connection(door, ws, door.may_steer(request))
+        conn = _Connection(door, ws, door.may_steer(request, websocket=True), self.routes)
+        # Until the first event: an absolute deadline (receive's own timeout restarts at every ping).
+        first_by: float | None = asyncio.get_running_loop().time() + door.cfg.server.websocket_idle_timeout_s
         try:
-            async for msg in ws:
+            while not ws.closed:
+                try:
+                    async with asyncio.timeout_at(first_by):
+                        msg = await ws.receive()
+                except TimeoutError:
+                    door.metrics.close("websocket_idle_timeout")
+                    await ws.close(code=WSCloseCode.POLICY_VIOLATION,
+                                   message=b"no event within [server] websocket_idle_timeout_s")
+                    break
                 if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    first_by = None
                     await conn.on_event(msg.data)
                 elif msg.type == WSMsgType.ERROR:
                     # A protocol error (msg.data) has already closed the socket with its code.
                     log.warning("client_ws_error", error=str(msg.data), code=getattr(msg.data, "code", None))
+                elif msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                    break
         finally:
             await conn.close()
         return ws
@@ -145,8 +213,9 @@ class ResponsesSocket:
 class _Connection:
     """One client socket: its responses in flight and its event sequence."""
 
-    def __init__(self, door: FrontDoor, ws: web.WebSocketResponse, may_steer: bool):
+    def __init__(self, door: FrontDoor, ws: web.WebSocketResponse, may_steer: bool, routes: OpenAIRoutes):
         self.door = door
+        self.routes = routes
         self.ws = ws
         self.may_steer = may_steer
         self.seq = 0
@@ -190,12 +259,17 @@ class _Connection:
             await self.send(error_event, ev.stream_id, "too many responses in flight on this connection",
                             "rate_limit_exceeded")
             return
-        if door.active >= door.cfg.server.max_concurrent_requests:
-            await self.send(error_event, ev.stream_id, "server busy: too many responses in flight",
-                            "rate_limit_exceeded")
+        if door.drain.draining:
+            await self.send(error_event, ev.stream_id, door.drain.MESSAGE, "unavailable")
+            return
+        slot = door.admission.try_acquire()       # before any await: the check and the count are one step
+        if slot is None:
+            await self.send(error_event, ev.stream_id, "server busy: too many responses in flight "
+                            "([server] max_concurrent_requests)", "rate_limit_exceeded")
             return
         rid = new_request_id()
-        self.tasks[rid] = asyncio.create_task(self._respond(rid, ev), name=f"respond-{rid}")
+        task = self.tasks[rid] = asyncio.create_task(self._respond(rid, ev), name=f"respond-{rid}")
+        task.add_done_callback(_releaser(slot))
 
     async def close(self) -> None:
         tasks = list(self.tasks.values())
@@ -209,20 +283,20 @@ class _Connection:
         door = self.door
         sid = req.stream_id
         created = int(time.time())
-        counted = False
         try:
-            args = (req.prompt_token_ids, req.messages, req.max_output_tokens, req.sampling,
-                    "input" if req.prompt_token_ids is None else "prompt_token_ids", req.logprobs)
-            prep = (await asyncio.to_thread(door.prepare, *args) if door.heavy(req.messages)
-                    else door.prepare(*args))
+            gen = response_request(req, True)
+            heavy = door.heavy(req.messages) or req.sampling.grammar is not None or req.chat is not None
+            prep = (await asyncio.to_thread(self.routes.prepare_response, gen) if heavy
+                    else self.routes.prepare_response(gen))
             ids, sampling = prep.ids, prep.sampling
-            door.active += 1
-            counted = True
             detok = Detokenizer(door.tok)
             await self.send(created_event, sid, response_object(rid, "in_progress", created, door.model_name,
                                                                  req))
             # With logprobs asked for: each delta's, and all of them for the completed response.
             logprobs: list[dict[str, Any]] | None = None if req.logprobs is None else []
+            # Tools (tool_choice not "none"): the text is held back (deltas carry their tokens, no
+            # text) and parsed at the end into calls and content.
+            holds = req.tools is not None and req.tools.choice != "none"
 
             async def emit(run: TokenRun) -> None:
                 text = detok.push(run.token_ids)
@@ -230,7 +304,8 @@ class _Connection:
                 if logprobs is not None:
                     lps = lpfmt.content(door.pieces, run.token_ids, run.logprobs)
                     logprobs.extend(lps)
-                await self.send(delta_event, sid, rid, text, run.position, list(run.token_ids), run.role, lps)
+                await self.send(delta_event, sid, rid, "" if holds else text, run.position, list(run.token_ids),
+                                run.role, lps)
 
             out: Outcome = await door.router.run(rid, ids, sampling, emit, req.pipeline, req.handoff_mode)
             usage = {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": out.cached_tokens},
@@ -239,9 +314,19 @@ class _Connection:
             timeline = {**out.record.to_dict(), "seed": sampling.seed, "finish_reason": out.finish_reason,
                         "output_token_ids": list(out.output_ids)}
             status = "incomplete" if prep.clamped and out.finish_reason == "length" else "completed"
-            obj = response_object(rid, status, created, door.model_name, req,
-                                  text=door.tok.decode(list(out.output_ids)), usage=usage, pddgw=timeline,
-                                  logprobs=logprobs)
+            content: str | None = door.tok.decode(list(out.output_ids))
+            calls = []
+            if holds:
+                content, calls = parse_calls(content or "", self.routes.tool_format)
+                if content:
+                    await self.send(item_event, sid, "response.output_text.delta", response_id=rid,
+                                    item_id=f"msg_{rid}", output_index=0, content_index=0, delta=content)
+                first = 0 if content is None else 1
+                for k, call in enumerate(calls, first):
+                    for kind, fields in function_call_events(lambda kind, **f: (kind, f), k, call):
+                        await self.send(item_event, sid, kind, response_id=rid, **fields)
+            obj = response_object(rid, status, created, door.model_name, req, text=content, usage=usage,
+                                  pddgw=timeline, logprobs=logprobs, calls=calls)
             await self.send(completed_event, sid, obj)
         except ApiError as e:
             await self.send(error_event, sid, str(e), e.code, e.param, response_id=rid)
@@ -254,6 +339,8 @@ class _Connection:
             await self.send(error_event, sid, f"internal error: {type(e).__name__}: {e}", "server_error",
                             response_id=rid)
         finally:
-            if counted:
-                door.active -= 1
             self.tasks.pop(rid, None)
+
+
+def _releaser(slot: Slot) -> Callable[[asyncio.Task[None]], None]:
+    return lambda _task: slot.release()

@@ -30,6 +30,17 @@ Procedure:
                           (vllm_side.py), no sampled rows.
        prefill            B prompts of L tokens, one output token: time to
                           the first token, B * L prompt tokens.
+       decode b=32        the sampled case again, pddgw only (transformers has no
+         sampled          presence / frequency penalties nor grammars), with
+         +penalties,      (a) penalties: repetition 1.1, presence 0.5,
+         +json_schema     frequency 0.5 (EOS ignored); (b) a JSON-schema mask
+                          (`json_schema()`: a string of at least N characters
+                          first, so no output completes the object before N
+                          tokens; the engine gets a byte tokenizer and an EOS
+                          id for its matcher, EOS not ignored: a grammar ends
+                          by it).  Run right after the plain sampled case of
+                          the batch, on its prompts: `ratio_sampled` = tok/s
+                          over the plain sampled row's, the cost of each.
      transformers' per-step times come from a stopping criterion that only
      records a timestamp.  Every pddgw run uses a fresh engine (the prefix
      cache would otherwise serve the repeated prompts) with room for the
@@ -71,6 +82,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import sys
 import tempfile
@@ -83,8 +95,10 @@ import torch
 
 from pddgw.bench.common import add_output_args, add_torch_args, apply_torch_args, best, emit, format_table, ratio
 from pddgw.config import EngineConfig
+from pddgw.engines.tokenizer import ByteTokenizer
 from pddgw.engines.torch_engine import TorchEngine
-from pddgw.engines.types import EngineRequest, SamplingParams
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.types import EngineRequest
 from pddgw.engines.weights import DTYPES, load_model
 
 BLOCK_SIZE = 16
@@ -119,6 +133,29 @@ class Sampling:
                               top_p=self.top_p, seed=self.seed + i)
 
 
+def json_schema(min_chars: int) -> str:
+    """The JSON-schema variant's grammar: a 3-field object whose first field is a string of at
+    least `min_chars` characters (an output of fewer tokens cannot finish it)."""
+    return json.dumps({"type": "object", "properties": {
+        "name": {"type": "string", "minLength": min_chars}, "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["name", "age", "tags"]})
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """A sampled decode case with more asked of the sampler (pddgw only; see step 3)."""
+
+    name: Literal["penalties", "json_schema"]
+
+    def apply(self, params: SamplingParams) -> SamplingParams:
+        if self.name == "penalties":
+            return dataclasses.replace(params, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
+        return dataclasses.replace(params, ignore_eos=False, grammar=("json_schema", json_schema(params.max_tokens)))
+
+
+VARIANTS = (Variant("penalties"), Variant("json_schema"))
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """What one benchmark run measures."""
@@ -132,6 +169,7 @@ class Settings:
     repeats: int
     sampled_batches: tuple[int, ...] = (8, 32)     # decode batches also run sampled (each a decode batch)
     sampling: Sampling = Sampling()
+    variant_batches: tuple[int, ...] = (32,)       # sampled batches also run with each of VARIANTS
 
     def __post_init__(self) -> None:
         if self.decode_output_len < 2:
@@ -140,6 +178,8 @@ class Settings:
             raise ValueError(f"batches and repeats must be >= 1: {self}")
         if not set(self.sampled_batches) <= set(self.decode_batches):
             raise ValueError(f"sampled_batches {self.sampled_batches} must be decode batches")
+        if not set(self.variant_batches) <= set(self.sampled_batches):
+            raise ValueError(f"variant_batches {self.variant_batches} must be sampled batches")
         longest = max(self.decode_prompt_len + self.decode_output_len, self.prefill_prompt_len + 1)
         if longest > self.model.max_position_embeddings:
             raise ValueError(f"sequences of {longest} tokens exceed the model's context")
@@ -166,10 +206,12 @@ class Case:
     prompt_len: int
     output_len: int
     sampling: Sampling | None = None     # None: greedy
+    variant: Variant | None = None       # sampled cases only: penalties / a grammar on top
 
     @property
     def label(self) -> str:
-        return f"{self.kind} b={self.batch}" + (" sampled" if self.sampling else "")
+        return (f"{self.kind} b={self.batch}" + (" sampled" if self.sampling else "")
+                + (f" +{self.variant.name}" if self.variant else ""))
 
     @property
     def prompt_key(self) -> tuple[str, int, int]:
@@ -180,7 +222,8 @@ class Case:
         """Request i's sampling."""
         if self.sampling is None:
             return SamplingParams(max_tokens=self.output_len, ignore_eos=True)
-        return self.sampling.params(i, self.output_len)
+        params = self.sampling.params(i, self.output_len)
+        return params if self.variant is None else self.variant.apply(params)
 
     @property
     def measured_tokens(self) -> int:
@@ -223,13 +266,15 @@ class Row:
     output_len: int
     measured_tokens: int
     pddgw_s: float
-    transformers_s: float
+    transformers_s: float | None     # None: a variant row (pddgw only)
     pddgw_tok_s: float
-    transformers_tok_s: float
+    transformers_tok_s: float | None
     ratio: float | None              # pddgw tok/s / transformers tok/s
     tokens_match: bool | None        # pddgw's greedy tokens == transformers'; None: sampled
     sampling: str = "greedy"         # or "temperature=T top_p=P seed=S+i"
     ratio_greedy: float | None = None    # sampled rows: pddgw tok/s / pddgw's greedy tok/s, same batch
+    variant: str | None = None           # "penalties" / "json_schema" (Variant), None: plain
+    ratio_sampled: float | None = None   # variant rows: pddgw tok/s / the plain sampled row's, same batch
     vllm_s: float | None = None
     vllm_tok_s: float | None = None
     ratio_vllm: float | None = None  # pddgw tok/s / vLLM tok/s
@@ -345,6 +390,7 @@ class _PhaseTimer:
 
 class PddgwSide:
     name = "pddgw"
+    variants = True       # the only side that runs the Variant cases
 
     def __init__(self, model, dtype: torch.dtype, device: str = "cpu",
                  engine_overrides: dict | None = None):
@@ -354,13 +400,19 @@ class PddgwSide:
         self.engine_overrides = engine_overrides or {}
 
     def run(self, prompts: list[list[int]], output_len: int, timer: _PhaseTimer | None = None,
-            sampling: Sampling | None = None) -> Run:
+            sampling: Sampling | None = None, variant: Variant | None = None) -> Run:
         batch, plen = len(prompts), len(prompts[0])
         blocks = batch * (-(-(plen + output_len) // BLOCK_SIZE)) + 1
         cfg = EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=batch,
                            max_num_batched_tokens=max(batch * plen, batch), device=self.device,
                            **self.engine_overrides)
-        engine = TorchEngine(self.model, self.model.spec, cfg, self.dtype)
+        spec, tok = self.model.spec, None
+        if variant is not None and variant.name == "json_schema":
+            # The random checkpoint names no EOS and has no tokenizer: its matcher gets the byte
+            # vocabulary (ids < 256) and the byte tokenizer's EOS id to end a finished object with.
+            tok = ByteTokenizer(spec.vocab_size)
+            spec = dataclasses.replace(spec, eos_token_ids=(ByteTokenizer.EOS,))
+        engine = TorchEngine(self.model, spec, cfg, self.dtype, tokenizer=tok)
         step = engine.step
         if timer is not None:
             engine._forward = timer.wrap("forward", engine._forward)
@@ -369,7 +421,7 @@ class PddgwSide:
         out: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
         gc.collect()
         t0 = time.perf_counter()
-        case = Case("decode", batch, plen, output_len, sampling)
+        case = Case("decode", batch, plen, output_len, sampling, variant)
         for i, p in enumerate(prompts):
             engine.add_request(EngineRequest(f"r{i}", tuple(p), case.params(i)))
         t_first = None
@@ -387,7 +439,7 @@ class PddgwSide:
         return Run(t_first - t0, t_end - t0, tokens)
 
     def breakdown(self, prompts: list[list[int]], output_len: int, kind: str,
-                  sampling: Sampling | None = None) -> Breakdown:
+                  sampling: Sampling | None = None, variant: Variant | None = None) -> Breakdown:
         """One extra run with every phase timed (module globals patched for its duration)."""
         import pddgw.engines.model as model_mod
         import pddgw.engines.torch_engine as engine_mod
@@ -397,7 +449,7 @@ class PddgwSide:
         model_mod.paged_attention = timer.wrap("attention", saved[0])
         engine_mod.sample = timer.wrap("sampling", saved[1])
         try:
-            self.run(prompts, output_len, timer, sampling)
+            self.run(prompts, output_len, timer, sampling, variant)
         finally:
             model_mod.paged_attention, engine_mod.sample = saved
         return timer.breakdown(skip_first=kind == "decode")
@@ -528,12 +580,15 @@ class VllmSide:
 # ---- driver -------------------------------------------------------------------------
 
 def cases(s: Settings) -> list[Case]:
-    """Every decode batch, each sampled one right after its greedy twin, then prefill."""
+    """Every decode batch, each sampled one right after its greedy twin and its variants right
+    after it, then prefill."""
     out = []
     for b in s.decode_batches:
         out.append(Case("decode", b, s.decode_prompt_len, s.decode_output_len))
         if b in s.sampled_batches:
             out.append(Case("decode", b, s.decode_prompt_len, s.decode_output_len, s.sampling))
+        if b in s.variant_batches:
+            out += [Case("decode", b, s.decode_prompt_len, s.decode_output_len, s.sampling, v) for v in VARIANTS]
     out.append(Case("prefill", s.prefill_batch, s.prefill_prompt_len, 1))
     return out
 
@@ -561,10 +616,16 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
             for side in order:
                 if c.sampling is not None and not getattr(side, "samples", True):
                     continue
-                r = side.run(p, c.output_len, sampling=c.sampling)
+                if c.variant is not None:
+                    if not getattr(side, "variants", False):
+                        continue
+                    r = side.run(p, c.output_len, sampling=c.sampling, variant=c.variant)
+                else:
+                    r = side.run(p, c.output_len, sampling=c.sampling)
                 times[(c, side.name)].append(r.seconds(c.kind))
                 results[side.name] = r.tokens
-            match[c] = match[c] and results["pddgw"] == results["transformers"]
+            if "transformers" in results:
+                match[c] = match[c] and results["pddgw"] == results["transformers"]
             if "vllm" in results:
                 vmatch[c] = vmatch[c] and results["pddgw"] == results["vllm"]
             progress(f"repeat {rep + 1}/{repeats} {c.label}: " + ", ".join(
@@ -572,23 +633,29 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
     ours_side = next(side for side in sides if side.name == "pddgw")
     greedy_tps = {c.prompt_key: c.measured_tokens / best(times[(c, "pddgw")])
                   for c in todo if c.sampling is None}
+    sampled_tps = {c.prompt_key: c.measured_tokens / best(times[(c, "pddgw")])
+                   for c in todo if c.sampling is not None and c.variant is None}
     rows = []
     for c, p in zip(todo, prompts):
         tps = {n: c.measured_tokens / best(times[(c, n)]) for n in names if times[(c, n)]}
         has_vllm = "vllm" in tps
         s = c.sampling
         rows.append(Row(c.label, c.kind, c.batch, c.prompt_len, c.output_len, c.measured_tokens,
-                        best(times[(c, "pddgw")]), best(times[(c, "transformers")]),
-                        tps["pddgw"], tps["transformers"], ratio(tps["pddgw"], tps["transformers"]),
+                        best(times[(c, "pddgw")]),
+                        best(times[(c, "transformers")]) if times[(c, "transformers")] else None,
+                        tps["pddgw"], tps.get("transformers"), ratio(tps["pddgw"], tps.get("transformers")),
                         match[c] if s is None else None,
                         sampling="greedy" if s is None else
                         f"temperature={s.temperature} top_p={s.top_p} seed={s.seed}+i",
                         ratio_greedy=None if s is None else ratio(tps["pddgw"], greedy_tps.get(c.prompt_key)),
+                        variant=None if c.variant is None else c.variant.name,
+                        ratio_sampled=(None if c.variant is None
+                                       else ratio(tps["pddgw"], sampled_tps.get(c.prompt_key))),
                         vllm_s=best(times[(c, "vllm")]) if has_vllm else None,
                         vllm_tok_s=tps.get("vllm"),
                         ratio_vllm=ratio(tps["pddgw"], tps.get("vllm")),
                         vllm_tokens_match=vmatch[c] if has_vllm else None,
-                        breakdown=(ours_side.breakdown(p, c.output_len, c.kind, c.sampling)
+                        breakdown=(ours_side.breakdown(p, c.output_len, c.kind, c.sampling, c.variant)
                                    if breakdown else None)))
     return rows
 
@@ -680,15 +747,17 @@ def render(report: Report) -> str:
             f"vLLM: {report.vllm}\n")
     table = format_table(
         ["case", "prompt", "output", "pddgw tok/s", "transformers tok/s", "vllm tok/s",
-         "pddgw/tf", "pddgw/vllm", "sampled/greedy", "tokens_match", "vllm_match"],
+         "pddgw/tf", "pddgw/vllm", "sampled/greedy", "/sampled", "tokens_match", "vllm_match"],
         [(r.case, r.prompt_len, r.output_len, r.pddgw_tok_s, r.transformers_tok_s, r.vllm_tok_s,
-          r.ratio, r.ratio_vllm, r.ratio_greedy, r.tokens_match, r.vllm_tokens_match)
+          r.ratio, r.ratio_vllm, r.ratio_greedy, r.ratio_sampled, r.tokens_match, r.vllm_tokens_match)
          for r in report.rows])
     s = report.settings.sampling
     out = head + table + (f"\nsampled: temperature {s.temperature}, top_p {s.top_p}, no top-k, request i "
                           f"seeded {s.seed}+i; sampled/greedy = pddgw tok/s over its greedy row's; "
                           f"tokens_match '-': transformers samples with its own RNG; no vLLM "
-                          f"(greedy only)")
+                          f"(greedy only); +penalties: repetition 1.1, presence 0.5, frequency 0.5; "
+                          f"+json_schema: a JSON-schema mask; /sampled = pddgw tok/s over the plain "
+                          f"sampled row's (pddgw only)")
     if any(r.breakdown for r in report.rows):
         out += "\n\npddgw per step, ms (decode: steps after the first token; prefill: its step)\n"
         out += format_table(

@@ -89,7 +89,8 @@ import torch
 from pddgw.bench.common import add_output_args, add_torch_args, apply_torch_args, emit, format_table
 from pddgw.config import EngineConfig
 from pddgw.engines.torch_engine import TorchEngine
-from pddgw.engines.types import EngineRequest, SamplingParams
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.types import EngineRequest
 from pddgw.engines.weights import DTYPES, build_tiny, tiny_spec
 
 PATHS = ("batch", "mixed", "extend", "chunked")

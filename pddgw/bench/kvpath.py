@@ -55,7 +55,8 @@ import torch
 from pddgw.config import EngineConfig, NetConfig
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.torch_engine import TorchEngine
-from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.types import EngineRequest, KVChunk, RequestError
 from pddgw.engines.weights import build_random
 from pddgw.logs import setup_logging
 from pddgw.net import messages as m
@@ -122,8 +123,7 @@ def _engine(shape: Shape, prefix_caching: bool) -> TorchEngine:
 
 
 def _sampled(**kw) -> dict:
-    return dict(max_tokens=4, temperature=0.0, top_k=0, top_p=1.0, seed=0, ignore_eos=True, stop_token_ids=(),
-                **kw)
+    return dict(sampling=SamplingParams(max_tokens=4, ignore_eos=True), **kw)
 
 
 # ---------------------------------------------------------------------------
@@ -203,7 +203,7 @@ class _Decoder:
 
     async def _handle(self, link: Link, msg: m.Message) -> m.Message | None:
         """The node's handler, noting when each request's first KV chunk was delivered."""
-        if isinstance(msg, m.KvChunk):
+        if isinstance(msg, m.KVChunk):
             self.first_chunk.setdefault(msg.span.request_id, time.perf_counter())
         return await self.node.handle(link, msg)
 
@@ -266,7 +266,7 @@ async def _transfer(p_link: Link, dec: _Decoder, rid: str, prompt: tuple[int, ..
     assert isinstance(ready, m.Ready) and ready.detail == "kv", ready
     landed, copied = (a - b for a, b in zip(dec.counters(), (landed0, copied0)))
     eng = dec.engine
-    kv = await dec.node.aeng.call(lambda: bytes(eng.export_kv(rid, 0, len(prompt)).data))
+    kv = await dec.node.aeng.call(lambda: bytes(eng.export_kv(rid, 0, len(prompt)).payload))
     await link.request(m.Cancel(rid))
     return {"seconds": seconds, "receive_seconds": receive_s, "kv_bytes": len(kv), "landed_bytes": landed,
             "copied_bytes": copied, "digest": hashlib.blake2b(kv, digest_size=16).hexdigest(),

@@ -26,6 +26,8 @@
    `SECONDS:ACTION=TARGET[@ARG]`:
      kill=NODE[@S]   SIGKILL worker NODE (p0, rld0, md0); with @S start it again S seconds later
      restart=NODE    start a killed worker again (waits for its /health)
+     sigterm=NODE    graceful restart: SIGTERM worker NODE (it drains within `[server]
+                     drain_timeout_s`), start it again once it exited (waits for its /health)
      cut=wan         the WAN goes dark: open connections drop, new ones are refused
      slow=wan@MBPS   bandwidth collapse: the proxy forwards at most MBPS megabit/s each way
      heal=wan        the WAN back (undoes cut and slow)
@@ -76,6 +78,7 @@ import asyncio
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -99,7 +102,7 @@ from pddgw.harness.reference import generate_cli_many, generate_engine
 from pddgw.sim.report import percentile
 
 WAN = "wan"
-ACTIONS = ("kill", "restart", "cut", "slow", "heal")
+ACTIONS = ("kill", "restart", "sigterm", "cut", "slow", "heal")
 TOKEN_LO, TOKEN_HI = 32, 127                          # printable bytes of the tiny model's vocabulary
 
 
@@ -141,11 +144,11 @@ def parse_faults(text: str) -> list[Fault]:
             raise OptionError(f"--faults: {item!r}: the time must be >= 0")
         if action not in ACTIONS:
             raise OptionError(f"--faults: {item!r}: the action must be one of {', '.join(ACTIONS)}")
-        if action in ("kill", "restart"):
+        if action in ("kill", "restart", "sigterm"):
             if target not in WORKERS:
                 raise OptionError(f"--faults: {item!r}: {action} takes a worker node ({', '.join(WORKERS)})")
-            if action == "restart" and arg is not None:
-                raise OptionError(f"--faults: {item!r}: restart takes no @ARG")
+            if action in ("restart", "sigterm") and arg is not None:
+                raise OptionError(f"--faults: {item!r}: {action} takes no @ARG")
             if arg is not None and arg < 0:
                 raise OptionError(f"--faults: {item!r}: the restart delay must be >= 0")
         else:
@@ -173,6 +176,8 @@ class ClusterSpec:
     num_blocks: int = 1024               # P and RLD (block 16); MD: half as many blocks of 32
     # Below the default --grace: a request the router gives up on ends with an error, not lost.
     request_timeout_s: float = 30.0
+    # A SIGTERMed worker (fault `sigterm`) finishes or moves its requests within this.
+    drain_timeout_s: float = 10.0
     log_level: str = "info"
 
     def toml(self) -> ClusterToml:
@@ -180,7 +185,8 @@ class ClusterSpec:
             header="pddgw.bench.soak: router, p0, rld0 in cluster A; md0 in cluster B behind the bench's WAN proxy.",
             model=toml_lines(dtype=self.dtype),
             engine=toml_lines(num_blocks=self.num_blocks, block_size=16, max_num_batched_tokens=512),
-            server=toml_lines(request_timeout_s=self.request_timeout_s), log=toml_lines(level=self.log_level),
+            server=toml_lines(request_timeout_s=self.request_timeout_s, drain_timeout_s=self.drain_timeout_s),
+            log=toml_lines(level=self.log_level),
             wan=toml_lines(gbps=self.wan_gbps, latency_ms=self.wan_latency_ms),
             policy=toml_lines(p_md_max_transfer_ms=self.p_md_max_transfer_ms),
             md_engine=toml_lines(block_size=32, num_blocks=self.num_blocks // 2, max_num_batched_tokens=512))
@@ -210,7 +216,7 @@ class Deployment:
     async def start(self, timeout_s: float = 180.0) -> None:
         if self.embedded:
             self.router_port = free_port()
-            self.procs.add("embedded", ["serve", "--host", "127.0.0.1", "--port", str(self.router_port),
+            self.procs.add("embedded", ["serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(self.router_port),
                                         "--dtype", self.spec.dtype], self.router_port)
         else:
             ports = free_ports()
@@ -229,6 +235,22 @@ class Deployment:
     async def kill(self, name: str) -> int | None:
         """SIGKILL by pid -> the pid (None: it was not running)."""
         return await asyncio.to_thread(self.procs.kill, name)
+
+    async def sigterm(self, name: str, timeout_s: float) -> float | None:
+        """SIGTERM by pid and wait for the exit -> seconds it took (None: it was not running);
+        RuntimeError when it is still running after `timeout_s` (then SIGKILLed)."""
+        node = self.procs.nodes[name]
+        if not node.alive:
+            return None
+        assert node.proc is not None
+        t0 = time.monotonic()
+        node.proc.terminate()
+        try:
+            await asyncio.to_thread(node.proc.wait, timeout_s)
+        except subprocess.TimeoutExpired:
+            await self.kill(name)
+            raise RuntimeError(f"{name} still ran {timeout_s:g} s after SIGTERM (SIGKILLed)") from None
+        return time.monotonic() - t0
 
     async def restart(self, name: str, timeout_s: float = 120.0) -> bool:
         """Start a dead node again and wait for its /health (-> True), or nothing when it runs (-> False)."""
@@ -527,6 +549,20 @@ async def _apply_faults(faults: Sequence[Fault], dep: Deployment, t0: float,
             note = f"restart failed: {e}"[:500]
         record(label, at, note)
 
+    async def graceful(f: Fault) -> None:
+        at = loop.time() - t0
+        bound = dep.spec.drain_timeout_s + 20.0
+        try:
+            secs = await dep.sigterm(f.target, bound)
+        except RuntimeError as e:
+            record(str(f), at, str(e)[:500])
+            return
+        if secs is None:
+            record(str(f), at, "was not running")
+            return
+        record(str(f), at, f"SIGTERM: exited after {secs:.1f} s (drain bound {dep.spec.drain_timeout_s:g} s)")
+        await restart(f, f"(restart {f.target} after sigterm at {f.at_s:g})", 0.0)
+
     for f in faults:
         await asyncio.sleep(max(0.0, t0 + f.at_s - loop.time()))
         at = loop.time() - t0
@@ -539,6 +575,8 @@ async def _apply_faults(faults: Sequence[Fault], dep: Deployment, t0: float,
                                                            f.arg)))
         elif f.action == "restart":
             pending.append(asyncio.create_task(restart(f, str(f), 0.0)))
+        elif f.action == "sigterm":
+            pending.append(asyncio.create_task(graceful(f)))
         else:
             assert dep.proxy is not None
             if f.action == "cut":

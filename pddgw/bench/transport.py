@@ -58,10 +58,10 @@ def _cfg(secret: str) -> NetConfig:
                      inbound_buffer_bytes=256 << 20, heartbeat_s=0, request_timeout_s=60, send_timeout_s=60)
 
 
-def _chunks(rid: str, total: int, frame: int, src: memoryview) -> list[m.KvChunk]:
+def _chunks(rid: str, total: int, frame: int, src: memoryview) -> list[m.KVChunk]:
     tokens = frame // BYTES_PER_TOKEN
     n = max(1, total // frame)
-    return [m.KvChunk(m.KvSpan(rid, 0, 1, i * tokens, (i + 1) * tokens, "float16", (1, 2, tokens, HEADS, DIM)),
+    return [m.KVChunk(m.KVSpan(rid, 0, 1, i * tokens, (i + 1) * tokens, "float16", (1, 2, tokens, HEADS, DIM)),
                       src[:frame], i, i == n - 1) for i in range(n)]
 
 
@@ -72,7 +72,7 @@ class _Ring:
         self.buf = memoryview(bytearray(nbytes))
         self.off = 0
 
-    def __call__(self, span: m.KvSpan) -> memoryview:
+    def __call__(self, span: m.KVSpan) -> memoryview:
         n = span.nbytes
         if self.off + n > len(self.buf):
             self.off = 0

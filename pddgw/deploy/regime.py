@@ -31,7 +31,8 @@ import structlog
 from pddgw.config import Config, NodeConfig, RegimeConfig, ShapingConfig
 from pddgw.engines.base import Engine, create_engine, engine_class
 from pddgw.engines.kv_pool import DTYPES
-from pddgw.engines.types import EngineRequest, SamplingParams
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.types import EngineRequest
 from pddgw.engines.weights import load_spec_for
 
 log = structlog.get_logger(__name__)

@@ -6,28 +6,47 @@ within a cluster over the unshaped fabric.  Links: router -> every worker
 (control and token streams), P -> every decoder (KV), RLD -> every MD
 (handoffs).  `pddgw serve` with no config is the embedded default: router,
 P and RLD in cluster A, MD in cluster B, in-process links, one process.
+
+SIGTERM / SIGINT drains before the process exits, within `[server]
+drain_timeout_s` (a rolling restart loses nothing): a worker stops taking
+requests, tells its routers (`pm.Draining`: they route nothing new to it),
+lets what is in flight finish and moves the rest (WorkerNode.drain); its
+/health answers 503 "draining".  The router's front door admits nothing new
+(503) and waits for every admitted request to end (api/door.py `Drain`),
+then for the background MD alignments, in what is left of the bound.  One
+log line at the start of a drain, one at the exit.
+
+After the drain a node closes its links at once and all together (no close
+waits for a peer that is gone or answers promptly: net/wsproto.py), and
+`pddgw serve` ends the process without the interpreter's teardown
+(`exit_process`): an idle worker is gone within ~1 s of SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import errno
 import hmac
+import os
 import signal
-from collections.abc import Iterable
-from typing import Any
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, NoReturn
 
 import structlog
 from aiohttp import web
 
 from pddgw.api.door import FrontDoor
+from pddgw.api.guard import FrontDoorRunner
 from pddgw.api.server import build_app
 from pddgw.config import Config, ConfigError, NodeConfig, StartupError
 from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.base import create_engine, engine_class
-from pddgw.engines.weights import load_spec_for
+from pddgw.engines.weights import load_spec_for, served_model_name
 from pddgw.metrics import metrics_route
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
@@ -88,11 +107,29 @@ class RouterSide:
             cfg = dataclasses.replace(cfg, policy=dataclasses.replace(
                 cfg.policy, link_prior_mbps=wan.gbps * 1000.0, link_prior_rtt_ms=2 * wan.latency_ms))
         self.router = Router(cfg, spec, nodes, kv_per_token)
-        name = cfg.model.path.rstrip("/").rsplit("/", 1)[-1] if cfg.model.path else "pddgw-tiny"
+        name = served_model_name(cfg.model.path)
         self.door = FrontDoor(cfg, self.router, tokenizer, name, self.state)
         self._poller: asyncio.Task[None] | None = None
         for w in workers:           # in-process workers: the router's /metrics shows them too
             self.router.metrics.include(w.metrics)
+        for n in nodes:             # a worker's messages outside any request (its drain)
+            n.link.set_handler(self.router.on_link_message)
+
+    async def drain(self) -> None:
+        """SIGTERM: admit nothing new; every admitted request ends, then the background
+        alignments; within `[server] drain_timeout_s`."""
+        loop = asyncio.get_running_loop()
+        bound = self.cfg.server.drain_timeout_s
+        deadline = loop.time() + bound
+        log.info("drain_started", node="router", inflight=self.door.drain.start(), timeout_s=bound)
+        left = await self.door.drain.wait_idle(bound)
+        alignments = len(self.router.alignments)
+        if alignments and deadline > loop.time():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self.router.drain()
+        log.info("drain_done", node="router", unfinished=left, alignments_left=len(self.router.alignments),
+                 seconds=round(loop.time() - deadline + bound, 3))
 
     async def state(self) -> dict[str, Any]:
         async def one(n: NodeHandle) -> dict[str, Any]:
@@ -242,7 +279,17 @@ async def run_worker(cfg: Config, me: NodeConfig, host: str | None = None, port:
     server.add_routes(app)
 
     async def health(request: web.Request) -> web.Response:
+        if worker.drain_timeout_s is not None:
+            return web.json_response({"status": "draining", "node": me.name, "role": me.role}, status=503)
         return web.json_response({"status": "ok", "node": me.name, "role": me.role})
+
+    # An emulated wire still carries what was sent within its latency: closing the links
+    # drops it (a cut cable), so a drained node lingers that long (a real one: TCP flushes).
+    linger_s = max((2 * (s.latency_ms + s.jitter_ms) / 1000.0 for s in cfg.net.links if s.enabled), default=0.0)
+
+    async def drain() -> None:
+        await worker.drain(cfg.server.drain_timeout_s)
+        await asyncio.sleep(linger_s + 0.05)
 
     # Anyone who can reach a peer can reach this port: the node's state is for the deployment only.
     expected = f"Bearer {cfg.net.load_secret()}".encode()
@@ -259,7 +306,7 @@ async def run_worker(cfg: Config, me: NodeConfig, host: str | None = None, port:
     # scraper on the deployment's network (the port is a node port: firewall it like the link).
     metrics_route(app, worker.metrics.scrape)
     await _serve_app(app, host or me.host, me.port if port is None else port, cfg, ready,
-                     cleanup=[server.close, worker.stop])
+                     cleanup=[server.close, worker.stop], drain=drain)
 
 
 async def run_router(cfg: Config, me: NodeConfig, host: str | None = None, port: int | None = None,
@@ -283,11 +330,10 @@ async def run_router(cfg: Config, me: NodeConfig, host: str | None = None, port:
     side.start()
 
     async def close_links() -> None:
-        for link in links:
-            await link.close()
+        await asyncio.gather(*(link.close() for link in links))
 
     await _serve_app(build_app(side.door), host or cfg.server.host, cfg.server.port if port is None else port,
-                     cfg, ready, cleanup=[side.stop, close_links], tls=False, front_door=True)
+                     cfg, ready, cleanup=[side.stop, close_links], tls=False, front_door=True, drain=side.drain)
 
 
 async def run_embedded(cfg: Config, host: str | None = None, port: int | None = None,
@@ -295,7 +341,7 @@ async def run_embedded(cfg: Config, host: str | None = None, port: int | None = 
     emb = Embedded(cfg)
     side = await emb.start()
     await _serve_app(build_app(side.door), host or cfg.server.host, cfg.server.port if port is None else port,
-                     cfg, ready, cleanup=[emb.stop], tls=False, front_door=True)
+                     cfg, ready, cleanup=[emb.stop], tls=False, front_door=True, drain=side.drain)
 
 
 _BIND_HINTS = {
@@ -307,14 +353,18 @@ _BIND_HINTS = {
 
 
 async def _serve_app(app: web.Application, host: str, port: int, cfg: Config, ready: asyncio.Event | None,
-                     cleanup, tls: bool = True, front_door: bool = False) -> None:
-    """Serve `app` until SIGTERM/SIGINT, then run `cleanup`.  `tls`: the node-link TLS of
+                     cleanup, tls: bool = True, front_door: bool = False,
+                     drain: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve `app` until SIGTERM/SIGINT, then `drain` (bounded by its own timeout) and
+    `cleanup`.  `tls`: the node-link TLS of
     `[net.tls]`; `front_door`: the front door's (`[net.tls] front_door`).  An address that
     cannot be bound is a StartupError naming it."""
     from pddgw.net.tls import front_door_context, server_context
 
     ssl_ctx = front_door_context(cfg.net.tls) if front_door else server_context(cfg.net.tls) if tls else None
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    # The front door's connections go through its guard (api/guard.py: read timeouts, per-address cap).
+    runner_cls = FrontDoorRunner if front_door else web.AppRunner
+    runner = runner_cls(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
     try:
@@ -335,11 +385,42 @@ async def _serve_app(app: web.Application, host: str, port: int, cfg: Config, re
     with contextlib.suppress(NotImplementedError, RuntimeError):   # not the main thread / platform
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+    t_stop: float | None = None
     try:
         await stop.wait()
+        t_stop = time.monotonic()
         log.info("shutting_down")
+        if drain is not None:
+            await drain()
     finally:
         for fn in cleanup:
+            t = time.monotonic()
             with contextlib.suppress(Exception):
                 await fn()
+            _slow_step(getattr(fn, "__qualname__", repr(fn)), t)
+        t = time.monotonic()
         await runner.cleanup()
+        _slow_step("http server", t)
+        if t_stop is not None:
+            log.info("exited", seconds=round(time.monotonic() - t_stop, 3))
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """End a `pddgw serve` process whose loop has shut down (every link, socket and engine is
+    closed by then): the exit handlers run (atexit, weakref finalizers such as staged-KV
+    files, logging's flush); the interpreter's own teardown does not.  That teardown only
+    frees memory, one object at a time (torch's modules, the weights), which took 1-1.4 s
+    of CPU on a loaded 2-core machine; the OS reclaims it at once."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+    os._exit(code)
+
+
+def _slow_step(step: str, since: float) -> None:
+    """A shutdown step that took long is named in the log (a slow exit says where it went)."""
+    seconds = time.monotonic() - since
+    if seconds > 0.5:
+        log.info("slow_shutdown_step", step=step, seconds=round(seconds, 3))

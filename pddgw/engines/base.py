@@ -13,8 +13,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence, Set
 from typing import Any
 
+from pddgw.core.sampling import SamplingParams
 from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, EngineRequest, EngineStats, FinishReason, KVChunk,
-                                 KVLayout, KVSpan, RequestError, RequestOutput, SamplingParams)
+                                 KVLayout, KVSpan, RequestError, RequestOutput)
 
 
 class Engine(ABC):
@@ -137,7 +138,7 @@ class Engine(ABC):
 
         Called when a chunk's description has arrived and before its payload
         has.  The answer is a writable, C-contiguous byte view of exactly
-        `span.nbytes()` bytes: ideally the chunk's destination in the KV pool
+        `span.nbytes` bytes: ideally the chunk's destination in the KV pool
         itself (then `accept_kv` only marks the tokens present), otherwise a
         buffer the import copies from.  None (unknown request, not importing,
         a span this engine would refuse, or no such buffer): the caller
@@ -211,8 +212,9 @@ def check_handoff(request_id: str, token_ids: Sequence[int], vocab_size: int, nu
 def finish_reason(sampling: SamplingParams, token: int, eos: Set[int], num_outputs: int, num_tokens: int,
                   max_model_len: int) -> FinishReason | None:
     """Why a request whose latest token is `token` ends, or None: its stop tokens (EOS unless
-    ignored), then max_tokens or the context length."""
-    if token in sampling.stop_token_ids or (token in eos and not sampling.ignore_eos):
+    ignored) once min_tokens outputs exist, then max_tokens or the context length."""
+    if num_outputs >= sampling.min_tokens and (token in sampling.stop_token_ids
+                                               or (token in eos and not sampling.ignore_eos)):
         return "stop"
     if num_outputs >= sampling.max_tokens or num_tokens >= max_model_len:
         return "length"

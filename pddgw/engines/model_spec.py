@@ -32,6 +32,16 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "tiny")
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
+class WeightsError(ValueError):
+    """A checkpoint does not match the model its config describes."""
+
+
+def quote_names(names: list[str], limit: int = 8) -> str:
+    """Up to `limit` names quoted, then how many more: for errors naming tensors."""
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 class UnsupportedModelError(ValueError):
     """A checkpoint's config asks for something this model cannot compute exactly."""
 

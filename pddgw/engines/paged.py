@@ -14,6 +14,15 @@ subclass supplies the three things that touch KV data or logits:
   `_export(seq, ...)`      the KV payload of a token x layer range
   `_import(seq, chunk, start)`  write an arriving chunk's tokens [start, end)
 
+A request asking for prompt logprobs (`SamplingParams.prompt_logprobs`) that
+computes its prompt here is tracked in `_scoring` (request id -> one slot per
+prompt token 1..n-1): `_forward` fills the slots of the positions it computed
+(`_prompt_rows` names them), a recompute after preemption overwrites them
+with the same values, and the step that computes the last prompt token emits
+them once (`RequestOutput.prompt_logprobs`) and stops tracking the request.
+Such a request takes no prefix-cache hit (the scheduler skips the lookup),
+so every scored position is computed here.
+
 and, optionally, where arriving payloads can be received (`_block_array`:
 one block of every layer in the wire layout; `_staging_array`: a buffer to
 copy from).  The torch engine computes them with a real model over a real KV
@@ -94,6 +103,9 @@ def _exporter(data: Any) -> object | None:
 
 
 class PagedEngine(Engine):
+    # Whether `_forward` computes prompt logprobs (fills `_scoring` for `_prompt_rows`).
+    scores_prompts = False
+
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, kv_dtype: str, num_blocks: int,
                  max_model_len: int = 0):
         self.spec = spec
@@ -107,6 +119,8 @@ class PagedEngine(Engine):
         self._eos = frozenset(spec.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._events: list[RequestOutput] = []   # outputs produced outside step (aborts)
+        # Prompt logprobs being computed (module docstring): slot i scores prompt token i + 1.
+        self._scoring: dict[str, list[TokenLogprobs | None]] = {}
         # Receiving KV in place (module docstring): the lock guards leases, IMPORTING status and
         # `Sequence.imported` against the network thread; it is never held across a step.
         self._import_lock = threading.Lock()
@@ -115,6 +129,9 @@ class PagedEngine(Engine):
         self._returned: list[int] = []            # parked blocks to release on the engine thread
         self.kv_bytes_landed = 0                  # imported payload bytes received in place
         self.kv_bytes_copied = 0                  # imported payload bytes copied into the pool
+        # Grammar-constrained sampling (engines/grammar.py): None = this engine has no vocabulary
+        # to compile grammars against (a request with one is refused).
+        self.grammars = None
 
     # ---- what a subclass computes ---------------------------------------------------
     @abstractmethod
@@ -161,11 +178,22 @@ class PagedEngine(Engine):
         if rid in self.seqs:
             raise RequestError(f"request {rid!r} already exists")
         check_request(request, self._max_model_len, self.spec.vocab_size)
+        request.sampling.check_vocab(self.spec.vocab_size)
         seq = Sequence(request)
+        if request.sampling.grammar is not None:
+            if self.grammars is None:
+                raise RequestError(f"request {rid!r}: grammar: this engine has no vocabulary for grammars")
+            # Compiled here, on the engine's thread (cached by spec); fed the output tokens before each draw.
+            seq.constraint = self.grammars.constraint(request.sampling.grammar)
         if request.kv_source == "import":
             self._admit_import(seq)
         else:
             self.scheduler.waiting.append(seq)
+            if request.sampling.prompt_logprobs is not None:
+                if not self.scores_prompts:
+                    raise RequestError(f"request {rid!r}: prompt_logprobs: this engine "
+                                       f"({type(self).__name__}) does not compute them")
+                self._scoring[rid] = [None] * (seq.num_prompt - 1)
         # An earlier request of this id that was aborted but not yet stepped: its abort
         # output must not reach the new one.
         self._events = [e for e in self._events if e.request_id != rid]
@@ -231,6 +259,7 @@ class PagedEngine(Engine):
         return True
 
     def _free(self, seq: Sequence, parked: Set[int] = frozenset()) -> None:
+        self._scoring.pop(seq.request_id, None)
         self.scheduler.remove(seq)
         self.blocks.release([b for b in seq.block_ids if b not in parked] if parked else seq.block_ids)
         seq.block_ids = []
@@ -289,10 +318,7 @@ class PagedEngine(Engine):
         check_kv_span(span, self._layout, seq.num_prompt)
 
     def _check_chunk(self, seq: Sequence, chunk: KVChunk) -> None:
-        self._check_span(seq, chunk.span)
-        if len(chunk.data) != chunk.payload_nbytes:
-            raise RequestError(f"request {chunk.request_id!r}: KV payload is {len(chunk.data)} bytes, "
-                               f"expected {chunk.payload_nbytes}")
+        self._check_span(seq, chunk.span)        # the payload's size is KVChunk's own invariant
         self._check_chunk_data(chunk)
 
     def import_buffer(self, span: KVSpan) -> memoryview | None:
@@ -310,7 +336,7 @@ class PagedEngine(Engine):
             if arr is not None:
                 return memoryview(arr)
             staging = True
-        buf = self._staging_array(span.nbytes()) if staging else None
+        buf = self._staging_array(span.nbytes) if staging else None
         return None if buf is None else memoryview(buf)
 
     def _lease(self, seq: Sequence, span: KVSpan) -> Any | None:
@@ -333,7 +359,7 @@ class PagedEngine(Engine):
 
     def _find_lease(self, chunk: KVChunk) -> _Lease | None:
         """Under the lock: the lease whose memory holds this chunk's payload, if any."""
-        exporter = _exporter(chunk.data)
+        exporter = _exporter(chunk.payload)
         if exporter is None:
             return None
         seq = self.seqs.get(chunk.request_id)
@@ -440,6 +466,7 @@ class PagedEngine(Engine):
             seq.num_computed += chunk.num_tokens
             self._publish(seq)
             token, lp = sampled.get(seq.request_id, (None, None))
+            scored = self._scored(seq)
             position = seq.num_outputs
             if token is not None:
                 seq.tokens.append(token)
@@ -451,8 +478,28 @@ class PagedEngine(Engine):
                 self._finish(seq, reason)
             outputs.append(RequestOutput(seq.request_id, () if token is None else (token,),
                                          position, seq.num_computed, reason is not None, reason,
-                                         () if lp is None else (lp,)))
+                                         () if lp is None else (lp,), scored))
         return outputs
+
+    def _prompt_rows(self, chunk: Chunk) -> range:
+        """The positions of this chunk whose logits score a prompt token (the next one) for a
+        request still owed its prompt logprobs; empty for every other chunk."""
+        seq = chunk.seq
+        if seq.request_id not in self._scoring:
+            return range(0)
+        start = seq.num_computed
+        return range(start, min(start + chunk.num_tokens, seq.num_prompt - 1))
+
+    def _scored(self, seq: Sequence) -> tuple[TokenLogprobs, ...]:
+        """After a chunk: the prompt logprobs, once the whole prompt is computed (then no more)."""
+        slots = self._scoring.get(seq.request_id)
+        if slots is None or seq.num_computed < seq.num_prompt:
+            return ()
+        del self._scoring[seq.request_id]
+        missing = next((i for i, v in enumerate(slots) if v is None), None)
+        if missing is not None:
+            raise RuntimeError(f"request {seq.request_id!r}: prompt token {missing + 1} was never scored")
+        return tuple(slots)  # type: ignore[arg-type]
 
     @staticmethod
     def _to_sample(chunk: Chunk) -> bool:

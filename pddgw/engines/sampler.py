@@ -46,6 +46,17 @@ CDF runs in vocabulary order, so pure temperature sampling sorts nothing.
 Greedy rows (temperature 0) take the first maximum (`first_argmax`).  Only the
 sampled ids cross to the host: one `.tolist()` of an int64 [S] tensor.
 
+Before all this, `adjust_logits` applies what depends on the tokens so far
+(`SamplingParams`: logit_bias, the min_tokens mask, then repetition,
+frequency and presence penalties, vLLM's order and formulas) to the rows
+that ask for it, with batched tensor ops over those rows only: a batch where
+no row asks is not touched (no copy).  The tokens so far are the engine's
+sequence, prompt and output told apart, so every node that holds the same
+tokens adjusts the same logits the same way.  Last, a row with a grammar keeps
+only the tokens its matcher admits after its output so far (`pddgw.engines.grammar`;
+only those rows pay for a bitmask).  Log-probabilities stay those
+of the raw logits.
+
 Speculative prefix (CPU; `_sample_speculative`).  Why: a top-p or min-p row
 without a small top-k needs the candidates in order only as far as its kept
 set reaches, usually tens to hundreds of tokens, but step 2 sorts the whole
@@ -83,13 +94,15 @@ be a host sync); the tests pin the paths equal on many rows, ties and dtypes.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Collection, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
-from pddgw.engines.types import SamplingParams
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.grammar import Constraint, mask_rows
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -482,6 +495,118 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     # which then occurs first at its own place, so the argmax below never lands on a repeat.
     cols = (first[:, None] * c + torch.arange(c, device=x.device)).clamp_(max=vocab - 1)  # [S, c]
     return first * c + x.gather(1, cols).argmax(dim=-1)
+
+
+class History(Protocol):
+    """A sequence's tokens so far: the prompt, then the output (the engine's `Sequence` is one)."""
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+    @property
+    def num_prompt(self) -> int: ...
+
+
+class Tokens(NamedTuple):
+    """A `History` built from a token list (tests, the vLLM processor)."""
+
+    tokens: Sequence[int]
+    num_prompt: int
+
+
+def _needs_adjusting(p: SamplingParams, position: int, constraint: Constraint | None) -> bool:
+    return p.penalized or bool(p.logit_bias) or position < p.min_tokens or constraint is not None
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+                  histories: Sequence[History], eos: Collection[int] = (),
+                  constraints: Sequence[Constraint | None] | None = None) -> torch.Tensor:
+    """logits [S, V] -> [S, V] with each row's logit_bias, min_tokens mask, penalties and grammar
+    mask applied.
+
+    positions[i] is row i's output count (the position it samples), histories[i] its tokens,
+    constraints[i] its grammar's matcher (None: no grammar; engines/grammar.py), fed the row's
+    output tokens it has not seen before its mask is computed.
+    Returns `logits` itself when no row asks for anything; otherwise a new tensor (the
+    input is left as it is: log-probabilities are of the raw logits).  In vLLM's order:
+
+      1. logit_bias: x[t] += bias[t]
+      2. min_tokens: while position < min_tokens, x[t] = -inf for the stop tokens (EOS unless
+         ignore_eos, and stop_token_ids)
+      3. repetition: for t in prompt or output, x[t] / r if x[t] > 0 else x[t] * r
+      4. x[t] -= frequency * count_out[t]; then x[t] -= presence * (count_out[t] > 0)
+      5. grammar: x[t] = -inf for every t the row's grammar does not admit next
+
+    Only the rows that ask are gathered ([R, V]); steps 3-4 build the counts of their
+    output tokens (and the prompt's, for rows with a repetition penalty) in one
+    index_put each.
+    """
+    n, vocab = logits.shape
+    cons = constraints if constraints is not None else [None] * n
+    rows = [i for i in range(n) if _needs_adjusting(params[i], positions[i], cons[i])]
+    if not rows:
+        return logits
+    dev = logits.device
+    i64 = dict(dtype=torch.int64, device=dev)
+    whole = len(rows) == n
+    index = None if whole else torch.tensor(rows, **i64)
+    x = logits.clone() if whole else logits.index_select(0, index)                     # [R, V]
+    ps = [params[i] for i in rows]
+    # 1. logit_bias (ids were checked against the vocabulary when the request was added)
+    bias = [(j, t, b) for j, p in enumerate(ps) for t, b in p.logit_bias]
+    if bias:
+        bj, bt, bb = zip(*bias)
+        x.index_put_((torch.tensor(bj, **i64), torch.tensor(bt, **i64)),
+                     torch.tensor(bb, dtype=x.dtype, device=dev), accumulate=True)
+    # 2. min_tokens: the stop tokens cannot be drawn yet
+    stops = [(j, t) for j, (i, p) in enumerate(zip(rows, ps)) if positions[i] < p.min_tokens
+             for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))) if t < vocab]
+    if stops:
+        sj, st = zip(*stops)
+        x[torch.tensor(sj, **i64), torch.tensor(st, **i64)] = float("-inf")
+    # 3-4. penalties, over the rows that have one
+    pen = [j for j, p in enumerate(ps) if p.penalized]
+    if pen:
+        hist = [histories[rows[j]] for j in pen]
+        outs = [h.tokens[h.num_prompt:] for h in hist]
+        count = torch.zeros(len(pen), vocab, dtype=x.dtype, device=dev)                 # [P, V]
+        count.index_put_(_row_ids(outs, dev), torch.ones((), dtype=x.dtype, device=dev), accumulate=True)
+        seen = count > 0                                                                # [P, V] in the output
+        out_seen = seen
+        rep = [k for k, j in enumerate(pen) if ps[j].repetition_penalty != 1.0]
+        if rep:
+            seen, with_prompt = seen.clone(), set(rep)
+            prompts = [hist[k].tokens[: hist[k].num_prompt] if k in with_prompt else () for k in range(len(pen))]
+            seen[_row_ids(prompts, dev)] = True                                         # ... or the prompt
+        pidx = None if len(pen) == len(ps) else torch.tensor(pen, **i64)
+        y = x if pidx is None else x.index_select(0, pidx)                              # [P, V]
+        f = dict(dtype=x.dtype, device=dev)
+        r = torch.tensor([ps[j].repetition_penalty for j in pen], **f)[:, None]         # [P, 1]
+        y = torch.where(seen, torch.where(y > 0, y / r, y * r), y)
+        y = y - torch.tensor([ps[j].frequency_penalty for j in pen], **f)[:, None] * count
+        y = y - torch.tensor([ps[j].presence_penalty for j in pen], **f)[:, None] * out_seen
+        if pidx is None:
+            x = y
+        else:
+            x.index_copy_(0, pidx, y)
+    # 5. grammar masks, over the rows that have one (their bitmask is filled on the host)
+    gram = [j for j, i in enumerate(rows) if cons[i] is not None]
+    if gram:
+        hist = [histories[rows[j]] for j in gram]
+        gidx = None if len(gram) == len(rows) else torch.tensor(gram, **i64)
+        y = x if gidx is None else x.index_select(0, gidx)                              # [G, V]
+        mask_rows(y, [cons[rows[j]] for j in gram], [h.tokens[h.num_prompt:] for h in hist])
+        if gidx is not None:
+            x.index_copy_(0, gidx, y)
+    return x if whole else logits.index_copy(0, index, x)
+
+
+def _row_ids(lists: Sequence[Sequence[int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists of P rows -> (row int64 [M], id int64 [M]) for an index_put over [P, V]."""
+    lens = torch.tensor([len(t) for t in lists], dtype=torch.int64)
+    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(lists)), lens)
+    return rows.to(dev), ids.to(dev)
 
 
 def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:

@@ -5,9 +5,20 @@ come first, in admission order: a decode costs one token, an extend
 (handed-off output tokens) or a prefill chunk as many as the budget allows.
 Then waiting sequences are admitted in arrival order, each starting from its
 longest prefix-cache hit (never the last prompt token: its logits are
-needed).  When a running sequence needs a block and none is left, the most
-recently admitted running sequence is preempted (its blocks freed, recomputed
-later from its tokens); waiting sequences simply wait (back-pressure).  A
+needed).  When a running sequence needs a block and none is left, the least
+protected running sequence is preempted (its blocks freed, recomputed later
+from its tokens; if it was already in this step's batch, its chunk leaves
+the batch), possibly the one asking; waiting sequences simply wait
+(back-pressure).  Protection, most important first (`_protection`):
+  1. preempted more often - nobody is preempted a k+1-th time while another
+     candidate has been preempted only k times, so no request starves (a
+     handed-off request re-admitted last used to be the victim every time
+     it needed a block: tracker issue 23, 84 preemptions in a row);
+  2. fewer output tokens left - a short request is never preempted for a
+     long one's growth while a long one can give way;
+  3. admitted earlier - the most recent, whose recompute is cheapest, goes
+     first (the old rule, now the tie-break).
+A
 sequence that retains its KV (a prefill whose KV streams out as it is
 computed) is admitted with blocks for all its tokens and never needs more.
 """
@@ -35,6 +46,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Times each live sequence was preempted (the first key of `_protection`).
+        self.preempted: dict[str, int] = {}
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -43,22 +56,23 @@ class Scheduler:
 
     def schedule(self) -> list[Chunk]:
         budget = self.max_num_batched_tokens
-        chunks: list[Chunk] = []
+        batch: dict[str, Chunk] = {}       # this step's running chunks, by request, in order
         preempted = False
-        scheduled: set[str] = set()
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status != SeqStatus.RUNNING or seq.num_pending == 0:
                 continue   # preempted in this loop, or on hold with nothing to compute
             n = min(seq.num_pending, budget)
-            if not self._reserve(seq, seq.num_computed + n, scheduled):
+            clean, refund = self._reserve(seq, seq.num_computed + n, batch)
+            budget += refund
+            if not clean:
                 preempted = True
                 if seq.status != SeqStatus.RUNNING:
                     continue
-            chunks.append(Chunk(seq, n))
-            scheduled.add(seq.request_id)
+            batch[seq.request_id] = Chunk(seq, n)
             budget -= n
+        chunks = list(batch.values())
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = self._admit(seq, budget)
@@ -72,30 +86,39 @@ class Scheduler:
                 budget -= n
         return chunks
 
-    def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[str]) -> bool:
-        """Make seq hold blocks for num_tokens, preempting unscheduled sequences if needed.
+    def _reserve(self, seq: Sequence, num_tokens: int, batch: dict[str, Chunk]) -> tuple[bool, int]:
+        """Make seq hold blocks for num_tokens, preempting less protected sequences if needed
+        (a victim already in `batch` leaves it).
 
-        Returns False if anything was preempted (seq itself possibly).
+        -> (False if anything was preempted, seq itself possibly; the batch tokens freed).
         """
         need = self.blocks_for(num_tokens) - len(seq.block_ids)
-        clean = True
+        clean, refund = True, 0
         while need > self.blocks.num_allocatable:
-            victim = self._victim(seq, scheduled)
+            victim = self._victim(seq)
             self.preempt(victim)
             clean = False
             if victim is seq:
-                return False
+                return False, refund
+            dropped = batch.pop(victim.request_id, None)
+            if dropped is not None:
+                refund += dropped.num_tokens
         if need > 0:
             seq.block_ids += self.blocks.allocate(need)
-        return clean
+        return clean, refund
 
-    def _victim(self, seq: Sequence, scheduled: set[str]) -> Sequence:
-        """The most recently admitted running sequence not already in this step's batch
-        (never one whose KV streams out: see `_admit`)."""
-        for cand in reversed(self.running):
-            if cand is not seq and cand.request_id not in scheduled and not cand.retain:
-                return cand
-        return seq
+    def _protection(self, seq: Sequence, admitted: int) -> tuple[int, int, int]:
+        """Higher = kept longer under preemption (module docstring); `admitted`: its index in
+        `running` (admission order)."""
+        left = seq.sampling.max_tokens - seq.num_outputs
+        return self.preempted.get(seq.request_id, 0), -left, -admitted
+
+    def _victim(self, seq: Sequence) -> Sequence:
+        """The least protected running sequence, `seq` (the one asking) included; never one
+        whose KV streams out (see `_admit`)."""
+        cands = [(self._protection(c, i), c) for i, c in enumerate(self.running)
+                 if c is seq or not c.retain]
+        return min(cands, key=lambda pc: pc[0])[1]
 
     def preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and queue it first in line; it recomputes from its tokens."""
@@ -108,13 +131,15 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self.preempted[seq.request_id] = self.preempted.get(seq.request_id, 0) + 1
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Give a waiting seq its cached prefix and blocks for its first chunk; None if no room."""
         bs = self.blocks.block_size
         # Never serve the last token from cache: its forward yields the next logits.
         hashes = seq.block_hashes((len(seq.tokens) - 1) // bs, bs)
-        cached = self.blocks.match(hashes)
+        # Prompt logprobs come from the logits of every prompt position: no cached prefix.
+        cached = self.blocks.match(hashes) if seq.sampling.prompt_logprobs is None else []
         self.blocks.acquire(cached)
         n_cached = len(cached) * bs
         n = min(len(seq.tokens) - n_cached - (1 if seq.hold else 0), budget)
@@ -135,6 +160,7 @@ class Scheduler:
         return n
 
     def remove(self, seq: Sequence) -> None:
+        self.preempted.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

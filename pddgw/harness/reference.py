@@ -71,7 +71,8 @@ def generate_engine(prompts: Sequence[Prompt], dtype: str = "float64", temperatu
 
     from pddgw.config import Config, ModelConfig
     from pddgw.engines.base import create_engine
-    from pddgw.engines.types import EngineRequest, SamplingParams
+    from pddgw.core.sampling import SamplingParams
+    from pddgw.engines.types import EngineRequest
 
     cfg = Config(model=ModelConfig(dtype=dtype))          # type: ignore[arg-type]
     out: list[list[int]] = []

@@ -2,7 +2,7 @@
 
 Knows nothing about models or roles.  Entry points:
 
-* `messages` — the typed messages (`KvChunk`, `TokenIds`, `TokenItem`, ...).
+* `messages` — the typed messages (`KVChunk`, `TokenIds`, `TokenItem`, ...).
 * `Link` — the contract every link keeps (send / send_all / request / stream);
   `Priority` — the traffic class of what is sent (foreground overtakes background).
 * `WsServer`, `connect` — WebSocket links between processes (auth, TLS, stripes).
@@ -27,8 +27,8 @@ from pddgw.net.messages import (
     Ack,
     Cancel,
     Error,
-    KvChunk,
-    KvSpan,
+    KVChunk,
+    KVSpan,
     LoadReport,
     Message,
     Ping,
@@ -43,7 +43,7 @@ from pddgw.net.ws import WsLink, WsServer, connect
 
 __all__ = [
     "Ack", "AuthError", "Cancel", "CloseCode", "Error", "FrameError", "FrameTooLarge", "Handler", "InProcLink",
-    "InProcNetwork", "KvChunk", "KvSink", "KvSpan", "Link", "LinkClosed", "LinkError", "LinkState", "LinkStats",
+    "InProcNetwork", "KVChunk", "KvSink", "KVSpan", "Link", "LinkClosed", "LinkError", "LinkState", "LinkStats",
     "LinkStream", "LinkTimeout", "LoadReport", "Message", "Ping", "Pong", "PrefixAnswer", "PrefixQuery", "Priority",
     "PriorityLike", "Ready", "RemoteError", "TokenIds", "TokenItem", "WsLink", "WsServer", "connect", "inproc_pair",
 ]

@@ -11,12 +11,19 @@ Layout (little-endian), one frame per WebSocket binary message::
     8  I   corr     request/reply correlation id (0: neither)
     12 I   seq      per-link sending order (links striped over connections reorder by it)
     16 I   payload_len
-    20 ... meta (orjson object of the message's scalar fields), then payload
+    20 ... meta (orjson object of the message's other fields), then payload
 
-Payloads: `KvChunk.payload` raw; token IDs packed int32; prefix hashes packed
+Payloads: `KVChunk.payload` raw; token IDs packed int32; prefix hashes packed
 uint64.  `decode` turns any byte string into a `Frame` or raises `FrameError`
 (never another exception): sizes, field names, field types and field values are
 all checked, nothing is evaluated.  No pickle.
+
+Nested fields: a field whose type is a dataclass (e.g. a request's
+`SamplingParams`) travels as a nested JSON object of its fields (orjson
+encodes dataclasses in field order) and is decoded strictly: exactly its
+field names (missing or unknown ones refused, named with the path), nested
+dataclasses in turn, then its constructor, whose `__post_init__` validates
+the values (a refusal names the field).
 """
 
 from __future__ import annotations
@@ -75,13 +82,37 @@ class _Schema:
     meta_fields: frozenset[str]
     packed: str        # "" none, "raw" KV payload, "i" int32 array, "Q" uint64 array
     packed_field: str  # message field carried as the payload
+    nested: tuple[tuple[str, type], ...] = ()   # fields that are dataclasses: (name, class)
+
+
+def _nested(cls: type) -> tuple[tuple[str, type], ...]:
+    """The fields of dataclass `cls` whose declared type is itself a dataclass."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls)
+                 if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]))
+
+
+def _from_json(cls: type, value: object, path: str) -> object:
+    """A nested JSON object -> an instance of dataclass `cls`; FrameError names `path`.field."""
+    if type(value) is not dict:
+        raise FrameError(f"{path} must be a JSON object")
+    names = {f.name for f in dataclasses.fields(cls)}
+    if value.keys() != names:
+        missing, extra = sorted(names - value.keys()), sorted(value.keys() - names)
+        raise FrameError(f"{path}: missing {missing}, unknown {[k[:64] for k in extra[:4]]}")
+    for name, sub in _nested(cls):
+        value[name] = _from_json(sub, value[name], f"{path}.{name}")
+    try:
+        return cls(**value)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise FrameError(f"{path}: {e}") from None
 
 
 def _schema(cls: type) -> _Schema:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name != "tag"]
-    if cls is m.KvChunk:
-        order = tuple(f.name for f in dataclasses.fields(m.KvSpan)) + ("seq", "last")
+    if cls is m.KVChunk:
+        order = tuple(f.name for f in dataclasses.fields(m.KVSpan)) + ("seq", "last")
         return _Schema(cls, order, frozenset(order), "raw", "payload")
     packed, packed_field = "", ""
     if cls in (m.TokenIds, m.TokenItem):
@@ -90,7 +121,7 @@ def _schema(cls: type) -> _Schema:
         packed, packed_field = "Q", "hashes"
     assert not packed or typing.get_origin(hints[packed_field]) is tuple
     order = tuple(n for n in names if n != packed_field)
-    return _Schema(cls, order, frozenset(order), packed, packed_field)
+    return _Schema(cls, order, frozenset(order), packed, packed_field, _nested(cls))
 
 
 _SCHEMAS: dict[int, _Schema] = {kind: _schema(cls) for kind, cls in m.KINDS.items()}
@@ -100,7 +131,7 @@ def register(kind: int, cls: type, packed_field: str = "") -> None:
     """Carry a message type defined above the net layer (the pipeline's vocabulary).
 
     Like the built-in messages: a frozen dataclass validated in `__post_init__`,
-    scalar fields in the orjson metadata, `packed_field` (a tuple of ints) as the
+    other fields in the orjson metadata (dataclass fields nested), `packed_field` (a tuple of ints) as the
     int32 payload.  Kinds are protocol numbers; registering one twice is an error.
     """
     if kind in m.KINDS or cls in m.KIND_OF:
@@ -114,7 +145,8 @@ def register(kind: int, cls: type, packed_field: str = "") -> None:
     if packed_field and typing.get_origin(hints[packed_field]) is not tuple:
         raise ValueError(f"{cls.__name__}.{packed_field} must be a tuple of ints to be packed")
     order = tuple(n for n in names if n != packed_field)
-    _SCHEMAS[kind] = _Schema(cls, order, frozenset(order), "i" if packed_field else "", packed_field)
+    _SCHEMAS[kind] = _Schema(cls, order, frozenset(order), "i" if packed_field else "", packed_field,
+                             _nested(cls))
     m.KINDS[kind] = cls
     m.KIND_OF[cls] = kind
 _ITEM_SIZE = {"i": 4, "Q": 8}
@@ -125,7 +157,7 @@ _ITEM_SIZE = {"i": 4, "Q": 8}
 
 
 def encode(msg: m.Message, *, corr: int = 0, seq: int = 0, flags: int = 0) -> tuple[bytes, memoryview]:
-    """-> (header + metadata, payload view).  The payload of a KvChunk is not copied."""
+    """-> (header + metadata, payload view).  The payload of a KVChunk is not copied."""
     kind = m.KIND_OF[type(msg)]
     schema = _SCHEMAS[kind]
     if schema.packed == "raw":
@@ -234,24 +266,26 @@ def parse_meta(head: FrameHead, meta: m.Buffer) -> dict:
     return obj
 
 
-def kv_span(meta: dict) -> m.KvSpan:
-    """The KvSpan of a KV chunk's metadata (validated), before its payload is read."""
+def kv_span(meta: dict) -> m.KVSpan:
+    """The KVSpan of a KV chunk's metadata (validated), before its payload is read."""
     try:
-        return m.KvSpan(meta["request_id"], meta["layer_start"], meta["layer_end"], meta["token_start"],
+        return m.KVSpan(meta["request_id"], meta["layer_start"], meta["layer_end"], meta["token_start"],
                         meta["token_end"], meta["dtype"], meta["shape"], meta["virtual"])
     except (ValueError, TypeError, OverflowError) as e:
-        raise FrameError(f"KvChunk: {e}") from None
+        raise FrameError(f"KVChunk: {e}") from None
 
 
-def build(head: FrameHead, meta: dict, payload: m.Buffer, span: m.KvSpan | None = None) -> m.Message:
+def build(head: FrameHead, meta: dict, payload: m.Buffer, span: m.KVSpan | None = None) -> m.Message:
     """Construct and validate the message of a frame whose metadata and payload are read."""
     schema = _SCHEMAS[head.kind]
+    for name, sub in schema.nested:
+        meta[name] = _from_json(sub, meta[name], f"{schema.cls.__name__}.{name}")
     try:
         if schema.packed == "raw":
             span = span or kv_span(meta)
             if len(payload) != span.payload_nbytes:
-                raise FrameError(f"KvChunk payload has {len(payload)} bytes, span needs {span.payload_nbytes}")
-            return m.KvChunk(span, payload, meta["seq"], meta["last"])
+                raise FrameError(f"KVChunk payload has {len(payload)} bytes, span needs {span.payload_nbytes}")
+            return m.KVChunk(span, payload, meta["seq"], meta["last"])
         if schema.packed:
             arr = array(schema.packed)
             arr.frombytes(payload)
@@ -266,7 +300,7 @@ def build(head: FrameHead, meta: dict, payload: m.Buffer, span: m.KvSpan | None 
 def decode(buf: m.Buffer, *, max_frame: int = MAX_U32, max_control: int = MAX_U32) -> Frame:
     """One whole frame -> Frame; raises FrameError for anything malformed.
 
-    A KvChunk's payload is a memoryview into `buf` (no copy).
+    A KVChunk's payload is a memoryview into `buf` (no copy).
     """
     try:
         view = memoryview(buf).cast("B")

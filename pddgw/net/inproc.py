@@ -16,8 +16,8 @@ from pddgw.config import NetConfig, ShapingConfig
 from pddgw.net import frames
 from pddgw.net import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed
-from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, Priority, sink_buffer, wait_until
-from pddgw.net.shaping import ShapedPipe, Shaper
+from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, Priority, PriorityLike, sink_buffer, wait_until
+from pddgw.net.shaping import MIN_SLEEP_S, ShapedPipe, Shaper
 from pddgw.net.wsproto import ws_header_size
 
 _Item = tuple[m.Message, int, int, int]  # message, corr, flags, wire bytes
@@ -29,7 +29,7 @@ def wire_size(msg: m.Message) -> int:
     A virtual KV chunk counts the KV it stands for, as shaping charges it.
     """
     n = frames.frame_size(msg)
-    virtual = msg.span.nbytes if isinstance(msg, m.KvChunk) and msg.span.virtual else 0
+    virtual = msg.span.nbytes if isinstance(msg, m.KVChunk) and msg.span.virtual else 0
     return ws_header_size(n, masked=False) + n + virtual
 
 
@@ -48,13 +48,13 @@ class InProcLink(LinkBase):
     # -- outbound --------------------------------------------------------------
 
     def _prepare(self, msg: m.Message, corr: int, flags: int) -> _Item:
-        if self._pipe is not None and isinstance(msg, m.KvChunk):
+        if self._pipe is not None and isinstance(msg, m.KVChunk):
             # Delivery is deferred: snapshot the payload so the caller may reuse it.
-            msg = m.KvChunk(msg.span, bytes(memoryview(msg.payload).cast("B")), msg.seq, msg.last)
+            msg = m.KVChunk(msg.span, bytes(memoryview(msg.payload).cast("B")), msg.seq, msg.last)
         n = wire_size(msg)
         self.stats.frames_sent += 1
         self.stats.bytes_sent += n
-        if isinstance(msg, m.KvChunk):
+        if isinstance(msg, m.KVChunk):
             self.stats.kv_bytes_sent += msg.span.nbytes
         return msg, corr, flags, n
 
@@ -70,9 +70,38 @@ class InProcLink(LinkBase):
             raise self._closed_error()
         item = self._prepare(msg, corr, flags)
         if self._pipe is not None:
-            return await self._pipe.put(item, item[3], priority, control=not isinstance(msg, m.KvChunk))
+            return await self._pipe.put(item, item[3], priority, control=not isinstance(msg, m.KVChunk))
         other._receive(item)
         return None
+
+    def _send_at_once(self, msg: m.Message, priority: PriorityLike) -> bool:
+        """`send` of a frame that would not suspend: any frame but KV on an open link whose
+        peer reads, handed over at once (unshaped) or booked as a control frame whose
+        serialization needs no sleep (shaped) - `_send_frame`, `_transmit` and `put` step by
+        step, without their coroutines (a token costs a few of them per hop otherwise)."""
+        other = self._other
+        if (self._state != LinkState.OPEN or other is None or other._state == LinkState.CLOSED
+                or not other._accepting.is_set() or isinstance(msg, m.KVChunk) or callable(priority)):
+            return False
+        pipe = self._pipe
+        if pipe is None:
+            # Foreground never waits on an unshaped link, and its busy count would be back
+            # where it was by the time the call returns: nothing to count.
+            if priority != Priority.FOREGROUND:
+                return False
+            other._receive(self._prepare(msg, 0, 0))
+            return True
+        if pipe.closed:
+            return False
+        n = wire_size(msg)
+        now = self._loop.time()
+        shaper = pipe.shaper
+        if shaper.serialization_end(now, n) - now >= MIN_SLEEP_S:
+            return False                  # a slow wire: the sender sleeps for it (`ShapedPipe.put`)
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += n
+        shaper.control(n, now, pipe, (msg, 0, 0, n))
+        return True
 
     def _transmit_nowait(self, msg: m.Message, corr: int = 0, flags: int = 0) -> None:
         other = self._other
@@ -97,10 +126,10 @@ class InProcLink(LinkBase):
             return
         msg, corr, flags, nbytes = item
         owned = 0
-        if isinstance(msg, m.KvChunk):
+        if isinstance(msg, m.KVChunk):
             dest, owned = sink_buffer(self._kv_sink, msg.span, self.peer)
             dest[:] = memoryview(msg.payload).cast("B")
-            msg = m.KvChunk(msg.span, dest, msg.seq, msg.last)
+            msg = m.KVChunk(msg.span, dest, msg.seq, msg.last)
             self.stats.kv_bytes_received += msg.span.nbytes
         self.stats.frames_received += 1
         self.stats.bytes_received += nbytes

@@ -61,11 +61,11 @@ Handler = Callable[["Link", m.Message], Awaitable[m.Message | None]]
 For a request its return value is the reply (None -> `Ack(request_id)`; an
 exception -> `Error`); for a one-way message the return value is ignored."""
 
-KvSink = Callable[[m.KvSpan], memoryview | None]
+KvSink = Callable[[m.KVSpan], memoryview | None]
 """Called when a KV chunk's metadata has arrived, before its payload: return a
 writable, C-contiguous memoryview of exactly `span.nbytes` bytes and the
-payload is received straight into it (the delivered `KvChunk.payload` is that
-view), or None to let the link allocate.  Only a delivered KvChunk means the
+payload is received straight into it (the delivered `KVChunk.payload` is that
+view), or None to let the link allocate.  Only a delivered KVChunk means the
 memory holds the chunk: if the connection drops mid-frame the memory is
 partly written (and, from a client, still masked)."""
 
@@ -112,7 +112,7 @@ class Link(ABC):
 
     Contract:
     * `send(msg, priority=...)` queues one message and returns when its bytes
-      are handed to the transport (a KvChunk payload may be reused from then
+      are handed to the transport (a KVChunk payload may be reused from then
       on).  Messages sent by one task with the same priority arrive in the
       order sent; a FOREGROUND frame may overtake BACKGROUND frames of the
       same link (never the reverse).  `priority` is a `Priority` or a
@@ -133,7 +133,7 @@ class Link(ABC):
     * `stream(request_id)` registers (at once, so open it before triggering the
       peer) an async iterator over the messages of that request id; it ends
       after a message that `messages.ends_stream` (`TokenItem.done`,
-      `KvChunk.last`, `Cancel`), raises `RemoteError` on an `Error`, and raises
+      `KVChunk.last`, `Cancel`), raises `RemoteError` on an `Error`, and raises
       `LinkTimeout` when nothing arrives within its timeout.
     * Failures are `LinkError`s: `LinkTimeout`, `LinkClosed` (with a close
       code), `RemoteError`, `AuthError`.  A stream that is never read holds
@@ -328,6 +328,12 @@ class LinkBase(Link):
     def _transmit_nowait(self, msg: m.Message, corr: int = 0, flags: int = 0) -> None:
         """Send one small frame without waiting (heartbeats); silently dropped if not open."""
 
+    def _send_at_once(self, msg: m.Message, priority: PriorityLike) -> bool:
+        """Send a frame the transport takes without waiting, synchronously: exactly what
+        `send` would do when nothing in it suspends, minus its coroutines.  False (nothing
+        done): `send` takes its general path.  A transport with no such case keeps this."""
+        return False
+
     def _heard_since(self, since: float) -> bool:
         """Whether any byte from the peer arrived after loop time `since`.
 
@@ -359,6 +365,9 @@ class LinkBase(Link):
 
     async def send(self, msg: m.Message, *, timeout: float | None = None,
                    priority: PriorityLike = Priority.FOREGROUND) -> None:
+        # Most frames of a simulated run (tokens, load reports) never wait: sent in the call.
+        if self._send_at_once(msg, priority):
+            return
         t = self.cfg.send_timeout_s if timeout is None else timeout
         await self._timed(self._send_frame(msg, 0, 0, priority), t, f"send {type(msg).__name__}")
 
@@ -499,7 +508,7 @@ class LinkBase(Link):
                     self._fg_idle.set()
 
     def _count_kv(self, msg: m.Message, p: Priority) -> None:
-        if isinstance(msg, m.KvChunk):
+        if isinstance(msg, m.KVChunk):
             if p == Priority.FOREGROUND:
                 self.stats.kv_bytes_sent_foreground += msg.span.nbytes
             else:
@@ -728,7 +737,7 @@ def _loop_ns(loop: asyncio.AbstractEventLoop) -> int:
     return max(0, round(loop.time() * 1e9))
 
 
-def sink_buffer(sink: KvSink | None, span: m.KvSpan, peer: str) -> tuple[memoryview, int]:
+def sink_buffer(sink: KvSink | None, span: m.KVSpan, peer: str) -> tuple[memoryview, int]:
     """Destination of a KV payload -> (writable byte view, bytes the link owns).
 
     A sink that fails or returns an unusable buffer is logged and replaced by a

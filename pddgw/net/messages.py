@@ -7,29 +7,26 @@ gives the fields no meaning beyond their shapes: what a request id names, what
 "ready" means or what a load number counts is the pipeline's business.
 
 Bulk fields travel as the frame payload, not in the orjson metadata:
-`KvChunk.payload` raw, token IDs as little-endian int32, prefix hashes as
+`KVChunk.payload` raw, token IDs as little-endian int32, prefix hashes as
 little-endian uint64 (see `frames.py`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
+
+from pddgw.core.kv import MAX_REQUEST_ID_CHARS, Buffer, KVChunk, KVSpan  # noqa: F401  (part of this module's message set)
 
 # Limits on metadata fields: generous for real use, small enough that a hostile
 # peer cannot make us hold much.
-MAX_ID_CHARS = 256
+MAX_ID_CHARS = MAX_REQUEST_ID_CHARS
 MAX_TEXT_CHARS = 4096
 MAX_TOKEN_IDS = 1 << 20
 MAX_HASHES = 1 << 20
 TOKEN_ID_LIMIT = 1 << 31           # token IDs are int32 >= 0 on the wire
 HASH_LIMIT = 1 << 64               # prefix hashes are uint64
-
-DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
-DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-
-Buffer = bytes | bytearray | memoryview
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -139,85 +136,8 @@ def _nonce(v: object, name: str) -> None:
 # KV transfer
 
 
-@dataclass(frozen=True, slots=True)
-class KvSpan:
-    """What one KV chunk covers: layers [layer_start, layer_end) x tokens [token_start, token_end).
-
-    The payload is a contiguous array `[layers, 2 (K, V), tokens, kv_heads, head_dim]`
-    of `dtype`, little-endian; `shape` names those five sizes.  A `virtual`
-    span stands for that much KV without carrying it (a cost-model engine's
-    KV): its payload is empty, and link shaping charges it `nbytes`.
-    """
-
-    request_id: str
-    layer_start: int
-    layer_end: int
-    token_start: int
-    token_end: int
-    dtype: DTypeName
-    shape: tuple[int, ...]
-    virtual: bool = False
-
-    def __post_init__(self) -> None:
-        _text(self.request_id, "request_id")
-        _flag(self.virtual, "virtual")
-        for name in ("layer_start", "layer_end", "token_start", "token_end"):
-            _uint(getattr(self, name), name, 1 << 31)
-        _check(self.layer_end > self.layer_start, "layer_end must exceed layer_start")
-        _check(self.token_end > self.token_start, "token_end must exceed token_start")
-        _check(type(self.dtype) is str and self.dtype in DTYPE_SIZES,
-               f"dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-        _int_tuple(self, "shape", self.shape, 5, 1 << 31)
-        _check(len(self.shape) == 5, "shape must be [layers, 2, tokens, kv_heads, head_dim]")
-        layers, kv, tokens, heads, dim = self.shape
-        _check(layers == self.layer_end - self.layer_start, "shape[0] must equal layer_end - layer_start")
-        _check(kv == 2, "shape[1] must be 2 (K and V)")
-        _check(tokens == self.token_end - self.token_start, "shape[2] must equal token_end - token_start")
-        _check(heads > 0 and dim > 0, "kv_heads and head_dim must be > 0")
-        _check(self.nbytes < 1 << 40, "span too large")
-
-    @property
-    def nbytes(self) -> int:
-        """Payload size in bytes."""
-        layers, kv, tokens, heads, dim = self.shape
-        return layers * kv * tokens * heads * dim * DTYPE_SIZES[self.dtype]
-
-    @property
-    def payload_nbytes(self) -> int:
-        """Bytes the frame's payload carries: nbytes, or 0 for a virtual span."""
-        return 0 if self.virtual else self.nbytes
-
-
-@dataclass(frozen=True, slots=True)
-class KvChunk:
-    """One chunk of a request's KV.
-
-    `payload` is any C-contiguous buffer of exactly `span.nbytes` bytes (bytes,
-    bytearray, memoryview of tensor memory: `memoryview(t.view(torch.uint8).numpy())`);
-    it is sent without copying, so it must stay unchanged until `Link.send`
-    returns.  On the receiving side it is the memoryview the link's KV sink
-    returned (bytes already in place) or a fresh bytearray.
-    """
-
-    span: KvSpan
-    payload: Buffer = field(repr=False)
-    seq: int = 0                   # chunk index within its transfer (the sender's numbering)
-    last: bool = False             # final chunk of the transfer; ends a `Link.stream`
-    tag: Literal["kv_chunk"] = "kv_chunk"
-
-    def __post_init__(self) -> None:
-        _check(isinstance(self.span, KvSpan), "span must be a KvSpan")
-        _check(isinstance(self.payload, (bytes, bytearray, memoryview)), "payload must be a bytes-like buffer")
-        mv = memoryview(self.payload)
-        _check(mv.c_contiguous, "payload must be C-contiguous")
-        _check(mv.nbytes == self.span.payload_nbytes,
-               f"payload has {mv.nbytes} bytes, span needs {self.span.payload_nbytes}")
-        _uint(self.seq, "seq", 1 << 31)
-        _flag(self.last, "last")
-
-    @property
-    def request_id(self) -> str:
-        return self.span.request_id
+# `KVSpan` and `KVChunk` (kind 10) live in pddgw.core.kv: engines build and import the very
+# value a link sends and delivers, validated by their constructors like every message here.
 
 
 # ---------------------------------------------------------------------------
@@ -320,7 +240,8 @@ class Error:
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
-    """A node's load, as numbers the router's policy weighs."""
+    """A node's load as the node reports it; the router joins it with what it knows (role, slots,
+    health) into the policy's `InstanceLoad`."""
 
     node: str
     running: int
@@ -386,13 +307,13 @@ class Pong:
         _uint(self.sent_ns, "sent_ns")
 
 
-Message = (Hello | Challenge | Auth | Welcome | KvChunk | TokenIds | TokenItem | Ready | Ack | Cancel
+Message = (Hello | Challenge | Auth | Welcome | KVChunk | TokenIds | TokenItem | Ready | Ack | Cancel
            | Error | LoadReport | PrefixQuery | PrefixAnswer | Ping | Pong)
 
 # Wire kind byte of each message class.  Append only: the numbers are protocol.
 KINDS: dict[int, type] = {
     1: Hello, 2: Challenge, 3: Auth, 4: Welcome,
-    10: KvChunk, 11: TokenIds, 12: TokenItem,
+    10: KVChunk, 11: TokenIds, 12: TokenItem,
     20: Ready, 21: Ack, 22: Cancel, 23: Error,
     30: LoadReport, 31: PrefixQuery, 32: PrefixAnswer,
     40: Ping, 41: Pong,
@@ -406,6 +327,6 @@ def ends_stream(msg: Message) -> bool:
     """True for the message that ends a `Link.stream` (after being yielded)."""
     if isinstance(msg, TokenItem):
         return msg.done
-    if isinstance(msg, KvChunk):
+    if isinstance(msg, KVChunk):
         return msg.last
     return isinstance(msg, Cancel)

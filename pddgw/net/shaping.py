@@ -72,7 +72,7 @@ log = structlog.get_logger("pddgw.net")
 _NEVER = 1e9  # seconds; a schedule that never completes (bandwidth 0 forever)
 # Waits shorter than this are not slept: no event-loop timer resolves them, and a
 # small frame on a fast fabric would otherwise cost a timer per frame for nothing.
-_MIN_SLEEP_S = 1e-6
+MIN_SLEEP_S = 1e-6
 
 
 @dataclass(slots=True)
@@ -446,7 +446,7 @@ class ShapedPipe:
                 # A cancelled transfer's frame that has not started never crosses the wire.
                 self.shaper._withdraw(done_fut, self._loop.time())
                 raise
-        if done - now >= _MIN_SLEEP_S:
+        if done - now >= MIN_SLEEP_S:
             await asyncio.sleep(done - now)
         return done - start
 
@@ -464,7 +464,7 @@ class ShapedPipe:
     def _arm(self, arrival: float) -> None:
         """One timer at the head frame's arrival (`call_soon` when it is due already, so a
         delivery never runs inside the sender's call)."""
-        if arrival - self._loop.time() >= _MIN_SLEEP_S:
+        if arrival - self._loop.time() >= MIN_SLEEP_S:
             self._timer = self._loop.call_at(arrival, self._on_due)
         else:
             self._timer = self._loop.call_soon(self._on_due)  # type: ignore[assignment]
@@ -475,7 +475,7 @@ class ShapedPipe:
         loop, queue = self._loop, self._queue
         while queue and not self.closed:
             arrival, item = queue[0]
-            if arrival - loop.time() >= _MIN_SLEEP_S:
+            if arrival - loop.time() >= MIN_SLEEP_S:
                 if self._timer is None:      # (a delivery may have queued and armed already)
                     self._arm(arrival)
                 return
@@ -512,7 +512,7 @@ class ShapedPipe:
                 await self._wake.wait()
             arrival, item = self._queue[0]
             delay = arrival - loop.time()
-            if delay >= _MIN_SLEEP_S:
+            if delay >= MIN_SLEEP_S:
                 await asyncio.sleep(delay)
             self._queue.popleft()
             if not self._queue:

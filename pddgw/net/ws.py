@@ -60,7 +60,7 @@ def _secret(cfg: NetConfig) -> str:
 
 
 def _check_size(msg: m.Message, size: int, cfg: NetConfig) -> None:
-    limit = cfg.max_frame_bytes if isinstance(msg, m.KvChunk) else cfg.max_control_bytes
+    limit = cfg.max_frame_bytes if isinstance(msg, m.KVChunk) else cfg.max_control_bytes
     if size > limit:
         raise FrameTooLarge(f"{type(msg).__name__} frame of {size} bytes exceeds the limit of {limit}")
 
@@ -106,7 +106,7 @@ class WsLink(LinkBase):
         for c in conns:
             c.open(self._on_conn_frame)
 
-    def _sink_for_conn(self, span: m.KvSpan) -> memoryview | None:
+    def _sink_for_conn(self, span: m.KVSpan) -> memoryview | None:
         return self._kv_sink(span) if self._kv_sink is not None else None
 
     def _detach(self, code: int, reason: str) -> list[WsConnection]:
@@ -139,7 +139,7 @@ class WsLink(LinkBase):
         if not conns:
             raise self._closed_error() if self._state == LinkState.CLOSED else LinkClosed(
                 f"link to {self.peer} is reconnecting", CloseCode.ABNORMAL)
-        if priority == Priority.BACKGROUND and len(conns) > 1 and isinstance(msg, m.KvChunk):
+        if priority == Priority.BACKGROUND and len(conns) > 1 and isinstance(msg, m.KVChunk):
             # Never on the first connection, which carries every control frame: a frame in a
             # socket cannot be preempted, and tokens or heartbeats must not wait behind it.
             bulk = conns[1:]
@@ -147,7 +147,7 @@ class WsLink(LinkBase):
                 bulk, key=lambda c: c.transport.get_write_buffer_size())
         if stripe is not None:
             return conns[stripe % len(conns)]
-        if len(conns) == 1 or not isinstance(msg, m.KvChunk):
+        if len(conns) == 1 or not isinstance(msg, m.KVChunk):
             return conns[0]
         self._rr = (self._rr + 1) % len(conns)
         best = conns[self._rr]
@@ -165,7 +165,7 @@ class WsLink(LinkBase):
         self._tx_seq = (self._tx_seq + 1) & _SEQ_MASK      # only once the frame exists: no gaps
         self.stats.frames_sent += 1
         self.stats.bytes_sent += wire
-        if isinstance(msg, m.KvChunk):
+        if isinstance(msg, m.KVChunk):
             self.stats.kv_bytes_sent += msg.span.nbytes
             if msg.span.virtual:
                 wire += msg.span.nbytes      # shaping charges the KV it stands for
@@ -180,12 +180,12 @@ class WsLink(LinkBase):
         n = len(head) + payload.nbytes
         _check_size(msg, n, self.cfg)
         wire = ws_header_size(n, masked=conn.client) + n
-        if isinstance(msg, m.KvChunk):
+        if isinstance(msg, m.KVChunk):
             if msg.span.virtual:
                 wire += msg.span.nbytes      # shaping charges the KV it stands for
             elif payload.nbytes:
                 # Delivery is deferred: snapshot the payload so the caller may reuse it.
-                msg = m.KvChunk(msg.span, payload.tobytes(), msg.seq, msg.last)
+                msg = m.KVChunk(msg.span, payload.tobytes(), msg.seq, msg.last)
         return (conn, msg, corr, flags), wire
 
     async def _transmit(self, msg: m.Message, corr: int, flags: int, priority: Priority = Priority.FOREGROUND,
@@ -193,7 +193,7 @@ class WsLink(LinkBase):
         conn = self._pick(msg, stripe, priority)
         if self._pipe is not None:
             item, wire = self._shaped_item(conn, msg, corr, flags)
-            return await self._pipe.put(item, wire, priority, control=not isinstance(msg, m.KvChunk))
+            return await self._pipe.put(item, wire, priority, control=not isinstance(msg, m.KVChunk))
         bufs, wire, zero_copy = self._frame(conn, msg, corr, flags)
         conn.write(bufs)
         await conn.drain(empty=zero_copy)
@@ -251,7 +251,7 @@ class WsLink(LinkBase):
             return
         self.stats.frames_received += 1
         self.stats.bytes_received += wire
-        if isinstance(msg, m.KvChunk):
+        if isinstance(msg, m.KVChunk):
             self.stats.kv_bytes_received += msg.span.nbytes
         if head.seq != self._rx_seq:
             ahead = (head.seq - self._rx_seq) & _SEQ_MASK
@@ -520,8 +520,9 @@ class WsServer:
             c.close(CloseCode.GOING_AWAY, "server shutting down")
         for g in list(self._groups.values()):
             self._drop_group(g, CloseCode.GOING_AWAY, "server shutting down")
-        for link in list(self.links):
-            await link.close(CloseCode.GOING_AWAY, "server shutting down")
+        # All at once: each close is a handshake with its own peer.
+        await asyncio.gather(*(link.close(CloseCode.GOING_AWAY, "server shutting down")
+                               for link in list(self.links)))
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

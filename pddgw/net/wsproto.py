@@ -30,8 +30,12 @@ Connection lifecycle (`ConnState`):
    frames right behind it are held, not taken for handshake frames); frames
    are held until the link has every stripe.
 3. OPEN (`open`): held frames, then every new one, go to `on_frame` (the link).
-4. CLOSING: a close frame was sent; inbound data is discarded until the peer
-   closes, or `CLOSE_GRACE_S` passes and the connection is aborted.
+4. CLOSING: a close frame was sent.  Inbound frames are skipped (never
+   allocated for) except the peer's close frame, which ends the handshake:
+   the TCP connection is closed at once, so both sides closing at the same
+   time (a link's stripes, a drained node and its router) costs no wait.
+   A peer that neither answers nor hangs up is aborted after `CLOSE_GRACE_S`;
+   after a protocol violation inbound bytes are not parsed at all.
 5. CLOSED: `connection_lost` ran; `on_lost` was called once with the reason.
 """
 
@@ -70,7 +74,7 @@ _PACK_LEN8 = struct.Struct("!BBQ").pack
 _PACK_CLOSE = struct.Struct("!H").pack
 
 # Reader states
-_WS_HEAD, _FRAME_HEAD, _META, _PAYLOAD, _CONTROL, _DISCARD = range(6)
+_WS_HEAD, _FRAME_HEAD, _META, _PAYLOAD, _CONTROL, _DISCARD, _SKIP = range(7)
 
 
 class ConnState(IntEnum):
@@ -131,11 +135,12 @@ class WsConnection(asyncio.BufferedProtocol):
         self._ws_hdr_len = 0
         self._head: frames.FrameHead | None = None
         self._meta: dict = {}
-        self._span: m.KvSpan | None = None
+        self._span: m.KVSpan | None = None
         self._dest: memoryview = memoryview(b"")
         self._owned = 0
         self._filled = 0
         self._direct = False
+        self._skip = 0                 # bytes of a frame still to skip (_SKIP, while CLOSING)
         self._hs_frames: deque[m.Message] = deque()
         self._early: deque[tuple[frames.FrameHead, m.Message, int, int]] = deque()
         self._hs_waiter: asyncio.Future[None] | None = None
@@ -192,6 +197,13 @@ class WsConnection(asyncio.BufferedProtocol):
             st = self._rstate
             if st == _DISCARD:
                 return
+            if st == _SKIP:
+                k = min(self._skip, end - pos)
+                self._skip -= k
+                pos += k
+                if not self._skip:
+                    self._reset()
+                continue
             if st == _PAYLOAD:
                 k = min(len(self._dest) - self._filled, end - pos)
                 self._dest[self._filled:self._filled + k] = data[pos:pos + k]
@@ -249,7 +261,7 @@ class WsConnection(asyncio.BufferedProtocol):
                 if head.kind == m.KV_KIND:
                     self._span = frames.kv_span(self._meta)
                     if head.payload_len != self._span.payload_nbytes:
-                        raise FrameError(f"KvChunk header carries {head.payload_len} payload bytes, "
+                        raise FrameError(f"KVChunk header carries {head.payload_len} payload bytes, "
                                          f"its span needs {self._span.payload_nbytes}")
             except FrameError as e:
                 return self._violation(CloseCode.BAD_FRAME, str(e))
@@ -297,6 +309,8 @@ class WsConnection(asyncio.BufferedProtocol):
         self._ws_len = ln
         self._ws_hdr_len = want
         self._acc.clear()
+        if self.state == ConnState.CLOSING and not (opcode == OP_CLOSE and ln <= 125):
+            return self._skip_rest(ln)      # after our close frame only the peer's matters
         if opcode != OP_BINARY:
             if ln > 125:
                 return self._violation(CloseCode.PROTOCOL_ERROR, "control frame longer than 125 bytes")
@@ -320,7 +334,8 @@ class WsConnection(asyncio.BufferedProtocol):
         op = self._opcode
         self._reset()
         if op == OP_PING:
-            self._write_control(OP_PONG, payload)
+            if self._close_sent is None:    # nothing may follow our close frame
+                self._write_control(OP_PONG, payload)
         elif op == OP_CLOSE:
             code, reason = int(CloseCode.NORMAL), ""
             if len(payload) >= 2:
@@ -366,6 +381,17 @@ class WsConnection(asyncio.BufferedProtocol):
         log.warning("closing link connection: peer protocol violation", peer=self.peer, code=int(code),
                     reason=reason)
         self.close(code, reason)
+        self._rstate = _DISCARD       # its byte stream is not to be trusted for a close frame
+
+    def _skip_rest(self, n: int) -> None:
+        """Skip the next `n` bytes (the rest of a frame nobody reads any more)."""
+        self._acc.clear()
+        self._dest = memoryview(b"")
+        self._span = None
+        if n:
+            self._rstate, self._skip = _SKIP, n
+        else:
+            self._reset()
 
     # -- handshake -------------------------------------------------------------
 
@@ -478,8 +504,16 @@ class WsConnection(asyncio.BufferedProtocol):
         if self.state >= ConnState.CLOSING:
             return
         self.state = ConnState.CLOSING
-        self._rstate = _DISCARD
+        # Read on, skipping, for the peer's close frame: it may be on its way already (both
+        # sides closing at once), and waiting for the peer to hang up first would then stall
+        # both until CLOSE_GRACE_S.  The frame being read is skipped to its end.
+        st = self._rstate
+        if st in (_FRAME_HEAD, _META):
+            self._skip_rest(self._ws_len - len(self._acc))
+        elif st == _PAYLOAD:
+            self._skip_rest(len(self._dest) - self._filled)
         if code == CloseCode.ABNORMAL:
+            self._rstate = _DISCARD
             self._close_sent = (int(code), reason)
             self.transport.abort()
             return

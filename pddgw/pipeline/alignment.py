@@ -24,13 +24,19 @@ prefix cache or the next turn misses it all.  For each such request
      keeps the blocks that arrived), counted in `counts["shed"]` and logged
      once.  So background KV never piles up into a backlog that drains for
      long after the last answer.
+  5. Tied to its nodes: an alignment holds resources on every node it
+     depends on (`depends`: MD, and P until MD has the prompt KV - P's
+     transfer, MD's importing session and blocks), and the failure of any of
+     them (its `NodeFailed` event, or P's link failing the `Demote`) ends it
+     at once: counted in `counts["failed"]`, logged (`md_alignment_failed`,
+     naming the node), and its cleanup frees what the request holds on the
+     nodes still reachable.  Nothing waits for the timeout to clean up.
 Each alignment runs as one task owned by the registry; `drain` waits for all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -42,6 +48,10 @@ from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.events import Event, KvReady, NodeFailed
 
 log = structlog.get_logger(__name__)
+
+
+class _NodeGone(Exception):
+    """A node the alignment depends on failed (step 5)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,14 +93,17 @@ class Alignments:
 
     def start(self, rid: str, key: AlignKey | None, p: Link | None, md: Link, md_node: object,
               ready: bool, output_ids: tuple[int, ...], next_event: Callable[[], Awaitable[Event]],
-              cleanup: Callable[[], Awaitable[None]], wan_bytes: int = 0) -> asyncio.Task[None]:
+              cleanup: Callable[[], Awaitable[None]], wan_bytes: int = 0,
+              depends: tuple[object, ...] = ()) -> asyncio.Task[None]:
         """Steps 1-2 for one request, in the background, then step 4 over all.
         `next_event` yields the request's remaining events; `cleanup` (always
         awaited last) releases it; `wan_bytes`: the KV it may still move over
-        the WAN (0 when MD has the prompt KV already)."""
+        the WAN (0 when MD has the prompt KV already); `depends`: the nodes
+        (as the events name them) whose failure ends it (step 5; MD always)."""
         pend = _Pending(rid, key, 0 if ready else wan_bytes)
-        pend.task = asyncio.create_task(self._run(pend, p, md, md_node, ready, output_ids, next_event, cleanup),
-                                        name=f"align-{rid}")
+        deps = (md_node, *(d for d in depends if d is not md_node))
+        pend.task = asyncio.create_task(self._run(pend, p, md, md_node, ready, output_ids, next_event, cleanup,
+                                                  deps), name=f"align-{rid}")
         self._pending[rid] = pend
         pend.task.add_done_callback(lambda _: self._pending.pop(rid, None))
         self.counts["started"] += 1
@@ -142,7 +155,7 @@ class Alignments:
 
     async def _run(self, pend: _Pending, p: Link | None, md: Link, md_node: object, ready: bool,
                    output_ids: tuple[int, ...], next_event: Callable[[], Awaitable[Event]],
-                   cleanup: Callable[[], Awaitable[None]]) -> None:
+                   cleanup: Callable[[], Awaitable[None]], depends: tuple[object, ...]) -> None:
         rid = pend.rid
         pend.started = True
         try:
@@ -150,22 +163,27 @@ class Alignments:
                 return
             async with asyncio.timeout(self.timeout):
                 if p is not None:
-                    with contextlib.suppress(LinkError):
+                    try:
                         await p.send(pm.Demote(rid), timeout=self.control_timeout)
+                    except LinkError as e:
+                        # P is unreachable: what it had not sent is lost with it (step 5).
+                        raise _NodeGone(f"P: Demote failed: {e}") from None
                 while not ready:
                     ev = await next_event()
                     if isinstance(ev, KvReady) and ev.node is md_node:
                         ready = True
                         pend.wan_bytes = 0          # the KV is on MD: nothing left to shed
-                    elif isinstance(ev, NodeFailed) and ev.node is md_node:
-                        self.counts["failed"] += 1
-                        return
+                    elif isinstance(ev, NodeFailed) and any(ev.node is d for d in depends):
+                        raise _NodeGone(f"{getattr(ev.node, 'name', ev.node)}: {ev.why}")
                 if len(output_ids) > 1:
                     # Position 0 (P's token) is on MD already.
                     await md.request(pm.Extend(rid, 1, False, output_ids[1:]), timeout=self.control_timeout)
                 self.counts["completed"] += 1
+        except _NodeGone as e:
+            self.counts["failed"] += 1
+            log.warning("md_alignment_failed", request_id=rid, error=f"node lost: {e}")
         except (LinkError, TimeoutError) as e:
             self.counts["failed"] += 1
-            log.info("md_alignment_failed", request_id=rid, error=str(e))
+            log.info("md_alignment_failed", request_id=rid, error=str(e) or type(e).__name__)
         finally:
             await asyncio.shield(cleanup())

@@ -49,8 +49,9 @@ from enum import IntEnum
 import structlog
 
 from pddgw.engines.async_engine import AsyncEngine, EngineStopped, RequestStream
-from pddgw.engines.types import (EngineRequest, KVChunk, KVSpan, RequestError, RequestOutput, SamplingParams,
-                                 TokenLogprobs)
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, RequestOutput, TokenLogprobs
+from pddgw.pipeline.protocol import PromptScores
 
 log = structlog.get_logger(__name__)
 
@@ -107,6 +108,8 @@ class DecodeWorker:
         self.engine = aeng.engine
         self._emit = emit
         self.sessions: dict[str, _Session] = {}
+        # Prompt logprobs of compute requests that asked, until the router fetched them (its Cancel).
+        self.scored = PromptScores()
         # Chunks whose payload must still be copied into the pool: appended on the loop, taken
         # on the engine thread by `_drain_imports` (posted at most once while one is queued).
         self._imports: deque[KVChunk] = deque()
@@ -309,6 +312,8 @@ class DecodeWorker:
 
     async def _on_output(self, s: _Session, out: RequestOutput) -> bool:
         """Record and emit one engine output; False once the request has ended here."""
+        if out.prompt_logprobs:
+            self.scored.put(s.rid, out.prompt_logprobs)
         async with s.progress:
             s.num_computed = out.num_computed_tokens
             s.progress.notify_all()

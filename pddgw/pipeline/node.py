@@ -9,12 +9,30 @@ naming the problem: the node keeps serving.
 Metrics (`WorkerNode.metrics`, pddgw/metrics.py): engine stats and the KV
 bytes sent per peer link and class are read at scrape time; P observes each
 target's KV transfer time when its whole range is sent.
+
+Drain (`drain`, on SIGTERM: deploy/serve.py), in order:
+  1. The node takes no new request (Submit, Prefill, PrefixQuery get an
+     `Error` of code "draining"; one it already pinned or holds is not new)
+     and tells every router it knows (`pm.Draining`, again with each load
+     poll), which routes nothing new here.
+  2. What is in flight gets most of the bound (`DRAIN_FINISH_SHARE`) to
+     finish: RLD's relays hand off to MD as usual, P's prefills end.  A
+     P-RLD-MD request whose KV lands on a draining MD is moved at once
+     instead of reported Ready (RLD, which still decodes it, finishes it:
+     no handoff to a node about to go).
+  3. What is left is moved: each open request ends with Error "draining" to
+     its router, which re-drives it from the tokens already emitted; a
+     prefill is stopped with the same error (the router prefills it
+     elsewhere).  A request whose router cannot be told is dropped (counted).
+One log line at the start (in-flight count), one at the end (finished /
+moved / dropped).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -37,31 +55,23 @@ log = structlog.get_logger(__name__)
 Connect = Callable[[str], Awaitable[Link]]
 _CANCELLED_KEPT = 4096
 # Messages nobody waits a reply for: their failures are reported to the request's router.
-_ONE_WAY = (m.KvChunk, pm.KvDone, pm.Logprobs)
+_ONE_WAY = (KVChunk, pm.KvDone, pm.Logprobs)
+# Share of the drain bound in-flight requests get to finish before the rest is moved.
+DRAIN_FINISH_SHARE = 0.75
 
 
-def to_wire(chunk: KVChunk, seq: int = 0, last: bool = False) -> m.KvChunk:
-    n_layers = chunk.layer_end - chunk.layer_start
-    span = m.KvSpan(chunk.request_id, chunk.layer_start, chunk.layer_end, chunk.token_start,
-                    chunk.token_end, chunk.dtype, (n_layers, 2, chunk.num_tokens, chunk.num_kv_heads,
-                                                   chunk.head_dim), chunk.virtual)
-    return m.KvChunk(span, chunk.data, seq, last)
+class NodeDraining(RequestError):
+    """This node drains (SIGTERM): it takes no new request / stopped this one (code "draining")."""
 
 
-def from_wire(msg: m.KvChunk) -> KVChunk:
-    """The engine's view of a received chunk; its data is the received payload itself (no copy),
-    so a payload received into the pool (`WorkerNode.kv_sink`) is recognised there."""
-    s = msg.span
-    return KVChunk(s.request_id, s.token_start, s.token_end, s.layer_start, s.layer_end, s.shape[3],
-                   s.shape[4], s.dtype, memoryview(msg.payload).cast("B"), s.virtual)
+@dataclass(frozen=True, slots=True)
+class DrainReport:
+    """What a drain did with the requests in flight at its start or accepted during it."""
 
-
-def span_from_wire(s: m.KvSpan) -> KVSpan | None:
-    """The engine's view of a chunk's description; None if its shape does not describe its ranges."""
-    if len(s.shape) != 5 or tuple(s.shape[:3]) != (s.layer_end - s.layer_start, 2, s.token_end - s.token_start):
-        return None
-    return KVSpan(s.request_id, s.token_start, s.token_end, s.layer_start, s.layer_end, s.shape[3], s.shape[4],
-                  s.dtype)
+    inflight: int          # at the start
+    finished: int          # ended here on their own
+    moved: int             # ended with Error "draining": their router re-drives them elsewhere
+    dropped: int           # their router could not be told
 
 
 @dataclass(slots=True)
@@ -94,6 +104,16 @@ class WorkerNode:
         self._cancelled: dict[str, None] = {}
         # KV bytes sent by links to peers since replaced (a reconnect dials a new one), by class.
         self._kv_sent_before: dict[str, tuple[int, int]] = {}
+        # Links that poll this node's load: its routers (only a router polls), told of a drain.
+        self._routers: set[Link] = set()
+        # Drain (SIGTERM): its bound while it runs, and the requests being moved.
+        self.drain_timeout_s: float | None = None
+        self._moving: set[str] = set()
+        # Requests whose tokens are being sent to the router now (a finished one is no longer
+        # open, but its last tokens are still on their way: a drain waits for them).
+        self._sending: dict[str, int] = {}
+        self._moved: set[str] = set()
+        self._dropped: set[str] = set()
 
     # ---- lifecycle -----------------------------------------------------------------
     async def stop(self) -> None:
@@ -103,8 +123,7 @@ class WorkerNode:
             task.cancel()
         for rid in list(self._open):
             await self._cancel(rid)
-        for link in self._peers.values():
-            await link.close()
+        await asyncio.gather(*(link.close() for link in self._peers.values()))
         await self.aeng.stop()
 
     async def peer(self, name: str) -> Link:
@@ -148,6 +167,8 @@ class WorkerNode:
         except (RequestError, CapacityError, LinkError) as e:
             rid = getattr(msg, "request_id", "")
             code = "capacity" if isinstance(e, CapacityError) else "link" if isinstance(e, LinkError) else "request"
+            if isinstance(e, NodeDraining):
+                code = "draining"
             # A full pool is back-pressure (the router queues the request), not a failure.
             report = log.info if isinstance(e, CapacityError) else log.warning
             report("node_full" if isinstance(e, CapacityError) else "node_request_failed", node=self.name,
@@ -177,10 +198,16 @@ class WorkerNode:
     async def _dispatch(self, link: Link, msg: m.Message) -> m.Message | None:
         match msg:
             case m.LoadReport():
+                self._routers = {r for r in self._routers if r.state != LinkState.CLOSED}
+                self._routers.add(link)
+                if self.drain_timeout_s is not None:      # a router that missed it hears it now
+                    with contextlib.suppress(LinkError):
+                        await link.send(pm.Draining(self.name, self.drain_timeout_s))
                 return await self.load()
             case pm.StateQuery():
                 return await self.state()
             case m.PrefixQuery(request_id=rid, hashes=hashes):
+                self._refuse_new(rid)
                 self._cancelled.pop(rid, None)      # asked again (a re-drive)
                 held = await self.aeng.call(self.engine.match_prefix, hashes, rid)
                 self._pins[rid] = link
@@ -190,25 +217,30 @@ class WorkerNode:
                     raise RequestError(f"request {rid!r} was cancelled")
                 return m.PrefixAnswer(rid, held)
             case pm.Submit():
+                self._refuse_new(msg.request_id)
                 return await self._submit(link, msg)
             case pm.Prefill():
+                self._refuse_new(msg.request_id)
                 return await self._run_prefill(msg)
-            case m.KvChunk(span=m.KvSpan(request_id=rid)):
+            case KVChunk(span=KVSpan(request_id=rid)):
                 if rid in self._cancelled or (self.decode is not None and self.decode.past_import(rid)):
                     # P's frames still in flight when the request was cancelled here, or from an
                     # earlier attempt of a request re-driven here since (it computes its prompt
                     # itself, or has all its KV): dropped, a payload that landed in the pool
                     # gives its blocks back.
                     if self.decode is not None:
-                        self.decode.drop_kv(from_wire(msg))
+                        self.decode.drop_kv(msg)
                     return None
-                await self._decoder().import_kv(from_wire(msg))
+                await self._decoder().import_kv(msg)
                 return None
-            case pm.KvDone(request_id=rid) if rid in self._cancelled:
-                return None        # P's frames still in flight when the request was cancelled here
+            case pm.KvDone(request_id=rid) if rid in self._cancelled or self._past_import(rid):
+                # P's frames still in flight when the request was cancelled here, or from an
+                # earlier attempt of a request re-driven here since (like its KVChunks): taken
+                # as this attempt's, it failed the re-driven request ("not importing").
+                return None
             case pm.KvDone(request_id=rid, first_token=first, hold=hold):
                 return await self._kv_done(rid, first, hold)
-            case pm.Logprobs(request_id=rid) if rid in self._cancelled:
+            case pm.Logprobs(request_id=rid) if rid in self._cancelled or self._past_import(rid):
                 return None        # in flight when the request was cancelled here, like its KvDone
             case pm.Logprobs(request_id=rid, position=0, logprobs=(_,)) if rid in self._open:
                 self._first_logprobs[rid] = msg.entries()[0]      # P's first token; KvDone follows
@@ -225,21 +257,25 @@ class WorkerNode:
             case m.Cancel(request_id=rid):
                 await self._cancel(rid)
                 return None
+            case pm.PromptLogprobsQuery():
+                return (self.prefill or self._decoder()).scored.piece(msg)
         raise RequestError(f"{self.role} node {self.name} does not handle {type(msg).__name__}")
 
-    def kv_sink(self, span: m.KvSpan) -> memoryview | None:
+    def _past_import(self, rid: str) -> bool:
+        return self.decode is not None and self.decode.past_import(rid)
+
+    def kv_sink(self, span: KVSpan) -> memoryview | None:
         """The KV sink of this node's links (`net.link.KvSink`), on the loop, before a payload.
 
         For a request importing here: where the payload should land, ideally
         its block in the engine's pool (see `Engine.import_buffer`), so that
         the import only commits it.  None (not a decoder, unknown, cancelled
-        or not importing, a malformed span): the link allocates and the
-        import reports what is wrong.
+        or not importing, a span that does not fit): the link allocates and
+        the import reports what is wrong.
         """
         if self.decode is None or span.virtual or span.request_id in self._cancelled:
             return None
-        es = span_from_wire(span)
-        return None if es is None else self.decode.kv_destination(es)
+        return self.decode.kv_destination(span)
 
     def _decoder(self) -> DecodeWorker:
         if self.decode is None:
@@ -259,9 +295,9 @@ class WorkerNode:
         self._cancelled.pop(rid, None)          # opened again (a re-drive): its frames count
         try:
             if msg.kv == "import":
-                cached = await dec.open(rid, msg.prompt, msg.sampling())
+                cached = await dec.open(rid, msg.prompt, msg.sampling)
             else:
-                cached = await dec.open_compute(rid, msg.prompt, msg.sampling(), hold=msg.hold)
+                cached = await dec.open_compute(rid, msg.prompt, msg.sampling, hold=msg.hold)
         finally:
             # The request now holds its cached blocks itself (or failed): the pin has done its job.
             await self._unpin(rid)
@@ -294,7 +330,10 @@ class WorkerNode:
         if op is None:
             raise RequestError(f"request {rid!r} is not open on {self.name}")
         await self._decoder().kv_done(rid, first, not hold, first_lp)
-        if hold:
+        if hold and self.drain_timeout_s is not None:
+            # Draining MD: RLD still decodes the request and finishes it, no handoff here.
+            await self._move(rid)
+        elif hold:
             await op.router.send(m.Ready(rid, "kv"))
 
     async def _hand_off(self, msg: pm.HandOff) -> pm.HandedOff:
@@ -323,7 +362,13 @@ class WorkerNode:
         assert task is not None
         self._prefills[rid] = task   # type: ignore[assignment]
         try:
-            res = await self.prefill.prefill(rid, msg.prompt, msg.sampling(), targets)
+            res = await self.prefill.prefill(rid, msg.prompt, msg.sampling, targets)
+        except asyncio.CancelledError:
+            if rid not in self._moving:
+                raise
+            task.uncancel()             # the drain's own cancel: the router hears why
+            raise NodeDraining(f"prefill node {self.name} is draining: prefill of {rid!r} stopped, "
+                               "prefill it elsewhere") from None
         finally:
             self._prefills.pop(rid, None)
             # A prefix query's pin (the router's choice of P) has done its job: the prompt's
@@ -339,11 +384,12 @@ class WorkerNode:
 
         async def send(chunks: list[KVChunk]) -> float:
             nonlocal seq
-            n = sum(c.expected_nbytes() for c in chunks)
+            n = sum(c.nbytes for c in chunks)
             self.kv_bytes_in_flight += n
             try:
                 # Read per frame: a Demote mid-transfer sends the rest as background.
-                service = await link.send_all([to_wire(c, seq + i) for i, c in enumerate(chunks)],
+                # The engine's chunks themselves go out, numbered within this transfer.
+                service = await link.send_all([dataclasses.replace(c, seq=seq + i) for i, c in enumerate(chunks)],
                                               priority=lambda: target.priority)
             finally:
                 self.kv_bytes_in_flight -= n
@@ -362,6 +408,9 @@ class WorkerNode:
         return target
 
     async def _cancel(self, rid: str) -> None:
+        worker = self.prefill or self.decode
+        if worker is not None:
+            worker.scored.drop(rid)
         self._tombstone(rid)
         self._first_logprobs.pop(rid, None)
         task = self._prefills.get(rid)
@@ -374,6 +423,61 @@ class WorkerNode:
         self._open.pop(rid, None)
         await self._unpin(rid)
 
+    # ---- drain (SIGTERM) ---------------------------------------------------------------
+    def _inflight(self) -> set[str]:
+        return set(self._open) | set(self._prefills) | set(self._pins) | set(self._sending)
+
+    def _refuse_new(self, rid: str) -> None:
+        """Draining: a request not already here (pinned, open) is refused."""
+        if self.drain_timeout_s is not None and rid not in self._pins and rid not in self._open:
+            raise NodeDraining(f"{self.role} node {self.name} is draining (shutting down): "
+                               f"request {rid!r} must go to another node")
+
+    async def drain(self, timeout_s: float) -> DrainReport:
+        """Stop taking requests; let those in flight finish, move what is left; within `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self.drain_timeout_s = timeout_s
+        seen = self._inflight()
+        at_start = len(seen)
+        log.info("drain_started", node=self.name, role=self.role, inflight=at_start, timeout_s=timeout_s)
+        for link in list(self._routers):
+            if link.state == LinkState.OPEN:
+                with contextlib.suppress(LinkError):
+                    await link.send(pm.Draining(self.name, timeout_s))
+        finish_by = start + timeout_s * DRAIN_FINISH_SHARE
+        # Polled, not signalled: requests end through many paths (emit, cancel, orphans, handoffs).
+        while (left := self._inflight()) and loop.time() < finish_by:
+            seen |= left
+            await asyncio.sleep(0.05)
+        for rid in list(self._open) + list(self._prefills):
+            await self._move(rid)
+        for rid in list(self._pins):
+            await self._unpin(rid)
+        seen |= self._moved | self._dropped
+        rep = DrainReport(at_start, len(seen - self._moved - self._dropped), len(self._moved), len(self._dropped))
+        log.info("drain_done", node=self.name, role=self.role, inflight=rep.inflight, finished=rep.finished,
+                 moved=rep.moved, dropped=rep.dropped, seconds=round(loop.time() - start, 3))
+        return rep
+
+    async def _move(self, rid: str) -> None:
+        """End `rid` here with Error "draining" to its router, which re-drives it elsewhere."""
+        op = self._open.get(rid)
+        self._moving.add(rid)
+        try:
+            await self._cancel(rid)      # freed before the router hears: it may re-drive at once
+        finally:
+            self._moving.discard(rid)
+        if op is None:                   # a prefill: its Prefill request is answered "draining"
+            self._moved.add(rid)
+            return
+        try:
+            await op.router.send(m.Error(rid, "draining", f"{self.role} node {self.name} is draining "
+                                         "(shutting down): the request moves to another node"))
+            self._moved.add(rid)
+        except LinkError:
+            self._dropped.add(rid)
+
     # ---- outbound token stream -------------------------------------------------------
     async def _emit(self, ev: TokenEvent) -> None:
         op = self._open.get(ev.request_id)
@@ -381,6 +485,8 @@ class WorkerNode:
             return
         if ev.finished:
             self._open.pop(ev.request_id, None)
+        rid = ev.request_id
+        self._sending[rid] = self._sending.get(rid, 0) + 1
         try:
             if ev.error is not None:
                 await op.router.send(m.Error(ev.request_id, "decode", ev.error[:4000]))
@@ -395,3 +501,8 @@ class WorkerNode:
             log.warning("router_link_lost", node=self.name, request_id=ev.request_id, error=str(e))
             with contextlib.suppress(Exception):
                 await self._cancel(ev.request_id)
+        finally:
+            if self._sending[rid] == 1:
+                del self._sending[rid]
+            else:
+                self._sending[rid] -= 1

@@ -41,10 +41,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pddgw.config import PolicyConfig
-from pddgw.pipeline.state import HandoffMode, Pipeline, Role
+from pddgw.core.roles import Role
+from pddgw.pipeline.state import HandoffMode, Pipeline
 
 __all__ = [
-    "PolicyConfig", "LoadReport", "InstanceChoice", "NoInstanceError", "pick_instance",
+    "PolicyConfig", "InstanceLoad", "InstanceChoice", "NoInstanceError", "pick_instance",
     "PipelineInputs", "PipelineDecision", "relay_pressure", "estimate_transfer_ms", "is_singular_candidate",
     "choose_pipeline", "SingularLimiter", "decide_pipeline",
     "HandoffInputs", "HandoffModeDecision", "choose_handoff_mode",
@@ -61,8 +62,9 @@ class NoInstanceError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class LoadReport:
-    """One instance's load, decoded at the edge from its health report."""
+class InstanceLoad:
+    """The policy's view of one instance's load: its last `net.messages.LoadReport` (what the
+    node says) joined with what the router knows (role, sequence slots, health)."""
 
     instance: str
     role: Role
@@ -106,7 +108,7 @@ class InstanceChoice:
                 "excluded": list(self.excluded)}
 
 
-def pick_instance(reports: Iterable[LoadReport], role: Role,
+def pick_instance(reports: Iterable[InstanceLoad], role: Role,
                   exclude: Iterable[str] = ()) -> InstanceChoice | None:
     """The least-loaded healthy instance of `role`, or None if there is none.
 
@@ -115,7 +117,7 @@ def pick_instance(reports: Iterable[LoadReport], role: Role,
     choice is deterministic.
     """
     skip = frozenset(exclude)
-    eligible: list[LoadReport] = []
+    eligible: list[InstanceLoad] = []
     excluded: list[str] = []
     for r in reports:
         if r.role != role:

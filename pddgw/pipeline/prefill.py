@@ -36,8 +36,10 @@ from typing import Any
 import structlog
 
 from pddgw.engines.async_engine import AsyncEngine, RequestStream
-from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams, TokenLogprobs
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.types import EngineRequest, KVChunk, RequestError, TokenLogprobs
 from pddgw.net.link import Priority
+from pddgw.pipeline.protocol import PromptScores
 
 log = structlog.get_logger(__name__)
 
@@ -100,6 +102,8 @@ class PrefillWorker:
         self.tokens_per_chunk = tokens_per_chunk(self.engine.kv_layout.bytes_per_token(), self.block_size,
                                                  chunk_bytes, in_place=not self.engine.virtual_kv)
         self.inflight: dict[str, list[KVTarget]] = {}
+        # Prompt logprobs of requests that asked, until the router fetched them (its Cancel).
+        self.scored = PromptScores()
 
     async def prefill(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams,
                       targets: list[KVTarget]) -> PrefillResult:
@@ -109,10 +113,11 @@ class PrefillWorker:
         for t in targets:
             if not 0 <= t.start_token <= n:
                 raise RequestError(f"target {t.name}: start token {t.start_token} outside [0, {n}]")
-        # Every sampling field but the length rules is the request's own: the first token is
-        # drawn exactly as a single node would draw it (listing fields dropped min_p once).
-        req = EngineRequest(rid, prompt, replace(sampling, max_tokens=1, stop_token_ids=(),
-                                                 ignore_eos=False), retain_kv=True)
+        # Every sampling field but the length is the request's own: the first token is drawn exactly
+        # as a single node would draw it (listing fields dropped min_p once; the stop tokens and
+        # ignore_eos stay, as min_tokens masks by them at position 0).
+        req = EngineRequest(rid, prompt, replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1)),
+                            retain_kv=True)
         self.inflight[rid] = targets
         progress = _Progress()
         first: asyncio.Future[First] = asyncio.get_running_loop().create_future()
@@ -125,6 +130,8 @@ class PrefillWorker:
                                            name=f"kv-{rid}-{t.name}") for t in targets]
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
+                    if out.prompt_logprobs:
+                        self.scored.put(rid, out.prompt_logprobs)
                     if out.new_token_ids and not first.done():
                         first.set_result((out.new_token_ids[0], out.logprobs[0] if out.logprobs else None))
                     await progress.update(min(out.num_computed_tokens, n), out.finished)
@@ -203,7 +210,7 @@ class PrefillWorker:
             chunks = await self.aeng.call(
                 lambda: [self.engine.export_kv(rid, a, b) for a, b in bounds])
             target.service_s += await target.send(chunks)
-            target.sent_bytes += sum(c.expected_nbytes() for c in chunks)
+            target.sent_bytes += sum(c.nbytes for c in chunks)
             sent = upto
 
 

@@ -1,8 +1,10 @@
 """Pipeline messages: the control vocabulary of the PDD roles on node links.
 
 The net layer carries them like its own messages (fixed header, orjson
-metadata of the scalar fields, the token IDs packed as the payload) and
-validates them at decode through `__post_init__`; their meaning lives here.
+metadata of the fields, the token IDs packed as the payload) and validates
+them at decode through `__post_init__`; their meaning lives here.  A
+request's sampling travels as one nested `SamplingParams` (`sampling`),
+decoded and validated by its own constructor (pddgw.core.sampling).
 
 Who sends what (requests are answered; the rest are one-way):
 
@@ -13,13 +15,16 @@ Who sends what (requests are answered; the rest are one-way):
   router -> P       Prefill -> PrefillDone                compute, stream KV to targets, first token;
                                                           bytes and wire seconds per target
   router -> P       Demote                                its KV transfers become background traffic
-  P -> RLD/MD       KvChunk (net) ..., then KvDone        KV complete + first token (+ decode or hold)
+  P -> RLD/MD       KVChunk (net) ..., then KvDone        KV complete + first token (+ decode or hold)
   MD -> router      Ready(detail="kv")                    prompt KV is in; waiting for the handoff
   router -> RLD     HandOff -> HandedOff                  run the handoff rounds to MD `target`
   RLD -> MD         Extend(start, ids, final) -> Ack      a handoff round (router -> any: a re-drive)
   RLD -> router     HandoffRound                          for the request's timeline
   RLD/MD -> router  TokenItem (net) ...                   output tokens, position-keyed; done ends
   router -> any     Cancel (net)                          free everything of the request
+  RLD/P/MD -> router Draining                             SIGTERM: route nothing new here; what is
+                                                          in flight finishes or is moved (an Error
+                                                          code "draining") within timeout_s
 
 Log-probabilities (only for a request whose sampling asks for them,
 `logprobs` k in 0..20; nothing is sent otherwise): `Logprobs` pieces travel
@@ -29,6 +34,15 @@ same traffic class, so the receiver joins them at its edge:
                                                           position 0 forwards them)
   RLD/MD -> router  Logprobs ... then TokenItem           exactly the TokenItem's positions, in
                                                           pieces of at most MAX_LOGPROB_POSITIONS
+Prompt log-probabilities (a request whose sampling asks, `prompt_logprobs` k):
+the node that computes the prompt (P; a decoder on a compute Submit) keeps
+them (`PromptScores`) until the request's Cancel; the router asks for them
+once the request has ended, before its Cancels:
+  router -> P/RLD/MD  PromptLogprobsQuery(start) -> Logprobs   prompt tokens [start, start + n),
+                                                          `position` = the token's index in the
+                                                          prompt (>= 1; token 0 has none), n <=
+                                                          MAX_LOGPROB_POSITIONS; asked again from
+                                                          start + n until all are in
 Handed-off tokens (Extend) carry none: RLD sampled and emitted them with
 their logprobs, MD does not emit them again.
 """
@@ -40,55 +54,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pddgw.engines.types import LOGPROB_FLOOR, MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from pddgw.core.sampling import MAX_LOGPROBS, SamplingParams
+from pddgw.engines.types import LOGPROB_FLOOR, RequestError, TokenLogprobs
 from pddgw.net.messages import MAX_ID_CHARS, MAX_TEXT_CHARS, MAX_TOKEN_IDS, TOKEN_ID_LIMIT
 from pddgw.net.messages import _check, _flag, _int_tuple, _number, _text, _uint
 
-MAX_STOP_IDS = 64
 MAX_TARGETS = 16
-TOP_K_LIMIT = 1 << 31       # top_k on the wire is below this
 # Positions per Logprobs message: 64 x 21 floats of <= 24 JSON characters stay well inside
 # the frame's 64 KiB of metadata.
 MAX_LOGPROB_POSITIONS = 64
 
 
-@dataclass(frozen=True, slots=True)
-class _Sampled:
-    """A request's sampling parameters as flat fields (metadata holds scalars only)."""
-
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    ignore_eos: bool
-    stop_token_ids: tuple[int, ...]
-    # None: no log-probabilities; k: each sampled token's plus k top alternatives.
-    logprobs: int | None = field(default=None, kw_only=True)
-    min_p: float = field(default=0.0, kw_only=True)
-
-    def _check_sampling(self) -> None:
-        _uint(self.max_tokens, "max_tokens", 1 << 31)
-        _check(self.max_tokens >= 1, "max_tokens must be >= 1")
-        t, p = self.temperature, self.top_p
-        _check(type(t) in (int, float) and 0 <= t <= 100, "temperature must be in [0, 100]")
-        _check(type(p) in (int, float) and 0 < p <= 1, "top_p must be in (0, 1]")
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_p", float(p))
-        _uint(self.top_k, "top_k", TOP_K_LIMIT)
-        _uint(self.seed, "seed")
-        _flag(self.ignore_eos, "ignore_eos")
-        _int_tuple(self, "stop_token_ids", self.stop_token_ids, MAX_STOP_IDS, TOKEN_ID_LIMIT)
-        if self.logprobs is not None:
-            _uint(self.logprobs, "logprobs", MAX_LOGPROBS + 1)
-        m = self.min_p
-        _check(type(m) in (int, float) and 0 <= m <= 1, "min_p must be in [0, 1]")
-        object.__setattr__(self, "min_p", float(m))
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, seed=self.seed, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos, logprobs=self.logprobs, min_p=self.min_p)
+def _sampling(sp: object) -> None:
+    """A message's nested sampling (its own constructor validated the values)."""
+    _check(type(sp) is SamplingParams, "sampling must be a SamplingParams")
 
 
 def _bools(obj: object, name: str, values: object, count: int) -> None:
@@ -100,15 +79,8 @@ def _bools(obj: object, name: str, values: object, count: int) -> None:
         _flag(v, f"{name}[]")
 
 
-def sampling_fields(sp: SamplingParams) -> dict[str, object]:
-    """The `_Sampled` fields of a message carrying `sp` (pass as keyword arguments)."""
-    return {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_k": sp.top_k,
-            "top_p": sp.top_p, "seed": sp.seed, "stop_token_ids": sp.stop_token_ids,
-            "ignore_eos": sp.ignore_eos, "logprobs": sp.logprobs, "min_p": sp.min_p}
-
-
 @dataclass(frozen=True, slots=True)
-class Submit(_Sampled):
+class Submit:
     """Open a request on a decode node.
 
     kv="import": P will stream the prompt KV past this node's cached prefix,
@@ -126,13 +98,14 @@ class Submit(_Sampled):
     hold: bool
     prompt: tuple[int, ...]
     supersedes: tuple[str, ...] = ()
+    sampling: SamplingParams = field(kw_only=True)
     tag: Literal["submit"] = "submit"
 
     def __post_init__(self) -> None:
         _text(self.request_id, "request_id", empty=False)
         _check(self.kv in ("import", "compute"), "kv must be 'import' or 'compute'")
         _flag(self.hold, "hold")
-        self._check_sampling()
+        _sampling(self.sampling)
         _int_tuple(self, "prompt", self.prompt, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)
         _check(len(self.prompt) > 0, "prompt must not be empty")
         _check(type(self.supersedes) in (tuple, list) and len(self.supersedes) <= MAX_TARGETS,
@@ -156,7 +129,7 @@ class Opened:
 
 
 @dataclass(frozen=True, slots=True)
-class Prefill(_Sampled):
+class Prefill:
     """Compute the prompt on P; stream its KV to `targets` from `starts` on (parallel).
 
     `holds[i]`: target i holds after the KV (KvDone.hold), else decodes at once.
@@ -167,6 +140,7 @@ class Prefill(_Sampled):
     starts: tuple[int, ...]
     prompt: tuple[int, ...]
     holds: tuple[bool, ...] = ()
+    sampling: SamplingParams = field(kw_only=True)
     tag: Literal["prefill"] = "prefill"
 
     def __post_init__(self) -> None:
@@ -178,7 +152,7 @@ class Prefill(_Sampled):
             _text(t, "targets[]", MAX_ID_CHARS, empty=False)
         _int_tuple(self, "starts", self.starts, MAX_TARGETS, TOKEN_ID_LIMIT)
         _check(len(self.starts) == len(self.targets), "starts must have one entry per target")
-        self._check_sampling()
+        _sampling(self.sampling)
         _int_tuple(self, "prompt", self.prompt, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)
         _check(len(self.prompt) > 0, "prompt must not be empty")
         _check(all(s <= len(self.prompt) for s in self.starts), "a start is past the prompt's end")
@@ -230,6 +204,54 @@ class KvDone:
         _text(self.request_id, "request_id", empty=False)
         _uint(self.first_token, "first_token", TOKEN_ID_LIMIT)
         _flag(self.hold, "hold")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobsQuery:
+    """router -> the node that computed a request's prompt: its prompt logprobs from prompt
+    token `start` (>= 1) on; answered by one `Logprobs` piece (module docstring)."""
+
+    request_id: str
+    start: int
+    tag: Literal["prompt_logprobs_query"] = "prompt_logprobs_query"
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id", empty=False)
+        _uint(self.start, "start", 1 << 31)
+        _check(self.start >= 1, "start must be >= 1 (prompt token 0 has no logprob)")
+
+
+class PromptScores:
+    """A node's prompt logprobs kept for the router (module docstring): request id -> one
+    `TokenLogprobs` per prompt token 1..n-1.  Bounded: past `limit` requests (a router that
+    never came back for them) the oldest go."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self.limit = limit
+        self._by_id: dict[str, tuple[TokenLogprobs, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def put(self, request_id: str, entries: tuple[TokenLogprobs, ...]) -> None:
+        self._by_id.pop(request_id, None)
+        self._by_id[request_id] = entries
+        while len(self._by_id) > self.limit:
+            del self._by_id[next(iter(self._by_id))]
+
+    def drop(self, request_id: str) -> None:
+        self._by_id.pop(request_id, None)
+
+    def piece(self, query: PromptLogprobsQuery) -> Logprobs:
+        """The answer to a query; RequestError when this node has none for it."""
+        entries = self._by_id.get(query.request_id)
+        if entries is None:
+            raise RequestError(f"request {query.request_id!r}: no prompt logprobs here")
+        if not query.start <= len(entries):
+            raise RequestError(f"request {query.request_id!r}: prompt logprobs start {query.start} "
+                               f"past the last prompt token {len(entries)}")
+        return logprob_pieces(query.request_id, query.start,
+                              entries[query.start - 1 : query.start - 1 + MAX_LOGPROB_POSITIONS])[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,12 +454,32 @@ class NodeState:
                 "prefix_query_tokens": self.prefix_query_tokens}
 
 
+@dataclass(frozen=True, slots=True)
+class Draining:
+    """Worker -> router (one-way, outside any request): this node drains (SIGTERM) and
+    exits within `timeout_s`.  The router routes no new request to it until its link
+    reconnects (the restarted process); requests already there finish, or the node
+    moves them by ending each with an `Error` of code "draining" (the router re-drives
+    it from the tokens already emitted).  Sent again with every load poll while the
+    node drains, so a router that missed it (a reconnect) hears it within a poll."""
+
+    node: str
+    timeout_s: float
+    tag: Literal["draining"] = "draining"
+
+    def __post_init__(self) -> None:
+        _text(self.node, "node", empty=False)
+        _number(self.timeout_s, "timeout_s")
+        object.__setattr__(self, "timeout_s", float(self.timeout_s))
+
+
 # Wire kinds of the pipeline's messages (net's own are below 100).  Append only.
 PIPELINE_KINDS: dict[int, tuple[type, str]] = {
     100: (Submit, "prompt"), 101: (Opened, ""), 102: (Prefill, "prompt"), 103: (PrefillDone, ""),
     104: (HandOff, ""), 105: (HandedOff, ""), 106: (HandoffRound, ""), 107: (Extend, "ids"),
     108: (StateQuery, ""), 109: (NodeState, ""), 110: (KvDone, ""), 111: (Demote, ""),
-    112: (Logprobs, "top_ids"),
+    112: (Logprobs, "top_ids"), 113: (PromptLogprobsQuery, ""),
+    130: (Draining, ""),        # well above the others' next kinds: parallel work appends there
 }
 
 

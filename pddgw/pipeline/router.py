@@ -32,12 +32,21 @@ over from the tokens already emitted once that KV is in (the router sends
 them as the final handoff round), so the transfer in flight is reused, never
 started again; a decoder lost after the handoff, or P lost -> the request restarts
 on a healthy node from the tokens already emitted (their KV recomputed
-there); sampling is position-keyed, so the user sees the same tokens.  When
+there); sampling is position-keyed, so the user sees the same tokens.  P is
+depended on until every decoder confirmed its KV (its first token, MD's
+Ready), not only until PrefillDone (which says P's transport took the
+bytes): P's link is watched until then (`_watch_link`), and its loss is P's
+failure (MD's alone, when RLD already decodes: RLD finishes).  A re-drive
+that finds its decoder full waits for room; it is not a lost node.  When
 no path is left the caller gets a RouterError that says why.
 A full decoder is not a failure: the request frees what it holds and waits
 in the room queue for KV room (admission.py; `overloaded` past its bounds).
 A role with no healthy node (one restarting) is waited for, up to
 `server.node_wait_s`.
+A draining node (SIGTERM: its `pm.Draining`, or a Submit / Prefill it refused
+with code "draining") gets no new request until its link reconnects (the
+restarted process); what it ends with Error "draining" re-drives like a lost
+node's.
 Metrics (`Router.metrics`, pddgw/metrics.py): each run of tokens sent (step 5)
 and each request's end feed its Prometheus series; `counts`, the room queue
 and `live` are read at scrape time.
@@ -58,10 +67,11 @@ import structlog
 from pddgw.config import Config, NodeConfig
 from pddgw.engines.block_manager import chain_hashes
 from pddgw.engines.model_spec import ModelSpec
-from pddgw.engines.types import SamplingParams
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.types import TokenLogprobs
 from pddgw.metrics import RouterCounts, RouterMetrics
 from pddgw.net import messages as m
-from pddgw.net.errors import LinkClosed, LinkError, RemoteError
+from pddgw.net.errors import LinkClosed, LinkError, LinkTimeout, RemoteError
 from pddgw.net.link import Link, LinkState
 from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.admission import Overloaded, RoomQueue
@@ -72,7 +82,7 @@ from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, Pre
                                    StreamError, StreamReader, Tokens)
 from pddgw.pipeline.handoff import drive_handoff
 from pddgw.pipeline.ordering import StreamMerger, TokenRun
-from pddgw.pipeline.policy import (LoadReport, NoInstanceError, PipelineDecision, PipelineInputs,
+from pddgw.pipeline.policy import (InstanceLoad, NoInstanceError, PipelineDecision, PipelineInputs,
                                    SingularLimiter, decide_pipeline, pick_instance, relay_pressure)
 from pddgw.pipeline.state import RequestRecord, RequestState, RequestTracker, Role
 
@@ -87,6 +97,13 @@ class RouterError(RuntimeError):
     def __init__(self, message: str, code: str = "server_error"):
         super().__init__(message)
         self.code = code
+
+
+class StopRequest(Exception):
+    """Raised by a request's `emit` callback: the caller wants no more of its tokens (a stop
+    string matched at the front door).  `Router.run` ends the request as finished with
+    reason "stop" and, as for any end, cancels it on every node holding it (they free all
+    of it at once); the Outcome's tokens are those emitted, the run that stopped included."""
 
 
 @dataclass(slots=True)
@@ -109,6 +126,9 @@ class NodeHandle:
     relay_tokens: int = 0
     # Heartbeat round trips of the link already fed to the WAN estimator.
     pongs_seen: int = 0
+    # The link's reconnect count when the node said it drains (None: it does not): a
+    # reconnect is the restarted process, which takes requests again.
+    draining_epoch: int | None = None
 
     @property
     def name(self) -> str:
@@ -123,15 +143,29 @@ class NodeHandle:
         return self.link.state == LinkState.OPEN
 
     @property
+    def draining(self) -> bool:
+        return self.draining_epoch is not None and self.draining_epoch == self.link.stats.reconnects
+
+    @property
+    def routable(self) -> bool:
+        """Healthy and not draining: a new request may go here."""
+        return self.healthy and not self.draining
+
+    def heard_draining(self) -> None:
+        if not self.draining:
+            log.info("node_draining", node=self.name, role=self.role, inflight=self.inflight)
+        self.draining_epoch = self.link.stats.reconnects
+
+    @property
     def kv_tokens(self) -> int:
         """Tokens of KV the node's pool holds (0 until its first load report)."""
         return self.load.total_blocks * self.block_size if self.load is not None else 0
 
-    def report(self) -> LoadReport:
+    def report(self) -> InstanceLoad:
         """The policy's view of this node's last load report (idle until one arrived)."""
         ld = self.load or m.LoadReport(self.name, 0, 0, 1, 1)
-        return LoadReport(self.name, self.role, max(ld.running, self.inflight), ld.waiting,  # type: ignore[arg-type]
-                          self.max_num_seqs, ld.total_blocks - ld.free_blocks, ld.total_blocks, self.healthy)
+        return InstanceLoad(self.name, self.role, max(ld.running, self.inflight), ld.waiting,  # type: ignore[arg-type]
+                          self.max_num_seqs, ld.total_blocks - ld.free_blocks, ld.total_blocks, self.routable)
 
 
 @dataclass(slots=True)
@@ -142,6 +176,8 @@ class Outcome:
     output_ids: tuple[int, ...]
     finish_reason: str
     cached_tokens: int
+    # Prompt tokens 1..n-1's logprobs when the request asked for them (else empty).
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 Emit = Callable[[TokenRun], Awaitable[None]]
@@ -180,6 +216,10 @@ class _Flight:
     holds_room: bool = False
     # Seconds it waited in the room queue (all its waits).
     queue_s: float = 0.0
+    # The node that last computed the prompt (P; a re-drive's decoder): it keeps the prompt
+    # logprobs of a request asking for them until the Cancel.
+    scorer: NodeHandle | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     def block_hashes(self, block_size: int) -> tuple[int, ...]:
         if block_size not in self.hashes:
@@ -231,6 +271,20 @@ class Router:
         """Wait for work that outlives responses (MD cache alignment)."""
         await self.alignments.drain()
 
+    async def on_link_message(self, link: Link, msg: m.Message) -> m.Message | None:
+        """A worker's message outside any request stream: its drain; anything else (a late
+        token of an ended request) is dropped."""
+        if isinstance(msg, pm.Draining):
+            for node in self.nodes.values():
+                if node.link is link:
+                    node.heard_draining()
+        return None
+
+    @staticmethod
+    def _note_draining(node: NodeHandle, e: LinkError) -> None:
+        if isinstance(e, RemoteError) and e.code == "draining":
+            node.heard_draining()
+
     # ---- loads ---------------------------------------------------------------------
     async def poll_loads(self, interval_s: float = 0.25) -> None:
         """Keep every node's load report fresh (runs for the router's lifetime)."""
@@ -263,7 +317,8 @@ class Router:
     # ---- one request ----------------------------------------------------------------
     async def run(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams, emit: Emit,
                   pipeline: str | None = None, handoff_mode: str | None = None) -> Outcome:
-        """Serve one request; `pipeline` / `handoff_mode` override the policy for it."""
+        """Serve one request; `pipeline` / `handoff_mode` override the policy for it.  `emit`
+        raising StopRequest ends it early, finished (see there)."""
         tracker = RequestTracker(rid, clock=asyncio.get_running_loop().time)
         fl = _Flight(rid, prompt, sampling, tracker, StreamMerger(rid), emit,
                      force_pipeline=pipeline, force_handoff=handoff_mode)
@@ -271,7 +326,13 @@ class Router:
         try:
             async with asyncio.timeout(self.timeout):
                 await self._drive(fl)
+                if sampling.prompt_logprobs is not None and len(prompt) > 1:
+                    fl.prompt_logprobs = await self._fetch_prompt_logprobs(fl)
             fl.tracker.finish(fl.finish_reason)
+        except StopRequest:
+            fl.finish_reason = "stop"
+            if not fl.tracker.terminal:
+                fl.tracker.finish("stop string")
         except asyncio.CancelledError:
             if not fl.tracker.terminal:
                 fl.tracker.cancel("cancelled by the client")
@@ -291,7 +352,31 @@ class Router:
                 await asyncio.shield(self._release(fl))
             log.info("request_done", request_id=rid, state=fl.tracker.state.name,
                      pipeline=fl.tracker.pipeline, emitted=fl.merger.next_position)
-        return Outcome(record, fl.merger.emitted_tokens, fl.finish_reason, fl.cached_tokens)
+        return Outcome(record, fl.merger.emitted_tokens, fl.finish_reason, fl.cached_tokens,
+                       fl.prompt_logprobs)
+
+    async def _fetch_prompt_logprobs(self, fl: _Flight) -> tuple[TokenLogprobs, ...]:
+        """The prompt logprobs from the node that computed the prompt, piece by piece
+        (protocol.py); before the Cancels, which drop them there."""
+        node, n = fl.scorer, len(fl.prompt) - 1
+        k = min(fl.sampling.prompt_logprobs or 0, self.spec.vocab_size)
+        out: list[TokenLogprobs] = []
+        while len(out) < n:
+            if node is None:
+                raise RouterError(f"request {fl.rid}: no node computed its prompt logprobs")
+            start = len(out) + 1
+            try:
+                piece = await node.link.request(pm.PromptLogprobsQuery(fl.rid, start), timeout=self.control_timeout)
+            except LinkError as e:
+                raise RouterError(f"request {fl.rid}: its prompt logprobs were lost with "
+                                  f"{node.role} {node.name}: {e}", "unavailable") from None
+            if (not isinstance(piece, pm.Logprobs) or piece.position != start or piece.top_n != k
+                    or len(piece.logprobs) > n - len(out)):
+                raise RouterError(f"request {fl.rid}: {node.role} {node.name} answered its prompt "
+                                  f"logprobs query from {start} with {type(piece).__name__} "
+                                  f"{getattr(piece, 'position', '')}")
+            out += piece.entries()
+        return tuple(out)
 
     async def _release(self, fl: _Flight) -> None:
         """Cancel on every node involved and wait for each to confirm (it frees everything)."""
@@ -334,6 +419,7 @@ class Router:
             ans = await node.link.request(m.PrefixQuery(fl.rid, fl.block_hashes(node.block_size)),
                                           timeout=self.control_timeout)
         except LinkError as e:
+            self._note_draining(node, e)
             log.warning("prefix_query_failed", request_id=fl.rid, node=node.name, error=str(e))
             fl.excluded.add(node.name)
             return None
@@ -352,7 +438,7 @@ class Router:
         """
         pol = self.cfg.policy
         cands = [n for n in self.nodes.values()
-                 if n.role == "prefill" and n.healthy and n.name not in fl.excluded]
+                 if n.role == "prefill" and n.routable and n.name not in fl.excluded]
         if not (pol.prefix_affinity and len(cands) > 1):
             node = self._pick("prefill", fl)
             if node is not None:
@@ -380,7 +466,7 @@ class Router:
         """The MD to open on: with `prefix_affinity`, the longest prefix the router
         remembers there among those below `affinity_max_load`; else the least loaded."""
         pol = self.cfg.policy
-        cands = [n for n in self.nodes.values() if n.role == "md" and n.healthy and n.name not in fl.excluded]
+        cands = [n for n in self.nodes.values() if n.role == "md" and n.routable and n.name not in fl.excluded]
         if not (pol.prefix_affinity and len(cands) > 1):
             return self._pick("md", fl)
         roomy = [n for n in cands if n.report().load < pol.affinity_max_load] or cands
@@ -444,7 +530,7 @@ class Router:
         cands = [n for n in self.nodes.values() if n.role in roles and n.name not in fl.excluded]
 
         def there() -> bool:
-            return any(n.healthy for n in cands)
+            return any(n.routable for n in cands)
 
         if not cands:
             return False
@@ -566,13 +652,14 @@ class Router:
     async def _submit(self, node: NodeHandle, fl: _Flight, kv: str, hold: bool,
                       supersedes: tuple[str, ...] = ()) -> int:
         msg = pm.Submit(request_id=fl.rid, kv=kv, hold=hold, prompt=fl.prompt,  # type: ignore[arg-type]
-                        supersedes=supersedes, **pm.sampling_fields(fl.sampling))
+                        supersedes=supersedes, sampling=fl.sampling)
         try:
             _up(node)
             reply = await node.link.request(msg, timeout=self.control_timeout)
         except RemoteError as e:
             if e.code == "capacity":
                 raise _NoRoom(f"{node.role} {node.name}: {e}") from None
+            self._note_draining(node, e)
             raise _NodeLost(node, f"refused the request: {e}") from None
         except LinkError as e:
             raise _NodeLost(node, f"unreachable: {e}") from None
@@ -602,10 +689,11 @@ class Router:
 
         async def prefill() -> None:
             msg = pm.Prefill(request_id=rid, targets=tuple(starts), starts=tuple(starts.values()),  # type: ignore[arg-type]
-                             prompt=fl.prompt, holds=holds, **pm.sampling_fields(fl.sampling))
+                             prompt=fl.prompt, holds=holds, sampling=fl.sampling)
             fl.wan_queued = sum((len(fl.prompt) - start) * self.kv_bytes_per_token
                                 for name, start in starts.items() if self._crosses_wan(p, name))
             self.wan_backlog += fl.wan_queued
+            fl.scorer = p
             work = len(fl.prompt) - fl.p_cached_tokens
             p.prefill_backlog += work
             try:
@@ -614,29 +702,58 @@ class Router:
                 assert isinstance(done, pm.PrefillDone), done
                 events.put_nowait(PrefillFinished(p, done))
             except LinkError as e:
+                self._note_draining(p, e)
                 events.put_nowait(NodeFailed(p, str(e)))
             finally:
                 self._unqueue_wan(fl)
                 p.prefill_backlog -= work
 
         tasks = [asyncio.create_task(pump(n)) for n in (rld, md) if n is not None]
+        # P's KV is on its way until each decoder confirms it (its first token, or MD's
+        # Ready): P's PrefillDone only says P's transport took the bytes, so a P lost
+        # after it still loses what its wire had not delivered (the decoder would wait
+        # for it until the request timeout).  Its link's loss is watched until then.
+        awaiting_kv = set(starts)
+        p_watch = _watch_link(p, rid, self.timeout, events)
+        if p_watch is not None:
+            tasks.append(p_watch)
         prefill_task = asyncio.create_task(prefill())
         tasks.append(prefill_task)
         handoff: asyncio.Task | None = None
         md_alive = md is not None
         rld_alive = rld is not None
+        p_alive = True
         md_ready = False
+
+        def kv_confirmed(node: NodeHandle) -> None:
+            awaiting_kv.discard(node.name)
+            if not awaiting_kv and p_watch is not None:
+                p_watch.cancel()
+
         try:
             while not fl.merger.complete:
                 ev = await events.get()
                 match ev:
+                    case Tokens(node=node) | KvReady(node=node) if node.name in awaiting_kv:
+                        kv_confirmed(node)
+                match ev:
+                    case NodeFailed(node=node) if node is p and not p_alive:
+                        continue        # already handled (the watch and the Prefill reply both report it)
+                    case NodeFailed(node=node, why=why) if (
+                            node is p and rld is not None and rld_alive and md is not None and md_alive
+                            and rld.name not in awaiting_kv and md.name in awaiting_kv):
+                        # RLD has its KV and decodes: only MD's transfer died with P - RLD finishes.
+                        p_alive = False
+                        events.put_nowait(NodeFailed(md, f"its KV was lost with P {p.name}: {why}"))
+                        continue
                     case NodeFailed(node=node) if node is rld and not rld_alive:
                         continue        # MD took over (below): what else fails on RLD is moot
                     case Tokens(node=node) if node is rld and not rld_alive:
                         continue
                     case NodeFailed(node=node, why=why):
                         if node is p:
-                            raise _NodeLost(p, f"prefill failed: {why}")
+                            raise _NodeLost(p, f"prefill failed: {why}" if not prefill_task.done() else
+                                            f"lost before {', '.join(sorted(awaiting_kv))} had its KV: {why}")
                         if (node is rld and md is not None and md_alive and handoff is None and not md_ready
                                 and fl.merger.next_position > 0 and fl.tracker.state == RequestState.RLD_DECODING):
                             # MD still imports P's KV: it takes over from the emitted tokens once
@@ -694,7 +811,7 @@ class Router:
                     case HandoffEnded():
                         self._end_relay(fl)
             if md is not None and md_alive and rld_alive and handoff is None:
-                self._align_md(fl, p, md, md_ready, starts[md.name], prefill_task, events, tasks, streams)
+                self._align_md(fl, p, md, md_ready, starts, prefill_task, events, tasks, streams)
         finally:
             if fl.background is None:
                 await _cancel_all(tasks + ([handoff] if handoff else []))
@@ -704,12 +821,16 @@ class Router:
     def _crosses_wan(self, p: NodeHandle, target: str) -> bool:
         return self.nodes[target].cfg.cluster != p.cfg.cluster
 
-    def _align_md(self, fl: _Flight, p: NodeHandle, md: NodeHandle, ready: bool, md_start: int,
+    def _align_md(self, fl: _Flight, p: NodeHandle, md: NodeHandle, ready: bool, starts: dict[str, int],
                   prefill_task: asyncio.Task, events: asyncio.Queue[Event], tasks: list[asyncio.Task],
                   streams) -> None:
         """RLD finished before MD got the KV: MD takes the conversation into its
         prefix cache in the background (alignment.py); nobody waits for it, so
-        its bytes leave the foreground backlog."""
+        its bytes leave the foreground backlog.  It depends on MD and, until MD
+        has the KV, on P: the request's pumps and P's link watch go on feeding
+        it their events, and P's report of a failed transfer to MD is MD's
+        failure for it."""
+        md_start = starts[md.name]
         hashes = fl.block_hashes(md.block_size)
         idx = md_start // md.block_size
         key = AlignKey(md.name, md.block_size, idx, hashes[idx]) if idx < len(hashes) else None
@@ -723,9 +844,17 @@ class Router:
 
         # What it may still move over the WAN: MD's missing range, unless P has sent it all.
         wan_bytes = 0 if prefill_task.done() else (len(fl.prompt) - md_start) * self.kv_bytes_per_token
+        async def next_event() -> Event:
+            ev = await events.get()
+            if isinstance(ev, PrefillFinished):
+                err = dict(zip(starts, ev.done.errors)).get(md.name)
+                if err:
+                    return NodeFailed(md, f"KV transfer failed: {err}")
+            return ev
+
         fl.background = self.alignments.start(
             fl.rid, key, None if prefill_task.done() else p.link, md.link, md, ready,
-            fl.merger.emitted_tokens, events.get, cleanup, wan_bytes)
+            fl.merger.emitted_tokens, next_event, cleanup, wan_bytes, depends=(md, p))
 
     async def _take_over(self, fl: _Flight, md: NodeHandle, events: asyncio.Queue[Event]) -> None:
         """RLD was lost before the handoff and MD now holds the prompt KV: the router
@@ -789,11 +918,12 @@ class Router:
         stream = node.link.stream(fl.rid, timeout=self.timeout)
         reader = self._reader(node, fl)
         self._involve(fl, node)
+        fl.scorer = node
         try:
-            try:
-                await self._submit(node, fl, "compute", bool(emitted))
-            except _NoRoom as e:
-                raise _NodeLost(node, str(e)) from None
+            # A full decoder (_NoRoom) is not lost: the request waits for room in the queue
+            # and re-drives after (taken as lost, a WAN cut failed at once every re-drive
+            # that found RLD full: "no healthy decode node left").
+            await self._submit(node, fl, "compute", bool(emitted))
             if emitted:
                 try:
                     await node.link.request(pm.Extend(fl.rid, 0, True, emitted), timeout=self.control_timeout)
@@ -812,6 +942,32 @@ class Router:
             raise _NodeLost(node, "stream ended before the request finished")
         finally:
             stream.close()
+
+
+def _watch_link(node: NodeHandle, rid: str, timeout: float, events: asyncio.Queue[Event]) -> asyncio.Task | None:
+    """Report `node`'s link lost (NodeFailed) while the task runs, at once: a stream of `rid`
+    on the link (the node sends nothing on it) fails the moment the connection drops.
+    None when the link has a stream of `rid` already (that one reports the loss)."""
+    try:
+        st = node.link.stream(rid, timeout=timeout)
+    except ValueError:
+        return None
+    except LinkError as e:
+        events.put_nowait(NodeFailed(node, str(e)))
+        return None
+
+    async def watch() -> None:
+        try:
+            async for _ in st:
+                pass
+        except LinkTimeout:
+            pass                # the request's own timeout governs
+        except LinkError as e:
+            events.put_nowait(NodeFailed(node, str(e)))
+        finally:
+            st.close()
+
+    return asyncio.create_task(watch(), name=f"watch-{node.name}-{rid}")
 
 
 def _up(node: NodeHandle) -> None:

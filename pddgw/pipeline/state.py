@@ -4,7 +4,14 @@ One `RequestTracker` per request lives on the router's event loop.  Every
 state change goes through the transition table below and is timestamped with
 an injectable monotonic clock; the resulting `RequestRecord` is what
 `response.completed` reports under `"pddgw"` (pipeline, handoff mode and
-positions, TTFT, WAN KV bytes, handoff stall, states with timestamps).
+positions, TTFT, WAN KV bytes, handoff stall, the largest inter-token gap,
+states with timestamps).
+
+Every gap is between emissions, i.e. when the router sent tokens to the
+client: the handoff stall ends at MD's first token after the handoff (not at
+the handoff's ack), and `max_itl_ms` / `max_itl_position` name the longest
+wait of the whole request and the output position that ended it, so a
+request MD starved after a quick first token shows it in its own timeline.
 
 Lifecycle (the numbers are the steps, the names the states entered):
 
@@ -61,13 +68,12 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Literal
 
+# Which node produced a token (the delta's `"pddgw": {"role": ...}`); re-exported for the pipeline.
+from pddgw.core.roles import ROLES, Role  # noqa: F401
+
 Pipeline = Literal["P-MD", "P-RLD-MD", "P-RLD"]
 HandoffMode = Literal["one-shot", "catch-up"]
-# Which node produced a token (the delta's `"pddgw": {"role": ...}`).
-Role = Literal["prefill", "rld", "md"]
-
 PIPELINES: tuple[Pipeline, ...] = ("P-MD", "P-RLD-MD", "P-RLD")
-ROLES: tuple[Role, ...] = ("prefill", "rld", "md")
 
 
 class RequestState(IntEnum):
@@ -145,8 +151,9 @@ class StateStamp:
 
 
 @dataclass(frozen=True, slots=True)
-class HandoffRound:
-    """Output positions [start, end) handed to MD by token ID."""
+class RoundRecord:
+    """A handoff round as the timeline records it: output positions [start, end) handed to MD by
+    token ID, at `t` (RLD reports it with `protocol.HandoffRound`; this is what the router keeps)."""
 
     start: int
     end: int
@@ -198,6 +205,9 @@ class RequestRecord:
     total_ms: float
     wan_kv_bytes: int
     handoff_stall_ms: float | None
+    # Largest gap between two emissions (after the first token) and the first position after it.
+    max_itl_ms: float | None
+    max_itl_position: int | None
     output_tokens: int
     tokens_by_role: tuple[tuple[Role, int], ...]
     fallback_reason: str | None
@@ -219,6 +229,8 @@ class RequestRecord:
             "total_ms": self.total_ms,
             "wan_kv_bytes": self.wan_kv_bytes,
             "handoff_stall_ms": self.handoff_stall_ms,
+            "max_itl_ms": self.max_itl_ms,
+            "max_itl_position": self.max_itl_position,
             "output_tokens": self.output_tokens,
             "tokens_by_role": dict(self.tokens_by_role),
             "fallback_reason": self.fallback_reason,
@@ -247,9 +259,9 @@ class RequestTracker:
         self._planned: Pipeline | None = None
         self._pipeline: Pipeline | None = None
         self._route_reason = ""
-        self._rounds: list[HandoffRound] = []
+        self._rounds: list[RoundRecord] = []
         # Rounds of the handoff episode in progress (since the last md_ready).
-        self._episode: list[HandoffRound] = []
+        self._episode: list[RoundRecord] = []
         # Output positions MD held when the episode began (P's first token: 1).
         self._episode_base = 0
         self._emissions: list[Emission] = []
@@ -338,7 +350,7 @@ class RequestTracker:
             raise ValueError(
                 f"request {self.request_id}: handoff round [{start}, {end}) does not continue at {expect}")
         self.advance(dst, f"handoff [{start}, {end})" + (" final" if final else ""))
-        r = HandoffRound(start, end, final, self._stamps[-1].t)
+        r = RoundRecord(start, end, final, self._stamps[-1].t)
         self._episode.append(r)
         self._rounds.append(r)
 
@@ -391,7 +403,7 @@ class RequestTracker:
 
     # ---------------------------------------------------------------- record
 
-    def _handoff_stall(self, final: HandoffRound) -> float | None:
+    def _handoff_stall(self, final: RoundRecord) -> float | None:
         """The longest wait the client saw across the final handoff.
 
         The window runs from the last emission made before the final round
@@ -412,8 +424,18 @@ class RequestTracker:
                 first = i
         return _ms(max(em[i + 1].t - em[i].t for i in range(first, cover)))
 
+    def _max_itl(self) -> tuple[float | None, int | None]:
+        """-> (longest gap between consecutive emissions in ms, the position emitted after it);
+        (None, None) before a second emission.  The earliest of equal gaps is named."""
+        em = self._emissions
+        best = max(range(1, len(em)), key=lambda i: em[i].t - em[i - 1].t, default=None)
+        if best is None:
+            return None, None
+        return _ms(em[best].t - em[best - 1].t), em[best].position
+
     def record(self) -> RequestRecord:
         t0 = self._t0
+        max_itl_ms, max_itl_position = self._max_itl()
         final_rounds = [r for r in self._rounds if r.final]
         position = final_rounds[-1].end if final_rounds else None
         if not self._rounds:
@@ -439,6 +461,8 @@ class RequestTracker:
             total_ms=_ms(end_t - t0),
             wan_kv_bytes=self._wan_kv_bytes,
             handoff_stall_ms=self._handoff_stall(final_rounds[-1]) if final_rounds else None,
+            max_itl_ms=max_itl_ms,
+            max_itl_position=max_itl_position,
             output_tokens=self._emitted,
             tokens_by_role=tuple(sorted(by_role.items())),
             fallback_reason=self._fallback,

@@ -24,13 +24,33 @@ VirtualClock patches the same two places (time and select) through
 Runs are deterministic as long as the code on the loop uses no threads and
 no real I/O, which holds for the cost-model engine and in-process links: the
 same scenario and seed give the same timings, run after run, in any process.
+
+`VirtualClockLoop` also runs its own iteration (`_run_once`), the stock one
+minus what a virtual clock never needs, with the same order and the same
+float arithmetic, so a run is the same to the last bit as on
+`ReferenceVirtualLoop` (the stock iteration over the virtual selector, kept
+for `pddgw.bench.simspeed` and the test that pins the equality):
+
+* the real selector is polled only before the clock jumps (nothing ready),
+  not every iteration: a thread's `call_soon_threadsafe` lands in the ready
+  queue either way, its self-pipe byte is drained at the next poll;
+* the timer heap holds (when, handle) pairs: the heap's comparisons are
+  float comparisons in C instead of `TimerHandle.__lt__` calls (a run keeps
+  hundreds of timers: stream deadlines, request timeouts, users' think
+  times); a tie falls back to the handles' order, so timers leave the heap in
+  exactly the stock order;
+* ready handles run without the debug branch (the comment in `_run_once`
+  says why).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import heapq
 import selectors
-from collections.abc import Coroutine
+from asyncio import base_events
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -51,8 +71,8 @@ class _VirtualSelector(selectors.DefaultSelector):
         return []
 
 
-class VirtualClockLoop(asyncio.SelectorEventLoop):
-    """A selector loop on virtual time, starting at t = 0."""
+class ReferenceVirtualLoop(asyncio.SelectorEventLoop):
+    """The stock selector loop on virtual time, starting at t = 0 (the reference iteration)."""
 
     def __init__(self) -> None:
         self._vselector = _VirtualSelector()
@@ -62,7 +82,77 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         return self._vselector.now
 
 
-def run_virtual(coro: Coroutine[Any, Any, T]) -> T:
+# The stock loop's constants (asyncio.base_events), read once: the iteration below mirrors it.
+_MIN_SCHEDULED = base_events._MIN_SCHEDULED_TIMER_HANDLES
+_MIN_CANCELLED_FRACTION = base_events._MIN_CANCELLED_TIMER_HANDLES_FRACTION
+_MAX_SELECT_TIMEOUT = base_events.MAXIMUM_SELECT_TIMEOUT
+
+
+class VirtualClockLoop(ReferenceVirtualLoop):
+    """A selector loop on virtual time with a lean iteration (module docstring)."""
+
+    def call_at(self, when: float, callback: Callable[..., object], *args: Any,
+                context: contextvars.Context | None = None) -> asyncio.TimerHandle:
+        if when is None:
+            raise TypeError("when cannot be None")
+        self._check_closed()
+        if self._debug:
+            self._check_thread()
+            self._check_callback(callback, "call_at")
+        timer = asyncio.TimerHandle(when, callback, args, self, context)
+        if timer._source_traceback:
+            del timer._source_traceback[-1]
+        # (when, handle): the heap compares floats in C; on a tie it falls back to the
+        # handles' own order, so timers leave the heap exactly as from the stock loop's.
+        heapq.heappush(self._scheduled, (when, timer))
+        timer._scheduled = True
+        return timer
+
+    def _run_once(self) -> None:
+        scheduled, ready, vsel = self._scheduled, self._ready, self._vselector
+        n = len(scheduled)
+        if n > _MIN_SCHEDULED and self._timer_cancelled_count / n > _MIN_CANCELLED_FRACTION:
+            live = []
+            for entry in scheduled:
+                if entry[1]._cancelled:
+                    entry[1]._scheduled = False
+                else:
+                    live.append(entry)
+            heapq.heapify(live)
+            self._scheduled = scheduled = live
+            self._timer_cancelled_count = 0
+        else:
+            while scheduled and scheduled[0][1]._cancelled:
+                self._timer_cancelled_count -= 1
+                heapq.heappop(scheduled)[1]._scheduled = False
+
+        if not ready and not self._stopping:
+            if scheduled:
+                # What _VirtualSelector.select does with the stock loop's timeout, the same float steps.
+                events = selectors.DefaultSelector.select(vsel, 0)
+                if events:
+                    self._process_events(events)
+                else:
+                    vsel.now += min(max(0, scheduled[0][0] - vsel.now), _MAX_SELECT_TIMEOUT)
+            else:
+                self._process_events(vsel.select(None))
+
+        end = vsel.now + self._clock_resolution
+        while scheduled and scheduled[0][0] < end:
+            h = heapq.heappop(scheduled)[1]
+            h._scheduled = False
+            ready.append(h)
+
+        # No debug branch: its slow-callback report times callbacks on this loop's clock,
+        # which a callback never advances (virtual time moves only between iterations).
+        pop = ready.popleft
+        for _ in range(len(ready)):
+            h = pop()
+            if not h._cancelled:
+                h._run()
+
+
+def run_virtual(coro: Coroutine[Any, Any, T], loop_factory: type[asyncio.AbstractEventLoop] = VirtualClockLoop) -> T:
     """`asyncio.run` on a virtual clock."""
-    with asyncio.Runner(loop_factory=VirtualClockLoop) as runner:
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(coro)

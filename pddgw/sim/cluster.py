@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from pddgw.config import Config
 from pddgw.sim.costmodel_engine import CostModelEngine
-from pddgw.engines.types import SamplingParams
+from pddgw.core.sampling import SamplingParams
 from pddgw.net.link import Priority
 from pddgw.net.shaping import Shaper
 from pddgw.deploy.serve import Embedded

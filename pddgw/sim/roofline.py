@@ -65,14 +65,17 @@ and costs nothing, overhead included.
 from __future__ import annotations
 
 import functools
-
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from itertools import repeat
+from operator import floordiv
+from typing import Literal, TypeVar
 
 from pddgw.sim.model_shape import (V4_CSA_RATIO, V4_HCA_RATIO, ModelProfile, sum_floor, sum_floor_capped,
                                    sum_min)
 from pddgw.sim.profiles import HardwareProfile
+
+_V = TypeVar("_V")
 
 ACTIVATION_BYTES = 2          # bf16 hidden states in the TP all-reduces and the EP combine
 DISPATCH_BYTES = 1            # FP8 hidden states in the EP dispatch (DeepEP's low-latency and normal modes)
@@ -149,7 +152,27 @@ def distinct_experts(num_experts: int, k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - k / num_experts) ** tokens)
 
 
-@functools.lru_cache(maxsize=64)
+def _per_profile(fn: Callable[[ModelProfile], _V]) -> Callable[[ModelProfile], _V]:
+    """Memoize `fn` per profile object: `lru_cache` would hash the whole frozen profile (every
+    field, twice a step), an identity check is one dict look-up.  Entries hold their profile,
+    so an id is never reused while cached."""
+    cache: dict[int, tuple[ModelProfile, _V]] = {}
+
+    @functools.wraps(fn)
+    def get(model: ModelProfile) -> _V:
+        hit = cache.get(id(model))
+        if hit is not None and hit[0] is model:
+            return hit[1]
+        value = fn(model)
+        if len(cache) >= 64:
+            cache.clear()
+        cache[id(model)] = (model, value)
+        return value
+
+    return get
+
+
+@_per_profile
 def _per_model(model: ModelProfile) -> tuple[float, float, float, float, bool]:
     """(linear FLOPs per token, attention weight bytes, other dense weight bytes, bytes of one
     routed expert, KV has heads to split): profile properties recomputed per step would cost
@@ -159,7 +182,7 @@ def _per_model(model: ModelProfile) -> tuple[float, float, float, float, bool]:
             float(model.expert_bytes), model.attention == "gqa")
 
 
-@functools.lru_cache(maxsize=64)
+@_per_profile
 def _v4_consts(model: ModelProfile) -> tuple[int, ...]:
     """DeepSeek-V4's per-step constants: (layers, window, entry bytes, index bytes, CSA layers,
     HCA layers, top-k, FLOPs per attended entry, indexer FLOPs per scored entry)."""
@@ -174,19 +197,27 @@ def _v4_attention(model: ModelProfile, work: Sequence[SeqWork]) -> tuple[float, 
     every step; tests pin the two paths equal)."""
     layers, window, e, i, csa, hca, k, per_entry, per_index = _v4_consts(model)
     c, h = V4_CSA_RATIO, V4_HCA_RATIO
-    entries = scored = nbytes = 0
+    # Decodes (one query at position hi = context + 1: the common case) summed per term in C
+    # (map over builtins): every term is an integer sum, so regrouping it is exact.
+    his = [w.context_tokens + 1 for w in work if w.new_tokens == 1]
+    comps = list(map(floordiv, his, repeat(c, len(his))))
+    win = sum(map(min, his, repeat(window, len(his))))
+    sel = sum(map(min, comps, repeat(k, len(comps))))
+    hcas = sum(map(floordiv, his, repeat(h, len(his))))
+    scored = sum(comps)
+    entries = layers * win + csa * sel + hca * hcas
+    nbytes = layers * win * e + csa * (scored * i + sel * e) + hca * hcas * e
     for w in work:
-        lo, new = w.context_tokens, w.new_tokens
+        new = w.new_tokens
+        if new == 1:
+            continue
+        lo = w.context_tokens
         hi = lo + new
         comp = hi // c
-        if new == 1:        # a decode: the one query at position hi (the common case, no sums)
-            entries += layers * min(hi, window) + csa * min(comp, k) + hca * (hi // h)
-            scored += comp
-        else:
-            entries += (layers * (sum_min(hi, window) - sum_min(lo, window))
-                        + csa * (sum_floor_capped(hi, c, k) - sum_floor_capped(lo, c, k))
-                        + hca * (sum_floor(hi, h) - sum_floor(lo, h)))
-            scored += sum_floor(hi, c) - sum_floor(lo, c)
+        entries += (layers * (sum_min(hi, window) - sum_min(lo, window))
+                    + csa * (sum_floor_capped(hi, c, k) - sum_floor_capped(lo, c, k))
+                    + hca * (sum_floor(hi, h) - sum_floor(lo, h)))
+        scored += sum_floor(hi, c) - sum_floor(lo, c)
         nbytes += (layers * min(hi, window + new - 1) * e + csa * (comp * i + min(comp, k * new) * e)
                    + hca * (hi // h) * e)
     return float(per_entry * entries + per_index * csa * scored), float(nbytes)

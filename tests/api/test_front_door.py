@@ -102,7 +102,7 @@ async def test_bad_create_gets_an_error_event_that_echoes_its_stream_id(door):
     assert orjson.loads((await ws.receive()).data) == {
         "type": "error", "sequence_number": 1, "stream_id": "s1",
         "error": {"type": "invalid_request_error", "code": "invalid_request_error",
-                  "message": "'seed' must be an integer in [0, 2**63)", "param": "seed"}}
+                  "message": "seed must be an integer in [0, 9223372036854775808), got -1", "param": "seed"}}
     assert orjson.loads((await ws.receive()).data) == {
         "type": "error", "sequence_number": 2,
         "error": {"type": "invalid_request_error", "code": "invalid_request_error",
@@ -185,7 +185,8 @@ async def test_a_browser_key_in_the_websocket_subprotocol_is_accepted_and_echoed
 
 
 async def test_a_template_refusal_is_a_400_naming_the_input_and_jinja_is_prepared_off_the_loop(tmp_path):
-    from pddgw.api.responses import ApiError, SamplingFields
+    from pddgw.api.errors import ApiError
+    from pddgw.core.sampling import SamplingParams
     from pddgw.engines.tokenizer import HFTokenizer
     from tests.engines.test_chat_template import LLAMA2, _checkpoint
 
@@ -197,7 +198,7 @@ async def test_a_template_refusal_is_a_400_naming_the_input_and_jinja_is_prepare
         door.tok = HFTokenizer.from_dir(_checkpoint(tmp_path / "ckpt", LLAMA2))
         assert door.heavy((("user", "hi"),))                      # a checkpoint's Jinja template
         with pytest.raises(ApiError) as e:
-            door.prepare(None, (("user", "a"), ("user", "b")), 8, SamplingFields(temperature=0.0, seed=0))
+            door.prepare(None, (("user", "a"), ("user", "b")), 8, SamplingParams(temperature=0.0, seed=0))
         assert (e.value.param, e.value.code) == ("input", "invalid_request_error")
         assert "Conversation roles must alternate" in str(e.value)
     finally:

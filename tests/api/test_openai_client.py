@@ -266,13 +266,13 @@ async def test_error_shapes_401_400_404(served):
     await bad.close()
 
     cases = [
-        (dict(n=2), "n", "invalid_request_error"),
-        (dict(stop=["\n"]), "stop", "unsupported_parameter"),
+        (dict(n=17), "n", "invalid_request_error"),
+        (dict(stop=["\n"] * 17), "stop", "invalid_request_error"),
         (dict(temperature=3), "temperature", "invalid_request_error"),
         (dict(seed=-1), "seed", "invalid_request_error"),
         (dict(max_tokens=0), "max_tokens", "invalid_request_error"),
         (dict(stream_options={"include_usage": True}), "stream_options", "invalid_request_error"),
-        (dict(logit_bias={"1": 2}), "logit_bias", "unsupported_parameter"),
+        (dict(logit_bias={"1": 101}), "logit_bias", "invalid_request_error"),      # accepted in [-100, 100]
         (dict(extra_body={"top_k": -2}), "top_k", "invalid_request_error"),
         (dict(extra_body={"min_p": 1.5}), "min_p", "invalid_request_error"),
     ]
@@ -282,7 +282,7 @@ async def test_error_shapes_401_400_404(served):
         assert (ei.value.status_code, ei.value.body["param"], ei.value.body["code"]) == (400, param, code), extra
         assert ei.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as ei:
-        await oai.chat.completions.create(model=name, messages=[{"role": "tool", "content": "x"}])
+        await oai.chat.completions.create(model=name, messages=[{"role": "narrator", "content": "x"}])
     assert ei.value.body["param"] == "messages[0].role"
     with pytest.raises(openai.BadRequestError) as ei:
         await oai.completions.create(model=name, prompt=[[1, 2], [3]])
@@ -351,13 +351,12 @@ async def test_an_error_after_the_first_token_ends_the_stream_with_an_error_even
 
 async def test_front_door_bound_is_429_rate_limit_exceeded(served):
     side, _, oai = await served(make_cfg(max_concurrent_requests=1))
-    side.door.active = 1                 # one request in flight elsewhere
-    try:
+    with side.door.admission.try_acquire():          # one request in flight elsewhere
         with pytest.raises(openai.RateLimitError) as ei:
             await oai.completions.create(model=side.door.model_name, prompt="x", max_tokens=1)
         assert ei.value.body["code"] == "rate_limit_exceeded"
-    finally:
-        side.door.active = 0
+    assert side.door.active == 0
+    await oai.completions.create(model=side.door.model_name, prompt="x", max_tokens=1)    # the slot came back
 
 
 # ---- who may steer --------------------------------------------------------------------
@@ -487,3 +486,161 @@ async def test_client_disconnect_cancels_the_request_everywhere(served, route, b
     assert await asyncio.wait_for(ended, 60) is asyncio.CancelledError
     await wait_quiescent(side.state)
     assert side.door.active == 0
+
+
+def _local(prompt, sampling, tok=None) -> list[int]:
+    """One local float64 engine's tokens for this exact sampling (the penalties' yardstick); `tok`
+    (the model's tokenizer) lets it take a grammar."""
+    from pddgw.engines.torch_engine import TorchEngine
+    from pddgw.engines.types import EngineRequest
+    from pddgw.engines.weights import build_tiny
+
+    model = build_tiny(0, "float64", "cpu")
+    eng = TorchEngine(model, model.spec, EngineConfig(num_blocks=256, max_num_batched_tokens=256), model.dtype,
+                      tokenizer=tok)
+    eng.add_request(EngineRequest("ref", tuple(prompt), sampling))
+    out: list[int] = []
+    while eng.has_work():
+        for o in eng.step():
+            out += o.new_token_ids
+    return out
+
+
+async def test_penalties_and_logit_bias_through_the_official_client(served):
+    """frequency / presence penalties (OpenAI's fields), repetition_penalty (vLLM's, extra_body),
+    and logit_bias: the tokens equal one local engine's under the same SamplingParams."""
+    from pddgw.core.sampling import SamplingParams
+
+    side, _, oai = await served()
+    tok, name = side.door.tok, side.door.model_name
+    text = "Once upon a time there was a"
+    ids = tok.encode(text)
+    r = await oai.completions.create(model=name, prompt=text, max_tokens=12, temperature=0,
+                                     frequency_penalty=1.5, presence_penalty=0.5,
+                                     extra_body={"repetition_penalty": 1.3})
+    want = _local(ids, SamplingParams(max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5,
+                                      repetition_penalty=1.3))
+    assert r.pddgw["output_token_ids"] == want
+    assert want != reference(ids, 12)             # the penalties changed the greedy tokens
+    # A +100 bias makes that token the greedy choice at every position.
+    forced = tok.encode("z")[0]
+    r = await oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=0, logit_bias={str(forced): 100})
+    assert r.pddgw["output_token_ids"] == [forced] * 5
+
+
+async def test_stop_through_the_official_client(served):
+    """A stop string cuts the chat answer right before its first occurrence, streamed and not; usage
+    counts the tokens up to the one that completed it (the greedy tokens of one local engine)."""
+    from pddgw.core.sampling import SamplingParams
+
+    side, _, oai = await served()
+    tok, name = side.door.tok, side.door.model_name
+    msgs = [("user", "Tell me a story.")]
+    full = _local(chat_ids(side, msgs), SamplingParams(max_tokens=40, ignore_eos=True))
+    text = tok.decode(full)
+    stop = text[12:14]
+    at = text.find(stop)
+    kept = next(k for k in range(1, len(full) + 1) if stop in tok.decode(full[:k]))
+    assert kept < len(full)                          # the stop cuts inside the output
+    kw = dict(model=name, messages=[{"role": r, "content": c} for r, c in msgs], max_tokens=40, temperature=0,
+              stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
+    r = await oai.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert (ch.message.content, ch.finish_reason) == (text[:at], "stop")
+    assert r.usage.completion_tokens == kept and r.pddgw["output_token_ids"] == full[:kept]
+    chunks = [c async for c in await oai.chat.completions.create(**kw, stream=True,
+                                                                 stream_options={"include_usage": True})]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text[:at]
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage.completion_tokens == kept
+
+
+async def test_n_2_through_the_official_client(served):
+    """n=2: choice i samples as a single request with seed + i, streamed and not; usage counts the
+    prompt once and both choices' tokens."""
+    side, _, oai = await served()
+    name = side.door.model_name
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    kw = dict(model=name, messages=msgs, max_tokens=10, temperature=0.9, extra_body={"ignore_eos": True})
+    singles = [(await oai.chat.completions.create(**kw, seed=5 + i)).choices[0].message.content for i in range(2)]
+    assert singles[0] != singles[1]
+    r = await oai.chat.completions.create(**kw, seed=5, n=2)
+    assert [(c.index, c.message.content, c.finish_reason) for c in r.choices] == [
+        (0, singles[0], "length"), (1, singles[1], "length")]
+    n_prompt = len(chat_ids(side, [("user", "Name a colour.")]))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 2 * 10)
+    chunks = [c async for c in await oai.chat.completions.create(**kw, seed=5, n=2, stream=True,
+                                                                 stream_options={"include_usage": True})]
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(2)]
+    assert texts == singles
+    finished = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finished == [0, 1] and chunks[-1].usage.completion_tokens == 2 * 10
+
+
+# ---- tools and structured output: each a greedy decode under the grammar it implies -----
+
+WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                                 "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": WEATHER_ARGS}}
+
+
+async def test_tools_with_tool_choice_required_through_the_official_client(served):
+    """tool_choice="required" (one call): the answer is one call of the tool, its arguments valid
+    for its schema, and its tokens are one local engine's greedy decode, on the prompt the
+    template renders with the tools, under the call's schema (the built-in template's format:
+    {"name": N, "arguments": {...}})."""
+    import json
+
+    import jsonschema
+
+    from pddgw.core.sampling import SamplingParams
+
+    side, _, oai = await served()
+    tok, name = side.door.tok, side.door.model_name
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = await oai.chat.completions.create(model=name, messages=msgs, tools=[WEATHER], tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=120, temperature=0)
+    ch = r.choices[0]
+    assert (ch.finish_reason, ch.message.content) == ("tool_calls", None)
+    [call] = ch.message.tool_calls
+    assert (call.type, call.function.name) == ("function", "get_weather") and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER_ARGS)
+    call_schema = {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": WEATHER_ARGS},
+                   "required": ["name", "arguments"], "additionalProperties": False}
+    want = _local(tok.apply_chat_template(msgs, tools=[WEATHER]),
+                  SamplingParams(max_tokens=120, grammar=("json_schema", json.dumps(call_schema))), tok)
+    assert r.pddgw["output_token_ids"] == want
+    assert json.loads(tok.decode(want)) == {"name": "get_weather", "arguments": args}
+    assert r.usage.completion_tokens == len(want)
+
+
+async def test_response_format_json_schema_through_the_official_client(served):
+    """response_format json_schema: the content is JSON valid for the schema, and its tokens are
+    one local engine's greedy decode under that schema (the prompt: the plain chat template)."""
+    import json
+
+    import jsonschema
+
+    from pddgw.core.sampling import SamplingParams
+
+    side, _, oai = await served()
+    tok, name = side.door.tok, side.door.model_name
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8},
+                                               "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "score"], "additionalProperties": False}
+    msgs = [("user", "Rate this.")]
+    r = await oai.chat.completions.create(
+        model=name, messages=[{"role": w, "content": c} for w, c in msgs], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "rating", "schema": schema,
+                                                                "strict": True}})
+    ch = r.choices[0]
+    assert ch.finish_reason == "stop" and ch.message.tool_calls is None
+    jsonschema.validate(json.loads(ch.message.content), schema)
+    want = _local(chat_ids(side, msgs), SamplingParams(max_tokens=60, grammar=("json_schema", json.dumps(schema))),
+                  tok)
+    assert r.pddgw["output_token_ids"] == want and ch.message.content == tok.decode(want)

@@ -5,10 +5,25 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from dataclasses import replace
+
 from pddgw.api.openai_http import ERRORS, error_body, parse_chat, parse_completion, parse_response
-from pddgw.api.responses import ApiError, SamplingFields
+from pddgw.api.errors import ApiError
+from pddgw.core.sampling import COUNT_LIMIT, SEED_LIMIT, SamplingParams
 
 USER = [{"role": "user", "content": "hi"}]
+UNSET = COUNT_LIMIT - 1      # max_tokens before the door sets the room left
+
+
+def want(**kw) -> SamplingParams:
+    """What a body decodes to: OpenAI's temperature 1 unless given, seed 0 standing for a drawn one."""
+    return SamplingParams(**{"max_tokens": UNSET, "temperature": 1.0, "seed": 0, **kw})
+
+
+def drawn(sp: SamplingParams) -> SamplingParams:
+    """sp with its drawn seed (checked in range) replaced by 0, to compare with `want`."""
+    assert 0 <= sp.seed < SEED_LIMIT
+    return replace(sp, seed=0)
 
 
 def test_chat_body():
@@ -21,32 +36,41 @@ def test_chat_body():
                     "pddgw": {"pipeline": "P-MD"}})
     assert r.messages == (("system", "be brief"), ("user", "ab"), ("assistant", ""))
     assert (r.max_tokens, r.sampling, r.stream, r.include_usage, r.model) == (
-        7, SamplingFields(temperature=0.0, top_p=0.5, seed=3), True, True, "m")
+        7, want(max_tokens=7, temperature=0.0, top_p=0.5, seed=3), True, True, "m")
     assert (r.pipeline, r.handoff_mode, r.input_param) == ("P-MD", None, "messages")
     d = parse_chat({"messages": USER})
-    assert (d.max_tokens, d.sampling, d.stream, d.include_usage) == (None, SamplingFields(1.0, 1.0, 0, 0.0, None),
-                                                                      False, False)
+    assert (d.max_tokens, drawn(d.sampling), d.stream, d.include_usage) == (None, want(), False, False)
 
 
 @pytest.mark.parametrize("body,param,code", [
     ([], None, "invalid_request_error"),
     ({"messages": []}, "messages", "invalid_request_error"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_request_error"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "invalid_request_error"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls",
      "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
      "invalid_request_error"),
-    ({"messages": USER, "n": 2}, "n", "invalid_request_error"),
+    ({"messages": USER, "n": 17}, "n", "invalid_request_error"),
+    ({"messages": USER, "n": 0}, "n", "invalid_request_error"),
     ({"messages": USER, "n": True}, "n", "invalid_request_error"),
-    ({"messages": USER, "stop": "x"}, "stop", "unsupported_parameter"),
+    ({"messages": USER, "n": 2, "best_of": 1}, "best_of", "invalid_request_error"),
+    ({"messages": USER, "n": 2, "best_of": 3}, "best_of", "unsupported_parameter"),
+    ({"messages": USER, "stop": ["x"] * 17}, "stop", "invalid_request_error"),
+    ({"messages": USER, "stop": [""]}, "stop", "invalid_request_error"),
+    ({"messages": USER, "stop": 3}, "stop", "invalid_request_error"),
     ({"messages": USER, "logprobs": 1}, "logprobs", "invalid_request_error"),
     ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_request_error"),
     ({"messages": USER, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "invalid_request_error"),
     ({"messages": USER, "logprobs": True, "top_logprobs": True}, "top_logprobs", "invalid_request_error"),
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "invalid_request_error"),
     ({"messages": USER, "logprobs": False, "top_logprobs": 2}, "top_logprobs", "invalid_request_error"),
-    ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
-    ({"messages": USER, "tools": []}, "tools", "unsupported_parameter"),
+    ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty", "invalid_request_error"),
+    ({"messages": USER, "max_tokens": "x", "max_completion_tokens": 5}, "max_tokens", "invalid_request_error"),
+    ({"messages": USER, "max_tokens": 5, "max_completion_tokens": "x"}, "max_completion_tokens",
+     "invalid_request_error"),
+    ({"messages": USER, "request_id": 5}, "request_id", "invalid_request_error"),
+    ({"messages": USER, "bad_words": ["x"]}, "bad_words", "unsupported_parameter"),
+    ({"messages": USER, "tools": "x"}, "tools", "invalid_request_error"),
     ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", "invalid_request_error"),
     ({"messages": USER, "top_p": 0}, "top_p", "invalid_request_error"),
     ({"messages": USER, "seed": 2**63}, "seed", "invalid_request_error"),
@@ -100,35 +124,50 @@ ROUTES = {"chat": lambda **f: parse_chat({"messages": USER, **f}),
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("fields,want", [
-    ({}, SamplingFields(1.0, 1.0, 0, 0.0, None)),
-    ({"top_k": None, "min_p": None}, SamplingFields(1.0, 1.0, 0, 0.0, None)),
-    ({"top_k": 40, "min_p": 0.05}, SamplingFields(1.0, 1.0, 40, 0.05, None)),
-    ({"top_k": -1}, SamplingFields(1.0, 1.0, 0, 0.0, None)),              # vLLM's "no filter"
-    ({"top_k": 0, "min_p": 0}, SamplingFields(1.0, 1.0, 0, 0.0, None)),
-    ({"top_k": 1, "min_p": 1, "temperature": 0.7, "top_p": 0.9, "seed": 5}, SamplingFields(0.7, 0.9, 1, 1.0, 5)),
-    ({"top_k": 2**31 - 1}, SamplingFields(1.0, 1.0, 2**31 - 1, 0.0, None)),
+    ({}, want()),
+    ({"top_k": None, "min_p": None}, want()),
+    ({"top_k": 40, "min_p": 0.05}, want(top_k=40, min_p=0.05)),
+    ({"top_k": -1}, want()),              # vLLM's "no filter"
+    ({"top_k": 0, "min_p": 0}, want()),
+    ({"top_k": 1, "min_p": 1, "temperature": 0.7, "top_p": 0.9, "seed": 5}, want(top_k=1, min_p=1.0, temperature=0.7,
+                                                                                 top_p=0.9, seed=5)),
+    ({"top_k": 2**31 - 1}, want(top_k=2**31 - 1)),
 ])
 def test_top_k_and_min_p_accepted(route, fields, want):
-    assert ROUTES[route](**fields).sampling == want
+    got = ROUTES[route](**fields).sampling
+    assert (got if "seed" in fields else drawn(got)) == want
 
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("fields,message", [
-    ({"top_k": -2}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got -2"),
-    ({"top_k": 1.5}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got 1.5"),
-    ({"top_k": 40.0}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got 40.0"),
-    ({"top_k": True}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got True"),
-    ({"top_k": "3"}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got '3'"),
-    ({"top_k": 2**31}, "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got 2147483648"),
-    ({"min_p": -0.1}, "'min_p' must be a number in [0.0, 1.0], got -0.1"),
-    ({"min_p": 1.5}, "'min_p' must be a number in [0.0, 1.0], got 1.5"),
-    ({"min_p": "x"}, "'min_p' must be a number in [0.0, 1.0], got 'x'"),
-    ({"min_p": True}, "'min_p' must be a number in [0.0, 1.0], got True"),
+    ({"top_k": -2}, "top_k must be an integer in [-1, 2147483648) (-1 or 0: no filter), got -2"),
+    ({"top_k": 1.5}, "top_k must be an integer in [-1, 2147483648) (-1 or 0: no filter), got 1.5"),
+    ({"top_k": 40.0}, "top_k must be an integer in [-1, 2147483648) (-1 or 0: no filter), got 40.0"),
+    ({"top_k": True}, "top_k must be an integer in [-1, 2147483648) (-1 or 0: no filter), got True"),
+    ({"top_k": "3"}, "top_k must be an integer in [-1, 2147483648) (-1 or 0: no filter), got '3'"),
+    ({"top_k": 2**31}, "top_k must be an integer in [-1, 2147483648) (-1 or 0: no filter), got 2147483648"),
+    ({"min_p": -0.1}, "min_p must be a number in [0, 1], got -0.1"),
+    ({"min_p": 1.5}, "min_p must be a number in [0, 1], got 1.5"),
+    ({"min_p": "x"}, "min_p must be a number in [0, 1], got 'x'"),
+    ({"min_p": True}, "min_p must be a number in [0, 1], got True"),
+    ({"temperature": 3}, "temperature must be a number in [0, 2], got 3"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0 (1: no penalty), got 0"),
+    ({"presence_penalty": -2.5}, "presence_penalty must be a number in [-2, 2], got -2.5"),
+    ({"frequency_penalty": "1"}, "frequency_penalty must be a number in [-2, 2], got '1'"),
+    ({"logit_bias": {"7": 101}}, "logit_bias must be biases in [-100, 100], got 101"),
+    ({"logit_bias": {"x": 1}}, "logit_bias must be keyed by token ids in [0, 2147483648), got 'x'"),
+    ({"logit_bias": [1, 2]}, "logit_bias must be an object of token id -> bias (or [id, bias] pairs), got [1, 2]"),
+    ({"min_tokens": -1}, "min_tokens must be an integer in [0, 2147483648), got -1"),
+    ({"ignore_eos": 1}, "ignore_eos must be a boolean, got 1"),
+    ({"stop_token_ids": [1, -1]}, "stop_token_ids must be token ids in [0, 2147483648), got -1"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens must be a boolean, got 'no'"),
+    ({"include_stop_str_in_output": None, "ignore_eos": "y"}, "ignore_eos must be a boolean, got 'y'"),
 ])
 def test_top_k_and_min_p_refused_naming_the_field(route, fields, message):
     with pytest.raises(ApiError) as ei:
         ROUTES[route](**fields)
-    assert (str(ei.value), ei.value.param, ei.value.code) == (message, next(iter(fields)), "invalid_request_error")
+    param = next(k for k in fields if message.startswith(k))
+    assert (str(ei.value), ei.value.param, ei.value.code) == (message, param, "invalid_request_error")
 
 
 def test_completion_body():
@@ -138,8 +177,9 @@ def test_completion_body():
     assert parse_completion({"prompt": ["x"], "best_of": 1, "echo": False}, 384).prompt_text == "x"
     for body, param in [({"prompt": ""}, "prompt"), ({"prompt": [1, 384]}, "prompt"), ({"prompt": [1, -1]}, "prompt"),
                         ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [True]}, "prompt"), ({}, "prompt"),
-                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "suffix": "y"}, "suffix"),
-                        ({"prompt": "x", "best_of": 2}, "best_of"), ({"prompt": "x", "messages": USER}, "messages")]:
+                        ({"prompt": "x", "echo": 1}, "echo"), ({"prompt": "x", "suffix": "y"}, "suffix"),
+                        ({"prompt": "x", "best_of": 2}, "best_of"), ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+                        ({"prompt": "x", "stop": ["a", 1]}, "stop"), ({"prompt": "x", "messages": USER}, "messages")]:
         with pytest.raises(ApiError) as ei:
             parse_completion(body, 384)
         assert ei.value.param == param, body
@@ -156,7 +196,7 @@ def test_responses_body():
     for body, param in [({"input": "x", "stream": 1}, "stream"), ({"input": "x", "type": "response.create"}, "type"),
                         ({"input": "x", "stream_id": "s"}, "stream_id"), ({"input": "x", "background": True},
                                                                           "background"),
-                        ({"input": "x", "tools": []}, "tools")]:
+                        ({"input": "x", "tools": "x"}, "tools")]:
         with pytest.raises(ApiError) as ei:
             parse_response(body, 100)
         assert ei.value.param == param, body
@@ -172,3 +212,99 @@ def test_error_body_and_statuses():
         "method_not_allowed": 405, "request_too_large": 413, "rate_limit_exceeded": 429, "overloaded": 429,
         "unavailable": 503, "timeout": 504, "server_error": 500}
     assert orjson.loads(orjson.dumps(error_body("m", "timeout")))["error"]["type"] == "server_error"
+
+
+# What `vllm bench serve` sends (its OpenAI backends): completions always carry repetition_penalty 1.0, its
+# random dataset ignore_eos; chat sends max_completion_tokens and text parts.
+VLLM_COMPLETION = {"model": "m", "prompt": "hello", "temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 16,
+                   "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+VLLM_CHAT = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+             "temperature": 0.0, "max_completion_tokens": 16, "stream": True,
+             "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
+def test_vllm_benchmark_bodies_decode_with_vllms_meaning():
+    c = parse_completion({**VLLM_COMPLETION, "min_tokens": 16, "seed": 4, "request_id": "bench-7"}, 384)
+    assert (c.max_tokens, c.stream, c.include_usage, c.logprobs, c.client_request_id) == (16, True, True, None,
+                                                                                          "bench-7")
+    assert c.sampling == want(max_tokens=16, temperature=0.0, seed=4, ignore_eos=True, min_tokens=16)
+    assert not c.sampling.penalized and not c.sampling.logit_bias      # repetition 1.0 is "off"
+    ch = parse_chat({**VLLM_CHAT, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+                     "logit_bias": {"7": 100, "12": -100.0}, "seed": 2, "stop_token_ids": [3],
+                     "skip_special_tokens": True, "include_stop_str_in_output": False})
+    assert ch.sampling == want(max_tokens=16, temperature=0.0, seed=2, ignore_eos=True, presence_penalty=0.5,
+                               frequency_penalty=-0.25, logit_bias=((7, 100.0), (12, -100.0)), stop_token_ids=(3,))
+    assert ch.sampling.penalized and not parse_completion(VLLM_COMPLETION, 384).sampling.penalized
+
+
+def test_max_tokens_and_max_completion_tokens_are_both_validated():
+    assert parse_chat({"messages": USER, "max_tokens": 5, "max_completion_tokens": 7}).max_tokens == 7
+    assert parse_chat({"messages": USER, "max_tokens": 5}).max_tokens == 5
+    for body in ({"max_tokens": "x", "max_completion_tokens": 7}, {"max_tokens": 0, "max_completion_tokens": 7},
+                 {"max_tokens": True}):
+        with pytest.raises(ApiError) as ei:
+            parse_chat({"messages": USER, **body})
+        assert ei.value.param == "max_tokens"
+    with pytest.raises(ApiError) as ei:
+        parse_completion({"prompt": "x", "max_tokens": 8, "min_tokens": 9}, 384)
+    assert (str(ei.value), ei.value.param) == ("min_tokens must be <= max_tokens (8), got 9", "min_tokens")
+
+
+def test_stop_n_and_best_of_decoded():
+    from pddgw.api.stops import MAX_STOP_CHARS, MAX_STOPS
+    r = parse_chat({"messages": USER, "stop": "\n", "n": 3, "best_of": 3})
+    assert (r.stop, r.n) == (("\n",), 3)
+    r = parse_completion({"prompt": "x", "stop": ["ab", "c", "ab"], "n": 2}, 384)
+    assert (r.stop, r.n) == (("ab", "c"), 2)                   # duplicates dropped, order kept
+    assert (parse_chat({"messages": USER, "stop": []}).stop, parse_chat({"messages": USER}).n) == ((), 1)
+    assert parse_chat({"messages": USER, "stop": ["s"] * MAX_STOPS, "n": 16}).n == 16
+    with pytest.raises(ApiError) as ei:
+        parse_chat({"messages": USER, "stop": ["x" * (MAX_STOP_CHARS + 1)]})
+    assert ei.value.param == "stop" and f"at most {MAX_STOP_CHARS} characters" in str(ei.value)
+    with pytest.raises(ApiError) as ei:
+        parse_chat({"messages": USER, "n": 17})
+    assert str(ei.value) == "'n' must be an integer in [1, 16], got 17"
+    with pytest.raises(ApiError) as ei:
+        parse_chat({"messages": USER, "stop": ["x"] * 17})
+    assert str(ei.value).startswith("'stop' must be a string or a list of at most 16 strings")
+
+
+async def test_every_refused_request_is_one_log_line_naming_route_field_reason_and_status(aiohttp_client):
+    """The router's front door logs each 4xx once (`request_refused`), whatever refused it."""
+    from structlog.testing import capture_logs
+
+    from pddgw.api.server import build_app
+    from pddgw.deploy.serve import Embedded
+    from tests.api.test_openai_client import KEY, make_cfg
+
+    emb = Embedded(make_cfg())
+    side = await emb.start()
+    try:
+        client = await aiohttp_client(build_app(side.door))
+        auth = {"Authorization": f"Bearer {KEY}"}
+        user = [{"role": "user", "content": "x"}]
+        cases = [
+            ("post", "/v1/chat/completions", {"messages": user, "n": 17}, auth,
+             ("POST /v1/chat/completions", "n", "'n' must be an integer in [1, 16], got 17", 400)),
+            ("post", "/v1/completions", {"prompt": "x", "stop": [1]}, auth,
+             ("POST /v1/completions", "stop",
+              "'stop[0]' must be a non-empty string of at most 256 characters, got 1", 400)),
+            ("post", "/v1/chat/completions", {"messages": user}, {"Authorization": "Bearer nope"},
+             ("POST /v1/chat/completions", None, "invalid or missing API key (Authorization: Bearer KEY)", 401)),
+            ("get", "/v1/models/other", None, auth,
+             ("GET /v1/models/{model}", "model",
+              f"the model 'other' does not exist (this server serves {side.door.model_name!r})", 404)),
+            ("get", "/v1/nowhere", None, auth, ("GET /v1/nowhere", None, "unknown route GET '/v1/nowhere'", 404)),
+        ]
+        for method, path, body, headers, want in cases:
+            with capture_logs() as logs:
+                async with getattr(client, method)(path, json=body, headers=headers) as r:
+                    assert r.status == want[3]
+            refused = [e for e in logs if e["event"] == "request_refused"]
+            assert [(e["route"], e["field"], e["reason"], e["status"]) for e in refused] == [want], path
+        with capture_logs() as logs:          # an answer is not a refusal
+            async with client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth) as r:
+                assert r.status == 200 and isinstance(await r.json(), dict)
+        assert not [e for e in logs if e["event"] == "request_refused"]
+    finally:
+        await emb.stop()

@@ -1,10 +1,19 @@
 """Responses API event decoding: every bad field is named, good events are typed."""
 
+from dataclasses import replace
+
 import orjson
 import pytest
 
-from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, SamplingFields, completed_event,
-                                 delta_event, error_event, parse_client_event, response_object)
+from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, completed_event, delta_event,
+                                 error_event, parse_client_event, response_object)
+from pddgw.core.sampling import COUNT_LIMIT, SamplingParams
+
+
+def unseeded(sp: SamplingParams) -> SamplingParams:
+    """A drawn seed (in range) as 0, to compare with an expected value."""
+    assert 0 <= sp.seed < 2**63
+    return replace(sp, seed=0)
 
 
 def ev(**d):
@@ -16,7 +25,7 @@ def test_create_with_text_input():
                               temperature=0.5, metadata={"k": "v"}, stream_id="s1"), 100)
     assert isinstance(e, CreateResponse)
     assert e.messages == (("system", "be brief"), ("user", "hi"))
-    assert (e.max_output_tokens, e.sampling) == (5, SamplingFields(temperature=0.5, seed=7))
+    assert (e.max_output_tokens, e.sampling) == (5, SamplingParams(max_tokens=5, temperature=0.5, seed=7))
     assert e.metadata == {"k": "v"} and e.stream_id == "s1" and e.prompt_token_ids is None
 
 
@@ -42,12 +51,15 @@ def test_create_with_message_items_and_token_ids():
     (ev(prompt_token_ids=list(range(11))), "prompt_token_ids", "context length is 10"),
     (ev(prompt_token_ids=[1], input="x"), "prompt_token_ids", "not both"),
     (ev(input="x", max_output_tokens=0), "max_output_tokens", "positive integer"),
-    (ev(input="x", temperature=3), "temperature", "[0.0, 2.0]"),
+    (ev(input="x", temperature=3), "temperature", "temperature must be a number in [0, 2], got 3"),
+    (ev(input="x", repetition_penalty=-1), "repetition_penalty", "repetition_penalty must be a finite number > 0"),
+    (ev(input="x", logit_bias={"3": "a"}), "logit_bias", "logit_bias must be biases in [-100, 100], got 'a'"),
+    (ev(input="x", max_output_tokens=4, min_tokens=5), "min_tokens", "min_tokens must be <= max_tokens (4)"),
     (ev(input="x", seed=-1), "seed", "seed"),
-    (ev(input="x", top_k=-2), "top_k", "'top_k' must be an integer in [-1, 2**31) (-1 or 0: no filter), got -2"),
-    (ev(input="x", top_k=True), "top_k", "'top_k' must be an integer in [-1, 2**31)"),
-    (ev(input="x", min_p=1.5), "min_p", "'min_p' must be a number in [0.0, 1.0], got 1.5"),
-    (ev(input="x", min_p="x"), "min_p", "'min_p' must be a number in [0.0, 1.0], got 'x'"),
+    (ev(input="x", top_k=-2), "top_k", "top_k must be an integer in [-1, 2147483648) (-1 or 0: no filter), got -2"),
+    (ev(input="x", top_k=True), "top_k", "top_k must be an integer in [-1, 2147483648)"),
+    (ev(input="x", min_p=1.5), "min_p", "min_p must be a number in [0, 1], got 1.5"),
+    (ev(input="x", min_p="x"), "min_p", "min_p must be a number in [0, 1], got 'x'"),
     (ev(input="x", metadata={"a": 1}), "metadata", "metadata"),
     (ev(input="x", stream=True), "stream", "implicit"),
     (orjson.dumps({"type": "response.cancel"}), "response_id", "response_id"),
@@ -60,8 +72,16 @@ def test_bad_events_name_the_problem(raw, param, msg):
 
 
 def test_create_with_top_k_and_min_p():
-    assert parse_client_event(ev(input="x", top_k=40, min_p=0.05), 10).sampling == SamplingFields(top_k=40, min_p=0.05)
-    assert parse_client_event(ev(input="x", top_k=-1), 10).sampling == SamplingFields()       # vLLM's "no filter"
+    base = SamplingParams(max_tokens=COUNT_LIMIT - 1, temperature=1.0)
+    assert unseeded(parse_client_event(ev(input="x", top_k=40, min_p=0.05), 10).sampling) == replace(
+        base, top_k=40, min_p=0.05)
+    assert unseeded(parse_client_event(ev(input="x", top_k=-1), 10).sampling) == base       # vLLM's "no filter"
+    got = parse_client_event(ev(input="x", repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5,
+                                logit_bias={"9": 5}, min_tokens=3, ignore_eos=True, stop_token_ids=[4],
+                                skip_special_tokens=False, include_stop_str_in_output=True, seed=1), 10).sampling
+    assert got == replace(base, seed=1, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5,
+                          logit_bias=((9, 5.0),), min_tokens=3, ignore_eos=True, stop_token_ids=(4,),
+                          skip_special_tokens=False, include_stop_str_in_output=True)
     # Not OpenAI fields: the response object echoes temperature and top_p only.
     obj = response_object("resp_1", "in_progress", 1, "tiny", parse_client_event(ev(input="x", top_k=3), 10))
     assert (obj["temperature"], obj["top_p"]) == (1.0, 1.0) and "top_k" not in obj and "min_p" not in obj

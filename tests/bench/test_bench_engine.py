@@ -3,8 +3,11 @@
 Pins: the JSON shape (one row per case, token counts derived from the
 settings, ratio = pddgw tok/s / transformers tok/s; the sampled decode rows
 right after their greedy twins, with ratio_greedy = sampled / greedy pddgw
-tok/s), that both engines are fed the same checkpoint and produce the same
-greedy tokens (which are also the naive full-recompute generator's), that
+tok/s; the pddgw-only penalties and JSON-schema rows right after the plain
+sampled one, with ratio_sampled = variant / plain sampled pddgw tok/s, and
+that those variants do reach the engine: penalties move tokens, the mask keeps
+every output a valid prefix of its schema), that both engines are fed the same
+checkpoint and produce the same greedy tokens (which are also the naive full-recompute generator's), that
 pddgw's sampled case samples what a dense recompute and the sampler give,
 and that `tokens_match` does report a difference when the weights differ.  The vLLM column: absent -> the report
 says so; its subprocess protocol (pddgw/bench/vllm_side.py) driven through a
@@ -27,7 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from pddgw.bench import engine as bench  # noqa: E402
+from pddgw.engines.grammar import Grammars  # noqa: E402
 from pddgw.engines.naive import naive_greedy  # noqa: E402
+from pddgw.engines.tokenizer import ByteTokenizer  # noqa: E402
 from pddgw.engines.sampler import sample_one  # noqa: E402
 from pddgw.engines.types import SamplingParams  # noqa: E402
 from pddgw.engines.weights import load_model  # noqa: E402
@@ -57,9 +62,20 @@ def test_main_quick_json(capsys, monkeypatch):
     assert data["settings"]["decode_batches"] == [1, 8, 32]
     assert data["settings"]["sampled_batches"] == [8, 32]
     assert data["settings"]["sampling"] == {"temperature": 0.8, "top_p": 0.95, "seed": 0}
+    assert data["settings"]["variant_batches"] == [32]
     rows = data["rows"]
     assert [r["case"] for r in rows] == ["decode b=1", "decode b=8", "decode b=8 sampled", "decode b=32",
-                                         "decode b=32 sampled", f"prefill b={s.prefill_batch}"]
+                                         "decode b=32 sampled", "decode b=32 sampled +penalties",
+                                         "decode b=32 sampled +json_schema", f"prefill b={s.prefill_batch}"]
+    # The variant rows: pddgw only, each against the plain sampled row of its batch.
+    plain, variants = rows[4], rows[5:7]
+    for r, name in zip(variants, ("penalties", "json_schema")):
+        assert r["variant"] == name and r["sampling"] == plain["sampling"]
+        assert r["ratio_sampled"] == pytest.approx(r["pddgw_tok_s"] / plain["pddgw_tok_s"])
+        assert r["ratio_greedy"] == pytest.approx(r["pddgw_tok_s"] / rows[3]["pddgw_tok_s"])
+        assert (r["transformers_s"], r["transformers_tok_s"], r["ratio"], r["tokens_match"]) == (None,) * 4
+    assert all(r["variant"] is None and r["ratio_sampled"] is None for r in rows[:5] + rows[7:])
+    rows = rows[:5] + rows[7:]
     for r, b in zip(rows[:5], (1, 8, 8, 32, 32)):
         assert (r["kind"], r["batch"], r["prompt_len"], r["output_len"]) == (
             "decode", b, s.decode_prompt_len, s.decode_output_len)
@@ -90,12 +106,40 @@ def test_main_quick_json(capsys, monkeypatch):
     assert f"vLLM: {data['vllm']}" == NO_VLLM and data["vllm_version"] is None
     assert data["device"] == "cpu" and data["cuda_graphs"] == "default"
     table = bench.render(report)
-    for r in rows:
+    for r in data["rows"]:
         assert r["case"] in table
     assert "tokens_match" in table and "sampled/greedy" in table and "NO" not in table
     assert "sampled: temperature 0.8, top_p 0.95, no top-k" in table
     assert NO_VLLM in table.splitlines()
-    assert "sched/bookkeeping" in table
+    assert "sched/bookkeeping" in table and "/sampled" in table
+    assert "+penalties: repetition 1.1, presence 0.5, frequency 0.5" in table
+
+
+def test_variants_ask_the_engine_for_penalties_and_a_json_schema_mask(models):
+    _d, ours, _ = models
+    s, n = bench.Sampling(), 24
+    prompts = bench.make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
+    side = bench.PddgwSide(ours, torch.float32)
+    pen, js = bench.VARIANTS
+    params = bench.Case("decode", 3, 9, n, s, pen).params(1)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.1, 0.5, 0.5)
+    assert params.ignore_eos and params.seed == 1 and params.grammar is None
+    plain = side.run(prompts, n, sampling=s)
+    penalized = side.run(prompts, n, sampling=s, variant=pen)
+    assert penalized.tokens != plain.tokens            # same seeds and draws: the penalties moved tokens
+    masked = side.run(prompts, n, sampling=s, variant=js)
+    assert masked.tokens != plain.tokens
+    params = bench.Case("decode", 3, 9, n, s, js).params(0)
+    assert params.grammar == ("json_schema", bench.json_schema(n)) and not params.ignore_eos
+    vocab = bench.QUICK.model.vocab_size
+    grammars = Grammars(ByteTokenizer(vocab), vocab, (ByteTokenizer.EOS,))
+    for toks in masked.tokens:
+        # Bytes only (the matcher's vocabulary), each output a valid prefix of the schema's object.
+        assert all(t < 256 for t in toks) and len(toks) == n and bytes(toks).startswith(b'{"name":')
+        c = grammars.constraint(params.grammar)
+        c.sync(toks)
+        assert not c.broken and not c.finished
+    assert json.loads(params.grammar[1])["properties"]["name"]["minLength"] == n
 
 
 def test_both_sides_generate_the_naive_greedy_tokens(models):
@@ -136,15 +180,20 @@ def test_cases_put_each_sampled_decode_after_its_greedy_twin_with_its_prompts():
     s = bench.QUICK
     todo = bench.cases(s)
     assert [c.label for c in todo] == ["decode b=1", "decode b=8", "decode b=8 sampled", "decode b=32",
-                                       "decode b=32 sampled", "prefill b=2"]
+                                       "decode b=32 sampled", "decode b=32 sampled +penalties",
+                                       "decode b=32 sampled +json_schema", "prefill b=2"]
     prompts = bench.case_prompts(todo, s.model.vocab_size)
-    assert prompts[1] == prompts[2] and prompts[3] == prompts[4] and prompts[1] != prompts[3]
+    assert prompts[1] == prompts[2] and prompts[3] == prompts[4] == prompts[5] == prompts[6]
+    assert prompts[1] != prompts[3]
     # The greedy cases keep the prompts they had before the sampled rows (salt = their order).
     assert prompts[3] == bench.make_prompts(32, s.decode_prompt_len, s.model.vocab_size, 2)
-    assert prompts[5] == bench.make_prompts(2, s.prefill_prompt_len, s.model.vocab_size, 3)
+    assert prompts[7] == bench.make_prompts(2, s.prefill_prompt_len, s.model.vocab_size, 3)
     with pytest.raises(ValueError, match="must be decode batches"):
         bench.Settings(model=s.model, decode_batches=(1, 8), decode_prompt_len=8, decode_output_len=4,
                        prefill_batch=2, prefill_prompt_len=16, repeats=1, sampled_batches=(32,))
+    with pytest.raises(ValueError, match="must be sampled batches"):
+        bench.Settings(model=s.model, decode_batches=(1, 8), decode_prompt_len=8, decode_output_len=4,
+                       prefill_batch=2, prefill_prompt_len=16, repeats=1, sampled_batches=(8,))
 
 
 def test_sides_that_only_decode_greedily_sit_out_the_sampled_cases(models):

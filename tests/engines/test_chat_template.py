@@ -342,8 +342,11 @@ def test_tiny_model_and_templateless_checkpoint_keep_builtin(tmp_path):
     b = ByteTokenizer
     assert tiny.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False) == \
         [b.BOS, b.IM_START_ID, *b"user\nx", b.IM_END_ID, *b"\n"]
-    with pytest.raises(RequestError, match="no tools"):
-        tiny.apply_chat_template([("user", "x")], tools=[{}])
+    # Tools become one system message in front (the function objects as JSON, sorted keys).
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert tiny.decode(tiny.apply_chat_template([("user", "x")], tools=[tool])) == (
+        'system\nYou may call these functions. To call one, answer with only {"name": <function name>, '
+        '"arguments": <arguments object>}.\n{"name": "f", "parameters": {}}\nuser\nx\nassistant\n')
     d = _checkpoint(tmp_path, None)
     tok = HFTokenizer.from_dir(d)
     assert tok.chat_template is None and not tok.renders_jinja

@@ -11,7 +11,7 @@ from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.base import create_engine
 from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.engines.sampler import position_uniform
-from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams
+from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, SamplingParams
 from pddgw.sim import profiles
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.roofline import SeqWork, max_kv_tokens, step_cost
@@ -86,8 +86,8 @@ def test_kv_is_virtual_its_size_real_and_imports_fill_the_cached_gap():
     while p.has_work():
         p.step()
     chunk = p.export_kv("r", 0, 40)
-    assert chunk.virtual and len(chunk.data) == 0 and chunk.payload_nbytes == 0
-    assert chunk.expected_nbytes() == 40 * L70.kv_bytes_per_token == 40 * 327680
+    assert chunk.virtual and len(chunk.payload) == 0 and chunk.payload_nbytes == 0
+    assert chunk.nbytes == 40 * L70.kv_bytes_per_token == 40 * 327680
     md.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=4), kv_source="import", hold=True))
     with pytest.raises(RequestError, match="KV of prompt token 0 never arrived"):
         md.finish_import("r")
@@ -103,8 +103,8 @@ def test_a_real_kv_pool_refuses_virtual_chunks(tiny64):
     eng = make_engine(tiny64)
     eng.add_request(EngineRequest("r", tuple(range(40)), SamplingParams(max_tokens=2), kv_source="import", hold=True))
     spec = tiny64.spec
-    virtual = KVChunk("r", 0, 16, 0, spec.num_layers, spec.num_kv_heads, spec.head_dim, "float64",
-                      memoryview(b""), virtual=True)
+    virtual = KVChunk(KVSpan.of("r", tokens=(0, 16), layers=(0, spec.num_layers), num_kv_heads=spec.num_kv_heads,
+                                head_dim=spec.head_dim, dtype="float64", virtual=True), memoryview(b""))
     with pytest.raises(RequestError, match="virtual KV chunk"):
         eng.import_kv(virtual)
 

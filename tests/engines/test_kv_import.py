@@ -19,7 +19,7 @@ import torch
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.kv_pool import KVPool
 from pddgw.engines.paged import LeaseState
-from pddgw.engines.types import EngineRequest, KVChunk, RequestError, SamplingParams
+from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, SamplingParams
 from pddgw.pipeline.decode import DecodeWorker, TokenEvent
 
 from .conftest import make_engine, req, run_to_end
@@ -50,9 +50,8 @@ def _land(engine, chunk: KVChunk) -> KVChunk:
     """What a link with the engine's sink does: receive the payload where import_buffer says."""
     dest = engine.import_buffer(chunk.span)
     assert dest is not None
-    dest[:] = chunk.data
-    return KVChunk(chunk.request_id, chunk.token_start, chunk.token_end, chunk.layer_start, chunk.layer_end,
-                   chunk.num_kv_heads, chunk.head_dim, chunk.dtype, dest)
+    dest[:] = chunk.payload
+    return KVChunk(chunk.span, dest)
 
 
 def _is_pool(engine, view) -> bool:
@@ -77,16 +76,16 @@ def test_one_block_chunks_land_in_the_pool_and_decode_exactly(tiny64):
     seq = _import(d)
     for a in range(0, 96, BS):
         chunk = _land(d, p.export_kv("r", a, a + BS))
-        assert _is_pool(d, chunk.data)
+        assert _is_pool(d, chunk.payload)
         assert d.accept_kv(chunk)                       # committed in place, on this thread
     assert seq.imported.find(0) == 96 and not seq.leases
     tail = p.export_kv("r", 96, 100)                    # a partial block: staged, then copied
     staged = _land(d, tail)
-    assert not _is_pool(d, staged.data) and not d.accept_kv(staged)
+    assert not _is_pool(d, staged.payload) and not d.accept_kv(staged)
     d.import_kv(staged)
     assert (d.kv_bytes_landed, d.kv_bytes_copied) == (6 * 16384, 4 * 1024)
     d.finish_import("r")
-    assert bytes(d.export_kv("r", 0, 100).data) == bytes(p.export_kv("r", 0, 100).data)
+    assert bytes(d.export_kv("r", 0, 100).payload) == bytes(p.export_kv("r", 0, 100).payload)
     d.append_tokens("r", (first,), final=True)
     assert [first] + run_to_end(d)["r"] == want
     d.check_integrity()
@@ -105,11 +104,11 @@ def test_a_layer_major_pool_stages_and_copies_the_same_kv(tiny64):
     _import(d)
     for a, b in [(0, 16), (16, 48), (48, 100)]:
         chunk = _land(d, p.export_kv("r", a, b))
-        assert not _is_pool_tensor(d, chunk.data) and not d.accept_kv(chunk)
+        assert not _is_pool_tensor(d, chunk.payload) and not d.accept_kv(chunk)
         d.import_kv(chunk)
     d.finish_import("r")
-    assert bytes(d.export_kv("r", 0, 100).data) == bytes(p.export_kv("r", 0, 100).data)
-    assert bytes(d.export_kv("r", 20, 70, 1, 2).data) == bytes(p.export_kv("r", 20, 70, 1, 2).data)
+    assert bytes(d.export_kv("r", 0, 100).payload) == bytes(p.export_kv("r", 0, 100).payload)
+    assert bytes(d.export_kv("r", 20, 70, 1, 2).payload) == bytes(p.export_kv("r", 20, 70, 1, 2).payload)
     d.append_tokens("r", (first,), final=True)
     assert [first] + run_to_end(d)["r"] == want
     d.check_integrity()
@@ -127,28 +126,34 @@ def test_what_gets_no_pool_view(tiny64):
     # A finished import leaves its blocks cached: the next request's first 4 blocks are a hit.
     _import(d, "warm")
     for a, b in [*((a, a + BS) for a in range(0, 96, BS)), (96, 100)]:
-        d.import_kv(dataclasses.replace(p.export_kv("r", a, b), request_id="warm"))
+        c = p.export_kv("r", a, b)
+        d.import_kv(dataclasses.replace(c, span=dataclasses.replace(c.span, request_id="warm")))
     d.finish_import("warm")
     d.abort("warm")
     seq = _import(d, "x", PROMPT[:64] + [5] * 36)
     assert seq.num_cached_tokens == 64
-    span = dataclasses.replace(p.export_kv("r", 0, BS).span, request_id="x")
+    s = tiny64.spec
+    assert p.export_kv("r", 0, BS).span == KVSpan.of("r", tokens=(0, BS), layers=(0, s.num_layers),
+                                                     num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                                                     dtype="float64")
 
-    def view(**kw):
-        return d.import_buffer(dataclasses.replace(span, **kw))
+    def view(request_id="x", tokens=(0, BS), layers=(0, s.num_layers), num_kv_heads=s.num_kv_heads,
+             dtype="float64"):
+        return d.import_buffer(KVSpan.of(request_id, tokens=tokens, layers=layers, num_kv_heads=num_kv_heads,
+                                         head_dim=s.head_dim, dtype=dtype))
 
     views = {
         "cached prefix": view(),
-        "two blocks": view(token_start=64, token_end=96),
-        "unaligned": view(token_start=68, token_end=84),
-        "one layer": view(token_start=64, token_end=80, layer_end=1),
-        "other dtype": view(token_start=64, token_end=80, dtype="float32"),
+        "two blocks": view(tokens=(64, 96)),
+        "unaligned": view(tokens=(68, 84)),
+        "one layer": view(tokens=(64, 80), layers=(0, 1)),
+        "other dtype": view(tokens=(64, 80), dtype="float32"),
     }
     for what, v in views.items():            # staging buffers the import copies from
         assert v is not None and not _is_pool(d, v), what
-    first = view(token_start=64, token_end=80)
+    first = view(tokens=(64, 80))
     assert _is_pool(d, first)
-    assert not _is_pool(d, view(token_start=64, token_end=80))     # never two writers for one block
+    assert not _is_pool(d, view(tokens=(64, 80)))     # never two writers for one block
     assert view(num_kv_heads=3) is None      # refused: import_kv reports it
     assert view(request_id="nobody") is None
     d.abort("x")
@@ -362,9 +367,8 @@ class _Decoder:
 
 
 def _wire(chunk: KVChunk, dest) -> KVChunk:
-    dest[:] = chunk.data
-    return KVChunk(chunk.request_id, chunk.token_start, chunk.token_end, chunk.layer_start, chunk.layer_end,
-                   chunk.num_kv_heads, chunk.head_dim, chunk.dtype, dest)
+    dest[:] = chunk.payload
+    return KVChunk(chunk.span, dest)
 
 
 @pytest.mark.parametrize("point", ["opened", "mid_import", "landing", "holding", "decoding_unstarted",

@@ -305,7 +305,7 @@ def test_speculative_path_equals_the_full_sort_path(dtype):
     x[3::7] = torch.randint(-3, 3, (len(range(3, r, 7)), vocab), generator=g).float()
     x[1::9, 2000:] = float("-inf")
     x = x.to(dtype)
-    params = [SamplingParams(temperature=(0.05, 0.8, 1.0, 2.5)[i % 4], top_p=(0.95, 0.5, 1.0, 0.999, 0.01)[i % 5],
+    params = [SamplingParams(temperature=(0.05, 0.8, 1.0, 2.0)[i % 4], top_p=(0.95, 0.5, 1.0, 0.999, 0.01)[i % 5],
                              min_p=(0.0, 0.0, 0.1)[i % 3], top_k=(0, vocab // 2)[i % 2], seed=1000 + i)
               for i in range(r)]
     params = [p if p.top_p < 1.0 or p.min_p > 0.0 else SamplingParams(temperature=p.temperature, top_p=0.9,
@@ -464,3 +464,107 @@ def test_logprobs_on_device_are_small_tensors():
         assert chosen[r].item() == pytest.approx(row[ids[r].item()] - lse, abs=1e-6)
         assert top_lp[r].tolist() == pytest.approx([row[i] - lse for i in top_ids[r].tolist()], abs=1e-6)
     assert logprobs(logits, ids)[1].shape == (2, 0)
+
+
+# ---- penalties, logit_bias, min_tokens (`adjust_logits`), against hand computations -------------------------
+
+from pddgw.engines.sampler import Tokens, adjust_logits  # noqa: E402
+
+PEN_ROW = [0.5, -1.0, 2.0, 0.0, 3.0, -2.0]            # float64: every step below is exact
+INF = float("-inf")
+
+
+def adjusted(params: SamplingParams, tokens=(), num_prompt: int = 0, eos=(3,)) -> list[float]:
+    x = torch.tensor([PEN_ROW], dtype=torch.float64)
+    out = adjust_logits(x, [params], [len(tokens) - num_prompt], [Tokens(list(tokens), num_prompt)], eos)
+    assert x.tolist() == [PEN_ROW]                     # the raw logits are left as they are (logprobs use them)
+    return out[0].tolist()
+
+
+def test_logit_bias_is_added():
+    assert adjusted(SamplingParams(logit_bias={"1": 2.5, 4: -1.5})) == [0.5, 1.5, 2.0, 0.0, 1.5, -2.0]
+    # Greedy takes the biased argmax: 4 (3.0) drops to 1.5, 2 (2.0) wins.
+    x = torch.tensor([PEN_ROW], dtype=torch.float64)
+    sp = SamplingParams(logit_bias={4: -1.5})
+    assert sample(adjust_logits(x, [sp], [0], [Tokens([0], 1)]), [sp], [0]) == [2]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_output_tokens():
+    # prompt (0, 1), output (2,): 0.5 / 2, -1 * 2, 2 / 2; 3..5 never seen.
+    assert adjusted(SamplingParams(repetition_penalty=2.0), (0, 1, 2), 2) == [0.25, -2.0, 1.0, 0.0, 3.0, -2.0]
+    assert adjusted(SamplingParams(repetition_penalty=0.5), (5,), 0) == [0.5, -1.0, 2.0, 0.0, 3.0, -1.0]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    # prompt (0,), output (2, 2, 5): x[2] -= 0.25 * 2 + 0.5, x[5] -= 0.25 * 1 + 0.5; x[0] (prompt only) unchanged.
+    sp = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    assert adjusted(sp, (0, 2, 2, 5), 1) == [0.5, -1.0, 1.0, 0.0, 3.0, -2.75]
+    # Negative penalties reward repeats.
+    assert adjusted(SamplingParams(presence_penalty=-1.0), (0, 4), 1) == [0.5, -1.0, 2.0, 0.0, 4.0, -2.0]
+    # The same tokens as prompt: nothing.
+    assert adjusted(sp, (0, 2, 2, 5), 4) == PEN_ROW
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_that_many_outputs():
+    sp = SamplingParams(min_tokens=2, stop_token_ids=(5,))
+    assert adjusted(sp, (0, 1), 1) == [0.5, -1.0, 2.0, INF, 3.0, INF]        # 1 output: EOS 3 and stop 5 masked
+    assert adjusted(sp, (0, 1, 2), 1) == PEN_ROW                                 # 2 outputs: free
+    assert adjusted(SamplingParams(min_tokens=2, stop_token_ids=(5,), ignore_eos=True), (0,), 1) == [
+        0.5, -1.0, 2.0, 0.0, 3.0, INF]
+    assert adjusted(SamplingParams(min_tokens=1), (0,), 1, eos=(3, 99)) == [0.5, -1.0, 2.0, INF, 3.0, -2.0]
+
+
+def test_order_is_vllms_bias_then_penalties():
+    # x[1] = -1 + 2 (bias) = 1, seen: / 2 (repetition) = 0.5, then - 0.5 (presence) = 0; x[4] = 3 - 1 = 2.
+    sp = SamplingParams(logit_bias={1: 2.0, 4: -1.0}, repetition_penalty=2.0, presence_penalty=0.5)
+    assert adjusted(sp, (0, 1), 1) == [0.25, 0.0, 2.0, 0.0, 2.0, -2.0]
+
+
+def test_adjusting_touches_only_the_rows_that_ask_and_a_batch_equals_its_rows_alone():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 50, generator=g, dtype=torch.float64)
+    plain = [SamplingParams(temperature=0.8, seed=i) for i in range(8)]
+    hist = [Tokens([int(t) for t in torch.randint(0, 50, (12,), generator=g)], 5) for _ in range(8)]
+    pos = [7] * 8
+    assert adjust_logits(x, plain, pos, hist, (3,)) is x                      # nobody asks: not even a copy
+    asks = {1: SamplingParams(repetition_penalty=1.3), 4: SamplingParams(frequency_penalty=0.7, logit_bias={9: 3}),
+            6: SamplingParams(min_tokens=9, presence_penalty=-0.2)}
+    params = [asks.get(i, p) for i, p in enumerate(plain)]
+    out = adjust_logits(x, params, pos, hist, (3,))
+    for i in range(8):
+        alone = adjust_logits(x[i:i + 1], [params[i]], [7], [hist[i]], (3,))[0]
+        assert torch.equal(out[i], alone) and torch.equal(out[i], x[i]) == (i not in asks), i
+
+
+def test_sampling_params_refuse_out_of_range_values_naming_the_field():
+    from pddgw.core.errors import FieldError
+
+    for kw, field in [({"repetition_penalty": 0.0}, "repetition_penalty"), ({"presence_penalty": 2.1}, "presence_penalty"),
+                      ({"frequency_penalty": -2.1}, "frequency_penalty"), ({"logit_bias": {1: 100.5}}, "logit_bias"),
+                      ({"logit_bias": {-1: 1}}, "logit_bias"), ({"min_tokens": 65}, "min_tokens"),
+                      ({"min_tokens": -1}, "min_tokens"), ({"temperature": 2.01}, "temperature")]:
+        with pytest.raises(FieldError) as ei:
+            SamplingParams(**kw)
+        assert ei.value.field == field and str(ei.value).startswith(field), kw
+    with pytest.raises(FieldError, match="logit_bias must be keyed by token ids of the vocabulary"):
+        SamplingParams(logit_bias={50: 1}).check_vocab(50)
+
+
+def test_engine_honours_min_tokens_and_logit_bias_and_refuses_bias_outside_the_vocabulary(tiny64):
+    from pddgw.engines.types import EngineRequest
+    from tests.engines.conftest import make_engine
+
+    eos = min(tiny64.spec.eos_token_ids)
+    eng = make_engine(tiny64)
+    # EOS pushed to the top: masked for 3 outputs, then drawn at position 3, which ends the request.
+    eng.add_request(EngineRequest("m", (5, 6, 7, 8), SamplingParams(max_tokens=10, min_tokens=3,
+                                                                     logit_bias={eos: 100.0})))
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert len(tokens) == 4 and eos not in tokens[:3] and tokens[3] == eos
+    assert (outs[-1].finished, outs[-1].finish_reason) == (True, "stop")
+    with pytest.raises(RequestError, match="logit_bias"):
+        eng.add_request(EngineRequest("v", (5,), SamplingParams(logit_bias={tiny64.spec.vocab_size: 1.0})))
+    assert "v" not in eng.seqs

@@ -33,3 +33,19 @@ def test_settings_vllm_cannot_serve_are_refused_before_it_loads(tmp_path, vllm, 
     cfg = Config(model=ModelConfig(path=str(tmp_path)), engine=EngineConfig(implementation="vllm", vllm=vllm))
     with pytest.raises(ConfigError, match=msg):
         create_engine(cfg)
+
+
+@pytest.mark.parametrize("block_size,on_cpu,refused", [
+    (16, True, True), (8, True, True), (32, True, False), (64, True, False), (16, False, False)])
+def test_vllm_block_size_its_cpu_backend_cannot_page_is_refused_naming_the_key(block_size, on_cpu, refused):
+    from pddgw.engines.vllm_engine import check_block_size
+
+    if not refused:
+        check_block_size(block_size, on_cpu)
+        return
+    with pytest.raises(ConfigError) as ei:
+        check_block_size(block_size, on_cpu)
+    msg = str(ei.value)
+    assert msg == (f"engine.block_size = {block_size}: vLLM's CPU attention backend needs a multiple of 32; "
+                   'set engine.block_size = 32 (or a multiple of it) with engine.implementation = "vllm" on CPU')
+    assert "\n" not in msg

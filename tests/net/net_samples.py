@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pddgw.net import messages as m
 
-SPAN = m.KvSpan("req-1", 2, 4, 16, 24, "float16", (2, 2, 8, 2, 4))
+SPAN = m.KVSpan("req-1", 2, 4, 16, 24, "float16", (2, 2, 8, 2, 4))
 
 
-def kv_payload(span: m.KvSpan = SPAN, salt: int = 0) -> bytearray:
+def kv_payload(span: m.KVSpan = SPAN, salt: int = 0) -> bytearray:
     return bytearray((i * 7 + salt) % 251 for i in range(span.nbytes))
 
 
@@ -18,7 +18,7 @@ def every_message() -> list[m.Message]:
         m.Challenge("md-0", "1" * 64, "f" * 64),
         m.Auth("e" * 64),
         m.Welcome(),
-        m.KvChunk(SPAN, kv_payload(), 3, True),
+        m.KVChunk(SPAN, kv_payload(), 3, True),
         m.TokenIds("req-1", 37, tuple(range(100, 200))),
         m.TokenItem("req-1", 40, (5, 6, 7), True, "stop"),
         m.Ready("req-1", "kv"),
@@ -35,6 +35,6 @@ def every_message() -> list[m.Message]:
 
 def same(a: m.Message, b: m.Message) -> bool:
     """Equality that compares KV payloads by content (buffers do not compare by value)."""
-    if isinstance(a, m.KvChunk) and isinstance(b, m.KvChunk):
+    if isinstance(a, m.KVChunk) and isinstance(b, m.KVChunk):
         return (a.span, a.seq, a.last) == (b.span, b.seq, b.last) and bytes(a.payload) == bytes(b.payload)
     return a == b

@@ -43,7 +43,7 @@ def test_header_layout_is_pinned():
 
 def test_kv_payload_is_raw_and_zero_copy_both_ways():
     payload = kv_payload()
-    head, view = frames.encode(m.KvChunk(SPAN, payload, 1, False))
+    head, view = frames.encode(m.KVChunk(SPAN, payload, 1, False))
     assert view.obj is payload                      # encode does not copy the tensor memory
     data = bytearray(head + payload)
     frame = frames.decode(data)
@@ -114,23 +114,23 @@ def test_malformed_frames_raise_frame_error(data, match):
 
 
 def test_size_limits():
-    big = frames.encode_bytes(m.KvChunk(SPAN, kv_payload()))
+    big = frames.encode_bytes(m.KVChunk(SPAN, kv_payload()))
     with pytest.raises(FrameTooLarge, match="exceeds the limit"):
         frames.decode(big, max_frame=len(big) - 1)
-    assert same(frames.decode(big, max_frame=len(big), max_control=64).msg, m.KvChunk(SPAN, kv_payload()))
+    assert same(frames.decode(big, max_frame=len(big), max_control=64).msg, m.KVChunk(SPAN, kv_payload()))
     ctl = frames.encode_bytes(m.Ready("r", "x" * 100))
     with pytest.raises(FrameTooLarge):
         frames.decode(ctl, max_control=len(ctl) - 1)
 
 
 @pytest.mark.parametrize("build, match", [
-    (lambda: m.KvChunk(SPAN, bytearray(SPAN.nbytes - 1)), "span needs"),
-    (lambda: m.KvChunk(SPAN, memoryview(bytearray(SPAN.nbytes * 2))[::2]), "C-contiguous"),
+    (lambda: m.KVChunk(SPAN, bytearray(SPAN.nbytes - 1)), "span needs"),
+    (lambda: m.KVChunk(SPAN, memoryview(bytearray(SPAN.nbytes * 2))[::2]), "C-contiguous"),
     (lambda: m.TokenIds("r", 0, (1 << 31,)), "out of range"),
     (lambda: m.TokenItem("r", 0, [1, "2"]), "out of range"),
     (lambda: m.LoadReport("n", 0, 0, 0, 1, 0, float("nan")), "finite"),
     (lambda: m.Error("r", ""), "code must not be empty"),
-    (lambda: m.KvSpan("r", 0, 1, 0, 1, "float32", (1, 2, 1, 1)), "shape must be"),
+    (lambda: m.KVSpan("r", 0, 1, 0, 1, "float32", (1, 2, 1, 1)), "shape must be"),
     (lambda: m.Hello("n", "l", 0, 17, "0" * 64), "stripes out of range"),
 ])
 def test_messages_validate_on_construction(build, match):
@@ -140,7 +140,7 @@ def test_messages_validate_on_construction(build, match):
 
 def test_sequences_normalise_to_tuples():
     assert m.TokenIds("r", 0, [1, 2]).ids == (1, 2)
-    assert m.KvSpan("r", 0, 1, 0, 1, "float32", [1, 2, 1, 1, 1]).shape == (1, 2, 1, 1, 1)
+    assert m.KVSpan("r", 0, 1, 0, 1, "float32", [1, 2, 1, 1, 1]).shape == (1, 2, 1, 1, 1)
 
 
 # ---------------------------------------------------------------------------

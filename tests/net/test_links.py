@@ -44,7 +44,7 @@ class Peer:
         self.arrived.set()
         return m.Ack(getattr(msg, "request_id", ""), len(self.got))
 
-    def sink(self, span: m.KvSpan) -> memoryview:
+    def sink(self, span: m.KVSpan) -> memoryview:
         n = span.nbytes
         if self.sink_off + n > len(self.sink_memory):
             self.sink_off = 0
@@ -110,7 +110,7 @@ async def test_every_kind_one_way_both_directions(make_pair):
         await peer.wait_for(len(kinds))
         assert len(peer.got) == len(kinds)
         assert all(same(x, y) for x, y in zip(peer.got, kinds)), peer.got
-        kv = next(x for x in peer.got if isinstance(x, m.KvChunk))
+        kv = next(x for x in peer.got if isinstance(x, m.KVChunk))
         assert kv.payload.obj is peer.sink_memory          # landed in the receiver's memory
 
 
@@ -262,8 +262,8 @@ async def test_stream_error_and_idle_timeout(make_pair):
 
 async def test_striped_bulk_keeps_order_and_content(make_pair):
     p = await make_pair(stripes=3)
-    span = lambda i: m.KvSpan("bulk", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))  # 64 KiB
-    chunks = [m.KvChunk(span(i), kv_payload(span(i), salt=i), i, i == 47) for i in range(48)]
+    span = lambda i: m.KVSpan("bulk", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))  # 64 KiB
+    chunks = [m.KVChunk(span(i), kv_payload(span(i), salt=i), i, i == 47) for i in range(48)]
     async with p.server.stream("bulk", timeout=5) as st:
         await p.client.send_all(chunks)
         got = [x async for x in st]
@@ -281,14 +281,14 @@ async def test_back_pressure_blocks_the_sender_and_loses_nothing(make_pair):
 
     p.speer.on_message = stall
     p.server.set_kv_sink(None)  # payloads held by the link count against its inbound buffer
-    span = lambda i: m.KvSpan("bp", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))
+    span = lambda i: m.KVSpan("bp", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))
     payload = bytes(65536)
     sent = 0
 
     def chunks():
         nonlocal sent
         for i in range(800):                     # 52 MB: more than every socket buffer in between
-            yield m.KvChunk(span(i), payload, i)
+            yield m.KVChunk(span(i), payload, i)
             sent += 1
 
     with pytest.raises(LinkTimeout):
@@ -329,17 +329,17 @@ async def test_close_fails_what_is_in_flight(make_pair):
 async def test_shaping_accuracy_10MB_over_100Mbps_20ms_rtt(make_pair):
     cfg = cfg_for(links=(ShapingConfig(name="emu", gbps=0.1, latency_ms=10.0),))
     p = await make_pair(cfg, shaping="emu")
-    span = lambda i: m.KvSpan("big", 0, 1, i * 250, (i + 1) * 250, "float32", (1, 2, 250, 10, 50))  # 1 MB
+    span = lambda i: m.KVSpan("big", 0, 1, i * 250, (i + 1) * 250, "float32", (1, 2, 250, 10, 50))  # 1 MB
     payload = bytes(1_000_000)
     done = asyncio.get_running_loop().create_future()
 
     async def on_kv(link, msg):
-        if isinstance(msg, m.KvChunk) and msg.last:
+        if isinstance(msg, m.KVChunk) and msg.last:
             done.set_result(time.perf_counter())
 
     p.speer.on_message = on_kv
     t0 = time.perf_counter()
-    await p.client.send_all(m.KvChunk(span(i), payload, i, i == 9) for i in range(10))
+    await p.client.send_all(m.KVChunk(span(i), payload, i, i == 9) for i in range(10))
     elapsed = await asyncio.wait_for(done, 5) - t0
     # Never faster than the wire (its bytes at 100 Mbps + 10 ms); how much slower is the machine's
     # load, not shaping: the exact arrival is pinned on the virtual clock (test_shaping_virtual.py).
@@ -404,9 +404,9 @@ async def test_shaped_link_foreground_overtakes_background(make_pair):
     # bulk chunk has arrived (70 ms), finds the second one on the wire.
     cfg = cfg_for(links=(ShapingConfig(name="emu", gbps=0.002, latency_ms=5.0),))
     p = await make_pair(cfg, stripes=2, shaping="emu")
-    span = lambda rid, i: m.KvSpan(rid, 0, 1, i * 4, (i + 1) * 4, "float16", (1, 2, 4, 8, 128))
-    bulk = [m.KvChunk(span("bulk", i), kv_payload(span("bulk", i), salt=i), i, i == 3) for i in range(4)]
-    live = [m.KvChunk(span("live", i), kv_payload(span("live", i), salt=50 + i), i, i == 1) for i in range(2)]
+    span = lambda rid, i: m.KVSpan(rid, 0, 1, i * 4, (i + 1) * 4, "float16", (1, 2, 4, 8, 128))
+    bulk = [m.KVChunk(span("bulk", i), kv_payload(span("bulk", i), salt=i), i, i == 3) for i in range(4)]
+    live = [m.KVChunk(span("live", i), kv_payload(span("live", i), salt=50 + i), i, i == 1) for i in range(2)]
     background = asyncio.ensure_future(p.client.send_all(bulk, priority=Priority.BACKGROUND))
     await p.speer.wait_for(1)
     live_service = await p.client.send_all(live)
@@ -417,7 +417,7 @@ async def test_shaped_link_foreground_overtakes_background(make_pair):
     by_id = {(x.span.request_id, x.seq): bytes(x.payload) for x in p.speer.got}
     assert all(by_id[(c.span.request_id, c.seq)] == bytes(c.payload) for c in bulk + live)
 
-    def wire(c: m.KvChunk) -> int:
+    def wire(c: m.KVChunk) -> int:
         if not isinstance(p.client, WsLink):
             return wire_size(c)
         head, payload = frames.encode(c)

@@ -34,10 +34,10 @@ from pddgw.sim.clock import run_virtual
 BG = Priority.BACKGROUND
 
 
-def kv(rid: str, i: int, tokens: int, heads: int = 16) -> m.KvChunk:
+def kv(rid: str, i: int, tokens: int, heads: int = 16) -> m.KVChunk:
     """A virtual KV chunk (no payload; the wire is charged its bytes): 2 * heads * 128 * 2 bytes a token."""
-    span = m.KvSpan(rid, 0, 1, i * tokens, (i + 1) * tokens, "float16", (1, 2, tokens, heads, 128), True)
-    return m.KvChunk(span, b"", i, False)
+    span = m.KVSpan(rid, 0, 1, i * tokens, (i + 1) * tokens, "float16", (1, 2, tokens, heads, 128), True)
+    return m.KVChunk(span, b"", i, False)
 
 
 class Rx:
@@ -46,12 +46,12 @@ class Rx:
     def __init__(self) -> None:
         self.got: list[tuple[float, str, str]] = []     # (time, kind, request id)
 
-    def sink(self, span: m.KvSpan) -> None:
+    def sink(self, span: m.KVSpan) -> None:
         return None                     # a link buffer (virtual chunks have no payload anyway)
 
     async def handle(self, link, msg: m.Message) -> None:
-        kind = "kv" if isinstance(msg, m.KvChunk) else type(msg).__name__
-        rid = msg.span.request_id if isinstance(msg, m.KvChunk) else msg.request_id
+        kind = "kv" if isinstance(msg, m.KVChunk) else type(msg).__name__
+        rid = msg.span.request_id if isinstance(msg, m.KVChunk) else msg.request_id
         self.got.append((asyncio.get_running_loop().time(), kind, rid))
 
     def times(self, rid: str, kind: str = "kv") -> list[float]:
@@ -327,8 +327,8 @@ def test_a_websocket_link_counts_the_bytes_of_a_frame_still_arriving():
 
         link.set_handler(handler)
         link._attach([conn])
-        span = m.KvSpan("crawl", 0, 1, 0, 256, "float16", (1, 2, 256, 8, 128))     # 1 MiB
-        head, payload = frames.encode(m.KvChunk(span, bytes(span.nbytes), 0, True), seq=0)
+        span = m.KVSpan("crawl", 0, 1, 0, 256, "float16", (1, 2, 256, 8, 128))     # 1 MiB
+        head, payload = frames.encode(m.KVChunk(span, bytes(span.nbytes), 0, True), seq=0)
         wire = ws_header(len(head) + payload.nbytes, False) + head + payload.tobytes()
         step = -(-len(wire) // 20)
         loop = asyncio.get_running_loop()

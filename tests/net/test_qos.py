@@ -27,16 +27,16 @@ GBPS = 0.1
 LATENCY = 0.005
 
 
-def chunks(rid: str, n: int, tokens: int = TOKENS, virtual: bool = False) -> list[m.KvChunk]:
+def chunks(rid: str, n: int, tokens: int = TOKENS, virtual: bool = False) -> list[m.KVChunk]:
     out = []
     for i in range(n):
-        span = m.KvSpan(rid, 0, 1, i * tokens, (i + 1) * tokens, "float16", (1, 2, tokens, 8, 128), virtual)
+        span = m.KVSpan(rid, 0, 1, i * tokens, (i + 1) * tokens, "float16", (1, 2, tokens, 8, 128), virtual)
         payload = b"" if virtual else random.Random(f"{rid}/{i}").randbytes(span.nbytes)
-        out.append(m.KvChunk(span, payload, i, i == n - 1))
+        out.append(m.KVChunk(span, payload, i, i == n - 1))
     return out
 
 
-def secs(msgs: list[m.KvChunk], gbps: float = GBPS) -> list[float]:
+def secs(msgs: list[m.KVChunk], gbps: float = GBPS) -> list[float]:
     """Serialization time of each frame on a wire of `gbps`."""
     return [wire_size(c) * 8 / (gbps * 1e9) for c in msgs]
 
@@ -53,7 +53,7 @@ class Rx:
         self.arrivals: list[tuple[float, str, int]] = []     # (time, request id, chunk index)
         self.msgs: list[m.Message] = []
 
-    def sink(self, span: m.KvSpan) -> None:
+    def sink(self, span: m.KVSpan) -> None:
         tokens = span.token_end - span.token_start
         self.arrivals.append((asyncio.get_running_loop().time(), span.request_id, span.token_start // tokens))
 
@@ -124,7 +124,7 @@ def test_foreground_preempts_background_on_a_shared_wire():
     # the wire never idles, so its last chunk leaves when all bytes of both have been serialized.
     assert rx["ra"].times("bulk")[-1] == pytest.approx(sum(sa) + sum(sb) + LATENCY, rel=1e-12)
     assert rx["ra"].times("bulk")[-1] > rx["rb"].times("live")[-1]
-    got = [x for x in rx["ra"].msgs if isinstance(x, m.KvChunk)]
+    got = [x for x in rx["ra"].msgs if isinstance(x, m.KVChunk)]
     assert [x.seq for x in got] == list(range(20))
     assert all(bytes(x.payload) == bytes(c.payload) for x, c in zip(got, bulk))
     # Service seconds: each transfer's own serialization time, not the time it waited.
@@ -303,7 +303,7 @@ def test_closing_one_link_drops_its_queued_frames_only():
         return rx, shaper, b_service, left
 
     rx, shaper, b_service, left = run_virtual(main())
-    got = [x for x in rx["rb"].msgs if isinstance(x, m.KvChunk)]
+    got = [x for x in rx["rb"].msgs if isinstance(x, m.KVChunk)]
     assert [x.seq for x in got] == list(range(6))
     assert all(bytes(x.payload) == bytes(c.payload) for x, c in zip(got, b_bg))
     assert b_service == pytest.approx(sum(sb), rel=1e-12)

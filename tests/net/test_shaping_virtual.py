@@ -21,7 +21,7 @@ def _cfg(*links: ShapingConfig) -> NetConfig:
 
 
 def test_10MB_over_100Mbps_arrives_after_its_bytes_and_one_way_latency():
-    msgs = [m.KvChunk(m.KvSpan("big", 0, 1, i * 250, (i + 1) * 250, "float32", (1, 2, 250, 10, 50)),
+    msgs = [m.KVChunk(m.KVSpan("big", 0, 1, i * 250, (i + 1) * 250, "float32", (1, 2, 250, 10, 50)),
                       bytes(1_000_000), i, i == 9) for i in range(10)]                     # 1 MB each
 
     async def main() -> float:
@@ -30,7 +30,7 @@ def test_10MB_over_100Mbps_arrives_after_its_bytes_and_one_way_latency():
         last: asyncio.Future[float] = loop.create_future()
 
         async def handle(link, msg):
-            if isinstance(msg, m.KvChunk) and msg.last:
+            if isinstance(msg, m.KVChunk) and msg.last:
                 last.set_result(loop.time())
 
         net.listen("srv", handle)

@@ -12,13 +12,15 @@ from net_samples import SPAN, every_message, kv_payload
 
 from pddgw.net import frames
 from pddgw.net import messages as m
+from pddgw.core.sampling import SamplingParams
 from pddgw.net.errors import FrameTooLarge
 from pddgw.net.inproc import wire_size
 from pddgw.net.wsproto import ws_header_size
 from pddgw.pipeline import protocol as pm
 
-_SAMPLING = {"max_tokens": 64, "temperature": 0.7, "top_k": 20, "top_p": 0.95, "seed": 7, "ignore_eos": False,
-             "stop_token_ids": (2, 32000), "logprobs": 3, "min_p": 0.05}
+_SAMPLING = {"sampling": SamplingParams(max_tokens=64, temperature=0.7, top_k=20, top_p=0.95, seed=7,
+                                        stop_token_ids=(2, 32000), logprobs=3, min_p=0.05,
+                                        repetition_penalty=1.1, logit_bias={5: -2.5})}
 
 
 def pipeline_messages() -> list[m.Message]:
@@ -39,6 +41,8 @@ def pipeline_messages() -> list[m.Message]:
         pm.KvDone("r1", 42, False),
         pm.Demote("r1"),
         pm.Logprobs("r1", 3, 2, (-0.5, -1.25), (-0.1, -0.2, -0.3, -0.4), (11, 12, 13, 14)),
+        pm.PromptLogprobsQuery("r1", 1),
+        pm.Draining("md-0", 22.5),
     ]
 
 
@@ -67,12 +71,12 @@ def test_pinned_sizes():
 
 
 def test_wire_size_counts_a_virtual_chunk_as_the_kv_it_stands_for():
-    real = m.KvChunk(SPAN, kv_payload(), 2, True)
+    real = m.KVChunk(SPAN, kv_payload(), 2, True)
     n = _encoded(real)
     assert wire_size(real) == ws_header_size(n, masked=False) + n
-    virtual = m.KvSpan(SPAN.request_id, SPAN.layer_start, SPAN.layer_end, SPAN.token_start, SPAN.token_end,
+    virtual = m.KVSpan(SPAN.request_id, SPAN.layer_start, SPAN.layer_end, SPAN.token_start, SPAN.token_end,
                        SPAN.dtype, SPAN.shape, True)
-    chunk = m.KvChunk(virtual, b"", 2, True)
+    chunk = m.KVChunk(virtual, b"", 2, True)
     n = _encoded(chunk)
     assert frames.frame_size(chunk) == n
     assert wire_size(chunk) == ws_header_size(n, masked=False) + n + virtual.nbytes

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from pddgw.config import NetConfig, TlsConfig
-from pddgw.net import auth, frames
+from pddgw.net import auth, frames, wsproto
 from pddgw.net import messages as m
 from pddgw.net.errors import AuthError, CloseCode, LinkClosed
 from pddgw.net.link import LinkState
@@ -136,10 +136,10 @@ async def test_unauthenticated_peers_are_cut_off(served, attack, code, event):
 async def test_oversized_frame_after_auth_closes_1009_then_reconnects(served):
     server, url = await served(cfg_for(max_frame_bytes=256 << 10, kv_frame_bytes=256 << 10, max_control_bytes=64 << 10))
     link = await connect(url, "cli", cfg_for(max_frame_bytes=4 << 20))    # a misconfigured peer
-    span = m.KvSpan("big", 0, 1, 0, 128, "float16", (1, 2, 128, 8, 128))  # 512 KiB
+    span = m.KVSpan("big", 0, 1, 0, 128, "float16", (1, 2, 128, 8, 128))  # 512 KiB
     with capture_logs() as logs:
         async with link.stream("big", timeout=5) as st:
-            await link.send(m.KvChunk(span, bytes(span.nbytes)))
+            await link.send(m.KVChunk(span, bytes(span.nbytes)))
             with pytest.raises(LinkClosed) as ei:
                 await st.__anext__()
     assert ei.value.code == CloseCode.TOO_BIG
@@ -181,7 +181,7 @@ async def test_tls_link_carries_kv_intact(served, pki):
     assert url.startswith("wss://")
     link = await connect(url, "cli", cfg_for(tls=TlsConfig(enabled=True, ca_file=str(pki / "ca.pem"))),
                          stripes=2)
-    span = m.KvSpan("t", 0, 2, 0, 64, "bfloat16", (2, 2, 64, 4, 64))
+    span = m.KVSpan("t", 0, 2, 0, 64, "bfloat16", (2, 2, 64, 4, 64))
     payload = bytes(i % 253 for i in range(span.nbytes))
 
     async def echo(l, msg):
@@ -189,7 +189,7 @@ async def test_tls_link_carries_kv_intact(served, pki):
 
     for wl in server.links:
         wl.set_handler(echo)
-    back = await link.request(m.KvChunk(span, payload, 5, True))
+    back = await link.request(m.KVChunk(span, payload, 5, True))
     assert bytes(back.payload) == payload and back.span == span
     with pytest.raises(AuthError, match="TLS"):
         await connect(url, "cli", cfg_for(tls=TlsConfig(enabled=True)))   # system CAs do not know ours
@@ -303,11 +303,11 @@ async def test_shaping_accuracy_server_to_client_striped(served):
     accepted = []
     server, url = await served(cfg, on_link=accepted.append)
     link = await connect(url, "cli", cfg, shaping="emu", stripes=2)
-    span = lambda i: m.KvSpan("dl", 0, 1, i * 250, (i + 1) * 250, "float32", (1, 2, 250, 10, 50))  # 1 MB
+    span = lambda i: m.KVSpan("dl", 0, 1, i * 250, (i + 1) * 250, "float32", (1, 2, 250, 10, 50))  # 1 MB
     payload = bytes(1_000_000)
     async with link.stream("dl", timeout=5) as st:
         t0 = time.perf_counter()
-        await accepted[0].send_all(m.KvChunk(span(i), payload, i, i == 9) for i in range(10))
+        await accepted[0].send_all(m.KVChunk(span(i), payload, i, i == 9) for i in range(10))
         got = [c.seq async for c in st]
         elapsed = time.perf_counter() - t0
     assert got == list(range(10))
@@ -333,13 +333,13 @@ async def test_a_stalled_stripe_bounds_the_frames_held_for_reordering_and_the_tr
     link = await connect(url, "cli", cfg, stripes=3)
     srv = accepted[0]
     n = 400                                                   # 26 MB: more than stripe 0's socket buffers
-    span = lambda i: m.KvSpan("bulk", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))  # 64 KiB
+    span = lambda i: m.KVSpan("bulk", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))  # 64 KiB
 
     def chunks():
         for i in range(n):
             payload = bytearray(span(i).nbytes)
             payload[:4] = i.to_bytes(4, "little")
-            yield m.KvChunk(span(i), payload, i, i == n - 1)
+            yield m.KVChunk(span(i), payload, i, i == n - 1)
 
     sending = asyncio.ensure_future(link.send_all(chunks(), timeout=60))
     async with asyncio.timeout(30):
@@ -358,3 +358,65 @@ async def test_a_stalled_stripe_bounds_the_frames_held_for_reordering_and_the_tr
     assert srv._held_bytes == 0 and srv._ahead_paused == set() and srv._reorder == {}
     assert all(c.transport.is_reading() for c in srv._conns)
     await link.close()
+
+
+# ---- closing (tracker issue 23: a node's exit waited CLOSE_GRACE_S per link) -----------------
+# The grace is raised far above each test's bound: a close that waited for it cannot pass.
+NO_GRACE_BOUND_S = 10.0
+
+
+async def test_both_sides_closing_at_once_finish_the_handshake_without_the_grace(served, monkeypatch):
+    """Each side sends its close frame before reading the other's (a drained node and its
+    router; a link's stripes): each must still take the peer's frame as the answer."""
+    monkeypatch.setattr(wsproto, "CLOSE_GRACE_S", 600.0)
+    accepted = []
+    server, url = await served(cfg_for(stripes=2), on_link=accepted.append)
+    cli = await connect(url, "cli", cfg_for(stripes=2))
+    assert (await cli.request(m.Ready("r1"))).detail == "ok"
+    srv_link = accepted[0]
+    cconns, sconns = list(cli._conns), list(srv_link._conns)
+    assert len(cconns) == len(sconns) == 2
+    async with asyncio.timeout(NO_GRACE_BOUND_S):
+        await asyncio.gather(cli.close(CloseCode.NORMAL, "bye"),
+                             srv_link.close(CloseCode.GOING_AWAY, "server shutting down"))
+    # Each connection ended with the peer's close frame, not with our own grace abort.
+    assert [c.closed.result().code for c in cconns] == [CloseCode.GOING_AWAY] * 2
+    assert [c.closed.result().code for c in sconns] == [CloseCode.NORMAL] * 2
+    assert server.links == set()
+
+
+async def test_a_close_mid_frame_skips_the_rest_and_takes_the_peers_close_frame(served, monkeypatch):
+    """The client closes while a 4 MiB frame is arriving, and the server's close frame
+    is queued right behind that frame: the rest is skipped, the close frame read."""
+    monkeypatch.setattr(wsproto, "CLOSE_GRACE_S", 600.0)
+    accepted = []
+    server, url = await served(cfg_for(stripes=1, max_frame_bytes=8 << 20), on_link=accepted.append)
+    closing: list[asyncio.Task] = []
+    got: list[m.Message] = []
+
+    async def record(link, msg):
+        got.append(msg)
+
+    def sink(span):
+        # Metadata is in, the payload is not: close once this read callback has returned.
+        closing.append(asyncio.ensure_future(cli.close(CloseCode.NORMAL, "bye")))
+        return None
+
+    cli = await connect(url, "cli", cfg_for(stripes=1, max_frame_bytes=8 << 20), record, kv_sink=sink)
+    assert (await cli.request(m.Ready("r1"))).detail == "ok"
+    srv_link = accepted[0]
+    (sconn,), (cconn,) = srv_link._conns, cli._conns
+    span = m.KVSpan("big", 0, 1, 0, 512, "float16", (1, 2, 512, 8, 256))      # 4 MiB
+    payload = bytes(span.nbytes)
+    bufs, _, _ = srv_link._frame(sconn, m.KVChunk(span, payload), 0, 0)
+    sconn.write(bufs)                       # the frame, then at once the close frame behind it
+    sconn.close(CloseCode.GOING_AWAY, "server shutting down")
+    async with asyncio.timeout(NO_GRACE_BOUND_S):
+        await cconn.closed
+        await asyncio.gather(*closing)
+        await sconn.closed
+    assert len(closing) == 1 and got == []
+    assert cconn.closed.result().code == CloseCode.GOING_AWAY     # it read the server's close frame
+    assert sconn.closed.result().code == CloseCode.NORMAL         # and the server the client's
+    await srv_link.close()
+    assert server.links == set()

@@ -113,7 +113,7 @@ def test_any_chunking_gives_the_same_messages(chunk):
 
 def test_payload_lands_unmasked_in_the_sink_memory():
     memory = bytearray(SPAN.nbytes)
-    wire = run(_client_wire([m.KvChunk(SPAN, kv_payload(), 0, True)]))
+    wire = run(_client_wire([m.KVChunk(SPAN, kv_payload(), 0, True)]))
     conn, t, got = run(_conn(client=False, sink=lambda span: memoryview(memory)))
     feed(conn, wire, 1 << 20)
     assert got[0][1].payload.obj is memory and memory == kv_payload()
@@ -196,8 +196,8 @@ def _close_loop():
 # Before authentication: nothing allocated beyond the frame itself
 
 KEY = b"\x1f\x2e\x3d\x4c"
-HUGE = m.KvSpan("huge", 0, 1, 0, 1024, "float16", (1, 2, 1024, 100, 512))     # 200 MiB
-MID = m.KvSpan("mid", 0, 1, 0, 4, "float16", (1, 2, 4, 8, 128))                # 16 KiB
+HUGE = m.KVSpan("huge", 0, 1, 0, 1024, "float16", (1, 2, 1024, 100, 512))     # 200 MiB
+MID = m.KVSpan("mid", 0, 1, 0, 4, "float16", (1, 2, 4, 8, 128))                # 16 KiB
 
 
 def masked_msg(body: bytes, ws_len: int | None = None) -> bytes:
@@ -206,9 +206,9 @@ def masked_msg(body: bytes, ws_len: int | None = None) -> bytes:
     return ws_header(n, True) + KEY + bytes(b ^ KEY[i % 4] for i, b in enumerate(body))
 
 
-def kv_head(span: m.KvSpan, payload_len: int | None = None, seq: int = 0) -> bytes:
-    """Header + metadata of a KvChunk over `span`, claiming `payload_len` payload bytes (default: the span's)."""
-    meta = orjson.dumps({f.name: getattr(span, f.name) for f in dataclasses.fields(m.KvSpan)}
+def kv_head(span: m.KVSpan, payload_len: int | None = None, seq: int = 0) -> bytes:
+    """Header + metadata of a KVChunk over `span`, claiming `payload_len` payload bytes (default: the span's)."""
+    meta = orjson.dumps({f.name: getattr(span, f.name) for f in dataclasses.fields(m.KVSpan)}
                         | {"seq": 0, "last": True})
     n = span.payload_nbytes if payload_len is None else payload_len
     return frames.HEADER.pack(frames.MAGIC, frames.VERSION, m.KV_KIND, 0, 0, len(meta), 0, seq, n) + meta
@@ -229,14 +229,14 @@ AUTH = frames.encode_bytes(m.Auth("e" * 64))
 
 
 @pytest.mark.parametrize("wire, code", [
-    # 200 MiB KvChunk claimed by the WebSocket length: over the handshake bound
+    # 200 MiB KVChunk claimed by the WebSocket length: over the handshake bound
     (masked_msg(kv_head(HUGE), ws_len=len(kv_head(HUGE)) + HUGE.nbytes), CloseCode.TOO_BIG),
-    # a 16 KiB KvChunk: within max_frame_bytes, over the handshake bound
+    # a 16 KiB KVChunk: within max_frame_bytes, over the handshake bound
     (masked_msg(kv_head(MID), ws_len=len(kv_head(MID)) + MID.nbytes), CloseCode.TOO_BIG),
     # an honest WebSocket length, a frame header and metadata claiming 200 MiB: KV before auth
     (masked_msg(kv_head(HUGE)), CloseCode.PROTOCOL_ERROR),
-    # a whole, valid, tiny KvChunk: still KV before auth
-    (masked_msg(frames.encode_bytes(m.KvChunk(SPAN, kv_payload()))), CloseCode.PROTOCOL_ERROR),
+    # a whole, valid, tiny KVChunk: still KV before auth
+    (masked_msg(frames.encode_bytes(m.KVChunk(SPAN, kv_payload()))), CloseCode.PROTOCOL_ERROR),
     (masked_msg(frames.encode_bytes(m.Ready("r"))), CloseCode.PROTOCOL_ERROR),
     # a handshake kind whose header claims 200 MiB of payload it cannot carry
     (masked_msg(with_payload_len(AUTH, HUGE.nbytes)), CloseCode.BAD_FRAME),
@@ -267,7 +267,7 @@ def test_handshake_frames_pass_and_the_full_read_buffer_comes_with_authenticatio
 def test_frames_right_behind_the_welcome_are_link_frames_not_handshake_frames():
     conn, t = run(_hs_conn(client=True))
     hs = [m.Challenge("srv", "1" * 64, "f" * 64), m.Welcome()]
-    link = [m.Ready("r", "kv"), m.KvChunk(SPAN, kv_payload(), 0, True)]
+    link = [m.Ready("r", "kv"), m.KVChunk(SPAN, kv_payload(), 0, True)]
     wire = b"".join(ws_header(len(f), False) + f
                     for f in (frames.encode_bytes(x, seq=i) for i, x in enumerate(hs + link)))
     feed(conn, wire, 1 << 20)                       # one read: nothing in between
@@ -306,7 +306,7 @@ def test_a_size_mismatch_closes_bad_frame_and_delivers_nothing(wire, monkeypatch
 
 @pytest.mark.parametrize("delta", [-1, 0, 1])
 def test_back_to_back_frames_split_at_their_boundary_are_both_delivered_whole(delta):
-    msgs = [m.KvChunk(SPAN, kv_payload(), 0, True), m.Ready("next", "kv")]
+    msgs = [m.KVChunk(SPAN, kv_payload(), 0, True), m.Ready("next", "kv")]
     wire = run(_client_wire(msgs))
     n1 = len(frames.encode_bytes(msgs[0]))
     first = wsproto.ws_header_size(n1, masked=True) + n1
@@ -347,7 +347,7 @@ class LinkTransport(FakeTransport):
     abort = close
 
 
-KV64 = lambda i: m.KvSpan("bulk", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))  # 64 KiB
+KV64 = lambda i: m.KVSpan("bulk", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))  # 64 KiB
 
 
 def test_reordered_frames_count_and_pause_only_the_connection_ahead():
@@ -370,7 +370,7 @@ def test_reordered_frames_count_and_pause_only_the_connection_ahead():
         link.set_handler(handler)
         wires = {}
         for i in range(6):
-            head, payload = frames.encode(m.KvChunk(KV64(i), kv_payload(KV64(i), salt=i), i), seq=i)
+            head, payload = frames.encode(m.KVChunk(KV64(i), kv_payload(KV64(i), salt=i), i), seq=i)
             wires[i] = masked_msg(head + payload.tobytes())
         w = len(wires[2])
         # seq 0 and 1 travel on a, which is slow; b delivers 2..5 ahead of them

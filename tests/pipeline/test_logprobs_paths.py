@@ -160,12 +160,10 @@ def test_logprobs_message_round_trips_and_is_bounded():
         with pytest.raises(ValueError):
             pm.Logprobs(**fields)
     # Sampling fields carry the request's k (None: none).
-    sub = pm.Submit(request_id="r", kv="import", hold=False, prompt=(1,),
-                    **pm.sampling_fields(SamplingParams(logprobs=4)))
-    assert frames.decode(frames.encode_bytes(sub)).msg.sampling().logprobs == 4
+    sub = pm.Submit(request_id="r", kv="import", hold=False, prompt=(1,), sampling=SamplingParams(logprobs=4))
+    assert frames.decode(frames.encode_bytes(sub)).msg.sampling.logprobs == 4
     with pytest.raises(ValueError):
-        pm.Submit(request_id="r", kv="import", hold=False, prompt=(1,),
-                  **(pm.sampling_fields(SamplingParams()) | {"logprobs": 21}))
+        SamplingParams(logprobs=21)
 
 
 def test_router_edge_joins_pieces_with_their_tokens_and_refuses_mismatches():

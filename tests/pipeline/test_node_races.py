@@ -62,7 +62,7 @@ async def node(model):
 
 def submit(rid: str) -> pm.Submit:
     return pm.Submit(request_id=rid, kv="import", hold=False, prompt=PROMPT,
-                     **pm.sampling_fields(SamplingParams(max_tokens=4)))
+                     sampling=SamplingParams(max_tokens=4))
 
 
 async def test_a_kv_chunk_md_cannot_import_fails_the_request_at_once(node):
@@ -73,8 +73,8 @@ async def test_a_kv_chunk_md_cannot_import_fails_the_request_at_once(node):
     spec = md.engine.kv_layout
     # A chunk with the wrong number of KV heads: MD's pool cannot take it.
     heads = spec.num_kv_heads + 1
-    span = m.KvSpan("r1", 0, spec.num_layers, 0, 16, "float64", (spec.num_layers, 2, 16, heads, spec.head_dim))
-    await p.send(m.KvChunk(span, bytes(span.nbytes), 0, False))
+    span = m.KVSpan("r1", 0, spec.num_layers, 0, 16, "float64", (spec.num_layers, 2, 16, heads, spec.head_dim))
+    await p.send(m.KVChunk(span, bytes(span.nbytes), 0, False))
     with pytest.raises(RemoteError) as err:
         async with asyncio.timeout(30):       # far below the request timeout it used to take
             async for _ in stream:

@@ -122,8 +122,8 @@ def test_the_estimate_follows_a_shaped_links_bandwidth_steps():
     from pddgw.sim.clock import run_virtual
 
     shape = ShapingConfig(name="wan", latency_ms=15.0, trace=((0.0, 8.0), (1.0, 2.0), (2.0, 8.0)))
-    span = m.KvSpan("r", 0, 1, 0, 500, "bfloat16", (1, 2, 500, 8, 1000), virtual=True)   # 16 MB of KV
-    frame = m.KvChunk(span, b"")
+    span = m.KVSpan("r", 0, 1, 0, 500, "bfloat16", (1, 2, 500, 8, 1000), virtual=True)   # 16 MB of KV
+    frame = m.KVChunk(span, b"")
     nbytes = wire_size(frame)
 
     async def main() -> list[tuple[float, float]]:

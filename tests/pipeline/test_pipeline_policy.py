@@ -10,7 +10,7 @@ import pytest
 from pddgw.config import Config, ConfigError, PolicyConfig, build
 from pddgw.pipeline.policy import (
     HandoffInputs,
-    LoadReport,
+    InstanceLoad,
     NoInstanceError,
     PipelineInputs,
     SingularLimiter,
@@ -76,7 +76,7 @@ def test_policy_config_validation(kw, msg):
 
 
 def rep(name, role="md", running=0, waiting=0, used=0, healthy=True, seqs=10, total=100):
-    return LoadReport(name, role, running, waiting, seqs, used, total, healthy)
+    return InstanceLoad(name, role, running, waiting, seqs, used, total, healthy)
 
 
 def test_load_is_the_larger_of_slots_and_kv():

@@ -143,6 +143,8 @@ def test_p_rld_md_catch_up_timeline():
         "total_ms": 38.0,
         "wan_kv_bytes": 6144,
         "handoff_stall_ms": 7.0,
+        "max_itl_ms": 9.0,                  # t = 21 -> 30, ended by position 70
+        "max_itl_position": 70,
         "output_tokens": 100,
         "tokens_by_role": {"md": 20, "rld": 80},
         "fallback_reason": None,
@@ -380,6 +382,64 @@ def test_stall_counts_rld_tokens_racing_the_handoff():
     tr2.advance(S.MD_DECODING)
     tr2.tokens_emitted(40, 1, "md")
     assert tr2.record().handoff_stall_ms == 21.0
+
+
+def test_a_request_md_starves_after_the_handoff_shows_it_in_its_timeline():
+    """Issue 23's case: one-shot at position 3, MD's first token 37 ms after RLD's last,
+    then 66 s until the next one (MD preempted behind long requests)."""
+    clk = FakeClock()
+    tr = tracker_in(S.RLD_DECODING, clk)
+    clk.tick(5)
+    tr.tokens_emitted(0, 1, "rld")          # t = 5
+    clk.tick(2)
+    tr.tokens_emitted(1, 2, "rld")          # t = 7: RLD's last tokens
+    tr.md_ready(held=1)
+    clk.tick(10)
+    tr.handoff_round(1, 3, final=True)      # t = 17
+    clk.tick(27)
+    tr.advance(S.MD_DECODING)
+    tr.tokens_emitted(3, 1, "md")           # t = 44: 37 ms after position 2
+    clk.tick(66_000)
+    tr.tokens_emitted(4, 1, "md")           # 66 s later
+    for i in range(5, 24):
+        clk.tick(20)
+        tr.tokens_emitted(i, 1, "md")
+    tr.finish("length")
+    d = tr.record().to_dict()
+    assert (d["handoff_mode"], d["handoff_position"], d["handoff_stall_ms"], d["max_itl_ms"],
+            d["max_itl_position"], d["output_tokens"]) == ("one-shot", 3, 37.0, 66_000.0, 4, 24)
+
+
+def test_stall_runs_to_mds_first_token_not_to_the_handoff_ack():
+    """MD's first token after the handoff comes 66 s after RLD's last: that is the stall,
+    however early the handoff itself was recorded and acknowledged."""
+    clk = FakeClock()
+    tr = tracker_in(S.RLD_DECODING, clk)
+    tr.tokens_emitted(0, 3, "rld")          # t = 0
+    tr.md_ready(held=1)
+    clk.tick(30)
+    tr.handoff_round(1, 3, final=True)      # t = 30 (RLD's ack would follow at once)
+    clk.tick(7)
+    tr.advance(S.MD_DECODING)               # MD's stream opened: still no token
+    clk.tick(66_000 - 37)
+    tr.tokens_emitted(3, 2, "md")           # t = 66 000
+    clk.tick(4)
+    tr.tokens_emitted(5, 1, "md")
+    r = tr.record()
+    assert (r.handoff_stall_ms, r.max_itl_ms, r.max_itl_position) == (66_000.0, 66_000.0, 3)
+
+
+def test_max_itl_needs_two_emissions_and_names_the_first_of_equal_gaps():
+    clk = FakeClock()
+    tr = tracker_in(S.MD_DECODING, clk)
+    assert (tr.record().max_itl_ms, tr.record().max_itl_position) == (None, None)
+    clk.tick(500)                            # TTFT is not an inter-token gap
+    tr.tokens_emitted(0, 4, "md")
+    assert (tr.record().max_itl_ms, tr.record().max_itl_position) == (None, None)
+    for pos, ms in ((4, 3), (5, 8), (7, 8), (9, 2)):
+        clk.tick(ms)
+        tr.tokens_emitted(pos, 2 if pos in (5, 7) else 1, "md")
+    assert (tr.record().max_itl_ms, tr.record().max_itl_position) == (8.0, 5)
 
 
 def test_stall_none_when_one_piece_crosses_the_handoff():

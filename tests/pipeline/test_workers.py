@@ -214,9 +214,9 @@ def test_every_sampling_field_crosses_the_wire():
 
     sp = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=11, stop_token_ids=(3, 4),
                         ignore_eos=True, min_p=0.05, logprobs=2)
-    for msg in (pm.Submit(request_id="r", kv="import", hold=False, prompt=(1, 2), **pm.sampling_fields(sp)),
+    for msg in (pm.Submit(request_id="r", kv="import", hold=False, prompt=(1, 2), sampling=sp),
                 pm.Prefill(request_id="r", targets=("md0",), starts=(0,), prompt=(1, 2), holds=(False,),
-                           **pm.sampling_fields(sp))):
-        assert frames.decode(frames.encode_bytes(msg)).msg.sampling() == sp
-    with pytest.raises(ValueError, match="min_p must be in"):
-        pm.Submit(request_id="r", kv="import", hold=False, prompt=(1,), **(pm.sampling_fields(sp) | {"min_p": 1.5}))
+                           sampling=sp)):
+        assert frames.decode(frames.encode_bytes(msg)).msg.sampling == sp
+    with pytest.raises(ValueError, match=r"min_p must be a number in \[0, 1\]"):
+        SamplingParams(min_p=1.5)

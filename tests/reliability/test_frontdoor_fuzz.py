@@ -72,7 +72,7 @@ class Served:
 def served(tmp_path_factory) -> Iterator[Served]:
     port = free_port()
     procs = Processes(tmp_path_factory.mktemp("frontdoor"))
-    procs.add("serve", ["serve", "--host", "127.0.0.1", "--port", str(port)], port, cwd=ROOT)
+    procs.add("serve", ["serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port)], port, cwd=ROOT)
     procs.start()
     try:
         yield Served(procs.nodes["serve"].proc, port, procs.dir / "serve.log")
@@ -209,9 +209,10 @@ PINNED = [
            "'response_id' must be a non-empty string", "cancel-wrong-type"),
     pinned(create(input="x", max_output_tokens=I64_MIN), BAD, "max_output_tokens",
            "'max_output_tokens' must be a positive integer", "max-output-i64-min"),
-    pinned(create(input="x", seed=U64_MAX), BAD, "seed", "'seed' must be an integer in [0, 2**63)", "seed-u64-max"),
+    pinned(create(input="x", seed=U64_MAX), BAD, "seed", "seed must be an integer in [0, 9223372036854775808), got 18446744073709551615",
+           "seed-u64-max"),
     pinned(create(input="x", temperature=1e308), BAD, "temperature",
-           "'temperature' must be a number in [0.0, 2.0], got 1e+308", "temperature-huge"),
+           "temperature must be a number in [0, 2], got 1e+308", "temperature-huge"),
     pinned(create(input="x", metadata={"k" * 100_000: "v"}), BAD, "metadata",
            f"metadata['{'k' * 29}...{'k' * 30}']: keys up to 64 chars, string values up to 512", "metadata-key-huge"),
     pinned(create(prompt_token_ids=[0] * (CONTEXT + 1)), TOO_LONG, "prompt_token_ids",

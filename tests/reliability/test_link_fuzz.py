@@ -238,16 +238,16 @@ def ask_state(r: Raw, seq: int) -> pm.NodeState:
     return reply.msg
 
 
-def kv_claim(span: m.KvSpan, payload_len: int | None = None) -> bytes:
-    """Header + metadata of a KvChunk over `span`, no payload."""
-    meta = orjson.dumps({f.name: getattr(span, f.name) for f in dataclasses.fields(m.KvSpan)}
+def kv_claim(span: m.KVSpan, payload_len: int | None = None) -> bytes:
+    """Header + metadata of a KVChunk over `span`, no payload."""
+    meta = orjson.dumps({f.name: getattr(span, f.name) for f in dataclasses.fields(m.KVSpan)}
                         | {"seq": 0, "last": True})
     n = span.payload_nbytes if payload_len is None else payload_len
     return frames.HEADER.pack(frames.MAGIC, frames.VERSION, m.KV_KIND, 0, 0, len(meta), 0, 0, n) + meta
 
 
-BIG = m.KvSpan("big", 0, 1, 0, 1000, "float16", (1, 2, 1000, 8, 1024))      # 31.25 MiB, a frame under MAX_FRAME
-HUGE = m.KvSpan("huge", 0, 1, 0, 1024, "float16", (1, 2, 1024, 100, 512))   # 200 MiB
+BIG = m.KVSpan("big", 0, 1, 0, 1000, "float16", (1, 2, 1000, 8, 1024))      # 31.25 MiB, a frame under MAX_FRAME
+HUGE = m.KVSpan("huge", 0, 1, 0, 1024, "float16", (1, 2, 1024, 100, 512))   # 200 MiB
 
 
 # ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ the profiles, so a recalibration changes no expectation here.
 
 import dataclasses
 import json
+import random
 
 import pytest
 
@@ -226,7 +227,7 @@ def test_engine_on_v4_pool_and_virtual_chunk_bytes():
     eng.add_request(EngineRequest("r", tuple(range(100)), SamplingParams(max_tokens=1), retain_kv=True))
     while eng.has_work():
         eng.step()
-    assert eng.export_kv("r", 0, 100).expected_nbytes() == 100 * 5512
+    assert eng.export_kv("r", 0, 100).nbytes == 100 * 5512
     with pytest.raises(ConfigError, match="engine.costmodel: deepseek-v4-pro weights"):
         CostModelEngine(PRO, H100, dataclasses.replace(cfg, costmodel=CostModelConfig(
             hardware="H100-SXM", tensor_parallel=8)))
@@ -262,3 +263,20 @@ def test_v4_step_sums_the_profile_formulas():
     assert c.bytes == pytest.approx(nbytes, rel=1e-12)
     # One decode at 64K reads the window, the top-1024 CSA entries and every indexer key and HCA entry.
     assert PRO.kv_read_bytes(65535, 1) == 61 * 128 * 584 + 30 * (16384 * 132 + 1024 * 584) + 31 * 512 * 584
+
+
+def test_v4_attention_of_a_decode_batch_equals_the_per_sequence_formulas_exactly():
+    # The roofline sums decodes term by term (in C); integers throughout, so the totals are the
+    # per-sequence formulas' to the bit, at every edge: the window, the top-k, the ratios.
+    from pddgw.sim.model_shape import V4_CSA_RATIO, V4_HCA_RATIO
+    from pddgw.sim.roofline import _v4_attention
+
+    w, k, c, h = PRO.sliding_window, PRO.index_topk, V4_CSA_RATIO, V4_HCA_RATIO
+    edges = [0, 1, w - 2, w - 1, w, c - 1, c, c * k - 2, c * k - 1, c * k, h - 1, h, 65535, 1 << 20]
+    rng = random.Random(7)
+    for batch in ([SeqWork(1, x) for x in edges],
+                  [SeqWork(1, rng.randrange(200_000)) for _ in range(97)],
+                  [SeqWork(rng.choice((1, 1, 2, 64, 4096)), rng.randrange(70_000)) for _ in range(60)]):
+        flops, kv = _v4_attention(PRO, batch)
+        assert flops == float(sum(PRO.attention_flops(s.context_tokens, s.new_tokens) for s in batch))
+        assert kv == float(sum(PRO.kv_read_bytes(s.context_tokens, s.new_tokens) for s in batch))

@@ -30,8 +30,8 @@ TINY = HERE / "tiny.toml"
 
 def test_a_ten_second_shaped_transfer_takes_ten_virtual_seconds_and_no_wall_time(monkeypatch):
     shape = ShapingConfig(name="wan", gbps=0.008, latency_ms=20.0)       # 8 Mbit/s, 20 ms one way
-    span = m.KvSpan("r", 0, 1, 0, 1000, "bfloat16", (1, 2, 1000, 5, 500), virtual=True)   # 10 MB of KV
-    chunk = m.KvChunk(span, b"", last=True)
+    span = m.KVSpan("r", 0, 1, 0, 1000, "bfloat16", (1, 2, 1000, 5, 500), virtual=True)   # 10 MB of KV
+    chunk = m.KVChunk(span, b"", last=True)
 
     async def main() -> float:
         net = InProcNetwork(NetConfig(links=(shape,)))
@@ -67,7 +67,7 @@ def test_a_ten_second_shaped_transfer_takes_ten_virtual_seconds_and_no_wall_time
 
 def test_links_sharing_a_wan_wire_queue_behind_each_other():
     shape = ShapingConfig(name="wan", gbps=0.008, shared=True)
-    span = m.KvSpan("r", 0, 1, 0, 100, "bfloat16", (1, 2, 100, 5, 500), virtual=True)   # 1 MB
+    span = m.KVSpan("r", 0, 1, 0, 100, "bfloat16", (1, 2, 100, 5, 500), virtual=True)   # 1 MB
 
     async def main() -> list[float]:
         net = InProcNetwork(NetConfig(links=(shape,)))
@@ -80,7 +80,7 @@ def test_links_sharing_a_wan_wire_queue_behind_each_other():
         net.listen("b2", handler)
         l1 = await net.connect("a1", "b1", shaping="wan", groups=("A", "B"))
         l2 = await net.connect("a2", "b2", shaping="wan", groups=("A", "B"))
-        await asyncio.gather(l1.send(m.KvChunk(span, b"")), l2.send(m.KvChunk(span, b"")))
+        await asyncio.gather(l1.send(m.KVChunk(span, b"")), l2.send(m.KVChunk(span, b"")))
         while len(times) < 2:
             await asyncio.sleep(0.1)
         util = net.shapers[("wan", "A", "B")].bytes_booked
@@ -90,7 +90,7 @@ def test_links_sharing_a_wan_wire_queue_behind_each_other():
     t1, t2, booked = run_virtual(main())
     assert (t1, t2) == (1.0, 2.0)       # one 8 Mbit/s wire: the second MB waits for the first
     # The two chunks, and a few heartbeat frames.
-    assert 0 <= booked - 2 * wire_size(m.KvChunk(span, b"")) < 1000
+    assert 0 <= booked - 2 * wire_size(m.KVChunk(span, b"")) < 1000
 
 
 def test_same_scenario_and_seed_give_identical_json_across_processes(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from pddgw.engines.block_manager import chain_hashes
 from pddgw.engines.torch_engine import TorchEngine
-from pddgw.engines.types import CapacityError, EngineRequest, KVChunk, RequestError, SamplingParams
+from pddgw.engines.types import CapacityError, EngineRequest, KVChunk, KVSpan, RequestError, SamplingParams
 from pddgw.engines.vllm_engine import VllmEngine
 
 from .conftest import BLOCK, config, torch_engine_config, vllm_engine_config
@@ -169,9 +169,8 @@ def transfer(src, dst, rid: str, start: int, end: int, chunk: int = 24) -> int:
     moved = 0
     for a in range(start, end, chunk):
         c = src.export_kv(rid, a, min(a + chunk, end))
-        dst.import_kv(KVChunk(c.request_id, c.token_start, c.token_end, c.layer_start, c.layer_end,
-                              c.num_kv_heads, c.head_dim, c.dtype, memoryview(bytes(c.data))))
-        moved += len(c.data)
+        dst.import_kv(KVChunk(c.span, memoryview(bytes(c.payload))))
+        moved += len(c.payload)
     return moved
 
 
@@ -246,7 +245,7 @@ def test_retained_kv_stays_until_release_and_abort_frees_everything(veng):
     prefill_on(veng, "p", prompt)
     assert veng.stats().retained == 1 and veng.stats().used_blocks == -(-len(prompt) // BLOCK) + 0
     chunk = veng.export_kv("p", 0, len(prompt))
-    assert len(chunk.data) == len(prompt) * veng.kv_layout.bytes_per_token()
+    assert len(chunk.payload) == len(prompt) * veng.kv_layout.bytes_per_token()
     assert veng.abort("p") and not veng.abort("p")
     veng.add_request(EngineRequest("i", prompt, greedy(), kv_source="import"))
     assert veng.abort("i")
@@ -258,9 +257,9 @@ def test_bad_imports_get_clear_errors(veng):
     prompt = prompt_of(40, 8)
     veng.add_request(EngineRequest("e", prompt, greedy(), kv_source="import"))
     layout = veng.kv_layout
-    bad_heads = KVChunk("e", 0, 8, 0, layout.num_layers, layout.num_kv_heads + 1, layout.head_dim,
-                        "float32", memoryview(bytes(8 * 2 * layout.num_layers * (layout.num_kv_heads + 1)
-                                                    * layout.head_dim * 4)))
+    span = KVSpan.of("e", tokens=(0, 8), layers=(0, layout.num_layers), num_kv_heads=layout.num_kv_heads + 1,
+                     head_dim=layout.head_dim, dtype="float32")
+    bad_heads = KVChunk(span, memoryview(bytes(span.nbytes)))
     with pytest.raises(RequestError, match="KV shape heads=3 head_dim=32 does not match this model's 2x32"):
         veng.import_kv(bad_heads)
     with pytest.raises(RequestError, match="KV of prompt token 0 never arrived"):

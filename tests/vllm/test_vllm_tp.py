@@ -103,7 +103,7 @@ def test_import_lands_each_ranks_heads_and_exports_bit_exact(tp2, teng):
     range returns exactly the bytes that came in."""
     prompt = prompt_of(90, 23)
     t0 = prefill_on(teng, "x", prompt)
-    sent = bytes(teng.export_kv("x", 0, len(prompt)).data)
+    sent = bytes(teng.export_kv("x", 0, len(prompt)).payload)
     tp2.add_request(EngineRequest("x", prompt, greedy(), output_token_ids=(t0,), kv_source="import",
                                   retain_kv=True))
     (staging,) = vllm_connector.staged_files(tp2._engine_id)
@@ -113,8 +113,8 @@ def test_import_lands_each_ranks_heads_and_exports_bit_exact(tp2, teng):
     assert drain(tp2, {"x": [t0]})["x"] == reference(teng, prompt)
     assert not vllm_connector.staged_files(tp2._engine_id), staging      # gone once loaded
     back = tp2.export_kv("x", 0, len(prompt))
-    assert (back.num_kv_heads, back.head_dim) == (2, 32)
-    assert bytes(back.data) == sent
+    assert (back.span.num_kv_heads, back.span.head_dim) == (2, 32)
+    assert bytes(back.payload) == sent
     assert tp2.release("x")
 
 
@@ -129,7 +129,7 @@ def test_export_joins_the_ranks_heads_in_order(tp2, teng):
     prefill_on(tp2, "a", prompt)
     prefill_on(teng, "b", prompt)
     shape = (2, 2, len(prompt), 2, 32)
-    ours, theirs = (buffer_to_tensor(e.export_kv(r, 0, len(prompt)).data, "float32", shape)
+    ours, theirs = (buffer_to_tensor(e.export_kv(r, 0, len(prompt)).payload, "float32", shape)
                     for e, r in ((tp2, "a"), (teng, "b")))
     assert torch.allclose(ours, theirs, atol=1e-4)
     assert not torch.allclose(ours[..., 0, :], theirs[..., 1, :], atol=1e-2)     # heads distinct
@@ -166,14 +166,14 @@ def test_replicated_kv_head(tmp_path):
         prompt = prompt_of(75, 28)
         ref = reference(torch_1kv, prompt)
         t0 = prefill_on(torch_1kv, "x", prompt)
-        sent = bytes(torch_1kv.export_kv("x", 0, len(prompt)).data)
+        sent = bytes(torch_1kv.export_kv("x", 0, len(prompt)).payload)
         engine.add_request(EngineRequest("x", prompt, greedy(), output_token_ids=(t0,), kv_source="import",
                                          retain_kv=True))
         transfer(torch_1kv, engine, "x", 0, len(prompt))
         torch_1kv.release("x")
         engine.finish_import("x")
         assert drain(engine, {"x": [t0]})["x"] == ref
-        assert bytes(engine.export_kv("x", 0, len(prompt)).data) == sent
+        assert bytes(engine.export_kv("x", 0, len(prompt)).payload) == sent
         assert engine.release("x")
         idle(engine)
         idle(torch_1kv)

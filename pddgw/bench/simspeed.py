@@ -1,0 +1,250 @@
+"""How fast `pddgw sim` simulates: simulated requests per wall-clock second, variants side by side.
+
+`python -m pddgw.bench.simspeed [--json] [--requests N] [--repeat R] [--against DIR] [--cases a,b] [--calls]`
+
+Cases (fixed, small, deterministic), each the PDD deployment at 10 Gbps: the
+paper scenario's workload (a few conversations: one or two requests per
+engine step, so per-step costs weigh most), the paper scenario with
+two-turn conversations that all arrive at once (tens of requests per engine
+step, as in the goodput search's probes: per-token costs weigh most), and
+the dense-70B scenario (long KV transfers over the shaped WAN).
+
+Variants, each case run once per variant per repeat, interleaved, every run
+in a fresh process (no warm caches carried from one to the next):
+
+* `lean loop`: this tree on `VirtualClockLoop` (what `pddgw sim` runs);
+* `stock loop`: this tree on `ReferenceVirtualLoop` (asyncio's own
+  iteration over the virtual selector, which `pddgw sim` ran before);
+* `against`: with `--against DIR`, the `pddgw` package under DIR (e.g. a
+  `git archive HEAD | tar -x -C DIR` of the commit to compare with), on its
+  own default loop.
+
+Per case: the best wall and CPU time of the repeats per variant, simulated
+requests per wall second and per CPU second, the speed-up in CPU time over
+the baseline (`against` if given, else `stock loop`; CPU time, because on a
+machine shared with other work wall time measures the neighbours too), and
+whether the variant's requests came out identical to the baseline's (a
+digest of every request's tokens and timeline): a speed-up that changes
+results is a bug, not a speed-up.  With `--calls`, one more run per case and
+variant under cProfile counts Python function calls: exact, so it shows what
+a change removed even where the machine's load drowns a 10 % time
+difference.  Absolute times depend on the machine; compare ratios within
+one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pddgw
+from pddgw.bench.common import add_output_args, best, emit, format_table, ratio
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Case:
+    name: str
+    scenario: str          # relative to the repository root
+    deployment: str
+    wan_gbps: float | None
+    # Overrides of the scenario's [workload.agentic]; "rate_per_request" sets rate to that x
+    # the request count (every conversation arrives within about as many seconds).
+    agentic: tuple[tuple[str, float], ...] = ()
+
+
+CASES = (
+    Case("paper", "scenarios/paper.toml", "pdd", 10.0),
+    # Tens of requests decoding at once, as in the goodput search's probes: conversations of
+    # two turns that all arrive within ~2 s, so an engine step carries many requests' tokens.
+    Case("paper-batched", "scenarios/paper.toml", "pdd", 10.0,
+         (("turns_min", 2), ("turns_max", 2), ("rate_per_request", 0.5))),
+    Case("dense70b", "scenarios/dense70b.toml", "pdd", 10.0),
+)
+
+# One measured run, in a fresh interpreter: only APIs present since the simulator's first
+# version (load_scenario, deployment_config, the workload builder, run_deployment), so an
+# older tree given by --against runs it too.  Prints one JSON line.
+_ONE = r"""
+import asyncio, dataclasses, hashlib, json, sys, time
+args = json.loads(sys.argv[1])
+if args["tree"]:
+    sys.path.insert(0, args["tree"])      # ahead of the working directory and any installed pddgw
+from pddgw.logs import setup_logging
+setup_logging("warning")
+import pddgw
+from pddgw.sim import clock, run as simrun
+from pddgw.sim.cluster import run_deployment
+from pddgw.sim.scenario import deployment_config, load_scenario
+sc = load_scenario(args["scenario"])
+over = dict(args["agentic"])
+if "rate_per_request" in over:
+    over["rate"] = over.pop("rate_per_request") * args["requests"]
+spec = dataclasses.replace(sc.workload.agentic, requests=args["requests"], **over)
+sc = dataclasses.replace(sc, workload=dataclasses.replace(sc.workload, agentic=spec))
+dep = sc.deployment(args["deployment"])
+cfg = deployment_config(sc, dep, args["wan_gbps"] if sc.uses_wan(dep) else None)
+convs, prefix = simrun._workload(sc)
+factory = getattr(clock, args["loop"]) if args["loop"] else clock.VirtualClockLoop
+prof = None
+if args["calls"]:
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
+t0, c0 = time.perf_counter(), time.process_time()
+with asyncio.Runner(loop_factory=factory) as runner:
+    res = runner.run(run_deployment(cfg, convs, prefix))
+wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+calls = None
+if prof is not None:
+    prof.disable()
+    calls = sum(entry.callcount for entry in prof.getstats())
+h = hashlib.blake2b(digest_size=12)
+for r in res.requests:
+    h.update(repr((r.rid, r.arrival_s, r.output_tokens, r.output_digest, r.ttft_s, r.e2e_s, r.pipeline,
+                   r.handoff_mode, r.rld_tokens, r.md_tokens, r.error, tuple(r.itl_s))).encode())
+h.update(repr((res.duration_s, res.drain_s, res.wan_kv_bytes)).encode())
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "calls": calls, "requests": len(res.requests),
+                  "digest": h.hexdigest(), "package": pddgw.__file__}))
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Variant:
+    name: str
+    tree: str               # the directory holding its `pddgw/`
+    loop: str | None        # a loop class of pddgw.sim.clock; None: the tree's default
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cell:
+    variant: str
+    wall_s: float           # best of the repeats
+    cpu_s: float            # the process's CPU seconds, best of the repeats
+    requests: int
+    requests_per_wall_s: float
+    requests_per_cpu_s: float
+    speedup: float | None   # over the baseline variant, in CPU seconds
+    same_results: bool      # digest equal to the baseline's
+    # With --calls: Python function calls of one profiled run (exact, unlike times: the
+    # interpreter work a change removed, whatever the machine's load) and their ratio.
+    calls: int | None
+    calls_ratio: float | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CaseReport:
+    case: str
+    scenario: str
+    deployment: str
+    agentic: dict[str, float]       # the case's workload overrides
+    cells: list[Cell]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Report:
+    requests: int
+    repeat: int
+    baseline: str
+    cases: list[CaseReport]
+
+
+def run_one(case: Case, variant: Variant, requests: int, root: Path, calls: bool = False) -> dict:
+    """One simulated run in a fresh interpreter -> {wall_s, cpu_s, calls, requests, digest, package};
+    `calls`: profiled, counting Python function calls (then its times are the profiler's)."""
+    arg = json.dumps({"tree": variant.tree, "calls": calls, "scenario": case.scenario,
+                      "deployment": case.deployment, "wan_gbps": case.wan_gbps, "agentic": case.agentic,
+                      "requests": requests, "loop": variant.loop})
+    out = subprocess.run([sys.executable, "-c", _ONE, arg], cwd=root, capture_output=True,
+                         text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{case.name} / {variant.name} failed:\n{out.stderr[-4000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if not Path(got["package"]).resolve().is_relative_to(Path(variant.tree).resolve()):
+        raise RuntimeError(f"{variant.name}: ran {got['package']}, not the tree under {variant.tree}")
+    return got
+
+
+def measure(cases: list[Case], variants: list[Variant], requests: int, repeat: int, root: Path,
+            calls: bool = False) -> Report:
+    runs: dict[tuple[str, str], list[dict]] = {}
+    counted: dict[tuple[str, str], int] = {}
+    for _ in range(repeat):
+        for case in cases:
+            for v in variants:            # interleaved: machine noise spreads over every variant
+                runs.setdefault((case.name, v.name), []).append(run_one(case, v, requests, root))
+    if calls:
+        for case in cases:
+            for v in variants:
+                got = run_one(case, v, requests, root, calls=True)
+                runs[(case.name, v.name)].append({**got, "wall_s": float("inf"), "cpu_s": float("inf")})
+                counted[(case.name, v.name)] = got["calls"]
+    base = variants[-1].name
+    reports = []
+    for case in cases:
+        ref = runs[(case.name, base)]
+        ref_cpu = best(r["cpu_s"] for r in ref)
+        cells = []
+        for v in variants:
+            rs = runs[(case.name, v.name)]
+            wall, cpu = best(r["wall_s"] for r in rs), best(r["cpu_s"] for r in rs)
+            n = rs[0]["requests"]
+            cells.append(Cell(v.name, round(wall, 3), round(cpu, 3), n, round(n / wall, 2), round(n / cpu, 2),
+                              None if v.name == base else round(ratio(ref_cpu, cpu) or 0.0, 3),
+                              all(r["digest"] == ref[0]["digest"] for r in rs),
+                              counted.get((case.name, v.name)),
+                              None if (case.name, v.name) not in counted or v.name == base else
+                              round(counted[(case.name, v.name)] / counted[(case.name, base)], 3)))
+        reports.append(CaseReport(case.name, case.scenario, case.deployment, dict(case.agentic), cells))
+    return Report(requests, repeat, base, reports)
+
+
+def table(rep: Report) -> str:
+    rows = [[c.case, cell.variant, cell.requests, cell.wall_s, cell.requests_per_wall_s, cell.cpu_s,
+             cell.requests_per_cpu_s,
+             "-" if cell.speedup is None else f"{cell.speedup:.2f}x", cell.same_results, cell.calls,
+             cell.calls_ratio]
+            for c in rep.cases for cell in c.cells]
+    head = (f"pddgw sim speed: {rep.requests} requests a case, best of {rep.repeat}; "
+            f"speed-up and identity against '{rep.baseline}'")
+    return head + "\n" + format_table(["case", "variant", "requests", "wall s", "req / wall s", "CPU s",
+                                       "req / CPU s", "speed-up", "same results", "calls",
+                                       "calls ratio"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=40, help="requests a case (default 40)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per case and variant; the best counts")
+    p.add_argument("--against", help="also run the pddgw package under this directory (the baseline)")
+    p.add_argument("--cases", default=",".join(c.name for c in CASES),
+                   help=f"comma-separated subset of: {', '.join(c.name for c in CASES)}")
+    p.add_argument("--calls", action="store_true",
+                   help="also count Python function calls (one profiled run per case and variant)")
+    p.add_argument("--root", default=".", help="the directory the scenario paths are relative to")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    known = {c.name: c for c in CASES}
+    names = [n for n in args.cases.split(",") if n]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        p.error(f"--cases: unknown {', '.join(bad) or '(none given)'}; known: {', '.join(known)}")
+    if args.requests < 1 or args.repeat < 1:
+        p.error("--requests and --repeat must be at least 1")
+    if args.against and not (Path(args.against) / "pddgw" / "__init__.py").is_file():
+        p.error(f"--against {args.against}: no pddgw package there")
+    here = str(Path(pddgw.__file__).resolve().parent.parent)     # the tree this module runs from
+    variants = [Variant("lean loop", here, "VirtualClockLoop"), Variant("stock loop", here, "ReferenceVirtualLoop")]
+    if args.against:
+        variants.append(Variant(f"against {args.against}", str(Path(args.against).resolve()), None))
+    rep = measure([known[n] for n in names], variants, args.requests, args.repeat, Path(args.root).resolve(),
+                  args.calls)
+    emit(rep, args.json, table(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
