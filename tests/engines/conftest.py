@@ -36,6 +36,17 @@ def run_to_end(engine: TorchEngine) -> dict[str, list[int]]:
     return out
 
 
+def greedy_batch(model, prompts, max_tokens: int = 16, dtype: torch.dtype | None = None) -> list[list[int]]:
+    """Greedy tokens of `prompts` decoded together in one engine (paged KV, batched steps)."""
+    cfg = EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=256, max_num_seqs=8)
+    engine = TorchEngine(model, model.spec, cfg, dtype or model.dtype)
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=max_tokens)))
+    with torch.inference_mode():
+        out = run_to_end(engine)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
 def req(rid: str, prompt, max_tokens: int = 8, **kw) -> EngineRequest:
     sampling = SamplingParams(max_tokens=max_tokens, **{k: kw.pop(k) for k in
                               ("temperature", "seed", "top_k", "top_p", "stop_token_ids")

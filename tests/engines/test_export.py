@@ -16,11 +16,10 @@ import torch
 from tokenizers import Tokenizer as RawTokenizer
 
 from pddgw import cli
-from pddgw.config import EngineConfig
 from pddgw.engines.tokenizer import ByteTokenizer, HFTokenizer
-from pddgw.engines.torch_engine import TorchEngine
-from pddgw.engines.types import EngineRequest, SamplingParams
 from pddgw.engines.weights import build_tiny, byte_tokenizer_json, export_model, load_model
+
+from .conftest import greedy_batch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -74,19 +73,6 @@ def test_export_writes_a_hugging_face_directory(exported):
     assert "<|im_start|>" in tc["chat_template"]
 
 
-def _engine_greedy(model, prompts, max_tokens: int = 16) -> list[list[int]]:
-    cfg = EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=128, max_num_seqs=8)
-    engine = TorchEngine(model, model.spec, cfg, model.dtype)
-    for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=max_tokens)))
-    out: dict[str, list[int]] = {}
-    with torch.inference_mode():
-        while engine.has_work():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [out[f"r{i}"] for i in range(len(prompts))]
-
-
 def _prompts(tok) -> list[list[int]]:
     return [tok.apply_chat_template(CHAT), tok.apply_chat_template([{"role": "user", "content": "Plan it."}]),
             tok.encode("Once upon a time")]
@@ -104,7 +90,7 @@ def test_transformers_loads_it_with_our_tokens(exported):
     assert tok.decode([256, 104, 105, 259], skip_special_tokens=True) == "hi"
     ours = build_tiny(0, torch.float32, "cpu")
     prompts = _prompts(ref)
-    got = _engine_greedy(ours, prompts)
+    got = greedy_batch(ours, prompts)
     for p, mine in zip(prompts, got):
         with torch.inference_mode():
             full = model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
@@ -119,7 +105,7 @@ def test_serving_the_directory_gives_the_built_in_tokens(exported):
     builtin = build_tiny(0, torch.float32, "cpu")
     prompts = _prompts(tok)
     assert prompts == _prompts(ByteTokenizer(384))
-    assert _engine_greedy(loaded, prompts) == _engine_greedy(builtin, prompts)
+    assert greedy_batch(loaded, prompts) == greedy_batch(builtin, prompts)
 
 
 def test_export_of_an_hf_checkpoint_round_trips(exported, tmp_path):

@@ -20,11 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from pddgw.config import EngineConfig  # noqa: E402
 from pddgw.engines import gguf as g  # noqa: E402
-from pddgw.engines.torch_engine import TorchEngine  # noqa: E402
-from pddgw.engines.types import EngineRequest, SamplingParams  # noqa: E402
 from pddgw.engines.weights import WeightsError, load_model, load_spec, served_model_name  # noqa: E402
+
+from .conftest import greedy_batch  # noqa: E402
 
 try:
     GGUF_FILE = g.named_model_file("smollm2")
@@ -109,25 +108,12 @@ def test_chat_template_ids_equal_transformers(ours, hf):
     assert tok.apply_chat_template(PROMPTS[0], add_generation_prompt=False) == list(no_gen)
 
 
-def _engine_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    cfg = EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=256, max_num_seqs=8)
-    engine = TorchEngine(model, model.spec, cfg, torch.float32)
-    for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=max_tokens)))
-    out: dict[str, list[int]] = {}
-    with torch.inference_mode():
-        while engine.has_work():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [out[f"r{i}"] for i in range(len(prompts))]
-
-
 @needs_smollm2
 def test_engine_greedy_tokens_equal_transformers(ours, hf):
     model, tok = ours
     max_tokens = 24
     prompts = [tok.apply_chat_template(m) for m in PROMPTS]
-    got = _engine_greedy(model, prompts, max_tokens)      # batched together, paged KV
+    got = greedy_batch(model, prompts, max_tokens)      # batched together, paged KV
     for p, mine in zip(prompts, got):
         with torch.inference_mode():
             full = hf[0].generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,

@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 import pytest
 
-from pddgw.harness.leaks import wait_quiescent
+from pddgw.harness.leaks import wait_until_quiet
 from pddgw.harness.reference import generate_engine
 from tests.e2e.cluster import Cluster, fresh  # noqa: F401 (fresh: a fixture)
 
@@ -126,7 +126,9 @@ async def test_rolling_restart_of_every_worker_under_16_streams_loses_nothing(fr
         ln = lines[0]
         assert ln["dropped"] == 0 and ln["finished"] + ln["moved"] >= ln["inflight"], (name, ln)
     assert router_log.count("node_draining") >= 3, router_log[-3000:]
-    doc = await wait_quiescent(c.state, QUIET_BOUND_S)
+    # The restarted nodes' links redial on a backoff: wait until the router has them all again.
+    left, doc, _ = await wait_until_quiet(c.state, QUIET_BOUND_S, expect_healthy=("p0", "rld0", "md0"))
+    assert not left, left
     for name in ("p0", "rld0", "md0"):
         node = doc["nodes"][name]
         assert node["healthy"] and node["kv_blocks_in_use"] == 0, node
