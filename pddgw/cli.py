@@ -318,7 +318,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 else:
                     print(f"\n[{tl['pipeline']}, ttft {tl['ttft_ms']:.0f} ms, rld {tl['tokens_by_role'].get('rld', 0)}"
                           f" / md {tl['tokens_by_role'].get('md', 0)} tokens, handoff at {tl['handoff_position']},"
-                          f" stall {tl['handoff_stall_ms']} ms, wan {tl['wan_kv_bytes']} B]")
+                          f" stall {tl['handoff_stall_ms']} ms, max itl {tl.get('max_itl_ms')} ms,"
+                          f" wan {tl['wan_kv_bytes']} B]")
                 return ev["response"]["output"][0]["content"][0]["text"]
 
     async def main() -> None:

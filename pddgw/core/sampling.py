@@ -30,7 +30,7 @@ Meaning (vLLM's, OpenAI's where they agree):
                       many output tokens exist (<= max_tokens)
   skip_special_tokens detokenization: drop special tokens from the text (pddgw's own
                       tokenizers always do; a vLLM engine is told)
-  include_stop_str_in_output  carried for stop strings (not implemented yet)
+  include_stop_str_in_output  stop strings (matched at the router, `pddgw.api.stops`) stay in the text
   grammar             None, or (kind, text): the output must match this grammar
                       (`pddgw.engines.grammar`): kind "json_schema" (text: the schema as JSON),
                       "structural_tag" (xgrammar's structural tag as JSON), "ebnf" (GBNF text)
