@@ -70,16 +70,23 @@ Behaviours chosen:
     "stop" and `stop_reason` (vLLM's, in every choice: null unless set) the string; a stop token
     id (`stop_token_ids`) that ended the output is its `stop_reason`.  Usage and
     `pddgw.output_token_ids` count the tokens up to the one the stop string completed at.
-  * Choices: `n` in [1, `MAX_CHOICES`] (16); vLLM's `best_of` only equal to n (null: n; less:
-    400 naming it; more: 400 `unsupported_parameter`: the n highest-logprob of best_of are not
-    ranked here).  Choice i is a router request of its own with the same prompt and seed
-    `choice_seed(seed, i)` = seed + i (mod 2**63): exactly a single request with that seed.
-    Choices 1..n-1 start when choice 0 has its first token (P has prefilled the prompt), so
-    they find its full blocks in P's and MD's prefix caches: what they prefill and move is the
-    prompt's last partial block.  Streamed, each choice's chunks carry its `index` (chat: each
-    opens with its role chunk, each ends with its finish chunk); usage (object, or the one
-    usage chunk) counts the prompt once and the completion tokens of every choice.  With n > 1
-    each choice of the object also carries its own `pddgw` timeline.
+  * Choices: `n` in [1, `MAX_CHOICES`] (16) and vLLM's `best_of` in [n, 16] (null: n; out of
+    range: 400 naming it).  best_of sequences are generated, each a choice as below, and the n
+    with the highest cumulative logprob (the sum of the kept sampled tokens' logprobs, of the
+    model's raw distribution) are returned, most likely first, re-indexed 0..n-1; ties go to the
+    lower generation index; greedy: all are the same sequence, the first n.  The ranking asks
+    the engines for each sampled token's logprob (k = 0) whether or not the client asked for
+    logprobs; they are returned only if it did.  best_of > n with `stream: true`: 400 naming
+    `best_of` (as vLLM: the ranking needs every end).  Usage counts every generated sequence's
+    completion tokens (vLLM's).  Choice (generation) i is a router request of its own with the
+    same prompt and seed `choice_seed(seed, i)` = seed + i (mod 2**63): exactly a single request
+    with that seed.  Choices 1..best_of-1 start when choice 0 has its first token (P has
+    prefilled the prompt), so they find its full blocks in P's and MD's prefix caches: what
+    they prefill and move is the prompt's last partial block.  Streamed, each choice's chunks
+    carry its `index` (chat: each opens with its role chunk, each ends with its finish chunk);
+    usage (object, or the one usage chunk) counts the prompt once and the completion tokens of
+    every choice.  With best_of > 1 each choice of the object also carries its own `pddgw`
+    timeline (its `seed` tells which generation it was).
   * Refusals: every 4xx answer is logged once, `request_refused` with route, field (the error's
     `param`), reason (its message) and status (`openai_not_found`, the routes' middleware).
   * Tools and structured output (chat): `tools`, `tool_choice`, `parallel_tool_calls`, `response_format`
@@ -113,6 +120,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import time
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field, replace
@@ -212,7 +220,8 @@ class GenRequest:
     logprobs: int | None = None                  # None: none; k: each token's + k top alternatives
     client_request_id: str | None = None         # vLLM's `request_id`: logged with the router's id
     stop: tuple[str, ...] = ()                   # stop strings (api/stops.py), matched on the text
-    n: int = 1                                   # choices (chat, completions)
+    n: int = 1                                   # choices returned (chat, completions)
+    best_of: int = 1                             # sequences generated (>= n): the n most likely returned
     echo: bool = False                           # completions: the prompt comes back before the text
     score_only: bool = False                     # completions' echo with max_tokens 0: the prompt only
     vllm_prompt_logprobs: bool = False           # vLLM's `prompt_logprobs` asked: choices[].prompt_logprobs
@@ -246,26 +255,27 @@ def _pos_int(d: dict[str, Any], key: str) -> int | None:
     return v
 
 
-def _choices(d: dict[str, Any]) -> int:
-    """`n` (null: 1) and vLLM's `best_of` (null, or equal to n: every choice generated is returned)."""
+def _choices(d: dict[str, Any], stream: bool) -> tuple[int, int]:
+    """(`n`, vLLM's `best_of`): n choices returned of best_of generated (null: 1, null: n)."""
     n = d.get("n")
     if n is None:
         n = 1
     elif isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise ApiError(f"'n' must be an integer in [1, {MAX_CHOICES}], got {brief(n)}", "n")
     best_of = d.get("best_of")
-    if best_of is not None:
-        if isinstance(best_of, bool) or not isinstance(best_of, int) or best_of < n:
-            raise ApiError(f"'best_of' must be an integer >= n ({n}), got {brief(best_of)}", "best_of")
-        if best_of != n:
-            raise _unsupported("best_of", f"other than n ({n}) is not supported: ask for n = {best_of} choices "
-                               "and rank them by their logprobs")
-    return n
+    if best_of is None:
+        return n, n
+    if isinstance(best_of, bool) or not isinstance(best_of, int) or not n <= best_of <= MAX_CHOICES:
+        raise ApiError(f"'best_of' must be an integer in [n ({n}), {MAX_CHOICES}], got {brief(best_of)}", "best_of")
+    if best_of > n and stream:
+        # The ranking needs every sequence's end (vLLM refuses it too).
+        raise _unsupported("best_of", f"greater than n ({n}) is not supported with 'stream': true")
+    return n, best_of
 
 
 def _common(d: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
     """The sampling, streaming, choices, stop and extension fields chat and completions share."""
-    n = _choices(d)
+    n, best_of = _choices(d, d.get("stream") is True)
     stop = parse_stop(d.get("stop"))
     sampling = parse_sampling(d, max_tokens, logprobs)
     client_id = d.get("request_id")
@@ -290,7 +300,7 @@ def _common(d: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> 
     pipeline, handoff_mode = parse_extension(d)
     return {"sampling": sampling, "stream": bool(stream), "include_usage": bool(include_usage), "model": model,
             "pipeline": pipeline, "handoff_mode": handoff_mode, "logprobs": logprobs, "client_request_id": client_id,
-            "stop": stop, "n": n}
+            "stop": stop, "n": n, "best_of": best_of}
 
 
 def _chat_content(content: Any, where: str) -> str:
@@ -820,7 +830,7 @@ def choice_seed(seed: int, index: int) -> int:
 
 @dataclass(slots=True)
 class _Choice:
-    """One of a request's n choices: its router request, its seed, its format, its text."""
+    """One of a request's best_of generated choices: its router request, its seed, its format, its text."""
 
     index: int
     rid: str
@@ -849,9 +859,28 @@ def _usage(fmt: _Format, results: list[_Result]) -> dict[str, Any]:
     return usage
 
 
+def _cumulative_logprob(res: _Result) -> float:
+    """A choice's rank for `best_of`: its kept tokens' summed log-probabilities (vLLM's cumulative
+    logprob, of the model's raw distribution)."""
+    if any(len(r.logprobs) != len(r.token_ids) for r in res.runs):
+        # Asked for at prepare: a run without them would rank on a partial sum.
+        raise RuntimeError("best_of: a choice's tokens came without their logprobs")
+    return math.fsum(lp.logprob for r in res.runs for lp in r.logprobs)
+
+
+def _best(choices: list[_Choice], results: list[_Result], n: int) -> list[tuple[_Choice, _Result]]:
+    """The n returned of the best_of generated: the most likely first, ties to the lower
+    generation index; greedy ones are all the same sequence (their sums may differ in the last
+    bits with the batches they ran in), so the first n."""
+    pairs = list(zip(choices, results))
+    if len(pairs) == n or choices[0].sampling.greedy:
+        return pairs[:n]
+    return sorted(pairs, key=lambda p: (-_cumulative_logprob(p[1]), p[0].index))[:n]
+
+
 def _merged(bodies: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-    """n > 1: choice 0's object with every choice's (each carrying its own `pddgw` timeline) and the
-    summed usage."""
+    """best_of > 1: the first returned choice's object with every returned choice's (each carrying
+    its own `pddgw` timeline) and the usage summed over every generated one."""
     return {**bodies[0], "choices": [{**b["choices"][0], "pddgw": b["pddgw"]} for b in bodies], "usage": usage}
 
 
@@ -1053,7 +1082,10 @@ class OpenAIRoutes:
                 param = "tool_choice" if req.tools is not None and req.tools.forced else (
                     "text.format" if req.kind == "response" else "response_format")
                 raise ApiError(f"'{param}': the schema cannot be enforced: {e}", param) from None
-        return self.door.prepare(ids, req.messages, req.max_tokens, sampling, req.input_param, req.logprobs)
+        # best_of > n ranks by the sampled tokens' logprobs: asked for (k = 0: the sampled token's
+        # own) whether or not the client wants them; the formats return them only if it does.
+        logprobs = 0 if req.logprobs is None and req.best_of > req.n else req.logprobs
+        return self.door.prepare(ids, req.messages, req.max_tokens, sampling, req.input_param, logprobs)
 
     def prepare_response(self, req: GenRequest) -> Prepared:
         """A Responses API request's prompt and sampling (the WebSocket door's; blocking: a
@@ -1070,7 +1102,7 @@ class OpenAIRoutes:
         """Generate the request's choices on the router and answer (streamed or not).
 
         Choice i is a router request of its own, with seed `choice_seed(seed, i)` and the
-        same prompt; choices 1..n-1 start once choice 0 has its first token (P has then
+        same prompt; choices 1..best_of-1 start once choice 0 has its first token (P has then
         prefilled the prompt, so their prefills find it in P's prefix cache).  A stop
         string ends a choice's text at the door and stops its router request at once
         (StopRequest: cancelled on every node); its usage counts the tokens kept."""
@@ -1085,7 +1117,7 @@ class OpenAIRoutes:
                            _FORMATS[req.kind](req, rid, door.model_name, created, door.pieces, i,
                                               self.tool_format),
                            door.output_text(prep.sampling, req.stop))
-                   for i in range(req.n)]
+                   for i in range(req.best_of)]
         fmt = choices[0].fmt
         sse = _Sse(request) if req.stream else None
         gone = sse.gone if sse is not None else asyncio.Event()
@@ -1118,8 +1150,11 @@ class OpenAIRoutes:
             results = await _until_gone(request, gone, _all([one(c) for c in choices]))
             usage = _usage(fmt, results)
             if sse is None:
-                bodies = [c.fmt.body(res, res.runs) for c, res in zip(choices, results)]
-                return web.json_response(_merged(bodies, usage) if req.n > 1 else bodies[0], dumps=_dumps)
+                kept = _best(choices, results, req.n)
+                for rank, (c, _) in enumerate(kept):
+                    c.fmt.index = rank
+                bodies = [c.fmt.body(res, res.runs) for c, res in kept]
+                return web.json_response(_merged(bodies, usage) if req.best_of > 1 else bodies[0], dumps=_dumps)
             await sse.send(fmt.close(usage))
             return await sse.end()
         except _ClientGone:

@@ -84,7 +84,6 @@ import dataclasses
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -93,15 +92,14 @@ from typing import Literal
 
 import torch
 
-from pddgw.bench.common import add_output_args, add_torch_args, apply_torch_args, best, emit, format_table, ratio
-from pddgw.config import EngineConfig
+from pddgw.bench.common import (add_output_args, add_torch_args, best, emit, engine_config, format_table,
+                                parse_torch_args, random_prompts, ratio, to_stderr)
 from pddgw.engines.tokenizer import ByteTokenizer
 from pddgw.engines.torch_engine import TorchEngine
 from pddgw.core.sampling import SamplingParams
 from pddgw.engines.types import EngineRequest
 from pddgw.engines.weights import DTYPES, load_model
 
-BLOCK_SIZE = 16
 SEED = 0
 
 
@@ -329,9 +327,8 @@ def build_checkpoint(shape: ModelShape, directory: str) -> None:
 
 
 def make_prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1000 + salt)
     # Skip the low ids (bos/pad/eos in most vocabularies).
-    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+    return random_prompts(1000 + salt, batch, length, (3, vocab))
 
 
 # ---- the sides ------------------------------------------------------------------------
@@ -402,10 +399,8 @@ class PddgwSide:
     def run(self, prompts: list[list[int]], output_len: int, timer: _PhaseTimer | None = None,
             sampling: Sampling | None = None, variant: Variant | None = None) -> Run:
         batch, plen = len(prompts), len(prompts[0])
-        blocks = batch * (-(-(plen + output_len) // BLOCK_SIZE)) + 1
-        cfg = EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=batch,
-                           max_num_batched_tokens=max(batch * plen, batch), device=self.device,
-                           **self.engine_overrides)
+        cfg = engine_config(batch, plen + output_len, self.device, max(batch * plen, batch),
+                            **self.engine_overrides)
         spec, tok = self.model.spec, None
         if variant is not None and variant.name == "json_schema":
             # The random checkpoint names no EOS and has no tokenizer: its matcher gets the byte
@@ -785,15 +780,12 @@ def main(argv: Sequence[str] | None = None) -> Report:
                         help="vLLM with enforce_eager (no torch.compile at start-up)")
     parser.add_argument("--no-breakdown", action="store_true",
                         help="skip the per-step phase breakdown of pddgw")
-    args = parser.parse_args(argv)
-    if args.threads < 0 or args.repeats < 0:
-        parser.error("--threads and --repeats must be >= 0")
-    apply_torch_args(parser, args)
+    args = parse_torch_args(parser, argv, ("threads", "repeats"))
     settings = QUICK if args.quick else FULL
     if args.repeats:
         settings = dataclasses.replace(settings, repeats=args.repeats)
     report = run_benchmark(settings, args.dtype,
-                           progress=lambda m: print(m, file=sys.stderr, flush=True),
+                           progress=to_stderr,
                            device=args.device, cuda_graphs=args.cuda_graphs,
                            vllm_python=_vllm_python(args.vllm_python), vllm_eager=args.vllm_eager,
                            breakdown=not args.no_breakdown)

@@ -80,22 +80,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from pddgw.bench.common import add_output_args, add_torch_args, apply_torch_args, emit, format_table
-from pddgw.config import EngineConfig
+from pddgw.bench.common import (BLOCK_SIZE, add_output_args, add_torch_args, emit, engine_config, format_table,
+                                parse_torch_args, random_prompts, to_stderr)
 from pddgw.engines.torch_engine import TorchEngine
 from pddgw.core.sampling import SamplingParams
 from pddgw.engines.types import EngineRequest
 from pddgw.engines.weights import DTYPES, build_tiny, tiny_spec
 
 PATHS = ("batch", "mixed", "extend", "chunked")
-BLOCK_SIZE = 16
 SEED = 0
+PRINTABLE = (32, 127)          # prompt ids: printable ASCII
 FILLER_SEED = 1 << 20          # filler requests' seeds (identify them; greedy ignores seeds)
 
 
@@ -167,13 +166,6 @@ Tokens = list[int]
 Logits = dict[tuple[int, int], bytes]         # (seed, output position) -> the row's bytes
 
 
-def make_prompts(s: Settings) -> list[list[int]]:
-    g = torch.Generator().manual_seed(SEED)
-    lo, hi = s.prompt_lens
-    lens = torch.randint(lo, hi + 1, (s.num_prompts,), generator=g).tolist()
-    return [torch.randint(32, 127, (n,), generator=g).tolist() for n in lens]    # printable ASCII
-
-
 @contextlib.contextmanager
 def captured_logits(store: Logits) -> Iterator[None]:
     """Record every sampled row's logits (keyed by seed and position) while the engine samples."""
@@ -201,11 +193,8 @@ class Runner:
         self.model, self.dtype, self.device, self.s = model, dtype, device, s
 
     def engine(self, max_num_seqs: int, max_num_batched_tokens: int = 0) -> TorchEngine:
-        longest = self.s.prompt_lens[1] + self.s.output_len
-        blocks = max_num_seqs * -(-longest // BLOCK_SIZE) + 1
-        cfg = EngineConfig(block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens or max_num_seqs * longest,
-                           device=self.device)
+        cfg = engine_config(max_num_seqs, self.s.prompt_lens[1] + self.s.output_len, self.device,
+                            max_num_batched_tokens)
         return TorchEngine(self.model, self.model.spec, cfg, self.dtype)
 
     def request(self, rid: str, prompt: Sequence[int], seed: int, done: Sequence[int] = ()) -> EngineRequest:
@@ -239,11 +228,8 @@ class Runner:
         reqs = [self.request(f"r{i}", p, i + 1) for i, p in enumerate(prompts)]
         with captured_logits(logits):
             if name == "batch":
-                g = torch.Generator().manual_seed(SEED + 1)
-                fill = [self.request(f"f{j}", torch.randint(32, 127, (int(ln),), generator=g).tolist(),
-                                     FILLER_SEED + j)
-                        for j, ln in enumerate(torch.randint(s.prompt_lens[0], s.prompt_lens[1] + 1,
-                                                             (s.filler,), generator=g))]
+                fill = [self.request(f"f{j}", p, FILLER_SEED + j)
+                        for j, p in enumerate(random_prompts(SEED + 1, s.filler, s.prompt_lens, PRINTABLE))]
                 e = self.engine(n + s.filler)
                 for r in [*reqs, *fill]:
                     e.add_request(r)
@@ -294,7 +280,7 @@ def measure_paths(dtype_name: str, s: Settings, device: str,
                   progress: Callable[[str], None]) -> list[PathResult]:
     dtype = DTYPES[dtype_name]
     runner = Runner(build_tiny(0, dtype, device), dtype, device, s)
-    prompts = make_prompts(s)
+    prompts = random_prompts(SEED, s.num_prompts, s.prompt_lens, PRINTABLE)
     ref_logits: Logits = {}
     alone = runner.alone(prompts, ref_logits)
     out = []
@@ -409,10 +395,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     parser.add_argument("--prompts", type=int, default=0, help="number of prompts")
     parser.add_argument("--output-len", type=int, default=0, help="output tokens per request")
     add_torch_args(parser)
-    args = parser.parse_args(argv)
-    if min(args.prompts, args.output_len, args.threads) < 0:
-        parser.error("--prompts, --output-len and --threads must be >= 0")
-    apply_torch_args(parser, args)
+    args = parse_torch_args(parser, argv, ("prompts", "output_len", "threads"))
     s = QUICK if args.quick else FULL
     if args.dtypes:
         s = replace(s, dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()))
@@ -420,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
         s = replace(s, num_prompts=args.prompts)
     if args.output_len:
         s = replace(s, output_len=args.output_len, extend_tokens=max(1, args.output_len // 2))
-    report = run_benchmark(s, args.device, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    report = run_benchmark(s, args.device, progress=to_stderr)
     emit(report, args.json, render(report))
     return report
 

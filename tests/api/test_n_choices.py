@@ -6,13 +6,20 @@ stream carries each choice's chunks with its `index`, each choice finishes, and
 usage counts the prompt once and every choice's tokens.  Choices after the first
 start once the first has a token, so their prefill finds the prompt's full blocks
 in P's and MD's prefix caches (`prefix_hit_tokens` on the router's state).
+
+`best_of` > n generates best_of such choices and returns the n with the highest
+summed sampled-token logprob, most likely first, re-indexed; usage counts all.
 """
 
 from __future__ import annotations
 
+import math
+
+import openai
 import pytest
 
 from tests.api.test_openai_client import served  # noqa: F401  (served is a fixture)
+from tests.api.test_openai_client import KEY
 
 PROMPT = [40 + (i * 7) % 80 for i in range(100)]
 
@@ -109,3 +116,76 @@ async def test_greedy_choices_are_identical_and_a_stop_ends_each_on_its_own(serv
                                      extra_body={"ignore_eos": True})
     assert [(c.text, c.finish_reason, c.stop_reason) for c in r.choices] == [(a.text[:a.text.find(stop)], "stop",
                                                                               stop)] * 2
+
+
+async def test_best_of_returns_the_n_most_likely_of_best_of_single_requests(served):  # noqa: F811
+    side, _, oai = await served()
+    name = side.door.model_name
+    kw = dict(model=name, prompt=PROMPT, max_tokens=24, temperature=1.0, extra_body={"ignore_eos": True})
+    singles = [await oai.completions.create(**kw, seed=i, logprobs=0) for i in range(3)]
+    sums = [math.fsum(s.choices[0].logprobs.token_logprobs) for s in singles]
+    # The ranking is strict: no two sums so close that float noise could swap them.
+    assert min(abs(a - b) for i, a in enumerate(sums) for b in sums[i + 1:]) > 1e-6
+    order = sorted(range(3), key=lambda i: -sums[i])[:2]
+    assert order != sorted(order)          # these seeds: the most likely is not the first generated
+    r = await oai.completions.create(**kw, seed=0, n=2, best_of=3)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [singles[i].choices[0].text for i in order]
+    assert [c.pddgw["seed"] for c in r.choices] == order
+    assert [c.logprobs for c in r.choices] == [None, None]          # ranked on them, not asked for
+    assert r.usage.completion_tokens == 3 * 24 and r.usage.total_tokens == len(PROMPT) + 3 * 24
+    # Asked for: they come back, the chosen choices' own.
+    r = await oai.completions.create(**kw, seed=0, n=2, best_of=3, logprobs=0)
+    assert [c.logprobs.token_logprobs for c in r.choices] == [singles[i].choices[0].logprobs.token_logprobs
+                                                              for i in order]
+
+
+async def test_chat_best_of_with_one_choice_returns_the_most_likely(served):  # noqa: F811
+    side, _, oai = await served()
+    name = side.door.model_name
+    kw = dict(model=name, messages=[{"role": "user", "content": "Hi."}], max_tokens=12, temperature=1.0,
+              logprobs=True, extra_body={"ignore_eos": True})
+    singles = [await oai.chat.completions.create(**kw, seed=4 + i) for i in range(4)]
+    sums = [math.fsum(t.logprob for t in s.choices[0].logprobs.content) for s in singles]
+    best = max(range(4), key=lambda i: (sums[i], -i))
+    assert best > 0                        # these seeds: not the first generated
+    r = await oai.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "best_of": 4}}, seed=4)
+    assert len(r.choices) == 1 and r.choices[0].index == 0
+    assert r.choices[0].message.content == singles[best].choices[0].message.content
+    assert r.choices[0].pddgw["seed"] == 4 + best
+    want = singles[best].choices[0].logprobs.content
+    assert [(t.token, t.logprob) for t in r.choices[0].logprobs.content] == [(t.token, t.logprob) for t in want]
+    assert r.usage.completion_tokens == 4 * 12
+
+
+async def test_greedy_best_of_returns_the_first_n(served):  # noqa: F811
+    side, _, oai = await served()
+    name = side.door.model_name
+    r = await oai.completions.create(model=name, prompt=PROMPT, max_tokens=20, temperature=0, seed=5, n=2,
+                                     best_of=4, extra_body={"ignore_eos": True})
+    a, b = r.choices
+    assert (a.index, b.index) == (0, 1) and [a.pddgw["seed"], b.pddgw["seed"]] == [5, 6]
+    assert a.text == b.text and a.pddgw["output_token_ids"] == b.pddgw["output_token_ids"]
+    assert r.usage.completion_tokens == 4 * 20
+
+
+@pytest.mark.parametrize("route,body,message", [
+    ("completions", {"prompt": "x", "n": 2, "best_of": 3, "stream": True},
+     "'best_of' greater than n (2) is not supported with 'stream': true"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "best_of": 2, "stream": True},
+     "'best_of' greater than n (1) is not supported with 'stream': true"),
+    ("completions", {"prompt": "x", "n": 2, "best_of": 17}, "'best_of' must be an integer in [n (2), 16], got 17"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3, "best_of": 2},
+     "'best_of' must be an integer in [n (3), 16], got 2"),
+])
+async def test_best_of_refusals_name_it_and_the_node_keeps_serving(served, route, body, message):  # noqa: F811
+    side, client, oai = await served()
+    async with client.post(f"/v1/{route}", json=body, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        assert resp.status == 400
+        err = (await resp.json())["error"]
+    assert (err["param"], err["message"]) == ("best_of", message)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await oai.completions.create(model=side.door.model_name, prompt="x", n=2, best_of=3, stream=True)
+    assert ei.value.body["param"] == "best_of"
+    r = await oai.completions.create(model=side.door.model_name, prompt="x", max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")

@@ -54,7 +54,9 @@ def test_chat_body():
     ({"messages": USER, "n": 0}, "n", "invalid_request_error"),
     ({"messages": USER, "n": True}, "n", "invalid_request_error"),
     ({"messages": USER, "n": 2, "best_of": 1}, "best_of", "invalid_request_error"),
-    ({"messages": USER, "n": 2, "best_of": 3}, "best_of", "unsupported_parameter"),
+    ({"messages": USER, "n": 2, "best_of": 17}, "best_of", "invalid_request_error"),
+    ({"messages": USER, "best_of": True}, "best_of", "invalid_request_error"),
+    ({"messages": USER, "n": 2, "best_of": 3, "stream": True}, "best_of", "unsupported_parameter"),
     ({"messages": USER, "stop": ["x"] * 17}, "stop", "invalid_request_error"),
     ({"messages": USER, "stop": [""]}, "stop", "invalid_request_error"),
     ({"messages": USER, "stop": 3}, "stop", "invalid_request_error"),
@@ -178,7 +180,8 @@ def test_completion_body():
     for body, param in [({"prompt": ""}, "prompt"), ({"prompt": [1, 384]}, "prompt"), ({"prompt": [1, -1]}, "prompt"),
                         ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [True]}, "prompt"), ({}, "prompt"),
                         ({"prompt": "x", "echo": 1}, "echo"), ({"prompt": "x", "suffix": "y"}, "suffix"),
-                        ({"prompt": "x", "best_of": 2}, "best_of"), ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+                        ({"prompt": "x", "best_of": 17}, "best_of"), ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+                        ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
                         ({"prompt": "x", "stop": ["a", 1]}, "stop"), ({"prompt": "x", "messages": USER}, "messages")]:
         with pytest.raises(ApiError) as ei:
             parse_completion(body, 384)
@@ -253,7 +256,18 @@ def test_max_tokens_and_max_completion_tokens_are_both_validated():
 def test_stop_n_and_best_of_decoded():
     from pddgw.api.stops import MAX_STOP_CHARS, MAX_STOPS
     r = parse_chat({"messages": USER, "stop": "\n", "n": 3, "best_of": 3})
-    assert (r.stop, r.n) == (("\n",), 3)
+    assert (r.stop, r.n, r.best_of) == (("\n",), 3, 3)
+    assert (parse_chat({"messages": USER, "n": 2}).best_of, parse_chat({"messages": USER}).best_of) == (2, 1)
+    r = parse_completion({"prompt": "x", "n": 2, "best_of": 16, "stream": False}, 384)
+    assert (r.n, r.best_of, r.logprobs) == (2, 16, None)     # not asked: the ranking's logprobs are internal
+    assert parse_completion({"prompt": "x", "n": 2, "best_of": 2, "stream": True}, 384).best_of == 2
+    with pytest.raises(ApiError) as ei:
+        parse_completion({"prompt": "x", "n": 2, "best_of": 17}, 384)
+    assert str(ei.value) == "'best_of' must be an integer in [n (2), 16], got 17"
+    with pytest.raises(ApiError) as ei:
+        parse_chat({"messages": USER, "n": 2, "best_of": 3, "stream": True})
+    assert (str(ei.value), ei.value.code) == (
+        "'best_of' greater than n (2) is not supported with 'stream': true", "unsupported_parameter")
     r = parse_completion({"prompt": "x", "stop": ["ab", "c", "ab"], "n": 2}, 384)
     assert (r.stop, r.n) == (("ab", "c"), 2)                   # duplicates dropped, order kept
     assert (parse_chat({"messages": USER, "stop": []}).stop, parse_chat({"messages": USER}).n) == ((), 1)

@@ -91,3 +91,29 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="unknown dtypes"):
         inv.Settings(num_prompts=1, output_len=4, extend_tokens=2, filler=0, chunk=4, prompt_lens=(1, 2),
                      dtypes=("float8",), op_trials=1)
+
+
+def test_shared_prompts_and_engine_sizing_are_the_benchmarks_own_formulas():
+    import torch
+
+    from pddgw.bench.common import BLOCK_SIZE, engine_config, random_prompts
+
+    # Drawn lengths, then ids, from one generator (invariance's prompts and fillers).
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(4, 25, (6,), generator=g).tolist()
+    assert random_prompts(5, 6, (4, 24), inv.PRINTABLE) == [
+        torch.randint(32, 127, (n,), generator=g).tolist() for n in lens]
+    # A fixed length: one [batch, length] draw (bench.engine's prompts).
+    g = torch.Generator().manual_seed(1003)
+    assert random_prompts(1003, 32, 8, (3, 512)) == torch.randint(3, 512, (32, 8), generator=g).tolist()
+    cfg = engine_config(3, 2 * BLOCK_SIZE + 1, "cpu")
+    assert (cfg.num_blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (3 * 3 + 1, 3, 3 * 33)
+    cfg = engine_config(2, 16, "cpu", 4, enable_prefix_caching=False)
+    assert (cfg.num_blocks, cfg.max_num_batched_tokens, cfg.enable_prefix_caching) == (3, 4, False)
+
+
+def test_negative_counts_are_usage_errors_naming_the_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        inv.main(["--quick", "--output-len", "-2"])
+    assert e.value.code == 2
+    assert "error: --prompts, --output-len and --threads must be >= 0" in capsys.readouterr().err
