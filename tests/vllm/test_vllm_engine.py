@@ -272,3 +272,40 @@ def test_bad_imports_get_clear_errors(veng):
     veng.step()
     with pytest.raises(RequestError, match="leave no room for output"):
         veng.add_request(EngineRequest("long", prompt_of(veng.max_model_len), greedy()))
+
+
+_LLM_EXPORTED = """
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    path, prompts, n, text = json.loads(sys.argv[1])
+    llm = LLM(model=path, dtype="float32", block_size=32, enforce_eager=True, seed=0,
+              gpu_memory_utilization=0.05, kv_cache_memory_bytes=16 << 20, max_model_len=1024)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    print("ENCODED " + json.dumps(llm.get_tokenizer().encode(text)))
+"""
+
+
+def test_an_exported_directory_loads_in_vllm_with_its_tokenizer_and_the_same_tokens(teng, tmp_path):
+    """`pddgw export-model`'s folder (weights + tokenizer.json), loaded by vLLM's own `LLM` with its
+    tokenizer (not skipped): the torch engine's greedy tokens, and the byte tokenizer's ids."""
+    from pddgw.engines.tokenizer import ByteTokenizer
+    from pddgw.engines.weights import build_random, export_model
+
+    from .conftest import spec
+
+    model = build_random(spec(), 0, "float32", "cpu")      # the checkpoint the torch engine serves
+    tok = ByteTokenizer(model.spec.vocab_size)
+    d = export_model(model, tok, tmp_path / "exported")
+    text = "hi! é"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    proc = subprocess.run([sys.executable, "-c", _LLM_EXPORTED,
+                           json.dumps([str(d), [list(p) for p in PROMPTS], OUT, text])],
+                          capture_output=True, text=True, env=env, timeout=600)
+    out = {ln.split(" ", 1)[0]: json.loads(ln.split(" ", 1)[1]) for ln in proc.stdout.splitlines()
+           if ln.startswith(("TOKENS ", "ENCODED "))}
+    assert proc.returncode == 0 and len(out) == 2, proc.stderr[-3000:]
+    assert out["TOKENS"] == [reference(teng, p) for p in PROMPTS]
+    assert out["ENCODED"] == [tok.bos_token_id, *tok.encode(text)]     # add_special_tokens: bos, as transformers
