@@ -521,6 +521,21 @@ class _Format:
         self.tool_format = tool_format
         self.pieces = pieces
         self.index = index
+        self.parsed: tuple[str | None, list[ToolCall]] | None = None
+
+    @property
+    def parses_calls(self) -> bool:
+        """Tools given and they may be called (`ToolRequest.may_call`; `tool_format` of OpenAIRoutes)."""
+        return self.req.tools is not None and self.req.tools.may_call
+
+    def calls(self, res: _Result) -> tuple[str | None, list[ToolCall]]:
+        """(the message's text or None, the calls); parsed once, so that the streamed items and the
+        completed response carry the same call ids."""
+        if not self.parses_calls:
+            return res.text, []
+        if self.parsed is None:
+            self.parsed = parse_calls(res.text, self.tool_format)
+        return self.parsed
 
     def content(self, runs: list[TokenRun]) -> list[dict[str, Any]]:
         """The chat / responses logprobs of these runs' tokens."""
@@ -586,18 +601,6 @@ class _ChatFormat(_Format):
 
     def head(self) -> list[bytes]:
         return [self.chunk([self.choice({"role": "assistant", "content": ""}, None)])]
-
-    @property
-    def parses_calls(self) -> bool:
-        """Whether the output may hold tool calls (tools given, tool_choice not "none"): its
-        text is then held back and parsed at the end (`tool_format` of OpenAIRoutes)."""
-        t = self.req.tools
-        return t is not None and t.choice != "none"
-
-    def calls(self, res: _Result) -> tuple[str | None, list[ToolCall]]:
-        if not self.parses_calls:
-            return res.text, []
-        return parse_calls(res.text, self.tool_format)
 
     def delta(self, run: TokenRun, text: str) -> list[bytes]:
         if self.parses_calls:
@@ -717,22 +720,6 @@ class _ResponsesFormat(_Format):
         assert req.create is not None
         self.create = req.create
         self.seq = 0
-        self.parsed: tuple[str | None, list[ToolCall]] | None = None
-
-    @property
-    def parses_calls(self) -> bool:
-        """Tools given and tool_choice not "none": the text is held back and parsed at the end."""
-        t = self.req.tools
-        return t is not None and t.choice != "none"
-
-    def calls(self, res: _Result) -> tuple[str | None, list[ToolCall]]:
-        """(the message's text or None, the calls); parsed once, so that the streamed items and the
-        completed response carry the same call ids."""
-        if not self.parses_calls:
-            return res.text, []
-        if self.parsed is None:
-            self.parsed = parse_calls(res.text, self.tool_format)
-        return self.parsed
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1

@@ -296,7 +296,7 @@ class _Connection:
             logprobs: list[dict[str, Any]] | None = None if req.logprobs is None else []
             # Tools (tool_choice not "none"): the text is held back (deltas carry their tokens, no
             # text) and parsed at the end into calls and content.
-            holds = req.tools is not None and req.tools.choice != "none"
+            holds = req.tools is not None and req.tools.may_call
 
             async def emit(run: TokenRun) -> None:
                 text = detok.push(run.token_ids)

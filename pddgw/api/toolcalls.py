@@ -60,6 +60,12 @@ class ToolRequest:
     def forced(self) -> bool:
         return self.choice not in ("none", "auto")
 
+    @property
+    def may_call(self) -> bool:
+        """Whether the output may hold tool calls (tool_choice not "none"): its text is then held
+        back and parsed at the end."""
+        return self.choice != "none"
+
     def templated(self) -> list[dict[str, Any]] | None:
         """`tools` as the chat template gets them (none with tool_choice "none": vLLM's behaviour)."""
         return None if self.choice == "none" else [t.as_template() for t in self.tools]

@@ -648,16 +648,17 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, position: int) -> i
     return sample(logits[None], [params], [position])[0]
 
 
-def logprobs(logits: torch.Tensor, ids: torch.Tensor,
-             top_n: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def logprobs(logits: torch.Tensor, ids: torch.Tensor, top_n: int = 0,
+             dtype: torch.dtype | None = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probabilities on the logits' device, as small tensors (not yet wired to the API).
 
     logits [S, vocab], ids int64 [S] on the same device (the sampled tokens, from `sample_ids`) ->
     (float32 [S] log p(ids), int64 [S, top_n] the top_n ids by probability,
     float32 [S, top_n] their log p).  The distribution is the model's (log-softmax of
     the raw logits, before temperature and filters), as OpenAI and vLLM report it.
+    `dtype` None: computed in the logits' own dtype (the log-probabilities too).
     """
-    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)                             # [S, V]
+    lp = torch.log_softmax(logits if dtype is None else logits.to(dtype), dim=-1)       # [S, V]
     chosen = lp.gather(1, ids[:, None]).squeeze(1)                                      # [S]
     top = torch.topk(lp, min(top_n, lp.shape[1]), dim=-1)                                # [S, n]
     return chosen, top.indices, top.values

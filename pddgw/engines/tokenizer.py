@@ -107,7 +107,7 @@ class Tokenizer(ABC):
             raise RequestError("this model's chat template takes no documents")
         start, end = self._marker(IM_START), self._marker(IM_END)
         ids: list[int] = []
-        if self._add_bos and self.bos_token_id is not None:
+        if self.adds_bos:
             ids.append(self.bos_token_id)
         if tools:
             ids += start + self.encode("system\n" + builtin_tools_text(tools)) + end + self.encode("\n")

@@ -182,13 +182,11 @@ class TorchEngine(PagedEngine):
     def _score_prompts(self, logits: torch.Tensor, targets: list[int], owners: list[tuple[str, int, int]]) -> None:
         """logits [P, vocab] of the scored rows -> their `TokenLogprobs` into `_scoring`."""
         k = min(max(self.seqs[rid].sampling.prompt_logprobs or 0 for rid, _, _ in owners), logits.shape[1])
-        lp = torch.log_softmax(logits, dim=-1)                                         # [P, vocab]
-        ids = torch.tensor(targets, dtype=torch.int64, device=lp.device)
-        chosen = lp.gather(1, ids[:, None]).squeeze(1)                                 # [P]
-        top = torch.topk(lp, k, dim=-1)                                                # [P, k] each
+        ids = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+        chosen, top_ids, top_lp = logprobs(logits, ids, k, dtype=None)                 # [P], [P, k], [P, k]
         f64 = torch.float64
-        host = torch.cat([chosen.to(f64), top.indices.to(f64).flatten(),
-                          top.values.to(f64).flatten()]).clamp_min(LOGPROB_FLOOR).tolist()
+        host = torch.cat([chosen.to(f64), top_ids.to(f64).flatten(),
+                          top_lp.to(f64).flatten()]).clamp_min(LOGPROB_FLOOR).tolist()
         n = len(targets)
         chosen_h, ids_h, lp_h = host[:n], host[n : n + n * k], host[n + n * k :]
         row = 0

@@ -441,10 +441,12 @@ class WorkerNode:
         seen = self._inflight()
         at_start = len(seen)
         log.info("drain_started", node=self.name, role=self.role, inflight=at_start, timeout_s=timeout_s)
-        for link in list(self._routers):
-            if link.state == LinkState.OPEN:
-                with contextlib.suppress(LinkError):
-                    await link.send(pm.Draining(self.name, timeout_s))
+        sent = await asyncio.gather(*(link.send(pm.Draining(self.name, timeout_s))      # all at once
+                                      for link in self._routers if link.state == LinkState.OPEN),
+                                    return_exceptions=True)
+        for r in sent:
+            if isinstance(r, BaseException) and not isinstance(r, LinkError):
+                raise r
         finish_by = start + timeout_s * DRAIN_FINISH_SHARE
         # Polled, not signalled: requests end through many paths (emit, cancel, orphans, handoffs).
         while (left := self._inflight()) and loop.time() < finish_by:

@@ -165,7 +165,7 @@ class NodeHandle:
         """The policy's view of this node's last load report (idle until one arrived)."""
         ld = self.load or m.LoadReport(self.name, 0, 0, 1, 1)
         return InstanceLoad(self.name, self.role, max(ld.running, self.inflight), ld.waiting,  # type: ignore[arg-type]
-                          self.max_num_seqs, ld.total_blocks - ld.free_blocks, ld.total_blocks, self.routable)
+                            self.max_num_seqs, ld.total_blocks - ld.free_blocks, ld.total_blocks, self.routable)
 
 
 @dataclass(slots=True)

@@ -36,25 +36,38 @@ def make_cfg(**server) -> Config:
                   server=ServerConfig(api_keys=(KEY,), admin_keys=(ADMIN,), **server))
 
 
+async def serve(aiohttp_client, started: list, cfg: Config, api_key: str = KEY):
+    """Start `cfg` embedded, its app on a real port, dialed by AsyncOpenAI; noted in `started` for `unserve`.
+
+    -> (emb, side, aiohttp test client, AsyncOpenAI)."""
+    emb = Embedded(cfg)
+    side = await emb.start()
+    client = await aiohttp_client(build_app(side.door))
+    oai = AsyncOpenAI(api_key=api_key, base_url=f"http://{client.server.host}:{client.server.port}/v1",
+                      max_retries=0, timeout=60)
+    started.append((emb, side, oai))
+    return emb, side, client, oai
+
+
+async def unserve(started: list) -> None:
+    """Close what `serve` started, each once nothing is left in use on it."""
+    for emb, side, oai in started:
+        await oai.close()
+        await wait_quiescent(side.state)
+        await emb.stop()
+
+
 @pytest.fixture
 async def served(aiohttp_client):
     """-> start(cfg) -> (side, aiohttp test client, AsyncOpenAI); afterwards nothing may be left in use."""
     started = []
 
     async def start(cfg: Config | None = None):
-        emb = Embedded(cfg or make_cfg())
-        side = await emb.start()
-        client = await aiohttp_client(build_app(side.door))
-        oai = AsyncOpenAI(api_key=KEY, base_url=f"http://{client.server.host}:{client.server.port}/v1",
-                          max_retries=0, timeout=60)
-        started.append((emb, side, oai))
+        _, side, client, oai = await serve(aiohttp_client, started, cfg or make_cfg())
         return side, client, oai
 
     yield start
-    for emb, side, oai in started:
-        await oai.close()
-        await wait_quiescent(side.state)
-        await emb.stop()
+    await unserve(started)
 
 
 def chat_ids(side, messages: list[tuple[str, str]]) -> list[int]:

@@ -21,15 +21,13 @@ import asyncio
 from dataclasses import replace
 
 import pytest
-from openai import AsyncOpenAI
 
 from pddgw.api.openai_http import choice_seed
-from pddgw.api.server import build_app
 from pddgw.config import ServerConfig
 from pddgw.core.sampling import SamplingParams
-from pddgw.deploy.serve import Embedded
-from pddgw.harness.leaks import state_leftovers, wait_quiescent
+from pddgw.harness.leaks import state_leftovers
 from pddgw.net.errors import CloseCode
+from tests.api.test_openai_client import serve, unserve
 from tests.api.test_stops_door import stop_point
 
 from .test_embedded import prompt_of
@@ -48,19 +46,12 @@ async def served(aiohttp_client):
 
     async def start(pipeline: str, mode: str | None):
         cfg = handoff_cfg(pipeline, mode)
-        emb = Embedded(replace(cfg, server=ServerConfig(max_streams_per_connection=4, allow_request_steering=True)))
-        side = await emb.start()
-        client = await aiohttp_client(build_app(side.door))
-        oai = AsyncOpenAI(api_key="unused", base_url=f"http://{client.server.host}:{client.server.port}/v1",
-                          max_retries=0, timeout=60)
-        started.append((emb, side, oai))
+        server = ServerConfig(max_streams_per_connection=4, allow_request_steering=True)
+        emb, side, _, oai = await serve(aiohttp_client, started, replace(cfg, server=server), api_key="unused")
         return emb, side, oai
 
     yield start
-    for emb, side, oai in started:
-        await oai.close()
-        await wait_quiescent(side.state)
-        await emb.stop()
+    await unserve(started)
 
 
 def steer(pipeline: str, mode: str | None) -> dict:
