@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pddgw.core.errors import check as _check
 from pddgw.core.roles import NodeRole
 
 
@@ -30,11 +31,6 @@ class StartupError(RuntimeError):
     """A valid config cannot start here: an address already in use, a peer that never
     answers.  The message names the address or node and what to do; the CLI prints it
     without a traceback (exit status 1, where a ConfigError's is 2)."""
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 DType = Literal["float32", "float16", "bfloat16", "float64"]

@@ -31,3 +31,19 @@ class ApiError(ValueError):
         self.param = param
         self.code = code
         self.stream_id: str | None = None
+
+
+_KIND_NAMES: dict[type, str] = {bool: "a boolean", str: "a string", dict: "an object"}
+
+
+def optional(d: dict[str, Any], key: str, kind: type, *, name: str | None = None,
+             max_len: int | None = None) -> Any:
+    """`d[key]` when it is absent (None) or a `kind` (bool, str or dict; a str of at most
+    `max_len` characters); otherwise ApiError "'NAME' must be a boolean" (a string ..., an
+    object) with param NAME, `key` unless the field is nested."""
+    v = d.get(key)
+    if v is None or (isinstance(v, kind) and (max_len is None or len(v) <= max_len)):
+        return v
+    name = name or key
+    what = _KIND_NAMES[kind] + ("" if max_len is None else f" of at most {max_len} characters")
+    raise ApiError(f"'{name}' must be {what}", name)

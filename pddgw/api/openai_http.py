@@ -131,7 +131,7 @@ import structlog
 from aiohttp import web
 
 from pddgw.api import logprobs as lpfmt
-from pddgw.api.errors import ApiError, brief
+from pddgw.api.errors import ApiError, brief, optional
 from pddgw.api.responses import (SAMPLING_KEYS, CreateResponse, function_call_item, output_message, output_text,
                                  parse_create_body, parse_extension, parse_sampling, response_format_grammar,
                                  response_object, top_logprobs_param)
@@ -278,12 +278,8 @@ def _common(d: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> 
     n, best_of = _choices(d, d.get("stream") is True)
     stop = parse_stop(d.get("stop"))
     sampling = parse_sampling(d, max_tokens, logprobs)
-    client_id = d.get("request_id")
-    if client_id is not None and (not isinstance(client_id, str) or len(client_id) > MAX_CLIENT_ID_LEN):
-        raise ApiError(f"'request_id' must be a string of at most {MAX_CLIENT_ID_LEN} characters", "request_id")
-    stream = d.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise ApiError("'stream' must be a boolean", "stream")
+    client_id = optional(d, "request_id", str, max_len=MAX_CLIENT_ID_LEN)
+    stream = optional(d, "stream", bool)
     opts = d.get("stream_options")
     include_usage = False
     if opts is not None:
@@ -291,12 +287,8 @@ def _common(d: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> 
             raise ApiError("'stream_options' is only allowed when 'stream' is true", "stream_options")
         if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
             raise ApiError("'stream_options' may only set 'include_usage'", "stream_options")
-        include_usage = opts.get("include_usage")
-        if include_usage is not None and not isinstance(include_usage, bool):
-            raise ApiError("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
-    model = d.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError("'model' must be a string", "model")
+        include_usage = optional(opts, "include_usage", bool, name="stream_options.include_usage")
+    model = optional(d, "model", str)
     pipeline, handoff_mode = parse_extension(d)
     return {"sampling": sampling, "stream": bool(stream), "include_usage": bool(include_usage), "model": model,
             "pipeline": pipeline, "handoff_mode": handoff_mode, "logprobs": logprobs, "client_request_id": client_id,
@@ -418,9 +410,7 @@ def _with_grammar(sp: SamplingParams, grammar: tuple[str, str], param: str) -> S
 
 def _chat_logprobs(d: dict[str, Any]) -> int | None:
     """Chat's `logprobs` (a boolean) and `top_logprobs` (0..20, only with logprobs: true)."""
-    want = d.get("logprobs")
-    if want is not None and not isinstance(want, bool):
-        raise ApiError("'logprobs' must be a boolean", "logprobs")
+    want = optional(d, "logprobs", bool)
     top = top_logprobs_param(d, "top_logprobs")
     if top is not None and not want:
         raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -431,9 +421,7 @@ def parse_completion(d: Any, vocab_size: int) -> GenRequest:
     if not isinstance(d, dict):
         raise ApiError("the request body must be a JSON object")
     check_keys(d, _COMPLETION_KEYS)
-    echo = d.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise ApiError("'echo' must be a boolean", "echo")
+    echo = optional(d, "echo", bool)
     # max_tokens 0 with echo (vLLM's, OpenAI's): only the prompt is scored - one token is
     # generated (the engines' minimum) and dropped at the door.
     score_only = bool(echo) and d.get("max_tokens") == 0 and not isinstance(d.get("max_tokens"), bool)

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import orjson
 
-from pddgw.api.errors import QUOTE_LEN, ApiError, brief
+from pddgw.api.errors import QUOTE_LEN, ApiError, brief, optional
 from pddgw.api.toolcalls import parse_tools
 from pddgw.core.errors import FieldError
 from pddgw.core.sampling import COUNT_LIMIT, MAX_LOGPROBS, SamplingParams
@@ -172,12 +172,8 @@ def response_format_grammar(fmt: Any, param: str, flat: bool = False) -> tuple[s
     at = param if flat else f"{param}.json_schema"
     if not isinstance(body, dict):
         raise ApiError(f"'{at}' must be an object", at)
-    name = body.get("name")
-    if name is not None and not isinstance(name, str):
-        raise ApiError(f"'{at}.name' must be a string", f"{at}.name")
-    strict = body.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise ApiError(f"'{at}.strict' must be a boolean", f"{at}.strict")
+    optional(body, "name", str, name=f"{at}.name")
+    optional(body, "strict", bool, name=f"{at}.strict")
     schema = body.get("schema", {})
     if not isinstance(schema, dict):
         raise ApiError(f"'{at}.schema' must be a JSON schema object", f"{at}.schema")
@@ -279,10 +275,7 @@ def _text_format(d: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
         raise ApiError("'text' may only set 'format'", "text")
-    fmt = text.get("format")
-    if fmt is not None and not isinstance(fmt, dict):
-        raise ApiError("'text.format' must be an object", "text.format")
-    return fmt
+    return optional(text, "format", dict, name="text.format")
 
 
 def _metadata(d: dict[str, Any]) -> dict[str, str]:
@@ -322,9 +315,7 @@ def parse_create_body(d: Any, max_prompt_tokens: int) -> tuple[CreateResponse, b
     if "type" in d or "stream_id" in d:
         raise ApiError(f"unsupported field {'type' if 'type' in d else 'stream_id'!r} (WebSocket mode only)",
                        "type" if "type" in d else "stream_id")
-    stream = d.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise ApiError("'stream' must be a boolean", "stream")
+    stream = optional(d, "stream", bool)
     if d.get("background"):
         raise ApiError("background responses are not supported", "background")
     body = {k: v for k, v in d.items() if k not in ("stream", "background")}
@@ -369,15 +360,9 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
     if max_out is not None and (isinstance(max_out, bool) or not isinstance(max_out, int) or max_out < 1):
         raise ApiError("'max_output_tokens' must be a positive integer", "max_output_tokens")
     sampling = parse_sampling(d, max_out, _include_logprobs(d))
-    stream_id = d.get("stream_id")
-    if stream_id is not None and (not isinstance(stream_id, str) or len(stream_id) > MAX_STREAM_ID_LEN):
-        raise ApiError(f"'stream_id' must be a string of at most {MAX_STREAM_ID_LEN} characters", "stream_id")
-    model = d.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError("'model' must be a string", "model")
-    store = d.get("store")
-    if store is not None and not isinstance(store, bool):
-        raise ApiError("'store' must be a boolean", "store")
+    stream_id = optional(d, "stream_id", str, max_len=MAX_STREAM_ID_LEN)
+    model = optional(d, "model", str)
+    optional(d, "store", bool)                  # checked only: the value is not kept
     pipeline, handoff_mode = parse_extension(d)
     tools = parse_tools(d, flat=True)
     fmt = _text_format(d)

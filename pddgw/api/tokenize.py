@@ -34,7 +34,7 @@ from aiohttp import web
 
 from pddgw.api.door import ClientTooSlow
 from pddgw.api.openai_http import check_keys, error_response, json_body, parse_messages
-from pddgw.api.errors import ApiError, brief
+from pddgw.api.errors import ApiError, brief, optional
 from pddgw.engines.types import RequestError
 
 if TYPE_CHECKING:
@@ -75,9 +75,7 @@ class TokenizeRoutes:
         d = json_body(raw)
         if not isinstance(d, dict):
             raise ApiError("the request body must be a JSON object")
-        model = d.get("model")
-        if model is not None and not isinstance(model, str):
-            raise ApiError("'model' must be a string", "model")
+        model = optional(d, "model", str)
         if model is not None and model != door.model_name:
             raise ApiError(f"the model {brief(model)} does not exist (this server serves "
                            f"{door.model_name!r})", "model", "model_not_found")

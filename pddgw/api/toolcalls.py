@@ -29,7 +29,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pddgw.api.errors import ApiError, brief
+from pddgw.api.errors import ApiError, brief, optional
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -111,9 +111,8 @@ def _tool(t: Any, i: int, flat: bool) -> Tool:
 
 
 def parse_tools(d: dict[str, Any], flat: bool = False) -> ToolRequest | None:
-    tools, choice, parallel = d.get("tools"), d.get("tool_choice"), d.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise ApiError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    tools, choice = d.get("tools"), d.get("tool_choice")
+    parallel = optional(d, "parallel_tool_calls", bool)
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise ApiError("'tool_choice' needs 'tools'", "tool_choice")
@@ -198,6 +197,21 @@ def _calls(obj: Any) -> list[ToolCall] | None:
     return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
+def _calls_of(bodies: list[str]) -> list[ToolCall] | None:
+    """The calls of every JSON body in turn; None when one is not JSON or not a call (or a list of
+    calls): then the output is text, not calls."""
+    calls: list[ToolCall] = []
+    for body in bodies:
+        try:
+            got = _calls(json.loads(body))
+        except ValueError:
+            return None
+        if got is None:
+            return None
+        calls += got
+    return calls
+
+
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
@@ -206,26 +220,17 @@ def parse_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[ToolCall]]
     if fmt == "hermes":
         if "<tool_call>" not in text:
             return text, []
-        calls: list[ToolCall] = []
-        for body in _HERMES.findall(text):
-            try:
-                got = _calls(json.loads(body))
-            except ValueError:
-                return text, []
-            if got is None:
-                return text, []
-            calls += got
+        calls = _calls_of(_HERMES.findall(text))
+        if calls is None:
+            return text, []
         content = text[: text.index("<tool_call>")].strip()
         return content or None, calls
     if fmt == "mistral":
         if "[TOOL_CALLS]" not in text:
             return text, []
         head, _, rest = text.partition("[TOOL_CALLS]")
-        try:
-            got = _calls(json.loads(rest.strip()))
-        except ValueError:
-            return text, []
-        return (head.strip() or None, got) if got else (text, [])
+        calls = _calls_of([rest.strip()])
+        return (head.strip() or None, calls) if calls else (text, [])
     body = text.strip()
     if fmt == "llama3_json":
         body = body.removeprefix("<|python_tag|>").strip()
@@ -234,13 +239,5 @@ def parse_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[ToolCall]]
         pieces = [body]
     if not pieces[0].startswith(("{", "[")):
         return text, []
-    calls = []
-    for p in pieces:
-        try:
-            got = _calls(json.loads(p))
-        except ValueError:
-            return text, []
-        if got is None:
-            return text, []
-        calls += got
-    return None, calls
+    calls = _calls_of(pieces)
+    return (None, calls) if calls is not None else (text, [])

@@ -38,10 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pddgw.bench.common import add_output_args, emit, format_table
 from pddgw.sim import profiles
 from pddgw.sim.profiles import ModelProfile
 from pddgw.sim.roofline import Parallel, SeqWork, StepCost, step_cost
+from pddgw.tables import add_output_args, emit, format_table
 
 Kind = Literal["prefill_tok_s", "decode_ms", "decode_tok_s", "latency_ms", "user_tok_s"]
 UNITS: dict[str, str] = {"prefill_tok_s": "prefill tok/s", "decode_ms": "decode ms/step",

@@ -27,7 +27,7 @@ Procedure:
                           temperature 0.8, top_p 0.95, top_k 0, seeded) but
                           with its own RNG: its tokens are not comparable,
                           `tokens_match` is None there.  vLLM: greedy only
-                          (vllm_side.py), no sampled rows.
+                          (harness/vllm_side.py), no sampled rows.
        prefill            B prompts of L tokens, one output token: time to
                           the first token, B * L prompt tokens.
        decode b=32        the sampled case again, pddgw only (transformers has no
@@ -41,10 +41,8 @@ Procedure:
                           by it).  Run right after the plain sampled case of
                           the batch, on its prompts: `ratio_sampled` = tok/s
                           over the plain sampled row's, the cost of each.
-     transformers' per-step times come from a stopping criterion that only
-     records a timestamp.  Every pddgw run uses a fresh engine (the prefix
-     cache would otherwise serve the repeated prompts) with room for the
-     whole batch in one step and in the pool.
+     The sides (`pddgw.harness.sides`): a fresh pddgw engine per run, room for
+     the whole batch in one step; transformers timed by a stopping criterion.
   4. Report tok/s of each, pddgw / transformers and pddgw / vLLM, and
      whether every request's greedy tokens were identical (`tokens_match`:
      pddgw vs transformers; `vllm_tokens_match`: pddgw vs vLLM).
@@ -56,20 +54,12 @@ Procedure:
      logits) and sampling; milliseconds per step, averaged over the decode
      steps (the prefill step excluded) or over the prefill step.
 
-vLLM column: vLLM lives in its own virtual environment (scripts/make_vllm_env.sh
-DIR) and runs in a subprocess, `--vllm-python DIR/bin/python` (default: env
-PDDGW_VLLM_PYTHON), driving pddgw/bench/vllm_side.py over JSON lines.  It
-loads the same checkpoint (skip_tokenizer_init, token-ID prompts, prefix
-caching off, greedy), gets the same thread count, unpinned like the other
-two (OMP_NUM_THREADS=N, VLLM_CPU_OMP_THREADS_BIND=nobind; either kept if
-already set: VLLM_CPU_OMP_THREADS_BIND=0 pins it to core 0, which on a busy
-2-core machine stalled it for seconds per run) and is timed the same way
-inside its process, around `LLMEngine.add_request` / `step`.  One
-vLLM engine serves every run (its start-up compiles and profiles); sized for
-the largest batch, it does not reuse KV across runs (prefix caching off).
-Without it the report says so: "vLLM: not available (--vllm-python not given)";
-where it fails to start or to run the model, the reason (its log's tail goes
-to stderr; PDDGW_VLLM_LOG=FILE keeps the whole log).
+vLLM column: `--vllm-python DIR/bin/python` (default: env PDDGW_VLLM_PYTHON),
+a vLLM environment driven in a subprocess (`pddgw.harness.sides.VllmSide`).
+One vLLM engine serves every run (sized for the largest batch, prefix
+caching off).  Without it the report says so: "vLLM: not available
+(--vllm-python not given)"; where it fails to start or to run the model,
+the reason (its log's tail goes to stderr).
 
 Prompts have equal lengths, so transformers' left padding is a no-op and
 neither side computes wasted tokens.  `tokens_match` is expected in float32;
@@ -81,41 +71,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from pddgw.bench.common import (add_output_args, add_torch_args, best, emit, engine_config, format_table,
-                                parse_torch_args, random_prompts, ratio, to_stderr)
-from pddgw.engines.tokenizer import ByteTokenizer
-from pddgw.engines.torch_engine import TorchEngine
 from pddgw.core.sampling import SamplingParams
-from pddgw.engines.types import EngineRequest
+from pddgw.engines.model_spec import ModelSpec, llama_spec
 from pddgw.engines.weights import DTYPES, load_model
-
-SEED = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    max_position_embeddings: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
-            raise ValueError(f"bad head layout: {self}")
+from pddgw.harness.engines import add_torch_args, parse_torch_args, random_prompts
+from pddgw.harness.sides import (SEED, Breakdown, PddgwSide, TransformersSide, VllmSide,
+                                 VllmUnavailable, build_checkpoint, request_params)
+from pddgw.tables import add_output_args, best, emit, format_table, ratio, to_stderr
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +129,7 @@ VARIANTS = (Variant("penalties"), Variant("json_schema"))
 class Settings:
     """What one benchmark run measures."""
 
-    model: ModelShape
+    model: ModelSpec                 # a plain Llama (`llama_spec`): what `build_checkpoint` writes
     decode_batches: tuple[int, ...]
     decode_prompt_len: int
     decode_output_len: int
@@ -184,15 +155,15 @@ class Settings:
 
 
 FULL = Settings(
-    model=ModelShape(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=6,
-                     num_heads=12, num_kv_heads=4),
+    model=llama_spec(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=6,
+                     num_heads=12, num_kv_heads=4, bos_token_id=1),
     decode_batches=(1, 8, 32), decode_prompt_len=64, decode_output_len=32,
     prefill_batch=4, prefill_prompt_len=256, repeats=3)
 
 QUICK = Settings(
     # head_dim 32: the smallest vLLM's CPU attention supports.
-    model=ModelShape(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                     num_heads=2, num_kv_heads=1, max_position_embeddings=256),
+    model=llama_spec(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=2, num_kv_heads=1, max_position_embeddings=256, bos_token_id=1),
     decode_batches=(1, 8, 32), decode_prompt_len=8, decode_output_len=4,
     prefill_batch=2, prefill_prompt_len=16, repeats=1)
 
@@ -218,41 +189,13 @@ class Case:
 
     def params(self, i: int) -> SamplingParams:
         """Request i's sampling."""
-        if self.sampling is None:
-            return SamplingParams(max_tokens=self.output_len, ignore_eos=True)
-        params = self.sampling.params(i, self.output_len)
-        return params if self.variant is None else self.variant.apply(params)
+        return request_params(i, self.output_len, self.sampling, self.variant)
 
     @property
     def measured_tokens(self) -> int:
         if self.kind == "prefill":
             return self.batch * self.prompt_len
         return self.batch * (self.output_len - 1)
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """One timed generation: seconds to the point every request had its first token, and to the end."""
-
-    to_first: float
-    total: float
-    tokens: tuple[tuple[int, ...], ...]    # output ids per request
-
-    def seconds(self, kind: str) -> float:
-        return self.to_first if kind == "prefill" else self.total - self.to_first
-
-
-@dataclass(frozen=True, slots=True)
-class Breakdown:
-    """pddgw's time per engine step by phase, milliseconds (see step 5 of the procedure)."""
-
-    steps: int
-    step_ms: float
-    scheduling_ms: float     # step() minus _forward(): scheduler, stopping, prefix-cache publish
-    pack_ms: float           # _forward() minus model and sampler: ids, slots, block tables
-    attention_ms: float      # store_kv + paged attention kernels, all layers
-    model_other_ms: float    # the model call minus attention
-    sampling_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,281 +238,9 @@ class Report:
     vllm_version: str | None = None
 
 
-# ---- model ------------------------------------------------------------------------
-
-def build_checkpoint(shape: ModelShape, directory: str) -> None:
-    """A seeded random Llama saved by transformers (float32 safetensors)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                      intermediate_size=shape.intermediate_size,
-                      num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-                      num_key_value_heads=shape.num_kv_heads,
-                      max_position_embeddings=shape.max_position_embeddings, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=None,
-                      pad_token_id=0)
-    model = LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * r)
-            elif "embed_tokens" in name:
-                p.copy_(r)
-            elif name == "lm_head.weight":
-                # Logit std ~4 over 32000 ids: top-1 vs top-2 gaps dwarf float32
-                # differences between the two implementations.
-                p.copy_(4.0 * r / p.shape[1] ** 0.5)
-            else:
-                p.copy_(r / p.shape[1] ** 0.5)
-    model.save_pretrained(directory)
-
-
 def make_prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[int]]:
     # Skip the low ids (bos/pad/eos in most vocabularies).
     return random_prompts(1000 + salt, batch, length, (3, vocab))
-
-
-# ---- the sides ------------------------------------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        torch.cuda.synchronize(device)
-
-
-class _PhaseTimer:
-    """Seconds spent per phase over one run, per engine step (wraps; never changes results)."""
-
-    PHASES = ("step", "forward", "model", "attention", "sampling")
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.steps: list[dict[str, float]] = []
-
-    def wrap(self, phase: str, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            _sync(self.device)
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _sync(self.device)
-                # Calls outside a step (e.g. a CUDA graph capture at start-up) are not counted;
-                # a replayed graph shows as "model other", its attention not seen.
-                if self.steps and phase == "step":
-                    self.steps[-1]["step"] = time.perf_counter() - t
-                elif self.steps:
-                    self.steps[-1][phase] += time.perf_counter() - t
-        return timed
-
-    def wrap_step(self, fn: Callable) -> Callable:
-        """fn = the engine's step: every call opens a new row of phase times."""
-        timed = self.wrap("step", fn)
-
-        def step(*args, **kwargs):
-            self.steps.append(dict.fromkeys(self.PHASES, 0.0))
-            return timed(*args, **kwargs)
-        return step
-
-    def breakdown(self, skip_first: bool) -> Breakdown:
-        steps = self.steps[1:] if skip_first and len(self.steps) > 1 else self.steps
-        n = len(steps)
-
-        def ms(phase: str) -> float:
-            return 1e3 * sum(st[phase] for st in steps) / n
-
-        step, fwd, model, attn, samp = (ms(ph) for ph in self.PHASES)
-        return Breakdown(steps=n, step_ms=step, scheduling_ms=step - fwd,
-                         pack_ms=fwd - model - samp, attention_ms=attn,
-                         model_other_ms=model - attn, sampling_ms=samp)
-
-
-class PddgwSide:
-    name = "pddgw"
-    variants = True       # the only side that runs the Variant cases
-
-    def __init__(self, model, dtype: torch.dtype, device: str = "cpu",
-                 engine_overrides: dict | None = None):
-        self.model = model
-        self.dtype = dtype
-        self.device = device
-        self.engine_overrides = engine_overrides or {}
-
-    def run(self, prompts: list[list[int]], output_len: int, timer: _PhaseTimer | None = None,
-            sampling: Sampling | None = None, variant: Variant | None = None) -> Run:
-        batch, plen = len(prompts), len(prompts[0])
-        cfg = engine_config(batch, plen + output_len, self.device, max(batch * plen, batch),
-                            **self.engine_overrides)
-        spec, tok = self.model.spec, None
-        if variant is not None and variant.name == "json_schema":
-            # The random checkpoint names no EOS and has no tokenizer: its matcher gets the byte
-            # vocabulary (ids < 256) and the byte tokenizer's EOS id to end a finished object with.
-            tok = ByteTokenizer(spec.vocab_size)
-            spec = dataclasses.replace(spec, eos_token_ids=(ByteTokenizer.EOS,))
-        engine = TorchEngine(self.model, spec, cfg, self.dtype, tokenizer=tok)
-        step = engine.step
-        if timer is not None:
-            engine._forward = timer.wrap("forward", engine._forward)
-            engine.model = timer.wrap("model", engine.model)
-            step = timer.wrap_step(engine.step)
-        out: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
-        gc.collect()
-        t0 = time.perf_counter()
-        case = Case("decode", batch, plen, output_len, sampling, variant)
-        for i, p in enumerate(prompts):
-            engine.add_request(EngineRequest(f"r{i}", tuple(p), case.params(i)))
-        t_first = None
-        while engine.has_work():
-            for o in step():
-                out[o.request_id] += o.new_token_ids
-            if t_first is None and all(out.values()):
-                t_first = time.perf_counter()
-        t_end = time.perf_counter()
-        engine.check_integrity()
-        tokens = tuple(tuple(out[f"r{i}"]) for i in range(batch))
-        if t_first is None or any(len(t) != output_len for t in tokens):
-            raise RuntimeError(f"pddgw generated {sorted({len(t) for t in tokens})} tokens per "
-                               f"request, expected {output_len}")
-        return Run(t_first - t0, t_end - t0, tokens)
-
-    def breakdown(self, prompts: list[list[int]], output_len: int, kind: str,
-                  sampling: Sampling | None = None, variant: Variant | None = None) -> Breakdown:
-        """One extra run with every phase timed (module globals patched for its duration)."""
-        import pddgw.engines.model as model_mod
-        import pddgw.engines.torch_engine as engine_mod
-
-        timer = _PhaseTimer(torch.device(self.device))
-        saved = model_mod.paged_attention, engine_mod.sample
-        model_mod.paged_attention = timer.wrap("attention", saved[0])
-        engine_mod.sample = timer.wrap("sampling", saved[1])
-        try:
-            self.run(prompts, output_len, timer, sampling, variant)
-        finally:
-            model_mod.paged_attention, engine_mod.sample = saved
-        return timer.breakdown(skip_first=kind == "decode")
-
-
-class TransformersSide:
-    name = "transformers"
-
-    def __init__(self, model, device: str = "cpu"):
-        self.model = model
-        self.device = device
-
-    def run(self, prompts: list[list[int]], output_len: int, sampling: Sampling | None = None) -> Run:
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
-        stamps: list[float] = []
-
-        class _Stamp(StoppingCriteria):
-            """Records when each generation step finished; never stops anything."""
-
-            def __call__(self, input_ids, scores, **kwargs):
-                stamps.append(time.perf_counter())
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)   # [B, L]
-        mask = torch.ones_like(ids)     # equal lengths: left padding is empty
-        how: dict = {"do_sample": False}
-        if sampling is not None:        # top_k 0: generate's default top-k (50) off
-            how = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                   "top_k": 0}
-            torch.manual_seed(sampling.seed)
-        gc.collect()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            gen = self.model.generate(input_ids=ids, attention_mask=mask,
-                                      max_new_tokens=output_len, min_new_tokens=output_len,
-                                      pad_token_id=0, stopping_criteria=StoppingCriteriaList([_Stamp()]),
-                                      **how)
-        t_end = time.perf_counter()
-        new = gen[:, ids.shape[1]:]                                    # [B, N]
-        if new.shape[1] != output_len or len(stamps) != output_len:
-            raise RuntimeError(f"transformers generated {new.shape[1]} tokens in {len(stamps)} "
-                               f"steps, expected {output_len}")
-        return Run(stamps[0] - t0, t_end - t0, tuple(tuple(r) for r in new.tolist()))
-
-
-VLLM_SIDE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_side.py")
-
-
-class VllmUnavailable(RuntimeError):
-    """The vLLM subprocess could not start or answer; the message says why."""
-
-
-class VllmSide:
-    """vLLM in its own python (pddgw/bench/vllm_side.py), JSON lines over stdin/stdout."""
-
-    name = "vllm"
-    samples = False       # vllm_side.py runs greedy only
-
-    def __init__(self, python: str, checkpoint: str, dtype_name: str, threads: int,
-                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 enforce_eager: bool = False, start_timeout_s: float = 900.0):
-        import subprocess
-
-        env = dict(os.environ)
-        # Unpinned, like pddgw and transformers: pinned to core 0 ("0"), vLLM stalled for
-        # seconds per run on a busy 2-core machine (its other threads share the core).
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")              # GiB
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")      # engine in this one process
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.pop("PYTHONPATH", None)                                # vLLM's env only, not pddgw's
-        # The child's stderr (vLLM's logs): kept for the error message, or in PDDGW_VLLM_LOG.
-        log_path = os.environ.get("PDDGW_VLLM_LOG")
-        self._log = open(log_path, "w+") if log_path else tempfile.TemporaryFile(mode="w+")
-        try:
-            self._proc = subprocess.Popen([python, VLLM_SIDE_SCRIPT], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                          env=env)
-        except OSError as e:
-            raise VllmUnavailable(f"cannot start {python}: {e}") from e
-        self.info = self._call({"model": checkpoint, "dtype": dtype_name,
-                                "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-                                "max_num_batched_tokens": max_num_batched_tokens,
-                                "enforce_eager": enforce_eager}, start_timeout_s)
-
-    def _log_tail(self, lines: int = 8) -> str:
-        self._log.seek(0)
-        tail = [ln for ln in self._log.read().splitlines() if ln.strip()][-lines:]
-        return "\n".join(tail)
-
-    def _call(self, msg: dict, timeout_s: float = 900.0) -> dict:
-        import json
-        import select
-
-        try:
-            self._proc.stdin.write(json.dumps(msg) + "\n")
-            self._proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass     # the process died; the empty read below says so
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
-        line = self._proc.stdout.readline() if ready else ""
-        if not line:
-            self.close()
-            why = "timed out" if not ready else f"exited with {self._proc.returncode}"
-            raise VllmUnavailable(f"vllm_side {why}:\n{self._log_tail()}")
-        reply = json.loads(line)
-        if not reply.get("ok"):
-            raise VllmUnavailable(f"{reply.get('error')}\n{self._log_tail()}")
-        return reply
-
-    def run(self, prompts: list[list[int]], output_len: int, sampling: None = None) -> Run:
-        r = self._call({"op": "run", "prompts": prompts, "output_len": output_len})
-        return Run(r["to_first"], r["total"], tuple(tuple(t) for t in r["tokens"]))
-
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            try:
-                self._proc.stdin.write('{"op": "quit"}\n')
-                self._proc.stdin.close()
-                self._proc.wait(timeout=30)
-            except Exception:  # noqa: BLE001 - a stuck child is killed below
-                self._proc.kill()
-                self._proc.wait()
 
 
 # ---- driver -------------------------------------------------------------------------
@@ -599,7 +270,8 @@ def case_prompts(todo: Sequence[Case], vocab: int) -> list[list[list[int]]]:
 def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[int]]],
             repeats: int, progress: Callable[[str], None],
             breakdown: bool = False) -> list[Row]:
-    """Interleaved runs of every side ("pddgw" and "transformers" required, "vllm" optional)."""
+    """Interleaved runs of every side ("pddgw" and "transformers" required, "vllm" optional; a
+    side without `samples` sits out the sampled cases, one without `variants` the variant ones)."""
     names = [side.name for side in sides]
     times = {(c, n): [] for c in todo for n in names}
     match = {c: True for c in todo}

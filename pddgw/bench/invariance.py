@@ -80,17 +80,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from pddgw.bench.common import (BLOCK_SIZE, add_output_args, add_torch_args, emit, engine_config, format_table,
-                                parse_torch_args, random_prompts, to_stderr)
-from pddgw.engines.torch_engine import TorchEngine
 from pddgw.core.sampling import SamplingParams
+from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import EngineRequest
 from pddgw.engines.weights import DTYPES, build_tiny, tiny_spec
+from pddgw.harness.engines import (BLOCK_SIZE, add_torch_args, drain, engine_config, parse_torch_args, patched,
+                                   random_prompts)
+from pddgw.tables import add_output_args, emit, format_table, to_stderr
 
 PATHS = ("batch", "mixed", "extend", "chunked")
 SEED = 0
@@ -166,24 +167,19 @@ Tokens = list[int]
 Logits = dict[tuple[int, int], bytes]         # (seed, output position) -> the row's bytes
 
 
-@contextlib.contextmanager
-def captured_logits(store: Logits) -> Iterator[None]:
+def captured_logits(store: Logits) -> contextlib.AbstractContextManager[None]:
     """Record every sampled row's logits (keyed by seed and position) while the engine samples."""
     import pddgw.engines.torch_engine as engine_mod
 
-    real = engine_mod.sample
+    def recording(real: Callable) -> Callable:
+        def sample(logits: torch.Tensor, params, positions):
+            rows = logits.detach().to("cpu")
+            for r, (p, pos) in enumerate(zip(params, positions)):
+                store[(p.seed, pos)] = rows[r].numpy().tobytes()
+            return real(logits, params, positions)
+        return sample
 
-    def recording(logits: torch.Tensor, params, positions):
-        rows = logits.detach().to("cpu")
-        for r, (p, pos) in enumerate(zip(params, positions)):
-            store[(p.seed, pos)] = rows[r].numpy().tobytes()
-        return real(logits, params, positions)
-
-    engine_mod.sample = recording
-    try:
-        yield
-    finally:
-        engine_mod.sample = real
+    return patched(engine_mod, "sample", recording)
 
 
 class Runner:
@@ -201,26 +197,13 @@ class Runner:
         sp = SamplingParams(max_tokens=self.s.output_len, ignore_eos=True, seed=seed)
         return EngineRequest(rid, tuple(prompt), sp, output_token_ids=tuple(done))
 
-    @staticmethod
-    def drain(engine: TorchEngine, arrivals: Sequence[EngineRequest] = ()) -> dict[str, Tokens]:
-        """Step to the end, adding `arrivals` one per step; tokens per request."""
-        out: dict[str, Tokens] = {}
-        pending = list(arrivals)
-        while pending or engine.has_work():
-            if pending:
-                engine.add_request(pending.pop(0))
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        engine.check_integrity()
-        return out
-
     def alone(self, prompts: list[list[int]], logits: Logits) -> list[Tokens]:
         out = []
         with captured_logits(logits):
             for i, p in enumerate(prompts):
                 e = self.engine(1)
                 e.add_request(self.request("r", p, i + 1))
-                out.append(self.drain(e)["r"])
+                out.append(drain(e)["r"])
         return out
 
     def path(self, name: str, prompts: list[list[int]], alone: list[Tokens], logits: Logits) -> list[Tokens]:
@@ -233,10 +216,10 @@ class Runner:
                 e = self.engine(n + s.filler)
                 for r in [*reqs, *fill]:
                     e.add_request(r)
-                got = self.drain(e)
+                got = drain(e)
                 return [got[f"r{i}"] for i in range(n)]
             if name == "mixed":
-                got = self.drain(self.engine(n), reqs)
+                got = drain(self.engine(n), reqs)
                 return [got[f"r{i}"] for i in range(n)]
             out = []
             for i, p in enumerate(prompts):
@@ -244,11 +227,11 @@ class Runner:
                     done = alone[i][:s.extend_tokens]
                     e = self.engine(1)
                     e.add_request(self.request("r", p, i + 1, done))
-                    out.append(done + self.drain(e)["r"])
+                    out.append(done + drain(e)["r"])
                 else:                                   # chunked
                     e = self.engine(1, s.chunk)
                     e.add_request(self.request("r", p, i + 1))
-                    out.append(self.drain(e)["r"])
+                    out.append(drain(e)["r"])
             return out
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pddgw.bench.common import add_output_args, emit, format_table, ratio
+from pddgw.tables import add_output_args, emit, format_table, ratio
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Vendor HBM peaks (bytes/s) by device-name substring; --peak-tbps overrides.

@@ -41,11 +41,7 @@ import asyncio
 import hashlib
 import os
 import secrets
-import socket
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -53,11 +49,13 @@ import orjson
 import torch
 
 from pddgw.config import EngineConfig, NetConfig
-from pddgw.engines.model_spec import ModelSpec
-from pddgw.engines.torch_engine import TorchEngine
 from pddgw.core.sampling import SamplingParams
-from pddgw.engines.types import EngineRequest, KVChunk, RequestError
+from pddgw.engines.model_spec import ModelSpec, llama_spec
+from pddgw.engines.torch_engine import TorchEngine
+from pddgw.engines.types import KVChunk, RequestError
 from pddgw.engines.weights import build_random
+from pddgw.harness.engines import Decoding
+from pddgw.harness.peer import bench_net, raw_rate, serve_raw, spawn_peer, stop_peer, until_stdin_closes
 from pddgw.logs import setup_logging
 from pddgw.net import messages as m
 from pddgw.net.link import Link
@@ -85,11 +83,9 @@ class Shape:
 
     def spec(self) -> ModelSpec:
         # Small hidden size, real KV shape: P computes little, every token carries its KV.
-        return ModelSpec(arch="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
-                         num_layers=self.layers, num_heads=self.kv_heads, num_kv_heads=self.kv_heads,
-                         head_dim=self.head_dim, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                         tie_word_embeddings=False, attention_bias=False, qk_norm=False,
-                         max_position_embeddings=1 << 16, bos_token_id=None, eos_token_ids=(1,))
+        return llama_spec(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=self.layers,
+                          num_heads=self.kv_heads, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
+                          max_position_embeddings=1 << 16, eos_token_ids=(1,))
 
     @property
     def bytes_per_token(self) -> int:
@@ -110,12 +106,6 @@ class Shape:
         return tuple((37 * i + 11 * k) % 500 + 2 for i in range(self.prompt))
 
 
-def _net(secret: str, shape: Shape) -> NetConfig:
-    return NetConfig(secret=secret, max_frame_bytes=max(16 << 20, 2 * shape.chunk_bytes),
-                     kv_frame_bytes=shape.chunk_bytes, inbound_buffer_bytes=256 << 20, heartbeat_s=0,
-                     request_timeout_s=300, send_timeout_s=300)
-
-
 def _engine(shape: Shape, prefix_caching: bool) -> TorchEngine:
     spec = shape.spec()
     return TorchEngine(build_random(spec, SEED, torch.float32, "cpu"), spec, shape.engine_cfg(prefix_caching),
@@ -130,24 +120,9 @@ def _sampled(**kw) -> dict:
 # P: its own process
 
 
-def _raw_sender(sock: socket.socket, src: memoryview) -> None:
-    """Raw TCP ceiling: on each connection, read (total, frame) and send total bytes in frames."""
-    while True:
-        try:
-            c, _ = sock.accept()
-        except OSError:
-            return
-        with c:
-            total, frame = (int(x) for x in c.recv(64, socket.MSG_WAITALL).decode().split())
-            done = 0
-            while done < total:
-                c.sendall(src[:frame])
-                done += frame
-
-
 async def _peer_main(shape: Shape, secret: str, decoders: dict[str, str]) -> None:
     torch.set_num_threads(1)
-    cfg = _net(secret, shape)
+    cfg = bench_net(secret, shape.chunk_bytes, 300)
     worker: WorkerNode | None = None
 
     async def connect(name: str) -> Link:   # as deploy.dial does, minus the start-up retries
@@ -157,11 +132,9 @@ async def _peer_main(shape: Shape, secret: str, decoders: dict[str, str]) -> Non
     worker = WorkerNode("p", "prefill", _engine(shape, prefix_caching=True), connect, shape.chunk_bytes)
     server = WsServer("p", cfg, worker.handle, kv_sink=worker.kv_sink)
     url = await server.start("127.0.0.1", 0)
-    raw = socket.create_server(("127.0.0.1", 0))
-    src = memoryview(os.urandom(max(shape.frame_bytes, 1 << 20)))
-    threading.Thread(target=_raw_sender, args=(raw, src), daemon=True).start()
+    raw = serve_raw(memoryview(os.urandom(max(shape.frame_bytes, 1 << 20))))
     print(orjson.dumps({"ws": url, "raw": raw.getsockname()[1]}).decode(), flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)   # until the parent is done
+    await until_stdin_closes()
     raw.close()
     await worker.stop()
     await server.close()
@@ -211,42 +184,6 @@ class _Decoder:
         return self.engine.kv_bytes_landed, self.engine.kv_bytes_copied
 
 
-class _Load:
-    """Sequences decoding on a decoder throughout a measurement (a busy decoder)."""
-
-    def __init__(self, dec: _Decoder, shape: Shape) -> None:
-        self.dec, self.shape = dec, shape
-        self.tokens = 0
-        self.tasks: list[asyncio.Task[None]] = []
-
-    async def start(self) -> None:
-        aeng = self.dec.node.aeng
-        started = []
-        for i in range(self.shape.busy_seqs):
-            rid = f"load-{i}"
-            prompt = tuple((13 * j + i) % 500 + 2 for j in range(self.shape.busy_context))
-            await aeng.add(EngineRequest(rid, prompt, SamplingParams(max_tokens=1 << 15, ignore_eos=True)))
-            first = asyncio.get_running_loop().create_future()
-            started.append(first)
-            self.tasks.append(asyncio.create_task(self._read(aeng.stream(rid), first)))
-        await asyncio.gather(*started)          # every sequence is decoding
-
-    async def _read(self, outputs, first: asyncio.Future) -> None:
-        try:
-            async for out in outputs:
-                if out.new_token_ids:
-                    self.tokens += 1
-                    if not first.done():
-                        first.set_result(None)
-        finally:
-            await outputs.aclose()
-
-    async def stop(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
 async def _transfer(p_link: Link, dec: _Decoder, rid: str, prompt: tuple[int, ...]) -> tuple[dict, bytes]:
     """One request's prompt KV from P's pool into `dec`'s pool; -> (timings and counters, the KV
     read back from the pool)."""
@@ -273,37 +210,22 @@ async def _transfer(p_link: Link, dec: _Decoder, rid: str, prompt: tuple[int, ..
             "nonzero": any(kv[::4097])}, kv
 
 
-def _raw(port: int, total: int, frame: int, buf: memoryview) -> float:
-    with socket.create_connection(("127.0.0.1", port)) as c:
-        t0 = time.perf_counter()
-        c.sendall(f"{total} {frame}".encode().ljust(64))
-        done = 0
-        while done < total:
-            n = c.recv_into(buf)
-            if n == 0:
-                raise ConnectionError("raw peer closed early")
-            done += n
-        return time.perf_counter() - t0
+def _busy(dec: _Decoder, shape: Shape) -> Decoding:
+    """`--busy-seqs` sequences of `--busy-context` tokens decoding on `dec` throughout a measurement."""
+    return Decoding(dec.node.aeng, [tuple((13 * j + i) % 500 + 2 for j in range(shape.busy_context))
+                                    for i in range(shape.busy_seqs)])
 
 
-def _spawn_peer(shape: Shape, secret: str, decoders: dict[str, str]) -> tuple[subprocess.Popen, dict]:
+def _spawn_peer(shape: Shape, secret: str, decoders: dict[str, str]):
     peer = {"shape": {f: getattr(shape, f) for f in Shape.__slots__}, "decoders": decoders}
-    env = dict(os.environ, PDDGW_BENCH_SECRET=secret, PDDGW_KVPATH_PEER=orjson.dumps(peer).decode())
-    proc = subprocess.Popen([sys.executable, "-m", "pddgw.bench.kvpath", "--peer"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError("kvpath peer failed to start")
-    return proc, orjson.loads(line)
+    return spawn_peer("pddgw.bench.kvpath", {"PDDGW_BENCH_SECRET": secret,
+                                              "PDDGW_KVPATH_PEER": orjson.dumps(peer).decode()})
 
 
 async def _suite(shape: Shape, repeat: int) -> dict:
     torch.set_num_threads(1)
     secret = secrets.token_hex(16)
-    cfg = _net(secret, shape)
+    cfg = bench_net(secret, shape.chunk_bytes, 300)
     decs = {path: _Decoder(f"d-{path}", shape, cfg, path == "production") for path in PATHS}
     for d in decs.values():
         d.url = await d.server.start("127.0.0.1", 0)
@@ -325,11 +247,12 @@ async def _suite(shape: Shape, repeat: int) -> dict:
         reference: bytes | None = None    # every measured transfer must leave exactly these bytes
         n = 0
         for r in range(repeat):
-            raw_s.append(await asyncio.to_thread(_raw, addr["raw"], total // frame * frame, frame, buf))
+            raw_bytes = total // frame * frame
+            raw_s.append(raw_bytes / await asyncio.to_thread(raw_rate, addr["raw"], b"S", raw_bytes, frame, buf))
             for phase in ("idle", "busy"):
                 for path in (PATHS if r % 2 == 0 else PATHS[::-1]):
                     d = decs[path]
-                    load = _Load(d, shape) if phase == "busy" else None
+                    load = _busy(d, shape) if phase == "busy" else None
                     if load is not None:
                         await load.start()
                         tokens0 = load.tokens
@@ -353,13 +276,7 @@ async def _suite(shape: Shape, repeat: int) -> dict:
         for link in [p_link, *(d.link for d in decs.values())]:
             if link is not None:
                 await link.close()
-        assert proc.stdin is not None
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_peer(proc)
         for d in decs.values():
             await d.node.stop()
             await d.server.close()

@@ -29,18 +29,19 @@ import asyncio
 import dataclasses
 import random
 import time
+from collections import Counter
 
-import orjson
 from aiohttp.test_utils import TestClient, TestServer
 
 from pddgw.api.server import build_app
-from pddgw.bench.common import add_output_args, emit, format_table
 from pddgw.config import Config, EngineConfig, NetConfig, PolicyConfig, RegimeConfig
 from pddgw.logs import setup_logging
 from pddgw.deploy import regime
 from pddgw.deploy.serve import Embedded, embedded_nodes, with_topology
+from pddgw.harness.client import Answer, respond
 from pddgw.sim.report import percentile
 from pddgw.sim.workload import TRACE_BLOCK_TOKENS, read_mooncake
+from pddgw.tables import add_output_args, emit, format_table
 
 
 def make_config(naive: bool, step_ms: float = 0.0) -> Config:
@@ -55,19 +56,12 @@ def make_config(naive: bool, step_ms: float = 0.0) -> Config:
 
 
 async def _ask(ws, prompt: list[int], max_tokens: int, what: str) -> tuple[float | None, dict]:
-    """One response over an open socket -> (TTFT in ms as the client saw it, the response object)."""
-    t0 = time.perf_counter()
-    await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": prompt,
-                                    "max_output_tokens": max_tokens, "temperature": 0}).decode())
-    ttft = None
-    while True:
-        ev = orjson.loads((await ws.receive()).data)
-        if ev["type"] == "response.output_text.delta" and ttft is None:
-            ttft = (time.perf_counter() - t0) * 1000.0
-        if ev["type"] == "error":
-            raise RuntimeError(f"{what}: {ev['error']}")
-        if ev["type"] == "response.completed":
-            return ttft, ev["response"]
+    """One greedy response over an open socket -> (TTFT in ms as the client saw it, the response object)."""
+    ans = await respond(ws, Answer(), prompt, max_tokens)
+    final = ans.final or {"type": "error", "error": f"socket {ans.closed}"}
+    if final["type"] == "error":
+        raise RuntimeError(f"{what}: {final['error']}")
+    return None if ans.first_t is None else (ans.first_t - ans.sent_t) * 1000.0, final["response"]
 
 
 async def _conversation(client: TestClient, conv: int, turns: int, out_tokens: int, rng: random.Random,
@@ -172,9 +166,7 @@ def summarize(results: list[dict], wan_bytes: int, drain_s: float) -> dict:
         for role, k in r["tokens_by_role"].items():
             tokens[role] = tokens.get(role, 0) + k
     stalls = [r["handoff_stall_ms"] for r in results if r["handoff_stall_ms"] is not None]
-    pipelines = {}
-    for r in results:
-        pipelines[r["pipeline"]] = pipelines.get(r["pipeline"], 0) + 1
+    pipelines = Counter(r["pipeline"] for r in results)
     return {"requests": n, "ttft_p50_ms": round(percentile(ttft, 50), 1),
             "ttft_p90_ms": round(percentile(ttft, 90), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
             "pipeline_share": {k: round(v / n, 3) for k, v in sorted(pipelines.items())},

@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 
 import pddgw
-from pddgw.bench.common import add_output_args, best, emit, format_table, ratio
+from pddgw.tables import add_output_args, best, emit, format_table, ratio
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

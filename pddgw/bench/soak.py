@@ -3,35 +3,22 @@
 `python -m pddgw.bench.soak [--embedded] [--concurrency N] [--duration S] [--max-tokens N]
 [--faults SPEC] [--json] [--keep DIR]`
 
-1. Deployment.  By default four `python -m pddgw serve --role R --node N
-   --config CFG` processes on 127.0.0.1, free ports (router, p0 and rld0 in
-   cluster A; md0 in cluster B), from a generated config.toml: the WAN
-   between the clusters is shaped by the links themselves (`[[net.links]]
-   name = "wan"`), and md0 is reached through a TCP proxy this process owns
-   (the config gives md0 the proxy's port, md0 listens on its own), so the
-   bench can cut the WAN or collapse its bandwidth.  `--embedded`: one
-   `python -m pddgw serve` process (the embedded default; no faults).  Every
-   process is started here and stopped here, by its pid; logs go to
-   `<dir>/<node>.log` (kept with `--keep DIR`, or when the run fails).
-2. Load.  `--concurrency` clients, one WebSocket each on /v1/responses, send
-   greedy requests (temperature 0) back to back for `--duration` seconds:
-   multi-turn conversations (a system prompt every conversation shares, a
-   context of their own long enough that a first turn relays: P-RLD-MD;
-   each next turn re-sends the conversation so far plus a short message:
-   P-MD) and, with probability `--singular-share`, a long uncached prompt
-   with a short answer (singular traffic: P-RLD, as far as the router's
-   limiter allows).  Then no new request; what is in flight has `--grace`
-   seconds to end.
-3. Faults (`--faults`), at seconds from the start of the load, comma-separated
-   `SECONDS:ACTION=TARGET[@ARG]`:
-     kill=NODE[@S]   SIGKILL worker NODE (p0, rld0, md0); with @S start it again S seconds later
-     restart=NODE    start a killed worker again (waits for its /health)
-     sigterm=NODE    graceful restart: SIGTERM worker NODE (it drains within `[server]
-                     drain_timeout_s`), start it again once it exited (waits for its /health)
-     cut=wan         the WAN goes dark: open connections drop, new ones are refused
-     slow=wan@MBPS   bandwidth collapse: the proxy forwards at most MBPS megabit/s each way
-     heal=wan        the WAN back (undoes cut and slow)
-   e.g. "10:kill=rld0@5,20:cut=wan,25:heal=wan,30:slow=wan@2,40:heal=wan".
+1. Deployment (`pddgw.harness.deployment`).  By default the 4-process PDD
+   deployment on 127.0.0.1 (router, p0 and rld0 in cluster A; md0 in
+   cluster B, reached through a TCP proxy this process owns, so the bench
+   can cut the WAN or collapse its bandwidth); `--embedded`: one `python -m
+   pddgw serve` process (the embedded default; no faults).  Every process is
+   started and stopped here, by its pid; logs go to `<dir>/<node>.log` (kept
+   with `--keep DIR`, or when the run fails).
+2. Load (`pddgw.harness.client`).  `--concurrency` clients, one WebSocket each,
+   send greedy requests back to back for `--duration` seconds: multi-turn
+   conversations (first turns relay: P-RLD-MD; next turns P-MD) and, with
+   probability `--singular-share`, a long uncached prompt with a short
+   answer (P-RLD, as far as the router's limiter allows).  Then no new
+   request; what is in flight has `--grace` seconds to end.
+3. Faults (`--faults`, `pddgw.harness.deployment`), at seconds from the start of
+   the load, comma-separated `SECONDS:ACTION=TARGET[@ARG]` (the actions:
+   --help), e.g. "10:kill=rld0@5,20:cut=wan,25:heal=wan,30:slow=wan@2,40:heal=wan".
    Faults not yet due when the last request has ended are skipped.
 4. Checks.  Every request ends as completed, error (counted by its code,
    e.g. "overloaded" from the router's admission queue) or lost (no
@@ -63,9 +50,8 @@ waited for (within `--quiet-timeout`) until the router reaches it again.
 float64 by default (`--dtype`): with float32, batch composition can flip a
 near-tie between two tokens and show up as a wrong token that is not a bug.
 
-The deployment, the WAN proxy, the WebSocket client, the leak check and the
-references are `pddgw.harness`'s; what is here is the scenario: the load
-mix, the fault schedule and the report.
+The deployment, the load clients, the leak check and the references are
+`pddgw.harness`'s; what is here is the fault schedule and the report.
 
 `run_soak(SoakOptions(...))` is the entry point for tests
 (tests/bench/test_bench_soak.py runs a CI-sized version).
@@ -75,92 +61,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-from pddgw.bench.common import add_output_args, emit, format_table
-from pddgw.harness.client import Answer, respond
-from pddgw.harness.cluster import WORKERS, ClusterToml, free_ports, serve_processes, toml_lines
-from pddgw.harness.launch import Node, Processes
+from pddgw.harness import deployment
+from pddgw.harness.cluster import ClusterToml, toml_lines
+from pddgw.harness.deployment import (Deployment, Fault, FaultRecord, OptionError, ProcRss, apply_faults,
+                                      parse_faults)
 from pddgw.harness.leaks import Leaks, measure_leaks, router_state
-from pddgw.harness.ports import free_port
-from pddgw.harness.proxy import FaultProxy
-from pddgw.harness.reference import generate_cli_many, generate_engine
+from pddgw.harness.client import Mix, Outcome, Progress, ask, check_outcomes, converse, references, tokens
 from pddgw.sim.report import percentile
-
-WAN = "wan"
-ACTIONS = ("kill", "restart", "sigterm", "cut", "slow", "heal")
-TOKEN_LO, TOKEN_HI = 32, 127                          # printable bytes of the tiny model's vocabulary
-
-
-# ---- faults -------------------------------------------------------------------------
-
-
-class OptionError(ValueError):
-    """A bad option value; the message names it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    at_s: float
-    action: str           # one of ACTIONS
-    target: str           # a worker node or "wan"
-    arg: float | None     # kill: restart after this many s; slow: megabit/s
-
-    def __str__(self) -> str:
-        arg = "" if self.arg is None else f"@{self.arg:g}"
-        return f"{self.at_s:g}:{self.action}={self.target}{arg}"
-
-
-def parse_faults(text: str) -> list[Fault]:
-    """`SECONDS:ACTION=TARGET[@ARG],...` -> faults sorted by time; OptionError names the bad item."""
-    out: list[Fault] = []
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
-        try:
-            when, rest = item.split(":", 1)
-            action, target = rest.split("=", 1)
-            target, _, arg_s = target.partition("@")
-            at_s = float(when)
-            arg = float(arg_s) if arg_s else None
-        except ValueError:
-            raise OptionError(f"--faults: {item!r} is not SECONDS:ACTION=TARGET[@ARG]") from None
-        action, target = action.strip(), target.strip()
-        if at_s < 0:
-            raise OptionError(f"--faults: {item!r}: the time must be >= 0")
-        if action not in ACTIONS:
-            raise OptionError(f"--faults: {item!r}: the action must be one of {', '.join(ACTIONS)}")
-        if action in ("kill", "restart", "sigterm"):
-            if target not in WORKERS:
-                raise OptionError(f"--faults: {item!r}: {action} takes a worker node ({', '.join(WORKERS)})")
-            if action in ("restart", "sigterm") and arg is not None:
-                raise OptionError(f"--faults: {item!r}: {action} takes no @ARG")
-            if arg is not None and arg < 0:
-                raise OptionError(f"--faults: {item!r}: the restart delay must be >= 0")
-        else:
-            if target != WAN:
-                raise OptionError(f"--faults: {item!r}: {action} takes the target 'wan'")
-            if action == "slow" and (arg is None or arg <= 0):
-                raise OptionError(f"--faults: {item!r}: slow needs @MBPS > 0")
-            if action != "slow" and arg is not None:
-                raise OptionError(f"--faults: {item!r}: {action} takes no @ARG")
-        out.append(Fault(at_s, action, target, arg))
-    return sorted(out, key=lambda f: f.at_s)
-
+from pddgw.tables import add_output_args, emit, format_table
 
 # ---- the deployment -----------------------------------------------------------------
 
@@ -190,180 +114,6 @@ class ClusterSpec:
             wan=toml_lines(gbps=self.wan_gbps, latency_ms=self.wan_latency_ms),
             policy=toml_lines(p_md_max_transfer_ms=self.p_md_max_transfer_ms),
             md_engine=toml_lines(block_size=32, num_blocks=self.num_blocks // 2, max_num_batched_tokens=512))
-
-
-class Deployment:
-    """The processes (pddgw.harness) and the WAN proxy on this event loop; the RSS the report shows.
-
-    `embedded` = one `pddgw serve` process, else router + 3 workers.
-    """
-
-    def __init__(self, directory: Path, embedded: bool, spec: ClusterSpec):
-        self.dir = directory
-        self.embedded = embedded
-        self.spec = spec
-        self.procs = Processes(directory)
-        self.proxy: FaultProxy | None = None
-        self.router_port = 0
-        self.rss_start_kb: dict[str, int | None] = {}    # after warm-up (after its restart, if restarted)
-        self.rss_end_kb: dict[str, int | None] = {}
-        self.exit_codes: dict[str, int | None] = {}      # at the end, before the bench stopped them
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.router_port}"
-
-    async def start(self, timeout_s: float = 180.0) -> None:
-        if self.embedded:
-            self.router_port = free_port()
-            self.procs.add("embedded", ["serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(self.router_port),
-                                        "--dtype", self.spec.dtype], self.router_port)
-        else:
-            ports = free_ports()
-            self.router_port = ports["router"]
-            self.proxy = FaultProxy(ports["md0"])
-            await self.proxy.start()
-            config = self.spec.toml().write(self.dir / "config.toml", ports, md_dialed=self.proxy.port)
-            self.procs = serve_processes(self.dir, config, ports)
-        for name in self.procs.nodes:
-            self.procs.spawn(name)
-        await self.procs.wait_ready_async(timeout_s=timeout_s)
-
-    def log(self, name: str) -> str:
-        return self.procs.log(name)
-
-    async def kill(self, name: str) -> int | None:
-        """SIGKILL by pid -> the pid (None: it was not running)."""
-        return await asyncio.to_thread(self.procs.kill, name)
-
-    async def sigterm(self, name: str, timeout_s: float) -> float | None:
-        """SIGTERM by pid and wait for the exit -> seconds it took (None: it was not running);
-        RuntimeError when it is still running after `timeout_s` (then SIGKILLed)."""
-        node = self.procs.nodes[name]
-        if not node.alive:
-            return None
-        assert node.proc is not None
-        t0 = time.monotonic()
-        node.proc.terminate()
-        try:
-            await asyncio.to_thread(node.proc.wait, timeout_s)
-        except subprocess.TimeoutExpired:
-            await self.kill(name)
-            raise RuntimeError(f"{name} still ran {timeout_s:g} s after SIGTERM (SIGKILLed)") from None
-        return time.monotonic() - t0
-
-    async def restart(self, name: str, timeout_s: float = 120.0) -> bool:
-        """Start a dead node again and wait for its /health (-> True), or nothing when it runs (-> False)."""
-        if not self.procs.restart(name):
-            return False
-        await self.procs.wait_ready_async([name], timeout_s)
-        self.rss_start_kb[name] = self.procs.rss_kb(name)
-        return True
-
-    def sample_rss(self, end: bool) -> None:
-        for name, node in self.procs.nodes.items():
-            if end:
-                self.rss_end_kb[name] = self.procs.rss_kb(name)
-                self.exit_codes[name] = node.returncode
-            else:
-                self.rss_start_kb[name] = self.procs.rss_kb(name)
-
-    async def stop(self) -> None:
-        """SIGTERM every live process (router first), SIGKILL what has not exited after 10 s."""
-        await asyncio.to_thread(self.procs.stop)
-        if self.proxy is not None:
-            await self.proxy.close()
-
-
-
-# ---- the workload -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Mix:
-    """Prompt shapes: conversations (shared system prompt + own context + turns) and singular prompts."""
-
-    shared_prefix_tokens: int = 128
-    context_min: int = 800              # a first turn misses its own context on MD: more than the P-MD
-    context_max: int = 1100             # budget carries (~550 tokens in cluster mode, ~713 embedded)
-    message_min: int = 15
-    message_max: int = 40
-    singular_tokens: int = 2200         # > policy.singular_min_uncached_tokens (2048 by default)
-    singular_max_output: int = 8        # <= policy.singular_max_output_tokens (16)
-    max_prompt_tokens: int = 3800       # start a new conversation before the 4096 context fills
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
-
-
-# ---- one request --------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Outcome:
-    kind: str                                 # "turn" | "singular" | "warmup"
-    prompt: tuple[int, ...]
-    max_tokens: int
-    status: str = "lost"                      # "completed" | "error" | "lost"
-    lost_reason: str | None = None            # "timeout" | "socket_closed"
-    code: str | None = None
-    message: str | None = None
-    completed_ids: list[int] | None = None
-    pipeline: str | None = None
-    handoff_mode: str | None = None
-    redrives: int = 0
-    # What streamed, filled as it comes (a cancelled request keeps what came before the cancel).
-    answer: Answer = field(default_factory=Answer)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.answer.tokens
-
-    @property
-    def positions_ok(self) -> bool:
-        return self.answer.positions_ok
-
-    @property
-    def response_id(self) -> str | None:
-        return self.answer.response_id or (self.answer.final or {}).get("response_id")
-
-    @property
-    def sent_t(self) -> float:
-        return self.answer.sent_t
-
-    @property
-    def first_t(self) -> float | None:
-        return self.answer.first_t
-
-    @property
-    def end_t(self) -> float | None:
-        return self.answer.end_t
-
-
-async def ask(ws: aiohttp.ClientWebSocketResponse, out: Outcome) -> None:
-    """One greedy request (seed 0) into `out` (cancellation leaves it lost)."""
-    a = await respond(ws, out.answer, out.prompt, out.max_tokens, temperature=0, seed=0)
-    ev = a.final
-    if ev is None:
-        out.lost_reason = "socket_closed"
-    elif ev["type"] == "response.completed":
-        tl = ev["response"].get("pddgw") or {}
-        out.status = "completed"
-        out.completed_ids = list(tl.get("output_token_ids", a.tokens))
-        out.pipeline, out.handoff_mode = tl.get("pipeline"), tl.get("handoff_mode")
-        out.redrives = len(tl.get("redrives") or ())
-    else:
-        err = ev.get("error") or {}
-        out.status = "error"
-        out.code, out.message = str(err.get("code") or err.get("type") or "unknown"), err.get("message")
-
-
-async def _state(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
-    try:
-        return await router_state(session, url)()
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        return None
 
 
 # ---- the run ------------------------------------------------------------------------
@@ -404,29 +154,6 @@ class SoakOptions:
 
 
 @dataclass(frozen=True, slots=True)
-class FaultRecord:
-    fault: str
-    at_s: float | None                  # when it was applied (s from the start of the load); None: skipped
-    note: str
-    utc: str | None = None              # the same moment on the node logs' clock
-
-
-def _utc(unix_s: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix_s)) + f".{int(unix_s % 1 * 1e6):06d}Z"
-
-
-@dataclass(frozen=True, slots=True)
-class ProcRss:
-    pid: int | None                     # the last incarnation's
-    start_kb: int | None                # after the warm-up; a restarted node: once healthy again
-    end_kb: int | None                  # once quiet (None: not running)
-    growth_kb: int | None
-    kills: int
-    restarts: int
-    exit_code: int | None               # None: still running at the end (-9: SIGKILLed here)
-
-
-@dataclass(frozen=True, slots=True)
 class SoakReport:
     deployment: str                     # "4-process" | "embedded"
     dtype: str
@@ -462,139 +189,10 @@ class SoakReport:
     ok: bool                            # nothing lost, wrong, out of order or leaked; no process crashed
 
 
-class _Progress:
-    """A tqdm bar over the load's seconds on a terminal (stderr); nothing otherwise."""
-
-    def __init__(self, enabled: bool, total_s: float):
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=round(total_s), unit="s", file=sys.stderr, desc="soak", leave=False)
-
-    def update(self, elapsed_s: float, outcomes: list[Outcome]) -> None:
-        if self.bar is None:
-            return
-        c = Counter(o.status for o in outcomes if o.end_t is not None)
-        self.bar.n = min(self.bar.total, int(elapsed_s))
-        self.bar.set_postfix(done=c["completed"], errors=c["error"], refresh=False)
-        self.bar.refresh()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-async def _client(i: int, opts: SoakOptions, url: str, session: aiohttp.ClientSession,
-                  shared: list[int], stop_at: float, outcomes: list[Outcome]) -> None:
-    """One client: conversations and singular prompts back to back until `stop_at`."""
-    loop = asyncio.get_running_loop()
-    rng = random.Random(opts.seed * 7919 + i)
-    mix = opts.mix
-    history: list[int] | None = None
-    turns_left = 0
-    ws: aiohttp.ClientWebSocketResponse | None = None
-    try:
-        while loop.time() < stop_at:
-            if ws is None or ws.closed:
-                try:
-                    ws = await session.ws_connect(url + "/v1/responses", max_msg_size=64 << 20)
-                except (aiohttp.ClientError, OSError):
-                    await asyncio.sleep(0.5)
-                    continue
-            if rng.random() < opts.singular_share:
-                out = Outcome("singular", tuple(_tokens(rng, mix.singular_tokens)),
-                              min(mix.singular_max_output, opts.max_tokens))
-            else:
-                if history is None or turns_left <= 0 or len(history) + mix.message_max + opts.max_tokens \
-                        > mix.max_prompt_tokens:
-                    history = shared + _tokens(rng, rng.randint(mix.context_min, mix.context_max))
-                    turns_left = opts.turns
-                prompt = history + _tokens(rng, rng.randint(mix.message_min, mix.message_max))
-                out = Outcome("turn", tuple(prompt), rng.randint(max(1, opts.max_tokens // 2), opts.max_tokens))
-            outcomes.append(out)
-            try:
-                await ask(ws, out)
-            except (aiohttp.ClientError, OSError, RuntimeError):     # the socket broke under the send
-                out.lost_reason = "socket_closed"
-                await ws.close()
-            if out.kind == "turn":
-                if out.status == "completed":
-                    history = list(out.prompt) + out.tokens        # the conversation goes on from what came
-                    turns_left -= 1
-                else:
-                    history = None
-            if out.status != "completed":
-                await asyncio.sleep(0.2)        # an error or a dropped socket: do not spin on a failing path
-    finally:
-        if ws is not None:
-            await ws.close()
-
-
-async def _apply_faults(faults: Sequence[Fault], dep: Deployment, t0: float,
-                        records: list[FaultRecord], pending: list[asyncio.Task[None]]) -> None:
-    loop = asyncio.get_running_loop()
-    unix0 = time.time() - (loop.time() - t0)
-
-    def record(label: str, at: float, note: str) -> None:
-        records.append(FaultRecord(label, round(at, 2), note, _utc(unix0 + at)))
-
-    async def restart(f: Fault, label: str, delay: float) -> None:
-        await asyncio.sleep(delay)
-        at = loop.time() - t0
-        try:
-            started = await dep.restart(f.target)
-            note = (f"healthy again after {loop.time() - t0 - at:.1f} s" if started else "was running")
-        except RuntimeError as e:
-            note = f"restart failed: {e}"[:500]
-        record(label, at, note)
-
-    async def graceful(f: Fault) -> None:
-        at = loop.time() - t0
-        bound = dep.spec.drain_timeout_s + 20.0
-        try:
-            secs = await dep.sigterm(f.target, bound)
-        except RuntimeError as e:
-            record(str(f), at, str(e)[:500])
-            return
-        if secs is None:
-            record(str(f), at, "was not running")
-            return
-        record(str(f), at, f"SIGTERM: exited after {secs:.1f} s (drain bound {dep.spec.drain_timeout_s:g} s)")
-        await restart(f, f"(restart {f.target} after sigterm at {f.at_s:g})", 0.0)
-
-    for f in faults:
-        await asyncio.sleep(max(0.0, t0 + f.at_s - loop.time()))
-        at = loop.time() - t0
-        if f.action == "kill":
-            pid = await dep.kill(f.target)
-            note = "was not running" if pid is None else f"SIGKILL pid {pid}"
-            record(str(f), at, note)
-            if f.arg is not None:
-                pending.append(asyncio.create_task(restart(f, f"(restart {f.target} after kill at {f.at_s:g})",
-                                                           f.arg)))
-        elif f.action == "restart":
-            pending.append(asyncio.create_task(restart(f, str(f), 0.0)))
-        elif f.action == "sigterm":
-            pending.append(asyncio.create_task(graceful(f)))
-        else:
-            assert dep.proxy is not None
-            if f.action == "cut":
-                dep.proxy.cut()
-                note = "WAN cut"
-            elif f.action == "slow":
-                dep.proxy.slow(f.arg or 0.0)
-                note = f"WAN at {f.arg:g} Mbit/s each way"
-            else:
-                dep.proxy.heal()
-                note = "WAN healed"
-            record(str(f), at, note)
-
-
 async def _soak(opts: SoakOptions, directory: Path) -> SoakReport:
     wall0 = time.perf_counter()
     loop = asyncio.get_running_loop()
-    dep = Deployment(directory, opts.embedded, opts.cluster)
+    dep = Deployment(directory, None if opts.embedded else opts.cluster.toml(), opts.cluster.dtype)
     outcomes: list[Outcome] = []
     records: list[FaultRecord] = []
     pending: list[asyncio.Task[None]] = []
@@ -609,25 +207,29 @@ async def _soak(opts: SoakOptions, directory: Path) -> SoakReport:
                 async with asyncio.timeout(120):
                     await ask(ws, warm)
             if warm.status != "completed":
-                raise RuntimeError(f"warm-up request failed: {warm.code} {warm.message}\n{dep.log('router')}")
+                raise RuntimeError(f"warm-up request failed: {warm.code} {warm.message}\n{dep.procs.log('router')}")
             dep.sample_rss(end=False)
 
             rng = random.Random(opts.seed)
-            shared = _tokens(rng, opts.mix.shared_prefix_tokens)
+            shared = tokens(rng, opts.mix.shared_prefix_tokens)
             t0 = loop.time()
             unix0 = time.time()
             stop_at = t0 + opts.duration_s
             hard_deadline = stop_at + opts.grace_s
-            progress = _Progress(opts.progress, opts.duration_s)
-            clients = [asyncio.create_task(_client(i, opts, dep.url, session, shared, stop_at, outcomes))
-                       for i in range(opts.concurrency)]
-            faults = asyncio.create_task(_apply_faults(opts.faults, dep, t0, records, pending))
+            progress = Progress(opts.progress, opts.duration_s, "soak")
+            clients = [asyncio.create_task(converse(
+                i, dep.url, session, shared, stop_at, outcomes, seed=opts.seed, mix=opts.mix,
+                singular_share=opts.singular_share, max_tokens=opts.max_tokens, turns=opts.turns))
+                for i in range(opts.concurrency)]
+            faults = asyncio.create_task(apply_faults(opts.faults, dep, t0, opts.cluster.drain_timeout_s,
+                                                       records, pending))
             try:
                 while not all(c.done() for c in clients) and loop.time() < hard_deadline:
                     await asyncio.wait(clients, timeout=0.5)
                     progress.update(loop.time() - t0, outcomes)
                 if not all(c.done() for c in clients):
-                    stuck_state = await _state(session, dep.url)    # what holds the lost requests
+                    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                        stuck_state = await router_state(session, dep.url)()   # what holds the lost requests
             finally:
                 progress.close()
                 for c in clients:
@@ -653,43 +255,8 @@ async def _soak(opts: SoakOptions, directory: Path) -> SoakReport:
 
     # References once per distinct (prompt, max tokens), after the deployment stopped.
     load = [o for o in outcomes if o.kind != "warmup"]
-    distinct = sorted({(o.prompt, o.max_tokens) for o in load if o.status != "lost" or o.tokens})
-    if opts.reference == "cli":
-        refs = await generate_cli_many(distinct, opts.cluster.dtype)
-    else:
-        refs = await asyncio.to_thread(generate_engine, distinct, opts.cluster.dtype)
-    ref = dict(zip(distinct, refs))
-
-    examples: list[dict[str, Any]] = []
-
-    def example(o: Outcome, what: str, **extra: Any) -> None:
-        if len(examples) < 10:
-            examples.append({"what": what, "kind": o.kind, "response_id": o.response_id,
-                             "prompt_tokens": len(o.prompt), "max_tokens": o.max_tokens,
-                             "sent_s": round(o.sent_t - t0, 3), "sent_utc": _utc(unix0 + o.sent_t - t0),
-                             "status": o.status, "code": o.code,
-                             "pipeline": o.pipeline, "streamed": len(o.tokens), **extra})
-
-    wrong = disorder = 0
-    for o in load:
-        if o.status == "lost" and not o.tokens:
-            continue
-        expected = ref[(o.prompt, o.max_tokens)]
-        bad = o.tokens != expected if o.status == "completed" else o.tokens != expected[:len(o.tokens)]
-        if o.status == "completed" and o.completed_ids != o.tokens:
-            bad = True
-        if bad:
-            wrong += 1
-            first = next((k for k, (a, b) in enumerate(zip(o.tokens, expected)) if a != b),
-                         min(len(o.tokens), len(expected)))
-            example(o, "wrong tokens", first_difference=first, expected_len=len(expected),
-                    completed_ids_match=o.completed_ids == o.tokens if o.completed_ids is not None else None)
-        if not o.positions_ok:
-            disorder += 1
-            example(o, "positions not once in order")
-    for o in load:
-        if o.status == "lost":
-            example(o, "lost", reason=o.lost_reason)
+    ref = await references(load, opts.cluster.dtype, opts.reference)
+    wrong, disorder, examples = check_outcomes(load, ref, t0, unix0)
 
     done = [o for o in load if o.status == "completed"]
     errs = [o for o in load if o.status == "error"]
@@ -701,13 +268,7 @@ async def _soak(opts: SoakOptions, directory: Path) -> SoakReport:
     def r1(x: float | None) -> float | None:
         return None if x is None else round(x, 1)
 
-    def proc_rss(name: str, node: Node) -> ProcRss:
-        start, end = dep.rss_start_kb.get(name), dep.rss_end_kb.get(name)
-        return ProcRss(node.proc.pid if node.proc else None, start, end,
-                       None if start is None or end is None else end - start, node.kills, node.restarts,
-                       dep.exit_codes.get(name))
-
-    rss = {name: proc_rss(name, node) for name, node in dep.procs.nodes.items()}
+    rss = dep.rss()
     crashed = [n for n, r in rss.items() if r.exit_code is not None and r.exit_code != -signal.SIGKILL]
     ok = not lost and not wrong and not disorder and leaks.quiet and not crashed
     report = SoakReport(
@@ -801,7 +362,8 @@ def table(rep: SoakReport) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     doc = __doc__ or ""
-    faults = doc.split("`SECONDS:ACTION=TARGET[@ARG]`:\n")[1].split("4. Checks")[0]
+    faults = (deployment.__doc__ or "").split("a bad one):\n")[1].split("\n\n")[0] + "\n" \
+        + "   Faults not yet due when the last request has ended are skipped.\n"
     p = argparse.ArgumentParser(
         prog="python -m pddgw.bench.soak", description=doc.split("\n\n")[0],
         epilog="faults: comma-separated SECONDS:ACTION=TARGET[@ARG], seconds from the start of the load:\n"

@@ -2,7 +2,7 @@
 
     python -m pddgw.bench.transport [--json] [--sizes 64K,256K,1M,4M] [--stripes 1,2,3,4]
 
-A peer process (spawned here, loopback only, killed by pid at the end) serves
+A peer process (spawned here, loopback only, stopped at the end) serves
 both a pddgw `WsServer` and a raw TCP socket.  For every frame size the raw
 TCP transfer (blocking sockets, `recv_into` preallocated memory: the physical
 limit of this machine: frames of the same size sent, received as large as
@@ -21,12 +21,7 @@ import argparse
 import asyncio
 import os
 import secrets
-import socket
 import statistics
-import struct
-import subprocess
-import sys
-import threading
 import time
 import uuid
 
@@ -34,8 +29,8 @@ import aiohttp
 import orjson
 from aiohttp import WSMsgType, web
 
-from pddgw.config import NetConfig
 from pddgw.logs import setup_logging
+from pddgw.harness.peer import Ring, bench_net, raw_rate, serve_raw, spawn_peer, stop_peer, until_stdin_closes
 from pddgw.net import frames
 from pddgw.net import messages as m
 from pddgw.net.link import Link
@@ -44,18 +39,12 @@ from pddgw.net.wsproto import ws_header_size
 
 HEADS, DIM = 8, 128                       # KV chunk = [1, 2, tokens, 8, 128] float16
 BYTES_PER_TOKEN = 2 * HEADS * DIM * 2
-_RAW_REQ = struct.Struct("!cQQ")          # op (S: peer sends, R: peer receives), total, chunk
 
 
 def _parse_size(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20}.get(s[-1], 1)
     return int(s[:-1] if s[-1] in "KM" else s) * mult
-
-
-def _cfg(secret: str) -> NetConfig:
-    return NetConfig(secret=secret, max_frame_bytes=16 << 20, kv_frame_bytes=4 << 20,
-                     inbound_buffer_bytes=256 << 20, heartbeat_s=0, request_timeout_s=60, send_timeout_s=60)
 
 
 def _chunks(rid: str, total: int, frame: int, src: memoryview) -> list[m.KVChunk]:
@@ -65,54 +54,10 @@ def _chunks(rid: str, total: int, frame: int, src: memoryview) -> list[m.KVChunk
                       src[:frame], i, i == n - 1) for i in range(n)]
 
 
-class _Ring:
-    """KV sink: hands out consecutive slices of one preallocated buffer."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.buf = memoryview(bytearray(nbytes))
-        self.off = 0
-
-    def __call__(self, span: m.KVSpan) -> memoryview:
-        n = span.nbytes
-        if self.off + n > len(self.buf):
-            self.off = 0
-        view = self.buf[self.off:self.off + n]
-        self.off += n
-        return view
-
-
-# ---------------------------------------------------------------------------
-# Peer process
-
-
-def _raw_server(sock: socket.socket, src: memoryview) -> None:
-    dst = memoryview(bytearray(len(src)))
-    while True:
-        try:
-            c, _ = sock.accept()
-        except OSError:
-            return
-        with c:
-            op, total, chunk = _RAW_REQ.unpack(c.recv(_RAW_REQ.size, socket.MSG_WAITALL))
-            done = 0
-            if op == b"S":
-                while done < total:
-                    c.sendall(src[:chunk])
-                    done += chunk
-            else:
-                while done < total:
-                    n = c.recv_into(dst)
-                    if n == 0:
-                        break
-                    done += n
-                c.sendall(b"k")
-
-
 async def _peer_main(secret: str) -> None:
     src = memoryview(os.urandom(4 << 20))
-    raw = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_server, args=(raw, src), daemon=True).start()
-    ring = _Ring(64 << 20)
+    raw = serve_raw(src)
+    ring = Ring(64 << 20)
 
     async def handler(link: Link, msg: m.Message) -> m.Message | None:
         if isinstance(msg, m.Ready) and msg.detail.startswith("s2c"):
@@ -124,15 +69,14 @@ async def _peer_main(secret: str) -> None:
             return m.Ack(msg.request_id, msg.start + len(msg.ids))
         return None   # KV chunks (c2s) land in `ring`; the closing request gets an Ack
 
-    server = WsServer("bench-peer", _cfg(secret), handler, kv_sink=ring)
+    server = WsServer("bench-peer", bench_net(secret, 4 << 20, 60), handler, kv_sink=ring)
     url = await server.start("127.0.0.1", 0)
     plain = web.AppRunner(_plain_app(src), access_log=None, handle_signals=False)
     await plain.setup()
     await web.TCPSite(plain, "127.0.0.1", 0).start()
     plain_url = f"http://127.0.0.1:{plain.addresses[0][1]}/plain"
     print(orjson.dumps({"ws": url, "raw": raw.getsockname()[1], "plain": plain_url}).decode(), flush=True)
-    # Run until our parent closes stdin (or kills us).
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await until_stdin_closes()
     raw.close()
     await server.close()
     await plain.cleanup()
@@ -163,26 +107,6 @@ def _plain_app(src: memoryview) -> web.Application:
 
 # ---------------------------------------------------------------------------
 # Measurements (this process)
-
-
-def _raw(port: int, op: bytes, total: int, chunk: int, buf: memoryview) -> float:
-    """Raw TCP rate in bytes/s (op S: peer -> us, R: us -> peer)."""
-    with socket.create_connection(("127.0.0.1", port)) as c:
-        t0 = time.perf_counter()
-        c.sendall(_RAW_REQ.pack(op, total, chunk))
-        done = 0
-        if op == b"S":
-            while done < total:
-                n = c.recv_into(buf)    # reads as large as the kernel offers: the best case
-                if n == 0:
-                    raise ConnectionError("peer closed early")
-                done += n
-        else:
-            while done < total:
-                c.sendall(buf[:chunk])
-                done += chunk
-            c.recv(1)
-        return total / (time.perf_counter() - t0)
 
 
 async def _ws(link: Link, direction: str, total: int, frame: int, src: memoryview) -> float:
@@ -244,8 +168,8 @@ async def _handoff(link: Link, iters: int) -> dict:
 async def _ws_suite(url: str, secret: str, sizes: list[int], stripes: list[int], total_for, repeat: int,
                     raw_port: int, plain_url: str) -> tuple[list[dict], dict[int, dict[str, float]], dict, dict]:
     src = memoryview(os.urandom(4 << 20))
-    ring = _Ring(64 << 20)
-    links = {k: await connect(url, "bench", _cfg(secret), stripes=k, kv_sink=ring) for k in stripes}
+    ring = Ring(64 << 20)
+    links = {k: await connect(url, "bench", bench_net(secret, 4 << 20, 60), stripes=k, kv_sink=ring) for k in stripes}
     raw_buf = memoryview(bytearray(4 << 20))
     best: dict[tuple[int, int, str], float] = {}
     raw_best: dict[int, dict[str, float]] = {}
@@ -259,7 +183,7 @@ async def _ws_suite(url: str, secret: str, sizes: list[int], stripes: list[int],
             for size in sizes:
                 total = total_for(size)
                 for op, name in ((b"S", "s2c"), (b"R", "c2s")):
-                    rate = await asyncio.to_thread(_raw, raw_port, op, total, size, raw_buf)
+                    rate = await asyncio.to_thread(raw_rate, raw_port, op, total, size, raw_buf)
                     d = raw_best.setdefault(size, {})
                     d[name] = max(d.get(name, 0.0), rate)
                 for k in stripes:
@@ -273,25 +197,13 @@ async def _ws_suite(url: str, secret: str, sizes: list[int], stripes: list[int],
             await link.close()
     rows = []
     for (size, k, direction), rate in sorted(best.items()):
-        raw_rate = raw_best[size][direction]
+        raw = raw_best[size][direction]
         rows.append({"frame_bytes": size, "stripes": k, "direction": direction, "gb_per_s": rate / 1e9,
-                     "raw_gb_per_s": raw_rate / 1e9, "ratio": rate / raw_rate})
+                     "raw_gb_per_s": raw / 1e9, "ratio": rate / raw})
     best_raw = {d: max(r[d] for r in raw_best.values()) for d in ("s2c", "c2s")}
     plain = {"frame_bytes": plain_frame, **{f"{d}_gb_per_s": v / 1e9 for d, v in plain_best.items()},
              **{f"{d}_ratio_to_best_raw": v / best_raw[d] for d, v in plain_best.items()}}
     return rows, raw_best, handoff, plain
-
-
-def _spawn_peer(secret: str) -> tuple[subprocess.Popen, dict]:
-    env = dict(os.environ, PDDGW_BENCH_SECRET=secret)
-    proc = subprocess.Popen([sys.executable, "-m", "pddgw.bench.transport", "--peer"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.kill()
-        raise RuntimeError("bench peer failed to start")
-    return proc, orjson.loads(line)
 
 
 def _fmt_size(n: int) -> str:
@@ -323,13 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         return max(size, t // size * size)
 
     secret = secrets.token_hex(16)
-    proc, addr = _spawn_peer(secret)
+    proc, addr = spawn_peer("pddgw.bench.transport", {"PDDGW_BENCH_SECRET": secret})
     try:
         rows, raw_best, handoff, plain = uvloop.run(
             _ws_suite(addr["ws"], secret, sizes, stripes, total_for, args.repeat, addr["raw"], addr["plain"]))
     finally:
-        proc.kill()
-        proc.wait()
+        stop_peer(proc)
     summary = {}
     for d in ("s2c", "c2s"):
         top = max((r for r in rows if r["direction"] == d), key=lambda r: r["gb_per_s"])

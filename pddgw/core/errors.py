@@ -13,3 +13,10 @@ class FieldError(RequestError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+def check(cond: bool, msg: str) -> None:
+    """ValueError(msg) unless `cond`: the one-line validation of `__post_init__` checks (config
+    sections, scenario and model shapes, KV spans); loaders re-raise it naming the file or key."""
+    if not cond:
+        raise ValueError(msg)

@@ -26,8 +26,12 @@ Contract:
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from pddgw.core.errors import check as _check
 
 DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
 DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -36,11 +40,6 @@ _RANGE_LIMIT = 1 << 31              # token / layer indices and shape sizes are 
 _MAX_SPAN_BYTES = 1 << 40
 
 Buffer = bytes | bytearray | memoryview
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def _index(v: object, name: str) -> None:
@@ -126,6 +125,19 @@ class KVSpan:
         return 0 if self.virtual else self.nbytes
 
 
+def _from_span(*names: str) -> Callable[[type], type]:
+    """Class decorator: a read-only property `name` returning `self.span.name`, for each name
+    (none may shadow what the class defines itself)."""
+    def add(cls: type) -> type:
+        for name in names:
+            assert not hasattr(cls, name), name
+            setattr(cls, name, property(operator.attrgetter(f"span.{name}"), doc=f"`span.{name}`"))
+        return cls
+    return add
+
+
+@_from_span("request_id", "token_start", "token_end", "layer_start", "layer_end", "num_tokens", "dtype",
+            "shape", "virtual", "nbytes", "payload_nbytes")
 @dataclass(frozen=True, slots=True)
 class KVChunk:
     """One chunk of a request's KV: `span` and exactly `span.payload_nbytes` bytes of `payload`.
@@ -134,7 +146,7 @@ class KVChunk:
     tensor memory: `memoryview(t.view(torch.uint8).numpy())`).  `seq` and
     `last` are the sender's numbering within a transfer; an engine's export
     leaves them 0 / False and the sender sets them (`dataclasses.replace`).
-    The span's fields most readers want are forwarded read-only.
+    The span's fields most readers want are forwarded read-only (`_from_span`).
     """
 
     span: KVSpan
@@ -153,47 +165,3 @@ class KVChunk:
         if not (type(self.seq) is int and 0 <= self.seq < _RANGE_LIMIT):
             _index(self.seq, "seq")
         _check(type(self.last) is bool, "last must be a boolean")
-
-    @property
-    def request_id(self) -> str:
-        return self.span.request_id
-
-    @property
-    def token_start(self) -> int:
-        return self.span.token_start
-
-    @property
-    def token_end(self) -> int:
-        return self.span.token_end
-
-    @property
-    def layer_start(self) -> int:
-        return self.span.layer_start
-
-    @property
-    def layer_end(self) -> int:
-        return self.span.layer_end
-
-    @property
-    def num_tokens(self) -> int:
-        return self.span.token_end - self.span.token_start
-
-    @property
-    def dtype(self) -> DTypeName:
-        return self.span.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.span.shape
-
-    @property
-    def virtual(self) -> bool:
-        return self.span.virtual
-
-    @property
-    def nbytes(self) -> int:
-        return self.span.nbytes
-
-    @property
-    def payload_nbytes(self) -> int:
-        return self.span.payload_nbytes

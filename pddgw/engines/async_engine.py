@@ -17,11 +17,15 @@ this class, and one lifecycle:
      the engine has it).
   2. `stream` attaches the one reader; outputs produced before that wait in
      the entry.  The stream object holds the entry from the call on, iterated
-     or not.
+     or not.  With a `sink` the reader is that function instead: every step
+     hands each sink its requests' outputs in one call (a `StepSink`), not
+     one queue item per request (a decode node reads all its requests' tokens
+     in one pass per step); the stream object then only closes the entry.
   3. The entry ends exactly once: when its stream has handed out the final
-     output, when its stream is closed early (`aclose`, or cancelling the task
-     reading it; the request is aborted and its blocks freed), when `abort`
-     ends a request nobody streams, or when the engine stops.
+     output (with a sink: when the step hands it over), when its stream is
+     closed early (`aclose`, or cancelling the task reading it; the request is
+     aborted and its blocks freed), when `abort` ends a request nobody
+     streams, or when the engine stops (a sink is handed the error).
 """
 
 from __future__ import annotations
@@ -49,14 +53,26 @@ class EngineStopped(RuntimeError):
     """The engine loop stopped (shut down or crashed) while a request was live."""
 
 
+StepSink = Callable[[list[tuple[Any, "RequestOutput | BaseException"]]], None]
+"""Called once per engine step with (key, output) of every request streamed to it that the step
+produced output for, in step order; (key, error) when the engine stopped or crashed.  `key` is
+what `stream` was given with the sink (the reader's own handle of the request).  Called on the
+loop, from the engine's loop task (or `stream`, `stop`): it must not block (queue the work,
+wake a task)."""
+
+
 class _Entry:
     """The outputs of one added request, until they are read to the end or given up."""
 
-    __slots__ = ("queue", "streamed")
+    __slots__ = ("queue", "streamed", "sink", "key", "ended")
 
     def __init__(self) -> None:
+        # Outputs not read yet (with a sink: only those produced before the sink was attached).
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.streamed = False
+        self.sink: StepSink | None = None
+        self.key: Any = None
+        self.ended = False
 
 
 class RequestStream:
@@ -77,8 +93,10 @@ class RequestStream:
 
     async def __anext__(self) -> RequestOutput:
         entry = self._entry
-        if entry is None:
+        if entry is None or entry.ended:
             raise StopAsyncIteration
+        if entry.sink is not None:
+            raise RuntimeError(f"request {self.request_id!r} is read by a step sink, not iterated")
         try:
             item = await entry.queue.get()
         except BaseException:
@@ -93,9 +111,29 @@ class RequestStream:
             self._entry = None
         return item
 
+    def feed(self, sink: StepSink, key: Any) -> None:
+        """Hand this request's outputs to `sink` as (key, output), with the step's others (module
+        docstring, 2), instead of iterating: those produced already at once (one call of `sink`,
+        from here).  Once, before any iteration; the stream then only closes the entry."""
+        entry = self._entry
+        if entry is None or entry.ended:
+            raise RequestError(f"request {self.request_id!r}: its stream has ended")
+        if entry.sink is not None:
+            raise RequestError(f"request {self.request_id!r} is fed to a sink already")
+        entry.sink, entry.key = sink, key
+        early: list[tuple[Any, RequestOutput | BaseException]] = []
+        while not entry.queue.empty():
+            out = entry.queue.get_nowait()
+            early.append((key, out))
+            if isinstance(out, BaseException) or out.finished:
+                self._aeng._end(self.request_id, entry)
+                break
+        if early:
+            sink(early)
+
     async def aclose(self) -> None:
         entry, self._entry = self._entry, None
-        if entry is None:
+        if entry is None or entry.ended:      # (a sink was handed the final output: nothing to abort)
             return
         self._aeng._end(self.request_id, entry)
         if not self._aeng._closed:
@@ -244,24 +282,26 @@ class AsyncEngine:
 
     def _end(self, request_id: str, entry: _Entry) -> None:
         """The one place an entry ends (module docstring, 3)."""
+        if entry.sink is not None:
+            entry.ended = True            # its stream object has nothing left to abort
         if self._entries.get(request_id) is entry:
             del self._entries[request_id]
 
     async def _run(self) -> None:
+        eng = self.engine
+        inline = eng.runs_inline
         try:
             while True:
                 self._wake.clear()
-                if not await self._on_engine(self.engine.has_work):
+                # An inline engine called directly: the same, minus a coroutine per call.
+                if not (eng.has_work() if inline else await self._on_engine(eng.has_work)):
                     await self._wake.wait()
                     continue
-                outputs = await self._on_engine(self.engine.step)
+                outputs = eng.step() if inline else await self._on_engine(eng.step)
                 modeled = self.engine.step_seconds()
                 if modeled > 0:
                     await asyncio.sleep(modeled)
-                for out in outputs:
-                    entry = self._entries.get(out.request_id)
-                    if entry is not None:
-                        entry.queue.put_nowait(out)
+                self._hand_out(outputs)
                 if not outputs:
                     try:
                         await asyncio.wait_for(self._wake.wait(), _IDLE_POLL_S)
@@ -274,10 +314,40 @@ class AsyncEngine:
             self._closed = True
             self._fail_all(EngineStopped(f"{self.name} crashed: {e!r}"))
 
+    def _hand_out(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs to their readers: a stream's queue each, a sink's all in one call."""
+        sinks: dict[StepSink, list[tuple[Any, RequestOutput | BaseException]]] | None = None
+        entries = self._entries
+        for out in outputs:
+            entry = entries.get(out.request_id)
+            if entry is None:
+                continue
+            sink = entry.sink
+            if sink is None:
+                entry.queue.put_nowait(out)
+                continue
+            if sinks is None:
+                sinks = {}
+            got = sinks.get(sink)
+            if got is None:
+                got = sinks[sink] = []
+            got.append((entry.key, out))
+            if out.finished:
+                self._end(out.request_id, entry)
+        if sinks:
+            for sink, got in sinks.items():
+                sink(got)
+
     def _fail_all(self, err: BaseException) -> None:
         """Streams raise `err` (and end their entries); entries nobody streams end now."""
+        sinks: dict[StepSink, list[tuple[Any, RequestOutput | BaseException]]] = {}
         for rid, entry in list(self._entries.items()):
-            if entry.streamed:
+            if entry.sink is not None:
+                sinks.setdefault(entry.sink, []).append((entry.key, err))
+                self._end(rid, entry)
+            elif entry.streamed:
                 entry.queue.put_nowait(err)
             else:
                 self._end(rid, entry)
+        for sink, got in sinks.items():
+            sink(got)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence, Set
+from enum import IntEnum
 from typing import Any
 
 from pddgw.core.sampling import SamplingParams
@@ -175,6 +176,119 @@ class Engine(ABC):
     def shutdown(self) -> None:
         """Release what the engine holds beyond its Python objects (worker processes, files);
         called once, last, on the engine's thread.  Nothing by default."""
+
+
+
+class TrackedEngine(Engine):
+    """The part of the contract an engine that keeps its own table of requests shares with
+    every other such engine (the paged engines, the vLLM engine): lookups, the admission and
+    export checks, `append_tokens`, `abort` and `release`, around a few hooks.
+
+    A subclass sets, in `__init__`: `spec` (its ModelSpec), `_layout`, `_max_model_len`,
+    `_eos` (its EOS token ids), `_events` (a list of outputs produced outside `step`) and
+    `_live` (request id -> its record).  A record has `status` (an IntEnum; its name says
+    where the request is in error messages), `sampling`, `tokens` (prompt + outputs so far,
+    a list), `hold` and `num_outputs`.  The subclass says which statuses are `_RETAINED`
+    and `_EXTENDABLE`, and supplies `_num_computed`, `_abort`, `_forget` and `_appended`.
+    """
+
+    _RETAINED: IntEnum                 # a finished `retain_kv` request, kept until `release`
+    _EXTENDABLE: frozenset[IntEnum]    # where `append_tokens` may extend a held request
+    spec: Any
+    _layout: KVLayout
+    _max_model_len: int
+    _eos: Set[int] | tuple[int, ...]
+    _events: list[RequestOutput]
+    _live: dict[str, Any]
+
+    @abstractmethod
+    def _num_computed(self, r: Any) -> int:
+        """Tokens of the request whose KV this engine holds."""
+
+    @abstractmethod
+    def _abort(self, r: Any) -> int:
+        """Drop an aborted request wherever it is, free what it holds; -> its tokens computed."""
+
+    @abstractmethod
+    def _forget(self, r: Any) -> None:
+        """Free what a finished request still holds and drop it from `_live`."""
+
+    @abstractmethod
+    def _appended(self, r: Any, final: bool, reason: FinishReason | None) -> None:
+        """After `append_tokens` extended a held request: finish it (`reason`) or go on."""
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._layout
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def _get(self, request_id: str) -> Any:
+        r = self._live.get(request_id)
+        if r is None:
+            raise RequestError(f"unknown request {request_id!r}")
+        return r
+
+    def _check_new(self, request: EngineRequest) -> None:
+        """RequestError unless a new request can be admitted: an unused id, servable here."""
+        if request.request_id in self._live:
+            raise RequestError(f"request {request.request_id!r} already exists")
+        check_request(request, self._max_model_len, self.spec.vocab_size)
+        request.sampling.check_vocab(self.spec.vocab_size)
+
+    def _check_export(self, request_id: str, token_start: int, token_end: int, computed: int,
+                      layer_start: int, layer_end: int | None) -> int:
+        """RequestError unless an export's ranges lie in the computed tokens and the model's
+        layers; -> its layer end (None: the last layer)."""
+        num_layers = self.spec.num_layers
+        layer_end = num_layers if layer_end is None else layer_end
+        if not 0 <= token_start < token_end <= computed:
+            raise RequestError(f"request {request_id!r}: tokens [{token_start}, {token_end}) not "
+                               f"in computed range [0, {computed})")
+        if not 0 <= layer_start < layer_end <= num_layers:
+            raise RequestError(f"layers [{layer_start}, {layer_end}) outside [0, {num_layers})")
+        return layer_end
+
+    def _finish_reason(self, r: Any, token: int | None) -> FinishReason | None:
+        if token is None:
+            return None
+        return finish_reason(r.sampling, token, self._eos, r.num_outputs, len(r.tokens), self._max_model_len)
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int], final: bool) -> None:
+        r = self._get(request_id)
+        if r.status not in self._EXTENDABLE:
+            raise RequestError(f"request {request_id!r} is {r.status.name}, cannot extend")
+        if not r.hold:
+            raise RequestError(f"request {request_id!r} is not on hold: its next tokens are sampled here")
+        check_handoff(request_id, token_ids, self.spec.vocab_size, len(r.tokens), r.num_outputs,
+                      r.sampling.max_tokens, self._max_model_len)
+        r.tokens += token_ids
+        r.hold = not final
+        reason = self._finish_reason(r, token_ids[-1]) if final and token_ids else None
+        if reason is not None:
+            # The handed-off tokens already complete the request: nothing to sample.
+            self._events.append(RequestOutput(request_id, (), r.num_outputs, self._num_computed(r),
+                                              True, reason))
+        self._appended(r, final, reason)
+
+    def abort(self, request_id: str) -> bool:
+        r = self._live.get(request_id)
+        if r is None:
+            return False
+        was_retained = r.status == self._RETAINED
+        computed = self._abort(r)
+        if not was_retained:
+            self._events.append(RequestOutput(request_id, (), r.num_outputs, computed, True, "abort"))
+        return True
+
+    def release(self, request_id: str) -> bool:
+        r = self._live.get(request_id)
+        if r is None or r.status != self._RETAINED:
+            return False
+        self._forget(r)
+        return True
 
 
 def check_request(request: EngineRequest, max_model_len: int, vocab_size: int) -> None:

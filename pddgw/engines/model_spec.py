@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from pddgw.core.errors import check as _check
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "tiny")
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -44,11 +46,6 @@ def quote_names(names: list[str], limit: int = 8) -> str:
 
 class UnsupportedModelError(ValueError):
     """A checkpoint's config asks for something this model cannot compute exactly."""
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,3 +277,21 @@ def _sliding_window(d: dict[str, Any], model_type: str, num_layers: int) -> int 
     if window <= 0:
         raise UnsupportedModelError(f"config.json: sliding_window {window} must be > 0")
     return window
+
+
+def llama_spec(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
+               num_heads: int, num_kv_heads: int, head_dim: int | None = None,
+               max_position_embeddings: int = 2048, bos_token_id: int | None = None,
+               eos_token_ids: tuple[int, ...] = ()) -> ModelSpec:
+    """A plain Llama of these sizes: no bias, no q/k norm, no RoPE scaling (theta 10,000),
+    untied embeddings, RMSNorm eps 1e-5 (the seeded random models benchmarks build).
+    head_dim None: hidden_size / num_heads."""
+    if head_dim is None:
+        _check(num_heads > 0 and hidden_size % num_heads == 0, "hidden_size must be a multiple of num_heads")
+        head_dim = hidden_size // num_heads
+    return ModelSpec(arch="llama", vocab_size=vocab_size, hidden_size=hidden_size,
+                     intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     rope_scaling=None, tie_word_embeddings=False, attention_bias=False, qk_norm=False,
+                     max_position_embeddings=max_position_embeddings, bos_token_id=bos_token_id,
+                     eos_token_ids=eos_token_ids)

@@ -66,12 +66,13 @@ from enum import IntEnum
 from typing import Any
 
 from pddgw.config import EngineConfig
-from pddgw.engines.base import Engine, check_handoff, check_kv_span, check_request, finish_reason
+from pddgw.engines.base import TrackedEngine, check_kv_span
 from pddgw.engines.block_manager import BlockManager
 from pddgw.engines.model_spec import ModelSpec
+from pddgw.engines.prompt_hashes import prompt_hashes
 from pddgw.engines.scheduler import Chunk, Scheduler
 from pddgw.engines.sequence import Sequence, SeqStatus
-from pddgw.engines.types import (AddResult, CapacityError, EngineRequest, EngineStats,
+from pddgw.engines.types import (AddResult, CapacityError, EngineRequest, EngineStats, FinishReason,
                                  KVChunk, KVLayout, KVSpan, RequestError, RequestOutput, TokenLogprobs)
 
 # What `_forward` returns per sampled sequence: its token, and its logprobs when it asked for them.
@@ -102,7 +103,9 @@ def _exporter(data: Any) -> object | None:
     return data.obj if isinstance(data, memoryview) else None
 
 
-class PagedEngine(Engine):
+class PagedEngine(TrackedEngine):
+    _RETAINED = SeqStatus.RETAINED
+    _EXTENDABLE = frozenset({SeqStatus.WAITING, SeqStatus.IMPORTING, SeqStatus.RUNNING})
     # Whether `_forward` computes prompt logprobs (fills `_scoring` for `_prompt_rows`).
     scores_prompts = False
 
@@ -118,6 +121,7 @@ class PagedEngine(Engine):
         self._layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype, cfg.block_size)
         self._eos = frozenset(spec.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
+        self._live = self.seqs                    # the same table, by TrackedEngine's name
         self._events: list[RequestOutput] = []   # outputs produced outside step (aborts)
         # Prompt logprobs being computed (module docstring): slot i scores prompt token i + 1.
         self._scoring: dict[str, list[TokenLogprobs | None]] = {}
@@ -162,24 +166,17 @@ class PagedEngine(Engine):
         `_import` then copies from, or None."""
         return None
 
-    # ---- contract: properties -------------------------------------------------
-    @property
-    def kv_layout(self) -> KVLayout:
-        return self._layout
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
     # ---- contract: requests -------------------------------------------------------
     def add_request(self, request: EngineRequest) -> AddResult:
         self._reclaim()
+        self._check_new(request)
         rid = request.request_id
-        if rid in self.seqs:
-            raise RequestError(f"request {rid!r} already exists")
-        check_request(request, self._max_model_len, self.spec.vocab_size)
-        request.sampling.check_vocab(self.spec.vocab_size)
         seq = Sequence(request)
+        if self.blocks.enable_prefix_caching:
+            # The prompt's full blocks hashed once per process (prompt_hashes.py): the router and
+            # the other in-process nodes hashed this very tuple already.  Sequence grows its
+            # hash list lazily from what is there.
+            seq.seed_hashes(list(prompt_hashes(request.prompt_token_ids, self.blocks.block_size)))
         if request.sampling.grammar is not None:
             if self.grammars is None:
                 raise RequestError(f"request {rid!r}: grammar: this engine has no vocabulary for grammars")
@@ -218,17 +215,10 @@ class PagedEngine(Engine):
         self.scheduler.prefix_hit_tokens += seq.num_cached_tokens
         self.scheduler.prefix_query_tokens += seq.num_prompt
 
-    def _get(self, request_id: str) -> Sequence:
-        seq = self.seqs.get(request_id)
-        if seq is None:
-            raise RequestError(f"unknown request {request_id!r}")
-        return seq
+    def _num_computed(self, seq: Sequence) -> int:
+        return seq.num_computed
 
-    def abort(self, request_id: str) -> bool:
-        seq = self.seqs.get(request_id)
-        if seq is None:
-            return False
-        was_retained = seq.status == SeqStatus.RETAINED
+    def _abort(self, seq: Sequence) -> int:
         parked: set[int] = set()
         if seq.status == SeqStatus.IMPORTING and seq.imported is not None:
             with self._import_lock:
@@ -246,17 +236,10 @@ class PagedEngine(Engine):
             seq.num_computed = seq.num_prompt if arrived == -1 else arrived
             self._publish(seq)
         self._free(seq, parked)
-        if not was_retained:
-            self._events.append(RequestOutput(request_id, (), seq.num_outputs, seq.num_computed,
-                                              True, "abort"))
-        return True
+        return seq.num_computed
 
-    def release(self, request_id: str) -> bool:
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.status != SeqStatus.RETAINED:
-            return False
+    def _forget(self, seq: Sequence) -> None:
         self._free(seq)
-        return True
 
     def _free(self, seq: Sequence, parked: Set[int] = frozenset()) -> None:
         self._scoring.pop(seq.request_id, None)
@@ -266,21 +249,8 @@ class PagedEngine(Engine):
         seq.status = SeqStatus.FINISHED
         del self.seqs[seq.request_id]
 
-    def append_tokens(self, request_id: str, token_ids: Seq[int], final: bool) -> None:
-        seq = self._get(request_id)
-        if seq.status not in (SeqStatus.WAITING, SeqStatus.IMPORTING, SeqStatus.RUNNING):
-            raise RequestError(f"request {request_id!r} is {seq.status.name}, cannot extend")
-        if not seq.hold:
-            raise RequestError(f"request {request_id!r} is not on hold: its next tokens are sampled here")
-        check_handoff(request_id, token_ids, self.spec.vocab_size, len(seq.tokens), seq.num_outputs,
-                      seq.sampling.max_tokens, self._max_model_len)
-        seq.tokens += token_ids
-        seq.hold = not final
-        reason = self._finish_reason(seq, token_ids[-1]) if final and token_ids else None
+    def _appended(self, seq: Sequence, final: bool, reason: FinishReason | None) -> None:
         if reason is not None:
-            # The handed-off tokens already complete the request: nothing to sample.
-            self._events.append(RequestOutput(request_id, (), seq.num_outputs, seq.num_computed,
-                                              True, reason))
             self._finish(seq, reason)
 
     def has_work(self) -> bool:
@@ -303,12 +273,7 @@ class PagedEngine(Engine):
     def export_kv(self, request_id: str, token_start: int, token_end: int,
                   layer_start: int = 0, layer_end: int | None = None) -> KVChunk:
         seq = self._get(request_id)
-        layer_end = self.spec.num_layers if layer_end is None else layer_end
-        if not 0 <= token_start < token_end <= seq.num_computed:
-            raise RequestError(f"request {request_id!r}: tokens [{token_start}, {token_end}) not "
-                               f"in computed range [0, {seq.num_computed})")
-        if not 0 <= layer_start < layer_end <= self.spec.num_layers:
-            raise RequestError(f"layers [{layer_start}, {layer_end}) outside [0, {self.spec.num_layers})")
+        layer_end = self._check_export(request_id, token_start, token_end, seq.num_computed, layer_start, layer_end)
         return self._export(seq, token_start, token_end, layer_start, layer_end)
 
     def _check_span(self, seq: Sequence, span: KVSpan) -> None:
@@ -506,11 +471,6 @@ class PagedEngine(Engine):
         """Does this chunk complete its sequence, so that its last logits are sampled?"""
         seq = chunk.seq
         return seq.num_computed + chunk.num_tokens == len(seq.tokens) and not seq.hold
-
-    def _finish_reason(self, seq: Sequence, token: int | None):
-        if token is None:
-            return None
-        return finish_reason(seq.sampling, token, self._eos, seq.num_outputs, len(seq.tokens), self._max_model_len)
 
     def _finish(self, seq: Sequence, reason) -> None:
         seq.finish_reason = reason

@@ -13,7 +13,11 @@ the batch), possibly the one asking; waiting sequences simply wait
   1. preempted more often - nobody is preempted a k+1-th time while another
      candidate has been preempted only k times, so no request starves (a
      handed-off request re-admitted last used to be the victim every time
-     it needed a block: tracker issue 23, 84 preemptions in a row);
+     it needed a block: tracker issue 23, 84 preemptions in a row).  A
+     sequence entering the running set counts as preempted as often as the
+     most preempted live one: a newcomer (a handoff to a full MD) is not the
+     first victim for never having been preempted, while every long one
+     around it has been;
   2. fewer output tokens left - a short request is never preempted for a
      long one's growth while a long one can give way;
   3. admitted earlier - the most recent, whose recompute is cheapest, goes
@@ -46,7 +50,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # Times each live sequence was preempted (the first key of `_protection`).
+        # Times each live sequence was preempted, counted from the most preempted live one's
+        # count when it first ran (the first key of `_protection`; module docstring).
         self.preempted: dict[str, int] = {}
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
@@ -58,6 +63,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: dict[str, Chunk] = {}       # this step's running chunks, by request, in order
         preempted = False
+        self._count_newcomers()
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -107,11 +113,22 @@ class Scheduler:
             seq.block_ids += self.blocks.allocate(need)
         return clean, refund
 
+    def _count_newcomers(self) -> None:
+        """Give each running sequence not counted yet (admitted, or its import finished, since
+        the last step) the most preempted live sequence's count: `_victim` only ever picks
+        among `running`, so every candidate is counted before it is compared."""
+        floor = -1
+        for seq in self.running:
+            if seq.request_id not in self.preempted:
+                if floor < 0:
+                    floor = max(self.preempted.values(), default=0)
+                self.preempted[seq.request_id] = floor
+
     def _protection(self, seq: Sequence, admitted: int) -> tuple[int, int, int]:
         """Higher = kept longer under preemption (module docstring); `admitted`: its index in
         `running` (admission order)."""
         left = seq.sampling.max_tokens - seq.num_outputs
-        return self.preempted.get(seq.request_id, 0), -left, -admitted
+        return self.preempted[seq.request_id], -left, -admitted
 
     def _victim(self, seq: Sequence) -> Sequence:
         """The least protected running sequence, `seq` (the one asking) included; never one

@@ -68,6 +68,11 @@ class Sequence:
         """
         return len(self.tokens) - self.num_computed - (1 if self.hold else 0)
 
+    def seed_hashes(self, hashes: list[int]) -> None:
+        """Start the hash list from already known chained hashes of the prompt's first full blocks
+        (computed for the same tokens and block size elsewhere in this process)."""
+        self._hashes = hashes
+
     def block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
         """Chained hashes of the first num_blocks full blocks of self.tokens."""
         if len(self._hashes) < num_blocks:

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from pddgw.config import Config, ConfigError, EngineConfig
-from pddgw.engines.base import Engine, check_handoff, check_kv_span, check_request, finish_reason, register_engine
+from pddgw.engines.base import TrackedEngine, check_kv_span, register_engine
 from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
 from pddgw.engines.kv_pool import DTYPES, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.model_spec import ModelSpec
@@ -85,7 +85,7 @@ class _Req:
     req: EngineRequest
     vid: str                                   # vLLM's id of this request
     tokens: list[int]                          # prompt + outputs so far
-    state: ReqState
+    status: ReqState
     hold: bool
     num_cached: int = 0                        # prompt tokens from the prefix cache at admission
     pinned: list[Any] = field(default_factory=list)   # vLLM blocks this request pins
@@ -99,6 +99,10 @@ class _Req:
     @property
     def num_outputs(self) -> int:
         return len(self.tokens) - len(self.req.prompt_token_ids)
+
+    @property
+    def sampling(self) -> Any:
+        return self.req.sampling
 
 
 class _HashIndex:
@@ -198,7 +202,10 @@ def check_block_size(block_size: int, on_cpu: bool) -> None:
 
 
 @register_engine("vllm")
-class VllmEngine(Engine):
+class VllmEngine(TrackedEngine):
+    _RETAINED = ReqState.RETAINED
+    _EXTENDABLE = frozenset({ReqState.IMPORTING, ReqState.HELD})
+
     def __init__(self, llm_engine: Any, spec: ModelSpec, cfg: EngineConfig, dtype_name: str,
                  bridge: Any, engine_id: str, max_model_len: int):
         self._llm = llm_engine
@@ -227,6 +234,7 @@ class VllmEngine(Engine):
         self._layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype_name, bs)
         self._eos = tuple(spec.eos_token_ids)
         self._reqs: dict[str, _Req] = {}
+        self._live = self._reqs                 # the same table, by TrackedEngine's name
         self._stopped = False
         self._by_vid: dict[str, _Req] = {}
         self._events: list[RequestOutput] = []
@@ -333,22 +341,10 @@ class VllmEngine(Engine):
         layer = next(m for m in context.values() if getattr(m, "kv_cache", None) is cache)
         return BlockLayout.learn(layer, cache, block_size, spec.num_kv_heads, spec.head_dim, scratch_block=1)
 
-    # ---- contract: properties ---------------------------------------------------------
-    @property
-    def kv_layout(self) -> KVLayout:
-        return self._layout
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
     # ---- contract: requests -----------------------------------------------------------
     def add_request(self, request: EngineRequest) -> AddResult:
+        self._check_new(request)
         rid = request.request_id
-        if rid in self._reqs:
-            raise RequestError(f"request {rid!r} already exists")
-        check_request(request, self._max_model_len, self.spec.vocab_size)
-        request.sampling.check_vocab(self.spec.vocab_size)
         r = _Req(request, f"{rid}#{next(self._ids)}",
                  [*request.prompt_token_ids, *request.output_token_ids],
                  ReqState.HELD if request.hold else ReqState.SUBMITTED, request.hold)
@@ -357,9 +353,9 @@ class VllmEngine(Engine):
         self._events = [e for e in self._events if e.request_id != rid]
         self._reqs[rid] = r
         self._by_vid[r.vid] = r
-        if r.state == ReqState.SUBMITTED:
+        if r.status == ReqState.SUBMITTED:
             self._submit(r)
-        elif r.state == ReqState.HELD:
+        elif r.status == ReqState.HELD:
             self._extend_held(r)
         return AddResult(rid, r.num_cached)
 
@@ -387,7 +383,7 @@ class VllmEngine(Engine):
             r.staged = StagedKV.in_shared_memory(r.num_cached, shape, self._cache_dtype,
                                                  f"{self._engine_id}-{next(self._ids)}")
         r.arrived = bytearray(n)
-        r.state = ReqState.IMPORTING
+        r.status = ReqState.IMPORTING
         self.prefix_hit_tokens += r.num_cached
         self.prefix_query_tokens += n_prompt
 
@@ -395,7 +391,7 @@ class VllmEngine(Engine):
         """Blocks that staged imports will allocate when submitted (not yet taken from vLLM)."""
         bs = self.cfg.block_size
         return sum(-(-r.staged.data.shape[2] // bs) for r in self._reqs.values()
-                   if r.state in (ReqState.IMPORTING, ReqState.HELD) and r.staged is not None)
+                   if r.status in (ReqState.IMPORTING, ReqState.HELD) and r.staged is not None)
 
     def _submit(self, r: _Req) -> None:
         """Hand the request to vLLM: prompt + given outputs as its prompt, sampling from there."""
@@ -411,7 +407,7 @@ class VllmEngine(Engine):
             max_tokens=sp.max_tokens - r.given, temperature=0.0, stop_token_ids=sorted(stop),
             logprobs=sp.logprobs, extra_args=extra_args(sp, r.given, self._eos) if wanted(sp) else None),
             retain=r.req.retain_kv)
-        r.state = ReqState.SUBMITTED
+        r.status = ReqState.SUBMITTED
         r.last_reported = r.num_cached
 
     def _extend_held(self, r: _Req) -> None:
@@ -444,29 +440,16 @@ class VllmEngine(Engine):
         vreq, _ = self._core.preprocess_add_request(ecr)
         self._core.add_request(vreq)
 
-    def _get(self, request_id: str) -> _Req:
-        r = self._reqs.get(request_id)
-        if r is None:
-            raise RequestError(f"unknown request {request_id!r}")
-        return r
-
-    def abort(self, request_id: str) -> bool:
-        r = self._reqs.get(request_id)
-        if r is None:
-            return False
-        was_retained = r.state == ReqState.RETAINED
+    def _abort(self, r: _Req) -> int:
         computed = self._computed(r)
         self._drop(r)
-        if not was_retained:
-            self._events.append(RequestOutput(request_id, (), r.num_outputs, computed, True, "abort"))
-        return True
+        return computed
 
-    def release(self, request_id: str) -> bool:
-        r = self._reqs.get(request_id)
-        if r is None or r.state != ReqState.RETAINED:
-            return False
+    def _forget(self, r: _Req) -> None:
         self._drop(r)
-        return True
+
+    def _num_computed(self, r: _Req) -> int:
+        return self._computed(r)
 
     def _end(self, vid: str) -> None:
         """vLLM lets go of one of its requests: aborted if running, blocks freed if kept."""
@@ -489,7 +472,7 @@ class VllmEngine(Engine):
     def _drop(self, r: _Req) -> None:
         """Forget a request: its vLLM requests end, its pins go."""
         self._end_rounds(r, len(r.rounds))
-        if r.state in (ReqState.SUBMITTED, ReqState.RETAINED):
+        if r.status in (ReqState.SUBMITTED, ReqState.RETAINED):
             self._end(r.vid)
         self._by_vid.pop(r.vid, None)
         if r.pinned:
@@ -497,28 +480,14 @@ class VllmEngine(Engine):
             r.pinned = []
         del self._reqs[r.req.request_id]
 
-    def append_tokens(self, request_id: str, token_ids: Seq[int], final: bool) -> None:
-        r = self._get(request_id)
-        if r.state not in (ReqState.IMPORTING, ReqState.HELD):
-            raise RequestError(f"request {request_id!r} is {r.state.name}, cannot extend")
-        if not r.hold:
-            raise RequestError(f"request {request_id!r} is not on hold: its next tokens are sampled here")
-        check_handoff(request_id, token_ids, self.spec.vocab_size, len(r.tokens), r.num_outputs,
-                      r.req.sampling.max_tokens, self._max_model_len)
-        r.tokens += token_ids
-        r.hold = not final
-        reason = self._finish_reason(r, token_ids[-1]) if final and token_ids else None
+    def _appended(self, r: _Req, final: bool, reason: str | None) -> None:
         if reason is not None:
-            self._events.append(RequestOutput(request_id, (), r.num_outputs, self._computed(r), True, reason))
             self._drop(r)
-        elif r.state == ReqState.HELD:
+        elif r.status == ReqState.HELD:
             if final:
                 self._submit(r)
             else:
                 self._extend_held(r)
-
-    def _finish_reason(self, r: _Req, token: int) -> str | None:
-        return finish_reason(r.req.sampling, token, self._eos, r.num_outputs, len(r.tokens), self._max_model_len)
 
     def has_work(self) -> bool:
         return bool(self._events) or self._sched.get_num_unfinished_requests() > 0
@@ -544,8 +513,8 @@ class VllmEngine(Engine):
             if o is not None and o.finish_reason is not None:
                 self._end_rounds(r, i)          # a later round (or the final request) supersedes them
                 break
-        o = sampled.get(r.vid) if r.state == ReqState.SUBMITTED else None
-        if r.rounds and r.state == ReqState.SUBMITTED:
+        o = sampled.get(r.vid) if r.status == ReqState.SUBMITTED else None
+        if r.rounds and r.status == ReqState.SUBMITTED:
             vreq = self._sched.requests.get(r.vid)
             if vreq is not None and vreq.num_computed_tokens > 0:
                 self._end_rounds(r, len(r.rounds))   # the final request holds the prefix now
@@ -565,14 +534,14 @@ class VllmEngine(Engine):
         out = RequestOutput(r.req.request_id, new, position, computed, reason is not None, reason, lps)
         if reason is not None:
             if r.req.retain_kv and r.vid in self._sched.requests:
-                r.state = ReqState.RETAINED
+                r.status = ReqState.RETAINED
             else:
                 self._drop(r)
         return [out]
 
     def _computed(self, r: _Req) -> int:
         """Tokens of the request whose KV vLLM holds (a held request: its latest round's)."""
-        if r.state in (ReqState.SUBMITTED, ReqState.RETAINED):
+        if r.status in (ReqState.SUBMITTED, ReqState.RETAINED):
             vreq = self._sched.requests.get(r.vid)
             return vreq.num_computed_tokens if vreq is not None else max(len(r.tokens) - 1, 0)
         done = [self._sched.requests[v].num_computed_tokens for v in r.rounds if v in self._sched.requests]
@@ -624,13 +593,8 @@ class VllmEngine(Engine):
     def export_kv(self, request_id: str, token_start: int, token_end: int,
                   layer_start: int = 0, layer_end: int | None = None) -> KVChunk:
         r = self._get(request_id)
-        layer_end = self.spec.num_layers if layer_end is None else layer_end
-        computed = self._computed(r) if r.state in (ReqState.SUBMITTED, ReqState.RETAINED) else 0
-        if not 0 <= token_start < token_end <= computed:
-            raise RequestError(f"request {request_id!r}: tokens [{token_start}, {token_end}) not "
-                               f"in computed range [0, {computed})")
-        if not 0 <= layer_start < layer_end <= self.spec.num_layers:
-            raise RequestError(f"layers [{layer_start}, {layer_end}) outside [0, {self.spec.num_layers})")
+        computed = self._computed(r) if r.status in (ReqState.SUBMITTED, ReqState.RETAINED) else 0
+        layer_end = self._check_export(request_id, token_start, token_end, computed, layer_start, layer_end)
         block_ids = self._sched.kv_cache_manager.get_block_ids(r.vid)[0]
         if self._tp == 1:
             data = self._bridge.layout.read(self._bridge.kv_caches[layer_start:layer_end], block_ids,
@@ -650,8 +614,8 @@ class VllmEngine(Engine):
     def import_kv(self, chunk: KVChunk) -> None:
         r = self._get(chunk.request_id)
         rid = chunk.request_id
-        if r.state != ReqState.IMPORTING or r.staged is None:
-            raise RequestError(f"request {rid!r} is {r.state.name}, not importing")
+        if r.status != ReqState.IMPORTING or r.staged is None:
+            raise RequestError(f"request {rid!r} is {r.status.name}, not importing")
         if chunk.virtual:
             raise RequestError(f"request {rid!r}: a virtual KV chunk (sized, no data, from a cost-model "
                                "engine) cannot fill a real KV pool")
@@ -667,14 +631,14 @@ class VllmEngine(Engine):
 
     def finish_import(self, request_id: str) -> None:
         r = self._get(request_id)
-        if r.state != ReqState.IMPORTING or r.arrived is None:
-            raise RequestError(f"request {request_id!r} is {r.state.name}, not importing")
+        if r.status != ReqState.IMPORTING or r.arrived is None:
+            raise RequestError(f"request {request_id!r} is {r.status.name}, not importing")
         missing = r.arrived.find(0)
         if missing != -1:
             raise RequestError(f"request {request_id!r}: KV of prompt token {r.num_cached + missing} "
                                "never arrived")
         if r.hold:
-            r.state = ReqState.HELD
+            r.status = ReqState.HELD
             self._extend_held(r)               # the imported KV lands in vLLM's cache now
         else:
             self._submit(r)
@@ -707,7 +671,7 @@ class VllmEngine(Engine):
 
     def stats(self) -> EngineStats:
         free, cached, used = self._block_counts()
-        states = Counter(r.state for r in self._reqs.values())
+        states = Counter(r.status for r in self._reqs.values())
         running, waiting = self._sched.get_request_counts()
         return EngineStats(
             num_blocks=free + cached + used, free_blocks=free, cached_blocks=cached, used_blocks=used,

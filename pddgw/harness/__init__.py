@@ -1,14 +1,20 @@
-"""Real deployments on loopback, for the tests and the benchmarks that start processes.
+"""Real deployments on loopback and engines in process, for the tests and the benchmarks.
 
 One piece per concern: `ports` (a free TCP port), `proxy` (the TCP fault
 proxy between the clusters: cut, slow, heal, byte counts), `cluster` (the
 config.toml of a loopback router / P / RLD / MD deployment), `launch`
 (`python -m pddgw ...` processes: spawn, wait ready, kill, restart, stop by
-pid, logs), `leaks` (what a quiet deployment's /debug/state must show, and
-waiting until it does) and `reference` (the single-node generation every
-path must reproduce).
+pid, logs), `deployment` (those processes and the WAN proxy on an event
+loop, with their RSS, and a fault schedule applied to them), `client`
+(one response over /v1/responses, and closed-loop conversation load),
+`replay` (a simulator workload played in real time), `leaks` (what a quiet
+deployment's /debug/state must show, and waiting until it does),
+`reference` (the single-node generation every path must reproduce), `peer`
+(a benchmark's peer process and the raw TCP ceiling), `engines` (engines
+driven in process) and `sides` (one batch timed on pddgw, transformers, vLLM).
 
 Where it sits: above config, engines, net and pipeline (it starts them as
-processes or reads what they serve), beside sim, below bench; tests and
-benchmarks import it, nothing in the serving code does.
+processes, drives them in process or reads what they serve) and above sim
+(`replay` plays its workloads), below bench; tests and benchmarks import it,
+nothing in the serving code does.
 """

@@ -1,22 +1,45 @@
-"""One response over the router's /v1/responses WebSocket, as a load client sees it.
+"""Load clients of the router's /v1/responses WebSocket: one response, and closed-loop load.
 
 `respond` sends one `response.create` (token ids in, a binary frame) and
 reads its events into an `Answer` until `response.completed` or `error`
 (`final`), or until the socket closes (`closed`).  The answer is filled in
 place as events arrive, so a caller that cancels a response still holds
 what streamed before the cancel.  Times are the event loop's clock.
+
+`converse(i, ...)` is client i: until `stop_at` it sends greedy requests
+back to back on one WebSocket, each an `Outcome` (appended when sent,
+filled as it streams): conversations (the `shared` system prompt, a context
+of its own, then turns that re-send the conversation so far plus a short
+message; a turn that does not complete ends it) and, with probability
+`singular_share`, a long uncached prompt with a short answer.
+
+`ask(ws, outcome)` reads one response into an Outcome: "completed", "error"
+(its code) or left "lost" (`lost_reason` "socket_closed" when the socket
+dropped under it; a cancelled one stays lost for its caller to name).
+Once the deployment stopped, `references` gets what `pddgw generate` gives
+for each distinct (prompt, max tokens), and `check_outcomes` compares:
+streamed tokens equal (errors: are a prefix of) the reference, a
+completion's output ids equal the streamed ones, positions came once in
+order.
+Prompt ids are printable bytes of the tiny model's vocabulary, [32, 127).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
+import sys
 from array import array
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
+
+from pddgw.harness.deployment import utc
+from pddgw.harness.reference import Prompt, generate_cli_many, generate_engine
 
 
 @dataclass(slots=True)
@@ -66,3 +89,202 @@ async def respond(ws: aiohttp.ClientWebSocketResponse, answer: Answer, prompt: S
         elif kind in ("response.completed", "error"):
             answer.final, answer.end_t = ev, now
             return answer
+
+
+# ---- closed-loop load ---------------------------------------------------------------
+
+TOKEN_LO, TOKEN_HI = 32, 127                          # printable bytes of the tiny model's vocabulary
+
+
+@dataclass(frozen=True, slots=True)
+class Mix:
+    """Prompt shapes: conversations (shared system prompt + own context + turns) and singular prompts."""
+
+    shared_prefix_tokens: int = 128
+    context_min: int = 800              # a first turn misses its own context on MD: more than the P-MD
+    context_max: int = 1100             # budget carries (~550 tokens in cluster mode, ~713 embedded)
+    message_min: int = 15
+    message_max: int = 40
+    singular_tokens: int = 2200         # > policy.singular_min_uncached_tokens (2048 by default)
+    singular_max_output: int = 8        # <= policy.singular_max_output_tokens (16)
+    max_prompt_tokens: int = 3800       # start a new conversation before the 4096 context fills
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
+
+
+@dataclass(slots=True)
+class Outcome:
+    kind: str                                 # "turn" | "singular" | "warmup"
+    prompt: tuple[int, ...]
+    max_tokens: int
+    status: str = "lost"                      # "completed" | "error" | "lost"
+    lost_reason: str | None = None            # "timeout" | "socket_closed"
+    code: str | None = None
+    message: str | None = None
+    completed_ids: list[int] | None = None
+    pipeline: str | None = None
+    handoff_mode: str | None = None
+    redrives: int = 0
+    # What streamed, filled as it comes (a cancelled request keeps what came before the cancel).
+    answer: Answer = field(default_factory=Answer)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.answer.tokens
+
+    @property
+    def positions_ok(self) -> bool:
+        return self.answer.positions_ok
+
+    @property
+    def response_id(self) -> str | None:
+        return self.answer.response_id or (self.answer.final or {}).get("response_id")
+
+    @property
+    def sent_t(self) -> float:
+        return self.answer.sent_t
+
+    @property
+    def first_t(self) -> float | None:
+        return self.answer.first_t
+
+    @property
+    def end_t(self) -> float | None:
+        return self.answer.end_t
+
+
+async def ask(ws: aiohttp.ClientWebSocketResponse, out: Outcome) -> None:
+    """One greedy request (seed 0) into `out` (cancellation leaves it lost)."""
+    a = await respond(ws, out.answer, out.prompt, out.max_tokens, temperature=0, seed=0)
+    ev = a.final
+    if ev is None:
+        out.lost_reason = "socket_closed"
+    elif ev["type"] == "response.completed":
+        tl = ev["response"].get("pddgw") or {}
+        out.status = "completed"
+        out.completed_ids = list(tl.get("output_token_ids", a.tokens))
+        out.pipeline, out.handoff_mode = tl.get("pipeline"), tl.get("handoff_mode")
+        out.redrives = len(tl.get("redrives") or ())
+    else:
+        err = ev.get("error") or {}
+        out.status = "error"
+        out.code, out.message = str(err.get("code") or err.get("type") or "unknown"), err.get("message")
+
+
+async def converse(i: int, url: str, session: aiohttp.ClientSession, shared: list[int], stop_at: float,
+                   outcomes: list[Outcome], *, seed: int, mix: Mix, singular_share: float, max_tokens: int,
+                   turns: int) -> None:
+    """Client i: conversations and singular prompts back to back until `stop_at` (loop time)."""
+    loop = asyncio.get_running_loop()
+    rng = random.Random(seed * 7919 + i)
+    history: list[int] | None = None
+    turns_left = 0
+    ws: aiohttp.ClientWebSocketResponse | None = None
+    try:
+        while loop.time() < stop_at:
+            if ws is None or ws.closed:
+                try:
+                    ws = await session.ws_connect(url + "/v1/responses", max_msg_size=64 << 20)
+                except (aiohttp.ClientError, OSError):
+                    await asyncio.sleep(0.5)
+                    continue
+            if rng.random() < singular_share:
+                out = Outcome("singular", tuple(tokens(rng, mix.singular_tokens)),
+                              min(mix.singular_max_output, max_tokens))
+            else:
+                if history is None or turns_left <= 0 or len(history) + mix.message_max + max_tokens \
+                        > mix.max_prompt_tokens:
+                    history = shared + tokens(rng, rng.randint(mix.context_min, mix.context_max))
+                    turns_left = turns
+                prompt = history + tokens(rng, rng.randint(mix.message_min, mix.message_max))
+                out = Outcome("turn", tuple(prompt), rng.randint(max(1, max_tokens // 2), max_tokens))
+            outcomes.append(out)
+            try:
+                await ask(ws, out)
+            except (aiohttp.ClientError, OSError, RuntimeError):     # the socket broke under the send
+                out.lost_reason = "socket_closed"
+                await ws.close()
+            if out.kind == "turn":
+                if out.status == "completed":
+                    history = list(out.prompt) + out.tokens        # the conversation goes on from what came
+                    turns_left -= 1
+                else:
+                    history = None
+            if out.status != "completed":
+                await asyncio.sleep(0.2)        # an error or a dropped socket: do not spin on a failing path
+    finally:
+        if ws is not None:
+            await ws.close()
+
+
+async def references(load: Sequence[Outcome], dtype: str, how: str = "engine") -> dict[Prompt, list[int]]:
+    """The reference of every (prompt, max tokens) that streamed something or ended; `how`: "engine"
+    (`pddgw generate`'s code path in this process, on a worker thread) or "cli" (the command)."""
+    distinct = sorted({(o.prompt, o.max_tokens) for o in load if o.status != "lost" or o.tokens})
+    if how == "cli":
+        refs = await generate_cli_many(distinct, dtype)
+    else:
+        refs = await asyncio.to_thread(generate_engine, distinct, dtype)
+    return dict(zip(distinct, refs))
+
+
+def check_outcomes(load: Sequence[Outcome], ref: Mapping[Prompt, list[int]], t0: float, unix0: float,
+                   limit: int = 10) -> tuple[int, int, list[dict[str, Any]]]:
+    """-> (requests with a wrong token, requests whose positions did not come once in order, the first
+    `limit` wrong / out-of-order / lost requests as examples; times from `t0`, UTC from `unix0`)."""
+    examples: list[dict[str, Any]] = []
+
+    def example(o: Outcome, what: str, **extra: Any) -> None:
+        if len(examples) < limit:
+            examples.append({"what": what, "kind": o.kind, "response_id": o.response_id,
+                             "prompt_tokens": len(o.prompt), "max_tokens": o.max_tokens,
+                             "sent_s": round(o.sent_t - t0, 3), "sent_utc": utc(unix0 + o.sent_t - t0),
+                             "status": o.status, "code": o.code,
+                             "pipeline": o.pipeline, "streamed": len(o.tokens), **extra})
+
+    wrong = disorder = 0
+    for o in load:
+        if o.status == "lost" and not o.tokens:
+            continue
+        expected = ref[(o.prompt, o.max_tokens)]
+        bad = o.tokens != expected if o.status == "completed" else o.tokens != expected[:len(o.tokens)]
+        if o.status == "completed" and o.completed_ids != o.tokens:
+            bad = True
+        if bad:
+            wrong += 1
+            first = next((k for k, (a, b) in enumerate(zip(o.tokens, expected)) if a != b),
+                         min(len(o.tokens), len(expected)))
+            example(o, "wrong tokens", first_difference=first, expected_len=len(expected),
+                    completed_ids_match=o.completed_ids == o.tokens if o.completed_ids is not None else None)
+        if not o.positions_ok:
+            disorder += 1
+            example(o, "positions not once in order")
+    for o in load:
+        if o.status == "lost":
+            example(o, "lost", reason=o.lost_reason)
+    return wrong, disorder, examples
+
+
+class Progress:
+    """A tqdm bar over the load's seconds on a terminal (stderr); nothing otherwise."""
+
+    def __init__(self, enabled: bool, total_s: float, desc: str):
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=round(total_s), unit="s", file=sys.stderr, desc=desc, leave=False)
+
+    def update(self, elapsed_s: float, outcomes: list[Outcome]) -> None:
+        if self.bar is None:
+            return
+        c = Counter(o.status for o in outcomes if o.end_t is not None)
+        self.bar.n = min(self.bar.total, int(elapsed_s))
+        self.bar.set_postfix(done=c["completed"], errors=c["error"], refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -73,17 +73,9 @@ def generate_engine(prompts: Sequence[Prompt], dtype: str = "float64", temperatu
     from pddgw.engines.base import create_engine
     from pddgw.core.sampling import SamplingParams
     from pddgw.engines.types import EngineRequest
+    from pddgw.harness.engines import drain
 
     cfg = Config(model=ModelConfig(dtype=dtype))          # type: ignore[arg-type]
-    out: list[list[int]] = []
     with torch.inference_mode():
-        for prompt, n in prompts:
-            engine, _ = create_engine(cfg)
-            engine.add_request(EngineRequest("ref", prompt, SamplingParams(max_tokens=n, temperature=temperature,
-                                                                           seed=seed)))
-            ids: list[int] = []
-            while engine.has_work():
-                for o in engine.step():
-                    ids += o.new_token_ids
-            out.append(ids)
-    return out
+        return [drain(create_engine(cfg)[0], [EngineRequest("ref", prompt, SamplingParams(
+            max_tokens=n, temperature=temperature, seed=seed))]).get("ref", []) for prompt, n in prompts]

@@ -137,6 +137,21 @@ def _attend_tile(acc, l_i, m_i, q, K, V, bt_row, kv_start, kv_hi, pos, k_head, v
     return acc, l_i, m_new
 
 
+@triton.jit
+def _find_seq(CUMS, x, num_seqs, LOG_B: tl.constexpr):
+    """The last b in [0, num_seqs) with CUMS[b] <= x: the sequence whose range [CUMS[b],
+    CUMS[b + 1]) of per-sequence offsets (tiles or packed rows; nondecreasing) holds x when
+    x < CUMS[num_seqs].  A binary search of LOG_B steps, 2^LOG_B >= num_seqs."""
+    lo = x * 0
+    hi = lo + num_seqs
+    for _ in tl.static_range(LOG_B):
+        mid = (lo + hi) // 2
+        right = tl.load(CUMS + mid) <= x
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
 # Runtime ints that change from call to call are not specialized (no recompiles
 # when the batch, the table width or the split changes).
 @triton.jit(do_not_specialize=["stride_btb", "num_seqs", "num_splits", "part_size"])
@@ -163,14 +178,7 @@ def _attn_fwd_kernel(Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, CU_TILES, OUT, MID_O
     else:
         # Sequence b owns tiles [CU_TILES[b], CU_TILES[b+1]); programs past the
         # last tile (the grid is an upper bound) do nothing.
-        lo = tile * 0
-        hi = lo + num_seqs
-        for _ in tl.static_range(LOG_B):
-            mid = (lo + hi) // 2
-            right = tl.load(CU_TILES + mid) <= tile
-            lo = tl.where(right, mid, lo)
-            hi = tl.where(right, hi, mid)
-        b = lo
+        b = _find_seq(CU_TILES, tile, num_seqs, LOG_B)
         tile_ok = tile < tl.load(CU_TILES + num_seqs)
         q_start = tl.load(CU_Q + b)
         # A program past the last tile gets no rows (q_len = 0) and no keys.
@@ -247,15 +255,9 @@ def _merge_splits_kernel(MID_O, MID_LSE, OUT, SEQ_LENS, CU_Q, stride_ot, stride_
     if IS_DECODE:
         pos = tl.load(SEQ_LENS + t) - 1
     else:
-        lo = t * 0
-        hi = lo + num_seqs
-        for _ in tl.static_range(LOG_B):
-            mid = (lo + hi) // 2
-            right = tl.load(CU_Q + mid) <= t
-            lo = tl.where(right, mid, lo)
-            hi = tl.where(right, hi, mid)
-        q_end = tl.load(CU_Q + lo + 1)
-        pos = tl.load(SEQ_LENS + lo) - (q_end - t)
+        b = _find_seq(CU_Q, t, num_seqs, LOG_B)
+        q_end = tl.load(CU_Q + b + 1)
+        pos = tl.load(SEQ_LENS + b) - (q_end - t)
     n = tl.minimum(pos // part_size + 1, num_splits)
     offs_d = tl.arange(0, D_P2)
     mask = (h < NUM_Q_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]   # [HB, D_P2]

@@ -14,7 +14,10 @@ Layout (little-endian), one frame per WebSocket binary message::
     20 ... meta (orjson object of the message's other fields), then payload
 
 Payloads: `KVChunk.payload` raw; token IDs packed int32; prefix hashes packed
-uint64.  `decode` turns any byte string into a `Frame` or raises `FrameError`
+uint64; a `TokenBatch` its items' token IDs one after the other, packed int32,
+its metadata one list per TokenItem field (the ids' counts in "counts"),
+checked (lengths, count, the counts against the payload) before any item is
+built.  `decode` turns any byte string into a `Frame` or raises `FrameError`
 (never another exception): sizes, field names, field types and field values are
 all checked, nothing is evaluated.  No pickle.
 
@@ -80,7 +83,7 @@ class _Schema:
     cls: type
     meta_order: tuple[str, ...]      # encoding order (deterministic bytes)
     meta_fields: frozenset[str]
-    packed: str        # "" none, "raw" KV payload, "i" int32 array, "Q" uint64 array
+    packed: str        # "" none, "raw" KV payload, "i" int32 array, "Q" uint64 array, "batch" TokenBatch
     packed_field: str  # message field carried as the payload
     nested: tuple[tuple[str, type], ...] = ()   # fields that are dataclasses: (name, class)
 
@@ -108,12 +111,18 @@ def _from_json(cls: type, value: object, path: str) -> object:
         raise FrameError(f"{path}: {e}") from None
 
 
+# A TokenBatch's metadata: one list per TokenItem field, item i at index i of each.
+_BATCH_META = ("request_ids", "positions", "counts", "done", "reasons")
+
+
 def _schema(cls: type) -> _Schema:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name != "tag"]
     if cls is m.KVChunk:
         order = tuple(f.name for f in dataclasses.fields(m.KVSpan)) + ("seq", "last")
         return _Schema(cls, order, frozenset(order), "raw", "payload")
+    if cls is m.TokenBatch:
+        return _Schema(cls, _BATCH_META, frozenset(_BATCH_META), "batch", "items")
     packed, packed_field = "", ""
     if cls in (m.TokenIds, m.TokenItem):
         packed, packed_field = "i", "ids"
@@ -149,7 +158,30 @@ def register(kind: int, cls: type, packed_field: str = "") -> None:
                              _nested(cls))
     m.KINDS[kind] = cls
     m.KIND_OF[cls] = kind
-_ITEM_SIZE = {"i": 4, "Q": 8}
+_ITEM_SIZE = {"i": 4, "Q": 8, "batch": 4}
+
+
+def _batch_meta(msg: m.TokenBatch) -> bytes:
+    items = msg.items
+    return orjson.dumps({"request_ids": [it.request_id for it in items], "positions": [it.position for it in items],
+                         "counts": [len(it.ids) for it in items], "done": [it.done for it in items],
+                         "reasons": [it.reason for it in items]})
+
+
+def _batch_items(meta: dict, ids: array) -> tuple[m.TokenItem, ...]:
+    """A TokenBatch's items from its checked-shape metadata and its payload's ids."""
+    cols = [meta[name] for name in _BATCH_META]
+    n = len(cols[0]) if type(cols[0]) is list else -1
+    if n < 1 or n > m.MAX_BATCH_ITEMS or any(type(c) is not list or len(c) != n for c in cols):
+        raise ValueError(f"items: {_BATCH_META} must be lists of one length in 1..{m.MAX_BATCH_ITEMS}")
+    counts = cols[2]
+    if any(type(c) is not int or c < 0 for c in counts) or sum(counts) != len(ids):
+        raise ValueError(f"counts must be ints >= 0 summing to the payload's {len(ids)} ids")
+    items, at = [], 0
+    for rid, pos, count, done, reason in zip(*cols):
+        items.append(m.TokenItem(rid, pos, tuple(ids[at : at + count]), done, reason))
+        at += count
+    return tuple(items)
 
 
 # ---------------------------------------------------------------------------
@@ -169,6 +201,14 @@ def encode(msg: m.Message, *, corr: int = 0, seq: int = 0, flags: int = 0) -> tu
             "last": msg.last,  # type: ignore[union-attr]
         })
         payload = memoryview(msg.payload).cast("B")  # type: ignore[union-attr]
+    elif schema.packed == "batch":
+        meta = _batch_meta(msg)  # type: ignore[arg-type]
+        arr = array("i")
+        for it in msg.items:  # type: ignore[union-attr]
+            arr.extend(it.ids)
+        if _BIG_ENDIAN:
+            arr.byteswap()
+        payload = memoryview(arr).cast("B")
     else:
         meta = orjson.dumps({name: getattr(msg, name) for name in schema.meta_order})
         if schema.packed:
@@ -205,6 +245,9 @@ def frame_size(msg: m.Message) -> int:
             "last": msg.last,  # type: ignore[union-attr]
         }))
         payload = memoryview(msg.payload).nbytes  # type: ignore[union-attr]
+    elif schema.packed == "batch":
+        meta_len = len(_batch_meta(msg))  # type: ignore[arg-type]
+        payload = 4 * sum(len(it.ids) for it in msg.items)  # type: ignore[union-attr]
     else:
         meta_len = len(orjson.dumps({name: getattr(msg, name) for name in schema.meta_order}))
         payload = len(getattr(msg, schema.packed_field)) * _ITEM_SIZE[schema.packed] if schema.packed else 0
@@ -286,6 +329,12 @@ def build(head: FrameHead, meta: dict, payload: m.Buffer, span: m.KVSpan | None 
             if len(payload) != span.payload_nbytes:
                 raise FrameError(f"KVChunk payload has {len(payload)} bytes, span needs {span.payload_nbytes}")
             return m.KVChunk(span, payload, meta["seq"], meta["last"])
+        if schema.packed == "batch":
+            arr = array("i")
+            arr.frombytes(payload)
+            if _BIG_ENDIAN:
+                arr.byteswap()
+            return m.TokenBatch(_batch_items(meta, arr))
         if schema.packed:
             arr = array(schema.packed)
             arr.frombytes(payload)

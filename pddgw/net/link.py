@@ -15,7 +15,9 @@ Link lifecycle (`LinkState`):
    task and its return value is sent back (beyond `max_inflight_requests`
    running at once, a request is answered `Error(code="overloaded")` at
    once); a message whose request_id has an open stream goes to that stream;
-   anything else goes to the handler, one at a time, in arrival order.  Heartbeats run; silence beyond `dead_after_s`
+   anything else goes to the handler, one at a time, in arrival order.  A
+   `TokenBatch` is split here: each of its items is routed as if it had come
+   alone, in order (streams and handlers never see a batch).  Heartbeats run; silence beyond `dead_after_s`
    counts as a lost connection.  Silence means no byte at all: a peer whose
    large frame is still arriving (KV crawling over a saturated WAN, its
    heartbeats queued behind it) is alive (`_heard_since`, per transport).
@@ -118,6 +120,9 @@ class Link(ABC):
       same link (never the reverse).  `priority` is a `Priority` or a
       zero-argument callable returning one, read once per frame right before
       the frame is handed to the transport.
+    * `send_nowait(msg)` sends a FOREGROUND frame within the call where the
+      transport takes it without waiting (in-process links, mostly), else
+      sends nothing and returns False.
     * `send_all(msgs, priority=...)` sends many (KV chunks) as fast as the
       transport allows, striped over parallel connections where the link has
       them; frames of one class arrive in the order of `msgs`.  Returns the
@@ -177,12 +182,18 @@ class Link(ABC):
     @abstractmethod
     async def wait_closed(self) -> None: ...
 
+    def send_nowait(self, msg: m.Message) -> bool:
+        """Send `msg` (FOREGROUND) within the call if the transport takes it without waiting:
+        exactly what `send` would do then.  False: nothing was sent (use `send`)."""
+        return False
+
 
 class LinkStream:
     """Messages of one request id, in arrival order (see `Link.stream`).
 
     Use as `async with link.stream(rid) as s: async for msg in s: ...`; leaving
-    the block unregisters it.
+    the block unregisters it.  Or `push` them to a function as they arrive (no
+    task waits per message).
     """
 
     def __init__(self, link: LinkBase, request_id: str, timeout: float) -> None:
@@ -199,11 +210,51 @@ class LinkStream:
         self._deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._deliver: Callable[[m.Message | LinkError], None] | None = None   # see `push`
 
     def _put(self, item: m.Message | LinkError, nbytes: int) -> None:
+        if self._deliver is not None:
+            if not self._ended:
+                self._deadline = self._link._loop.time() + self._timeout
+                self._hand(item)
+            self._link._consumed(nbytes)
+            return
         self._items.append((item, nbytes))
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def push(self, deliver: Callable[[m.Message | LinkError], None]) -> None:
+        """Instead of iterating: `deliver` gets each message as it arrives, then what ends the
+        stream as iterating would raise it (`LinkError`: `RemoteError` for an `Error`,
+        `LinkTimeout` when nothing arrives within the timeout), nothing after the message or
+        error that ends it; what arrived before this call at once.  Called on the loop, in the
+        link's receive path: it must not block (queue the work, wake a task).  `close` stops it."""
+        self._deliver = deliver
+        loop = self._link._loop
+        self._deadline = loop.time() + self._timeout
+        if self._timer is None:
+            self._arm(loop, self._deadline)
+        while self._items and not self._ended:
+            item, nbytes = self._items.popleft()
+            self._link._consumed(nbytes)
+            self._hand(item)
+
+    def _hand(self, item: m.Message | LinkError) -> None:
+        """One item to the push receiver, as `__anext__` would yield or raise it."""
+        if isinstance(item, LinkError):
+            self._ended = True
+        elif isinstance(item, m.Error):
+            self._ended = True
+            item = RemoteError(item.code, item.message, item.request_id)
+        elif m.ends_stream(item):
+            self._ended = True
+        if self._ended and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            self._deliver(item)  # type: ignore[misc]
+        except Exception as e:   # a receiver's bug must not break the link's receive path
+            log.error("stream receiver failed", peer=self._link.peer, request_id=self.request_id, error=repr(e))
 
     async def __aenter__(self) -> LinkStream:
         return self
@@ -245,6 +296,14 @@ class LinkStream:
 
     def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
+        if self._deliver is not None:
+            if self._ended:
+                return
+            if self._deadline > self._timer_at:
+                self._arm(loop, self._deadline)
+                return
+            self._hand(LinkTimeout(f"stream {self.request_id!r}: nothing within {self._timeout}s"))
+            return
         waiter = self._waiter
         if waiter is None or waiter.done():
             return                       # nobody waits: the next wait arms its own deadline
@@ -362,6 +421,9 @@ class LinkBase(Link):
 
     def set_kv_sink(self, sink: KvSink | None) -> None:
         self._kv_sink = sink
+
+    def send_nowait(self, msg: m.Message) -> bool:
+        return self._send_at_once(msg, Priority.FOREGROUND)
 
     async def send(self, msg: m.Message, *, timeout: float | None = None,
                    priority: PriorityLike = Priority.FOREGROUND) -> None:
@@ -583,6 +645,18 @@ class LinkBase(Link):
             self.stats.rtt_s = max(0.0, (_loop_ns(self._loop) - msg.sent_ns) / 1e9)
             self.stats.pongs += 1
             return
+        if type(msg) is m.TokenBatch:
+            # Split at the edge: each item goes where it would have gone alone, in order.
+            for item in msg.items:
+                self._route(item, 0)
+        else:
+            self._route(msg, owned_bytes)
+        if self._reading and self._inbound_bytes > self.cfg.inbound_buffer_bytes:
+            self._reading = False
+            self._set_reading(False)
+
+    def _route(self, msg: m.Message, owned_bytes: int) -> None:
+        """A one-way message to its stream (by request_id) or, without one, to the handler."""
         rid = getattr(msg, "request_id", None)
         st = self._streams.get(rid) if rid is not None else None
         self._inbound_bytes += owned_bytes
@@ -593,9 +667,6 @@ class LinkBase(Link):
         else:
             self._inbox.append((msg, owned_bytes))
             self._inbox_wake.set()
-        if self._reading and self._inbound_bytes > self.cfg.inbound_buffer_bytes:
-            self._reading = False
-            self._set_reading(False)
 
     def _consumed(self, nbytes: int) -> None:
         self._inbound_bytes -= nbytes

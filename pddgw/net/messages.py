@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from pddgw.core.errors import check as _check
 from pddgw.core.kv import MAX_REQUEST_ID_CHARS, Buffer, KVChunk, KVSpan  # noqa: F401  (part of this module's message set)
 
 # Limits on metadata fields: generous for real use, small enough that a hostile
@@ -24,14 +25,10 @@ from pddgw.core.kv import MAX_REQUEST_ID_CHARS, Buffer, KVChunk, KVSpan  # noqa:
 MAX_ID_CHARS = MAX_REQUEST_ID_CHARS
 MAX_TEXT_CHARS = 4096
 MAX_TOKEN_IDS = 1 << 20
+MAX_BATCH_ITEMS = 4096             # TokenItems in one TokenBatch (their ids together: MAX_TOKEN_IDS)
 MAX_HASHES = 1 << 20
 TOKEN_ID_LIMIT = 1 << 31           # token IDs are int32 >= 0 on the wire
 HASH_LIMIT = 1 << 64               # prefix hashes are uint64
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def _text(v: object, name: str, limit: int = MAX_ID_CHARS, empty: bool = True) -> None:
@@ -171,11 +168,35 @@ class TokenItem:
     tag: Literal["token_item"] = "token_item"
 
     def __post_init__(self) -> None:
+        # One per output token: the common case (one token, or none) checked inline, the checks
+        # below (which name what is wrong) for every other.
+        rid, pos, ids, reason = self.request_id, self.position, self.ids, self.reason
+        if (type(rid) is str and len(rid) <= MAX_ID_CHARS and type(pos) is int and 0 <= pos < 1 << 31
+                and type(self.done) is bool and type(reason) is str and len(reason) <= MAX_ID_CHARS
+                and type(ids) is tuple and (not ids or (len(ids) == 1 and type(ids[0]) is int
+                                                        and 0 <= ids[0] < TOKEN_ID_LIMIT))):
+            return
         _text(self.request_id, "request_id")
         _uint(self.position, "position", 1 << 31)
         _int_tuple(self, "ids", self.ids, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)
         _flag(self.done, "done")
         _text(self.reason, "reason")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """Several requests' output stream items in one frame (a decode node sends one engine step's
+    items to one router at once).  Never a stream item itself: the receiving link splits it at
+    its edge and routes each `TokenItem` as if it had come alone, in order."""
+
+    items: tuple[TokenItem, ...]
+    tag: Literal["token_batch"] = "token_batch"
+
+    def __post_init__(self) -> None:
+        _check(type(self.items) is tuple, "items must be a tuple of TokenItem")
+        _check(1 <= len(self.items) <= MAX_BATCH_ITEMS, f"items: between 1 and {MAX_BATCH_ITEMS} of them")
+        _check(all(type(it) is TokenItem for it in self.items), "items must be TokenItems")
+        _check(sum(len(it.ids) for it in self.items) <= MAX_TOKEN_IDS, f"items: more than {MAX_TOKEN_IDS} ids")
 
 
 # ---------------------------------------------------------------------------
@@ -307,13 +328,13 @@ class Pong:
         _uint(self.sent_ns, "sent_ns")
 
 
-Message = (Hello | Challenge | Auth | Welcome | KVChunk | TokenIds | TokenItem | Ready | Ack | Cancel
-           | Error | LoadReport | PrefixQuery | PrefixAnswer | Ping | Pong)
+Message = (Hello | Challenge | Auth | Welcome | KVChunk | TokenIds | TokenItem | TokenBatch | Ready | Ack
+           | Cancel | Error | LoadReport | PrefixQuery | PrefixAnswer | Ping | Pong)
 
 # Wire kind byte of each message class.  Append only: the numbers are protocol.
 KINDS: dict[int, type] = {
     1: Hello, 2: Challenge, 3: Auth, 4: Welcome,
-    10: KVChunk, 11: TokenIds, 12: TokenItem,
+    10: KVChunk, 11: TokenIds, 12: TokenItem, 13: TokenBatch,
     20: Ready, 21: Ack, 22: Cancel, 23: Error,
     30: LoadReport, 31: PrefixQuery, 32: PrefixAnswer,
     40: Ping, 41: Pong,

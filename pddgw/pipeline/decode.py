@@ -35,6 +35,13 @@ sent along (`kv_done`), the rest with the engine's.  Handed-off tokens
 Each session owns its request's output stream from `open` on (`outputs`):
 closing the session closes the stream, so nothing stays registered in the
 AsyncEngine whatever point a request is cancelled at.
+
+One reader per worker, not one task per request: from DECODING (or a
+re-drive's open) on, a request's outputs are fed to the worker's step sink
+(`AsyncEngine` hands it every request's outputs of a step in one call), and
+one reader task records them and emits the step's tokens together (`Emit`
+per event, or `EmitMany` once per step: the node sends one frame per router
+link per step).
 """
 
 from __future__ import annotations
@@ -79,10 +86,36 @@ class TokenEvent:
 
 
 Emit = Callable[[TokenEvent], Awaitable[None]]
+# The events of one engine step (several requests'), in step order.
+EmitMany = Callable[[list[TokenEvent]], Awaitable[None]]
+# Emits within the call what can go at once -> the events it did not emit (in order).
+EmitNow = Callable[[list[TokenEvent]], list[TokenEvent]]
+
+
+class _Progress:
+    """Wakes whoever waits for a session's progress (`num_computed`, `state`): `notify` is a
+    plain call (the reader records a step's outputs without awaiting anything)."""
+
+    __slots__ = ("_waiters",)
+
+    def __init__(self) -> None:
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def wait_for(self, pred: Callable[[], bool]) -> None:
+        while not pred():
+            w = asyncio.get_running_loop().create_future()
+            self._waiters.append(w)
+            await w
 
 
 class _Session:
-    __slots__ = ("rid", "state", "tokens", "task", "emitted", "frozen", "num_prompt", "num_computed",
+    __slots__ = ("rid", "state", "tokens", "reading", "emitted", "frozen", "num_prompt", "num_computed",
                  "progress", "decode_start", "outputs", "want_logprobs", "logprobs")
 
     def __init__(self, rid: str, num_prompt: int, outputs: RequestStream, want_logprobs: bool = False):
@@ -93,20 +126,29 @@ class _Session:
         self.want_logprobs = want_logprobs
         # With want_logprobs: parallel to tokens (None for a handed-off token: not emitted here).
         self.logprobs: list[TokenLogprobs | None] = []
-        self.task: asyncio.Task[None] | None = None
+        self.reading = False             # its outputs are fed to the worker's reader
         self.emitted = 0                 # positions already passed to emit
         self.frozen = False              # RLD stopped for the final handoff round
         self.num_prompt = num_prompt
         self.num_computed = 0            # tokens (prompt + output) whose KV is in the engine
-        self.progress = asyncio.Condition()   # notified when num_computed or state changes
+        self.progress = _Progress()      # notified when num_computed or state changes
         self.decode_start: tuple[float, int] | None = None   # (loop time, tokens) when decoding began
 
 
 class DecodeWorker:
-    def __init__(self, aeng: AsyncEngine, emit: Emit):
+    def __init__(self, aeng: AsyncEngine, emit: Emit, emit_many: EmitMany | None = None,
+                 emit_now: EmitNow | None = None):
         self.aeng = aeng
         self.engine = aeng.engine
         self._emit = emit
+        self._emit_many = emit_many or self._each
+        self._emit_now = emit_now
+        # Steps' outputs fed to this worker (AsyncEngine's step sink), until the reader takes
+        # them; or a step recorded already, (what is left to emit, failed sessions).
+        self._steps: deque[list[tuple[_Session, RequestOutput | BaseException]]
+                           | tuple[list[TokenEvent], list[_Session]]] = deque()
+        self._reader: asyncio.Task[None] | None = None
+        self._reader_wake: asyncio.Future[None] | None = None
         self.sessions: dict[str, _Session] = {}
         # Prompt logprobs of compute requests that asked, until the router fetched them (its Cancel).
         self.scored = PromptScores()
@@ -204,12 +246,11 @@ class DecodeWorker:
         s.tokens.append(first_token)
         if s.want_logprobs:
             s.logprobs.append(first_logprobs)
-        async with s.progress:
-            s.state = DecodeState.DECODING if decode else DecodeState.HOLDING
-            s.progress.notify_all()
+        s.state = DecodeState.DECODING if decode else DecodeState.HOLDING
+        s.progress.notify()
         if decode:
             s.decode_start = (asyncio.get_running_loop().time(), len(s.tokens))
-        s.task = asyncio.create_task(self._consume(s), name=f"decode-{rid}")
+        self._read(s)
         if decode:
             await self._emit_new(s)
 
@@ -232,8 +273,7 @@ class DecodeWorker:
         # A catch-up round is done when MD has extended it (all but the held last token),
         # so the next round is small and MD's cache holds what it was sent.
         target = s.num_prompt + len(s.tokens) - 1
-        async with s.progress:
-            await s.progress.wait_for(lambda: s.num_computed >= target or s.state == DecodeState.DONE)
+        await s.progress.wait_for(lambda: s.num_computed >= target or s.state == DecodeState.DONE)
 
     # ---- RLD side of the handoff (the rounds: handoff.py) -------------------------------
     async def begin_handoff(self, rid: str) -> _Session:
@@ -244,8 +284,7 @@ class DecodeWorker:
         first, then hands off at once."""
         s = self._get(rid)
         if s.state == DecodeState.IMPORTING:
-            async with s.progress:
-                await s.progress.wait_for(lambda: s.state != DecodeState.IMPORTING)
+            await s.progress.wait_for(lambda: s.state != DecodeState.IMPORTING)
         if s.state != DecodeState.DECODING:
             raise RequestError(f"request {rid!r} is {s.state.name}, cannot hand off")
         s.state = DecodeState.HANDING_OFF
@@ -284,7 +323,7 @@ class DecodeWorker:
         s.state = DecodeState.HOLDING if hold else DecodeState.DECODING
         if not hold:
             s.decode_start = (asyncio.get_running_loop().time(), 0)
-        s.task = asyncio.create_task(self._consume(s), name=f"decode-{rid}")
+        self._read(s)
         return 0
 
     async def cancel(self, rid: str) -> bool:
@@ -297,26 +336,96 @@ class DecodeWorker:
         return True
 
     # ---- internals ------------------------------------------------------------------------
-    async def _consume(self, s: _Session) -> None:
-        """Forward engine outputs of one request, in order, until it ends."""
+    def _read(self, s: _Session) -> None:
+        """From now on the reader records and emits `s`'s outputs, in order, until it ends."""
+        s.reading = True
+        s.outputs.feed(self._on_step, s)
+
+    def _on_step(self, got: list[tuple[_Session, RequestOutput | BaseException]]) -> None:
+        """The engine's step sink: with nothing queued before it, the step is recorded here and
+        its tokens emitted within the call where they can go at once (`EmitNow`); the rest
+        is queued for the reader (started when none runs)."""
+        if self._emit_now is not None and self._reader is None and not self._steps:
+            events: list[TokenEvent] = []
+            failed: list[_Session] = []
+            for s, out in got:
+                if s.reading:
+                    self._take(s, out, events, failed)
+            if events:
+                try:
+                    events = self._emit_now(events)
+                except Exception as e:   # (a bug): the reader's emit reports it
+                    log.error("decode_emit_now_failed", error=repr(e))
+            if not events and not failed:
+                return
+            self._steps.append((events, failed))
+        else:
+            self._steps.append(got)
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_steps(), name="decode-reader")
+        elif self._reader_wake is not None and not self._reader_wake.done():
+            self._reader_wake.set_result(None)
+
+    async def _read_steps(self) -> None:
+        """The reader: each step's outputs recorded, then its tokens emitted in one go; it ends
+        when no session is left (the next step's sink starts another)."""
+        loop = asyncio.get_running_loop()
         try:
-            async with contextlib.aclosing(s.outputs) as outputs:
-                async for out in outputs:
-                    if s.frozen or not await self._on_output(s, out):
-                        return
-        except Exception as e:   # engine stopped or crashed: the router re-drives
+            while True:
+                while self._steps:
+                    step = self._steps.popleft()
+                    if type(step) is tuple:
+                        events, failed = step
+                    else:
+                        events, failed = [], []
+                        for s, out in step:
+                            if s.reading:
+                                self._take(s, out, events, failed)
+                    if events:
+                        await self._emit_many(events)
+                    for s in failed:      # its stream ends here: the request is aborted, if live
+                        with contextlib.suppress(Exception):
+                            await s.outputs.aclose()
+                if not self.sessions:
+                    return
+                self._reader_wake = loop.create_future()
+                await self._reader_wake
+                self._reader_wake = None
+        finally:
+            self._reader = self._reader_wake = None
+
+    def _take(self, s: _Session, out: RequestOutput | BaseException, events: list[TokenEvent],
+              failed: list[_Session]) -> None:
+        """Record one engine output of `s` (adding what to emit to `events`); a failure (the engine
+        stopped or crashed, or an output that breaks the contract) ends the request here and the
+        router re-drives it."""
+        if s.frozen:
+            s.reading = False
+            return
+        try:
+            if isinstance(out, BaseException):
+                raise out
+            if not self._on_output(s, out, events):
+                s.reading = False
+        except Exception as e:
+            s.reading = False
             if not s.frozen:
                 log.warning("decode_stream_failed", request_id=s.rid, error=repr(e))
-                await self._emit(TokenEvent(s.rid, len(s.tokens), (), True, "error", str(e)))
-            await self._finish(s)
+                events.append(TokenEvent(s.rid, len(s.tokens), (), True, "error", str(e)))
+            self._finish(s)
+            failed.append(s)
 
-    async def _on_output(self, s: _Session, out: RequestOutput) -> bool:
-        """Record and emit one engine output; False once the request has ended here."""
+    async def _each(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            await self._emit(ev)
+
+    def _on_output(self, s: _Session, out: RequestOutput, events: list[TokenEvent]) -> bool:
+        """Record one engine output (what to emit goes to `events`); False once the request has
+        ended here."""
         if out.prompt_logprobs:
             self.scored.put(s.rid, out.prompt_logprobs)
-        async with s.progress:
-            s.num_computed = out.num_computed_tokens
-            s.progress.notify_all()
+        s.num_computed = out.num_computed_tokens
+        s.progress.notify()
         if out.new_token_ids:
             assert out.position == len(s.tokens), (out.position, len(s.tokens))
             s.tokens += out.new_token_ids
@@ -327,39 +436,46 @@ class DecodeWorker:
                 s.logprobs += out.logprobs
         if out.finished:
             if out.finish_reason != "abort":
-                await self._finish(s)
-                await self._emit_new(s, finished=True, reason=out.finish_reason)
+                self._finish(s)
+                ev = self._take_new(s, finished=True, reason=out.finish_reason)
+                if ev is not None:
+                    events.append(ev)
             return False
         if s.state in (DecodeState.DECODING, DecodeState.HANDING_OFF):
-            await self._emit_new(s)
+            ev = self._take_new(s)
+            if ev is not None:
+                events.append(ev)
         return True
 
-    async def _emit_new(self, s: _Session, finished: bool = False, reason: str | None = None) -> None:
+    def _take_new(self, s: _Session, finished: bool = False, reason: str | None = None) -> TokenEvent | None:
+        """The tokens of `s` not emitted yet, as the event that emits them (None: nothing new)."""
         new = tuple(s.tokens[s.emitted :])
         if not new and not finished:
-            return
+            return None
         lps: tuple[TokenLogprobs, ...] = ()
         if s.want_logprobs and new:
             got = s.logprobs[s.emitted : len(s.tokens)]
             assert all(lp is not None for lp in got), f"request {s.rid}: emitting tokens without logprobs"
             lps = tuple(got)  # type: ignore[arg-type]
         pos, s.emitted = s.emitted, len(s.tokens)
-        await self._emit(TokenEvent(s.rid, pos, new, finished, reason, logprobs=lps))
+        return TokenEvent(s.rid, pos, new, finished, reason, logprobs=lps)
 
-    async def _finish(self, s: _Session) -> None:
+    async def _emit_new(self, s: _Session, finished: bool = False, reason: str | None = None) -> None:
+        ev = self._take_new(s, finished, reason)
+        if ev is not None:
+            await self._emit(ev)
+
+    def _finish(self, s: _Session) -> None:
         """The request has ended here: wake whoever waits on its progress."""
-        async with s.progress:
-            s.state = DecodeState.DONE
-            s.progress.notify_all()
+        s.state = DecodeState.DONE
+        s.progress.notify()
         self.sessions.pop(s.rid, None)
+        if not self.sessions and self._reader_wake is not None and not self._reader_wake.done():
+            self._reader_wake.set_result(None)       # an idle reader with no session left ends
 
     async def _close(self, s: _Session) -> None:
-        await self._finish(s)
-        task, s.task = s.task, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        self._finish(s)
+        s.reading = False      # what the reader still holds of it is dropped
         # However far the request got (importing, or its reader never started), its stream
         # ends here: the engine's entry for it goes, and the request is aborted if still live.
         await s.outputs.aclose()

@@ -91,7 +91,8 @@ class WorkerNode:
         self._connect = connect
         self.metrics = NodeMetrics(name, role, lambda: self.aeng.call(self.engine.stats), self.kv_sent)
         self.prefill = PrefillWorker(self.aeng, kv_chunk_bytes, self.metrics.transfer) if role == "prefill" else None
-        self.decode = DecodeWorker(self.aeng, self._emit) if role in ("rld", "md") else None
+        self.decode = (DecodeWorker(self.aeng, self._emit, self._emit_many, self._emit_now)
+                       if role in ("rld", "md") else None)
         self._open: dict[str, _Open] = {}
         self._pins: dict[str, Link] = {}          # prefix pins, by request, with the asking link
         self._watched: dict[Link, asyncio.Task[None]] = {}
@@ -481,6 +482,74 @@ class WorkerNode:
             self._dropped.add(rid)
 
     # ---- outbound token stream -------------------------------------------------------
+    async def _emit_many(self, events: list[TokenEvent]) -> None:
+        """One engine step's events: per router link, the tokens that carry no logprobs in one
+        frame (a `TokenBatch`; a lone item as its TokenItem), the others one by one (`_emit`)."""
+        if len(events) == 1:
+            await self._emit(events[0])
+            return
+        by_link: dict[Link, list[m.TokenItem]] = {}
+        for ev in events:
+            if ev.error is not None or ev.logprobs:
+                await self._emit(ev)
+                continue
+            op = self._open.get(ev.request_id)
+            if op is None:
+                continue
+            if ev.finished:
+                self._open.pop(ev.request_id, None)
+            by_link.setdefault(op.router, []).append(
+                m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished, ev.finish_reason or ""))
+        for link, items in by_link.items():
+            for part in _batches(items):
+                await self._send_items(link, part)
+
+    def _emit_now(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """`_emit_many` within the call, where every frame goes out at once (`Link.send_nowait`)
+        -> the events not sent (in order: `_emit_many` sends them).  Those with logprobs or an
+        error always go that way."""
+        by_link: dict[Link, list[TokenEvent]] = {}
+        left: list[TokenEvent] = []
+        for ev in events:
+            if ev.error is not None or ev.logprobs:
+                left.append(ev)
+                continue
+            op = self._open.get(ev.request_id)
+            if op is not None:
+                by_link.setdefault(op.router, []).append(ev)
+        for link, evs in by_link.items():
+            items = [m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished, ev.finish_reason or "")
+                     for ev in evs]
+            parts = _batches(items)
+            for part, part_evs in zip(parts, _cut_like(evs, parts)):
+                if link.send_nowait(part[0] if len(part) == 1 else m.TokenBatch(tuple(part))):
+                    for ev in part_evs:
+                        if ev.finished:
+                            self._open.pop(ev.request_id, None)
+                else:
+                    left += part_evs
+        return left
+
+    async def _send_items(self, link: Link, items: list[m.TokenItem]) -> None:
+        rids = [it.request_id for it in items]
+        sending = self._sending
+        for rid in rids:
+            sending[rid] = sending.get(rid, 0) + 1
+        try:
+            await link.send(items[0] if len(items) == 1 else m.TokenBatch(tuple(items)))
+        except LinkError as e:
+            # The router is gone: nobody will read these requests' tokens. Free them.
+            for rid in rids:
+                log.warning("router_link_lost", node=self.name, request_id=rid, error=str(e))
+                with contextlib.suppress(Exception):
+                    await self._cancel(rid)
+        finally:
+            for rid in rids:
+                if sending[rid] == 1:
+                    del sending[rid]
+                else:
+                    sending[rid] -= 1
+
     async def _emit(self, ev: TokenEvent) -> None:
         op = self._open.get(ev.request_id)
         if op is None:
@@ -508,3 +577,25 @@ class WorkerNode:
                 del self._sending[rid]
             else:
                 self._sending[rid] -= 1
+
+
+def _batches(items: list[m.TokenItem]) -> list[list[m.TokenItem]]:
+    """`items` cut into parts that each fit one TokenBatch (item count and ids)."""
+    parts: list[list[m.TokenItem]] = [[]]
+    ids = 0
+    for it in items:
+        if parts[-1] and (len(parts[-1]) == m.MAX_BATCH_ITEMS or ids + len(it.ids) > m.MAX_TOKEN_IDS):
+            parts.append([])
+            ids = 0
+        parts[-1].append(it)
+        ids += len(it.ids)
+    return parts
+
+
+def _cut_like(evs: list[TokenEvent], parts: list[list[m.TokenItem]]) -> list[list[TokenEvent]]:
+    """`evs` cut at the same places as their items in `parts`."""
+    out, at = [], 0
+    for part in parts:
+        out.append(evs[at : at + len(part)])
+        at += len(part)
+    return out

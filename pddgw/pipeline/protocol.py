@@ -21,6 +21,9 @@ Who sends what (requests are answered; the rest are one-way):
   RLD -> MD         Extend(start, ids, final) -> Ack      a handoff round (router -> any: a re-drive)
   RLD -> router     HandoffRound                          for the request's timeline
   RLD/MD -> router  TokenItem (net) ...                   output tokens, position-keyed; done ends
+                    or TokenBatch (net)                   an engine step's TokenItems of several
+                                                          requests (none with logprobs), split
+                                                          into its items at the router's edge
   router -> any     Cancel (net)                          free everything of the request
   RLD/P/MD -> router Draining                             SIGTERM: route nothing new here; what is
                                                           in flight finishes or is moved (an Error
@@ -54,10 +57,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pddgw.core.errors import check as _check
 from pddgw.core.sampling import MAX_LOGPROBS, SamplingParams
 from pddgw.engines.types import LOGPROB_FLOOR, RequestError, TokenLogprobs
 from pddgw.net.messages import MAX_ID_CHARS, MAX_TEXT_CHARS, MAX_TOKEN_IDS, TOKEN_ID_LIMIT
-from pddgw.net.messages import _check, _flag, _int_tuple, _number, _text, _uint
+from pddgw.net.messages import _flag, _int_tuple, _number, _text, _uint
 
 MAX_TARGETS = 16
 # Positions per Logprobs message: 64 x 21 floats of <= 24 JSON characters stay well inside

@@ -16,10 +16,11 @@ For each request (`Router.run`), in order:
      in P-RLD-MD), and reports bytes and wire seconds per target (the WAN
      estimator's samples).
   5. Merge the decoders' token streams by position (each position once, in
-     order) and pass every run to the caller as soon as it is in order; the
-     pumps turn messages into typed events (events.py), joining each token
-     piece with its logprobs when the request asked for them (P's first
-     token's come through the decoder that emits position 0).
+     order) and pass every run to the caller as soon as it is in order; each
+     decoder's stream pushes its messages, turned into typed events at the
+     edge (events.py), into the request's event queue (no task per stream),
+     joining each token piece with its logprobs when the request asked for
+     them (P's first token's come through the decoder that emits position 0).
   6. P-RLD-MD: when MD reports the prompt KV in, hand off by token IDs
      (handoff.py); RLD's relay slot is free when the handoff ends.
   7. Finish when a decoder ends the sequence and every position before the
@@ -65,8 +66,8 @@ from typing import Any
 import structlog
 
 from pddgw.config import Config, NodeConfig
-from pddgw.engines.block_manager import chain_hashes
 from pddgw.engines.model_spec import ModelSpec
+from pddgw.engines.prompt_hashes import prompt_hashes
 from pddgw.core.sampling import SamplingParams
 from pddgw.engines.types import TokenLogprobs
 from pddgw.metrics import RouterCounts, RouterMetrics
@@ -223,7 +224,7 @@ class _Flight:
 
     def block_hashes(self, block_size: int) -> tuple[int, ...]:
         if block_size not in self.hashes:
-            self.hashes[block_size] = tuple(chain_hashes(self.prompt, block_size))
+            self.hashes[block_size] = prompt_hashes(self.prompt, block_size)
         return self.hashes[block_size]
 
 
@@ -677,15 +678,27 @@ class Router:
         rid = fl.rid
         events: asyncio.Queue[Event] = asyncio.Queue()
 
-        async def pump(node: NodeHandle) -> None:
+        def pump(node: NodeHandle) -> None:
+            """The decoder's stream pushes into `events` (no task per stream: `LinkStream.push`)."""
             reader = self._reader(node, fl)
-            try:
-                async for msg in streams[node.name]:
+            failed = False
+
+            def push(msg: m.Message | LinkError) -> None:
+                nonlocal failed
+                if failed:
+                    return
+                try:
+                    if isinstance(msg, LinkError):
+                        raise msg
                     ev = reader.event(msg)
-                    if ev is not None:
-                        events.put_nowait(ev)
-            except Exception as e:   # never lose a failure silently
-                events.put_nowait(NodeFailed(node, str(e) if isinstance(e, LinkError) else repr(e)))
+                except Exception as e:   # never lose a failure silently
+                    failed = True
+                    events.put_nowait(NodeFailed(node, str(e) if isinstance(e, LinkError) else repr(e)))
+                    return
+                if ev is not None:
+                    events.put_nowait(ev)
+
+            streams[node.name].push(push)
 
         async def prefill() -> None:
             msg = pm.Prefill(request_id=rid, targets=tuple(starts), starts=tuple(starts.values()),  # type: ignore[arg-type]
@@ -708,7 +721,10 @@ class Router:
                 self._unqueue_wan(fl)
                 p.prefill_backlog -= work
 
-        tasks = [asyncio.create_task(pump(n)) for n in (rld, md) if n is not None]
+        tasks: list[asyncio.Task] = []
+        for n in (rld, md):
+            if n is not None:
+                pump(n)
         # P's KV is on its way until each decoder confirms it (its first token, or MD's
         # Ready): P's PrefillDone only says P's transport took the bytes, so a P lost
         # after it still loses what its wire had not delivered (the decoder would wait

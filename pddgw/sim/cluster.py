@@ -106,9 +106,9 @@ async def _one(router: Router, rid: str, prompt: tuple[int, ...], turn: Turn, se
         now = loop.time()
         if res.ttft_s is None:
             res.ttft_s = now - t0
-            res.itl_s.extend([0.0] * (len(run.token_ids) - 1))
         else:
             res.itl_s.append(now - last)
+        if len(run.token_ids) > 1:
             res.itl_s.extend([0.0] * (len(run.token_ids) - 1))
         last = now
         out.extend(run.token_ids)

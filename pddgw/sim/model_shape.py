@@ -41,12 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pddgw.core.errors import check as _check
 from pddgw.engines.model_spec import ModelSpec, RopeScaling
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 # KV entry formats (bytes of one cached entry of one layer), per attention family and KV

@@ -32,7 +32,6 @@ from typing import Any
 
 import orjson
 
-from pddgw.bench.common import format_table
 from pddgw.config import ConfigError
 from pddgw.logs import setup_logging
 from pddgw.sim.plan_bounds import Bound, capacity
@@ -40,6 +39,7 @@ from pddgw.sim.plan_search import Evaluation, KindResult, _Workloads, search, up
 from pddgw.sim.plan_space import KINDS, Plan, candidates, load_plan
 from pddgw.sim.plan_write import config_toml, deployments_toml, serve_comment, serve_config
 from pddgw.sim.profiles import model
+from pddgw.tables import format_table
 
 
 def _bound_json(b: Bound) -> dict[str, Any]:

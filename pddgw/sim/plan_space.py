@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from pddgw.config import ConfigError, PolicyConfig, load_toml
+from pddgw.core.errors import check as _check
 from pddgw.sim.profiles import HARDWARE, ModelProfile, hardware
 from pddgw.sim.scenario import (DeploymentSpec, GoodputSpec, NodeGroup, Scenario, SloSpec, WorkloadSpec, group_fit,
                                 load_scenario)
@@ -38,11 +39,6 @@ from pddgw.sim.scenario import (DeploymentSpec, GoodputSpec, NodeGroup, Scenario
 Kind = Literal["same-dc", "naive-cross-dc", "pdd"]
 KINDS: tuple[Kind, ...] = ("same-dc", "naive-cross-dc", "pdd")
 ROLE_PREFIX = {"prefill": "P", "rld": "RLD", "md": "MD"}
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,14 +24,10 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from pddgw.core.errors import check as _check
 from pddgw.engines.model_spec import RopeScaling
 from pddgw.sim import hf_config
 from pddgw.sim.model_shape import ModelProfile
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,36 +164,28 @@ HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in (
 
 
 # Shapes from each model's Hugging Face config.json (all: SiLU, no attention
-# bias, untied embeddings, bf16 weights).
+# bias, untied embeddings, bf16 weights).  The other Llamas are Llama-3-70B's
+# shape with what their config.json changes.
+# meta-llama/Meta-Llama-3-70B config.json.
+_LLAMA3_70B = ModelProfile(
+    name="llama3-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+    intermediate_size=28672, vocab_size=128256, max_position_embeddings=8192,
+    eos_token_ids=(128001,), bos_token_id=128000, arch="llama", rope_theta=500000.0, rms_norm_eps=1e-5,
+)
 MODELS: dict[str, ModelProfile] = {p.name: p for p in (
-    # meta-llama/Meta-Llama-3-70B config.json.
-    ModelProfile(
-        name="llama3-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
-        intermediate_size=28672, vocab_size=128256, max_position_embeddings=8192,
-        eos_token_ids=(128001,), bos_token_id=128000, arch="llama", rope_theta=500000.0, rms_norm_eps=1e-5,
-    ),
+    _LLAMA3_70B,
     # meta-llama/Llama-3.1-70B config.json: the same layers, 128K context via
     # "llama3" RoPE scaling; the shape for the paper's 64K-token prompts.
-    ModelProfile(
-        name="llama3.1-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
-        intermediate_size=28672, vocab_size=128256, max_position_embeddings=131072,
-        eos_token_ids=(128001,), bos_token_id=128000, arch="llama", rope_theta=500000.0, rms_norm_eps=1e-5,
-        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=8192),
-    ),
-    # meta-llama/Meta-Llama-3-8B config.json (small fidelity runs).
-    ModelProfile(
-        name="llama3-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-        intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
-        eos_token_ids=(128001,), bos_token_id=128000, arch="llama", rope_theta=500000.0, rms_norm_eps=1e-5,
-    ),
+    dataclasses.replace(_LLAMA3_70B, name="llama3.1-70b", max_position_embeddings=131072,
+                        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                 original_max_position_embeddings=8192)),
+    # meta-llama/Meta-Llama-3-8B config.json (small fidelity runs): 32 narrower layers.
+    dataclasses.replace(_LLAMA3_70B, name="llama3-8b", num_layers=32, hidden_size=4096, num_heads=32,
+                        intermediate_size=14336),
     # meta-llama/Llama-2-70b-hf config.json: the model of most 2023 published
     # measurements (calibration); Llama-3-70B layers with a 32K vocabulary.
-    ModelProfile(
-        name="llama2-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
-        intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096,
-        eos_token_ids=(2,), bos_token_id=1, arch="llama", rope_theta=10000.0, rms_norm_eps=1e-5,
-    ),
+    dataclasses.replace(_LLAMA3_70B, name="llama2-70b", vocab_size=32000, max_position_embeddings=4096,
+                        eos_token_ids=(2,), bos_token_id=1, rope_theta=10000.0),
     # Qwen/Qwen3-32B config.json: 64 query heads of 128 (8192 wide) on a 5120
     # residual stream; sliding window off.
     ModelProfile(

@@ -20,7 +20,6 @@ from typing import Any
 
 import orjson
 
-from pddgw.bench.common import format_table
 from pddgw.config import Config, ConfigError
 from pddgw.logs import setup_logging
 from pddgw.sim import report
@@ -29,6 +28,7 @@ from pddgw.sim.cluster import RunResult, run_deployment
 from pddgw.sim.profiles import model as model_profile
 from pddgw.sim.scenario import Scenario, deployment_config, deployment_price, load_scenario
 from pddgw.sim.workload import AgenticSpec, Conversation, agentic, load_trace, shared_prefix
+from pddgw.tables import format_table
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,16 +19,12 @@ from typing import Literal
 
 from pddgw.config import (Config, ConfigError, CostModelConfig, EngineConfig, LogConfig, ModelConfig, NetConfig,
                           NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, load_config, load_toml)
+from pddgw.core.errors import check as _check
 from pddgw.sim.costmodel_engine import parallel
 from pddgw.sim.model_shape import ModelProfile
 from pddgw.sim.profiles import HARDWARE, MODELS, hardware, model
 from pddgw.sim.roofline import Fit, memory_fit
 from pddgw.sim.workload import AgenticSpec
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,10 +243,11 @@ def load_scenario(path: str | Path) -> Scenario:
     return dataclasses.replace(sc, deployments=deps, workload=wl)
 
 
-def _links(sc: Scenario, wan_gbps: float | None) -> tuple[ShapingConfig, ...]:
+def _with_wan(links: tuple[ShapingConfig, ...], wan_gbps: float | None) -> tuple[ShapingConfig, ...]:
+    """`links` with the "wan" one at a constant `wan_gbps` (None: as they are)."""
     if wan_gbps is None:
-        return sc.links
-    return tuple(dataclasses.replace(s, gbps=wan_gbps, trace=()) if s.name == "wan" else s for s in sc.links)
+        return links
+    return tuple(dataclasses.replace(s, gbps=wan_gbps, trace=()) if s.name == "wan" else s for s in links)
 
 
 def sim_net(links: tuple[ShapingConfig, ...], kv_frame_bytes: int) -> NetConfig:
@@ -264,10 +261,7 @@ def deployment_config(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None 
     """The Config that `dep` runs as (nodes expanded from the groups, cost-model engines)."""
     if dep.config:
         cfg = load_config(dep.config)
-        net = cfg.net
-        if wan_gbps is not None:
-            net = dataclasses.replace(net, links=tuple(dataclasses.replace(s, gbps=wan_gbps, trace=())
-                                                       if s.name == "wan" else s for s in net.links))
+        net = dataclasses.replace(cfg.net, links=_with_wan(cfg.net.links, wan_gbps))
         return dataclasses.replace(cfg, net=net, log=LogConfig(level="warning"))
     nodes = [NodeConfig("router", "router", "A")]
     prefix = {"prefill": "p", "rld": "rld", "md": "md"}
@@ -283,7 +277,7 @@ def deployment_config(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None 
             nodes.append(NodeConfig(f"{prefix[g.role]}{i}", g.role, g.cluster,
                                     cost=g.price / g.count, engine=ecfg))
     return Config(model=ModelConfig(profile=sc.model), engine=nodes[1].engine or EngineConfig(),
-                  net=sim_net(_links(sc, wan_gbps), int(sc.kv_frame_mb * (1 << 20))),
+                  net=sim_net(_with_wan(sc.links, wan_gbps), int(sc.kv_frame_mb * (1 << 20))),
                   policy=dep.policy, server=ServerConfig(request_timeout_s=3600.0),
                   log=LogConfig(level="warning"), nodes=tuple(nodes))
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pddgw.engines.weights import build_tiny
-from tests.api.test_openai_client import ADMIN, KEY, served  # noqa: F401  (served is a fixture)
+from tests.api.deployment import ADMIN, KEY
 from tests.pipeline.pdd_client import reference
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it rests."
@@ -60,8 +60,8 @@ def check_prompt_part(tok, ids: list[int], lp: dict, k: int) -> None:
 
 
 @pytest.mark.parametrize("pipeline", ["P-MD", "P-RLD-MD", "P-RLD"])
-async def test_echo_with_logprobs_scores_the_prompt_then_the_completion(served, pipeline):  # noqa: F811
-    side, client, _ = await served()
+async def test_echo_with_logprobs_scores_the_prompt_then_the_completion(deployment, pipeline):
+    side, client, _ = await deployment()
     tok = side.door.tok
     ids = tok.encode(PROMPT)
     status, body = await post(client, {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True,
@@ -80,10 +80,10 @@ async def test_echo_with_logprobs_scores_the_prompt_then_the_completion(served, 
     assert body["usage"]["prompt_tokens"] == n and body["usage"]["completion_tokens"] == 3
 
 
-async def test_lm_eval_loglikelihood_request_shape(served):  # noqa: F811
+async def test_lm_eval_loglikelihood_request_shape(deployment):
     """What lm-eval's local-completions sends for a log-likelihood: token IDs as a batch of one,
     echo, logprobs 1, max_tokens 1, temperature 0; it reads token_logprobs[ctxlen:-1]."""
-    side, client, _ = await served()
+    side, client, _ = await deployment()
     tok = side.door.tok
     ids = tok.encode(PROMPT)
     status, body = await post(client, {"model": side.door.model_name, "prompt": [ids], "max_tokens": 1,
@@ -97,8 +97,8 @@ async def test_lm_eval_loglikelihood_request_shape(served):  # noqa: F811
     assert abs(sum(lp["token_logprobs"][10:-1]) - cont) < 1e-8
 
 
-async def test_echo_with_max_tokens_0_returns_the_prompt_only(served):  # noqa: F811
-    side, client, _ = await served()
+async def test_echo_with_max_tokens_0_returns_the_prompt_only(deployment):
+    side, client, _ = await deployment()
     tok = side.door.tok
     ids = tok.encode(PROMPT)
     status, body = await post(client, {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0})
@@ -113,8 +113,8 @@ async def test_echo_with_max_tokens_0_returns_the_prompt_only(served):  # noqa: 
     assert status == 400 and body["error"]["param"] == "max_tokens"
 
 
-async def test_vllm_prompt_logprobs_field(served):  # noqa: F811
-    side, client, _ = await served()
+async def test_vllm_prompt_logprobs_field(deployment):
+    side, client, _ = await deployment()
     tok = side.door.tok
     ids = tok.encode(PROMPT)
     status, body = await post(client, {"prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3})
@@ -133,8 +133,8 @@ async def test_vllm_prompt_logprobs_field(served):  # noqa: F811
         assert [entry[str(i)]["rank"] for i in top] == [1, 2, 3]
 
 
-async def test_echo_without_logprobs_and_streamed_echo(served):  # noqa: F811
-    side, client, _ = await served()
+async def test_echo_without_logprobs_and_streamed_echo(deployment):
+    side, client, _ = await deployment()
     tok = side.door.tok
     out = "".join(tok.decode([t]) for t in reference(tok.encode(PROMPT), 4))
     status, body = await post(client, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "echo": True})
@@ -159,17 +159,17 @@ async def test_echo_without_logprobs_and_streamed_echo(served):  # noqa: F811
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"echo": True, "max_tokens": 0, "stream": True}, "max_tokens"),
 ])
-async def test_bad_echo_requests_name_the_field(served, body, param):  # noqa: F811
-    _, client, _ = await served()
+async def test_bad_echo_requests_name_the_field(deployment, body, param):
+    _, client, _ = await deployment()
     status, got = await post(client, {"prompt": PROMPT, "max_tokens": 2, **body})
     assert status == 400, got
     assert got["error"]["param"] == param
 
 
-async def test_echo_through_aiohttp_is_unaffected_by_a_warm_prefix_cache(served):  # noqa: F811
+async def test_echo_through_aiohttp_is_unaffected_by_a_warm_prefix_cache(deployment):
     """The same prompt twice: the second finds it in P's and MD's caches, yet its prompt logprobs
     are computed again (the cache is bypassed for the request that asks) and are the same."""
-    side, client, _ = await served()
+    side, client, _ = await deployment()
     body = {"prompt": PROMPT * 3, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
     _, a = await post(client, body)
     _, b = await post(client, body)

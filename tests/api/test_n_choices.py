@@ -18,8 +18,7 @@ import math
 import openai
 import pytest
 
-from tests.api.test_openai_client import served  # noqa: F401  (served is a fixture)
-from tests.api.test_openai_client import KEY
+from tests.api.deployment import KEY
 
 PROMPT = [40 + (i * 7) % 80 for i in range(100)]
 
@@ -28,8 +27,8 @@ def hits(state) -> dict[str, int]:
     return {n: s["prefix_hit_tokens"] for n, s in state["nodes"].items()}
 
 
-async def test_n_choices_equal_single_requests_with_the_derived_seeds(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_n_choices_equal_single_requests_with_the_derived_seeds(deployment):
+    side, _, oai = await deployment()
     name = side.door.model_name
     kw = dict(model=name, prompt=PROMPT, max_tokens=24, temperature=0.9, extra_body={"ignore_eos": True})
     singles = [await oai.completions.create(**kw, seed=7 + i) for i in range(3)]
@@ -49,8 +48,8 @@ async def test_n_choices_equal_single_requests_with_the_derived_seeds(served):  
     assert after["p0"] - before["p0"] == 3 * full
 
 
-async def test_choices_after_the_first_find_the_prompt_in_the_prefix_caches(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_choices_after_the_first_find_the_prompt_in_the_prefix_caches(deployment):
+    side, _, oai = await deployment()
     name = side.door.model_name
     before = hits(await side.state())
     r = await oai.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0.9, seed=1, n=4,
@@ -66,8 +65,8 @@ async def test_choices_after_the_first_find_the_prompt_in_the_prefix_caches(serv
 
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
-async def test_streamed_choices_carry_their_index_and_each_finishes(served, route):  # noqa: F811
-    side, _, oai = await served()
+async def test_streamed_choices_carry_their_index_and_each_finishes(deployment, route):
+    side, _, oai = await deployment()
     name = side.door.model_name
     if route == "chat":
         kw = dict(model=name, messages=[{"role": "user", "content": "Hi."}], max_tokens=16, temperature=0.9,
@@ -103,8 +102,8 @@ async def test_streamed_choices_carry_their_index_and_each_finishes(served, rout
     assert sum(1 for ch in chunks if ch.usage is not None) == 1
 
 
-async def test_greedy_choices_are_identical_and_a_stop_ends_each_on_its_own(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_greedy_choices_are_identical_and_a_stop_ends_each_on_its_own(deployment):
+    side, _, oai = await deployment()
     name = side.door.model_name
     r = await oai.completions.create(model=name, prompt=PROMPT, max_tokens=20, temperature=0, n=2,
                                      extra_body={"ignore_eos": True})
@@ -118,8 +117,8 @@ async def test_greedy_choices_are_identical_and_a_stop_ends_each_on_its_own(serv
                                                                               stop)] * 2
 
 
-async def test_best_of_returns_the_n_most_likely_of_best_of_single_requests(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_best_of_returns_the_n_most_likely_of_best_of_single_requests(deployment):
+    side, _, oai = await deployment()
     name = side.door.model_name
     kw = dict(model=name, prompt=PROMPT, max_tokens=24, temperature=1.0, extra_body={"ignore_eos": True})
     singles = [await oai.completions.create(**kw, seed=i, logprobs=0) for i in range(3)]
@@ -140,8 +139,8 @@ async def test_best_of_returns_the_n_most_likely_of_best_of_single_requests(serv
                                                               for i in order]
 
 
-async def test_chat_best_of_with_one_choice_returns_the_most_likely(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_chat_best_of_with_one_choice_returns_the_most_likely(deployment):
+    side, _, oai = await deployment()
     name = side.door.model_name
     kw = dict(model=name, messages=[{"role": "user", "content": "Hi."}], max_tokens=12, temperature=1.0,
               logprobs=True, extra_body={"ignore_eos": True})
@@ -158,8 +157,8 @@ async def test_chat_best_of_with_one_choice_returns_the_most_likely(served):  # 
     assert r.usage.completion_tokens == 4 * 12
 
 
-async def test_greedy_best_of_returns_the_first_n(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_greedy_best_of_returns_the_first_n(deployment):
+    side, _, oai = await deployment()
     name = side.door.model_name
     r = await oai.completions.create(model=name, prompt=PROMPT, max_tokens=20, temperature=0, seed=5, n=2,
                                      best_of=4, extra_body={"ignore_eos": True})
@@ -178,8 +177,8 @@ async def test_greedy_best_of_returns_the_first_n(served):  # noqa: F811
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3, "best_of": 2},
      "'best_of' must be an integer in [n (3), 16], got 2"),
 ])
-async def test_best_of_refusals_name_it_and_the_node_keeps_serving(served, route, body, message):  # noqa: F811
-    side, client, oai = await served()
+async def test_best_of_refusals_name_it_and_the_node_keeps_serving(deployment, route, body, message):
+    side, client, oai = await deployment()
     async with client.post(f"/v1/{route}", json=body, headers={"Authorization": f"Bearer {KEY}"}) as resp:
         assert resp.status == 400
         err = (await resp.json())["error"]

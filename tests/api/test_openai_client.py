@@ -16,58 +16,14 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 
-from pddgw.api.server import build_app
-from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, PolicyConfig, ServerConfig, ShapingConfig
-from pddgw.deploy.serve import Embedded
+from pddgw.config import Config, EngineConfig, ModelConfig
 from pddgw.harness.leaks import wait_quiescent
 from pddgw.pipeline.ordering import TokenRun
 from pddgw.pipeline.router import RouterError
+from tests.api.deployment import ADMIN, KEY, make_cfg
 from tests.pipeline.pdd_client import reference
 
-KEY, ADMIN = "sk-user", "sk-admin"
 SYSTEM = "You are a terse assistant. Answer in one short line, then stop. " * 2
-
-
-def make_cfg(**server) -> Config:
-    return Config(model=ModelConfig(dtype="float64"),
-                  engine=EngineConfig(num_blocks=256, block_size=16, max_num_batched_tokens=256),
-                  net=NetConfig(links=(ShapingConfig(name="wan", gbps=0.05, latency_ms=5.0),)),
-                  policy=PolicyConfig(pipeline="P-MD"),
-                  server=ServerConfig(api_keys=(KEY,), admin_keys=(ADMIN,), **server))
-
-
-async def serve(aiohttp_client, started: list, cfg: Config, api_key: str = KEY):
-    """Start `cfg` embedded, its app on a real port, dialed by AsyncOpenAI; noted in `started` for `unserve`.
-
-    -> (emb, side, aiohttp test client, AsyncOpenAI)."""
-    emb = Embedded(cfg)
-    side = await emb.start()
-    client = await aiohttp_client(build_app(side.door))
-    oai = AsyncOpenAI(api_key=api_key, base_url=f"http://{client.server.host}:{client.server.port}/v1",
-                      max_retries=0, timeout=60)
-    started.append((emb, side, oai))
-    return emb, side, client, oai
-
-
-async def unserve(started: list) -> None:
-    """Close what `serve` started, each once nothing is left in use on it."""
-    for emb, side, oai in started:
-        await oai.close()
-        await wait_quiescent(side.state)
-        await emb.stop()
-
-
-@pytest.fixture
-async def served(aiohttp_client):
-    """-> start(cfg) -> (side, aiohttp test client, AsyncOpenAI); afterwards nothing may be left in use."""
-    started = []
-
-    async def start(cfg: Config | None = None):
-        _, side, client, oai = await serve(aiohttp_client, started, cfg or make_cfg())
-        return side, client, oai
-
-    yield start
-    await unserve(started)
 
 
 def chat_ids(side, messages: list[tuple[str, str]]) -> list[int]:
@@ -75,8 +31,8 @@ def chat_ids(side, messages: list[tuple[str, str]]) -> list[int]:
     return side.door.tok.apply_chat_template(messages)
 
 
-async def test_chat_completions_greedy_stream_and_not_and_a_second_turn_hits_md_cache(served):
-    side, _, oai = await served()
+async def test_chat_completions_greedy_stream_and_not_and_a_second_turn_hits_md_cache(deployment):
+    side, _, oai = await deployment()
     tok = side.door.tok
     msgs = [("system", SYSTEM), ("user", "Name a colour.")]
     ids1 = chat_ids(side, msgs)
@@ -118,8 +74,8 @@ async def test_chat_completions_greedy_stream_and_not_and_a_second_turn_hits_md_
     assert 0 < cached <= common and cached % 16 == 0, (cached, common)
 
 
-async def test_completions_with_text_and_token_id_prompts(served):
-    side, _, oai = await served()
+async def test_completions_with_text_and_token_id_prompts(deployment):
+    side, _, oai = await deployment()
     tok = side.door.tok
     text = "Once upon a time"
     ref = reference(tok.encode(text), 8)
@@ -139,8 +95,8 @@ async def test_completions_with_text_and_token_id_prompts(served):
     assert chunks[-1].usage.completion_tokens == len(ref) and chunks[-1].usage.prompt_tokens == 50
 
 
-async def test_responses_stream_and_not(served):
-    side, _, oai = await served()
+async def test_responses_stream_and_not(deployment):
+    side, _, oai = await deployment()
     tok = side.door.tok
     ids = chat_ids(side, [("system", "Be brief."), ("user", "Hello")])
     ref = reference(ids, 10)
@@ -168,8 +124,8 @@ async def test_responses_stream_and_not(served):
     assert r.usage.input_tokens_details.cached_tokens > 0         # the same prompt again: MD holds it
 
 
-async def test_models(served):
-    side, _, oai = await served()
+async def test_models(deployment):
+    side, _, oai = await deployment()
     models = [m async for m in oai.models.list()]
     assert [(m.id, m.object, m.owned_by) for m in models] == [(side.door.model_name, "model", "pddgw")]
     assert (await oai.models.retrieve(side.door.model_name)).id == side.door.model_name
@@ -178,11 +134,11 @@ async def test_models(served):
     assert ei.value.body["code"] == "model_not_found"
 
 
-async def test_responses_connect_over_websocket(served):
+async def test_responses_connect_over_websocket(deployment):
     if importlib.util.find_spec("websockets") is None:      # openai's responses.connect() dials with it
         pytest.skip("openai.responses.connect() needs the `websockets` package (the openai[realtime] extra), "
                     "which is not installed")
-    side, _, oai = await served()
+    side, _, oai = await deployment()
     ids = chat_ids(side, [("user", "Hi there")])
     ref = reference(ids, 8)
     async with oai.responses.connect() as conn:
@@ -212,8 +168,8 @@ async def ws_final(client, **fields) -> dict:
     return ev
 
 
-async def test_top_k_and_min_p_reach_the_engine_sampling_on_every_route(served, monkeypatch):
-    side, client, oai = await served()
+async def test_top_k_and_min_p_reach_the_engine_sampling_on_every_route(deployment, monkeypatch):
+    side, client, oai = await deployment()
     name = side.door.model_name
     real = side.router.run
     seen = []
@@ -235,9 +191,9 @@ async def test_top_k_and_min_p_reach_the_engine_sampling_on_every_route(served, 
         assert [(p.temperature, p.top_p, p.top_k, p.min_p, p.seed) for p in seen] == [(0.8, 1.0, top_k, min_p, 3)] * 4
 
 
-async def test_top_k_1_and_min_p_1_draw_exactly_the_greedy_tokens(served):
+async def test_top_k_1_and_min_p_1_draw_exactly_the_greedy_tokens(deployment):
     """Each keeps only the most probable token (min_p 1: p >= p_max), so temperature 1 must draw greedy's."""
-    side, client, oai = await served()
+    side, client, oai = await deployment()
     name = side.door.model_name
     ids = [40 + (i * 7) % 80 for i in range(30)]
     msgs = [("user", "Name a colour.")]
@@ -265,8 +221,8 @@ async def test_top_k_1_and_min_p_1_draw_exactly_the_greedy_tokens(served):
 # ---- errors ---------------------------------------------------------------------------
 
 
-async def test_error_shapes_401_400_404(served):
-    side, client, oai = await served()
+async def test_error_shapes_401_400_404(deployment):
+    side, client, oai = await deployment()
     name = side.door.model_name
     bad = AsyncOpenAI(api_key="sk-wrong", base_url=str(oai.base_url), max_retries=0)
     with pytest.raises(openai.AuthenticationError) as ei:
@@ -322,9 +278,9 @@ async def test_error_shapes_401_400_404(served):
                                              ("unavailable", 503, openai.InternalServerError),
                                              ("server_error", 500, openai.InternalServerError)])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_router_errors_map_to_http_status(served, monkeypatch, code, status, exc, stream):
+async def test_router_errors_map_to_http_status(deployment, monkeypatch, code, status, exc, stream):
     """Before the first token even a streamed answer is a plain HTTP error with its status."""
-    side, _, oai = await served()
+    side, _, oai = await deployment()
 
     async def refuses(*args, **kwargs):
         raise RouterError("server overloaded: test", code)
@@ -339,8 +295,8 @@ async def test_router_errors_map_to_http_status(served, monkeypatch, code, statu
     assert side.door.active == 0
 
 
-async def test_an_error_after_the_first_token_ends_the_stream_with_an_error_event(served, monkeypatch):
-    side, _, oai = await served()
+async def test_an_error_after_the_first_token_ends_the_stream_with_an_error_event(deployment, monkeypatch):
+    side, _, oai = await deployment()
 
     async def fails_midway(rid, prompt, sampling, emit, *rest):
         await emit(TokenRun(0, (104, 105), "rld"))
@@ -362,8 +318,8 @@ async def test_an_error_after_the_first_token_ends_the_stream_with_an_error_even
         "unavailable", "no healthy decode node left", len(events))
 
 
-async def test_front_door_bound_is_429_rate_limit_exceeded(served):
-    side, _, oai = await served(make_cfg(max_concurrent_requests=1))
+async def test_front_door_bound_is_429_rate_limit_exceeded(deployment):
+    side, _, oai = await deployment(make_cfg(max_concurrent_requests=1))
     with side.door.admission.try_acquire():          # one request in flight elsewhere
         with pytest.raises(openai.RateLimitError) as ei:
             await oai.completions.create(model=side.door.model_name, prompt="x", max_tokens=1)
@@ -375,8 +331,8 @@ async def test_front_door_bound_is_429_rate_limit_exceeded(served):
 # ---- who may steer --------------------------------------------------------------------
 
 
-async def test_steering_needs_an_admin_key_or_allow_request_steering(served):
-    side, client, oai = await served()
+async def test_steering_needs_an_admin_key_or_allow_request_steering(deployment):
+    side, client, oai = await deployment()
     name = side.door.model_name
     steer = {"pddgw": {"pipeline": "P-RLD"}}
     with pytest.raises(openai.PermissionDeniedError) as ei:
@@ -416,8 +372,8 @@ async def test_steering_needs_an_admin_key_or_allow_request_steering(served):
         await ws.close()
 
 
-async def test_allow_request_steering_lets_any_client_steer(served):
-    side, _, oai = await served(make_cfg(allow_request_steering=True))
+async def test_allow_request_steering_lets_any_client_steer(deployment):
+    side, _, oai = await deployment(make_cfg(allow_request_steering=True))
     r = await oai.completions.create(model=side.door.model_name, prompt="x", max_tokens=2, temperature=0,
                                      extra_body={"pddgw": {"pipeline": "P-RLD"}})
     assert r.pddgw["pipeline"] == "P-RLD"
@@ -426,11 +382,11 @@ async def test_allow_request_steering_lets_any_client_steer(served):
 # ---- the context, disconnects ---------------------------------------------------------
 
 
-async def test_max_tokens_past_the_context_is_clamped_and_says_so(served):
+async def test_max_tokens_past_the_context_is_clamped_and_says_so(deployment):
     cfg = make_cfg()
     cfg = Config(model=ModelConfig(dtype="float64", max_model_len=64), engine=cfg.engine, net=cfg.net,
                  policy=cfg.policy, server=cfg.server)
-    side, client, oai = await served(cfg)
+    side, client, oai = await deployment(cfg)
     ids = [40 + (i * 7) % 80 for i in range(50)]
     ref = reference(ids, 14)
     assert len(ref) == 14                # no stop token before the context is full
@@ -464,8 +420,8 @@ async def test_max_tokens_past_the_context_is_clamped_and_says_so(served):
     ("/v1/responses", {"input": "Tell me everything.", "stream": True}),
     ("/v1/completions", {"prompt": "Tell me everything.", "stream": False}),
 ], ids=["chat-stream", "responses-stream", "completions-not-streamed"])
-async def test_client_disconnect_cancels_the_request_everywhere(served, route, body):
-    side, client, _ = await served()
+async def test_client_disconnect_cancels_the_request_everywhere(deployment, route, body):
+    side, client, _ = await deployment()
     real = side.router.run
     ended: asyncio.Future[type] = asyncio.get_running_loop().create_future()
     first = asyncio.Event()
@@ -519,12 +475,12 @@ def _local(prompt, sampling, tok=None) -> list[int]:
     return out
 
 
-async def test_penalties_and_logit_bias_through_the_official_client(served):
+async def test_penalties_and_logit_bias_through_the_official_client(deployment):
     """frequency / presence penalties (OpenAI's fields), repetition_penalty (vLLM's, extra_body),
     and logit_bias: the tokens equal one local engine's under the same SamplingParams."""
     from pddgw.core.sampling import SamplingParams
 
-    side, _, oai = await served()
+    side, _, oai = await deployment()
     tok, name = side.door.tok, side.door.model_name
     text = "Once upon a time there was a"
     ids = tok.encode(text)
@@ -542,12 +498,12 @@ async def test_penalties_and_logit_bias_through_the_official_client(served):
     assert r.pddgw["output_token_ids"] == [forced] * 5
 
 
-async def test_stop_through_the_official_client(served):
+async def test_stop_through_the_official_client(deployment):
     """A stop string cuts the chat answer right before its first occurrence, streamed and not; usage
     counts the tokens up to the one that completed it (the greedy tokens of one local engine)."""
     from pddgw.core.sampling import SamplingParams
 
-    side, _, oai = await served()
+    side, _, oai = await deployment()
     tok, name = side.door.tok, side.door.model_name
     msgs = [("user", "Tell me a story.")]
     full = _local(chat_ids(side, msgs), SamplingParams(max_tokens=40, ignore_eos=True))
@@ -569,10 +525,10 @@ async def test_stop_through_the_official_client(served):
     assert chunks[-1].usage.completion_tokens == kept
 
 
-async def test_n_2_through_the_official_client(served):
+async def test_n_2_through_the_official_client(deployment):
     """n=2: choice i samples as a single request with seed + i, streamed and not; usage counts the
     prompt once and both choices' tokens."""
-    side, _, oai = await served()
+    side, _, oai = await deployment()
     name = side.door.model_name
     msgs = [{"role": "user", "content": "Name a colour."}]
     kw = dict(model=name, messages=msgs, max_tokens=10, temperature=0.9, extra_body={"ignore_eos": True})
@@ -601,7 +557,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                             "parameters": WEATHER_ARGS}}
 
 
-async def test_tools_with_tool_choice_required_through_the_official_client(served):
+async def test_tools_with_tool_choice_required_through_the_official_client(deployment):
     """tool_choice="required" (one call): the answer is one call of the tool, its arguments valid
     for its schema, and its tokens are one local engine's greedy decode, on the prompt the
     template renders with the tools, under the call's schema (the built-in template's format:
@@ -612,7 +568,7 @@ async def test_tools_with_tool_choice_required_through_the_official_client(serve
 
     from pddgw.core.sampling import SamplingParams
 
-    side, _, oai = await served()
+    side, _, oai = await deployment()
     tok, name = side.door.tok, side.door.model_name
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     r = await oai.chat.completions.create(model=name, messages=msgs, tools=[WEATHER], tool_choice="required",
@@ -632,7 +588,7 @@ async def test_tools_with_tool_choice_required_through_the_official_client(serve
     assert r.usage.completion_tokens == len(want)
 
 
-async def test_response_format_json_schema_through_the_official_client(served):
+async def test_response_format_json_schema_through_the_official_client(deployment):
     """response_format json_schema: the content is JSON valid for the schema, and its tokens are
     one local engine's greedy decode under that schema (the prompt: the plain chat template)."""
     import json
@@ -641,7 +597,7 @@ async def test_response_format_json_schema_through_the_official_client(served):
 
     from pddgw.core.sampling import SamplingParams
 
-    side, _, oai = await served()
+    side, _, oai = await deployment()
     tok, name = side.door.tok, side.door.model_name
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8},
                                                "score": {"type": "integer", "minimum": 0, "maximum": 9}},

@@ -289,7 +289,7 @@ async def test_every_refused_request_is_one_log_line_naming_route_field_reason_a
 
     from pddgw.api.server import build_app
     from pddgw.deploy.serve import Embedded
-    from tests.api.test_openai_client import KEY, make_cfg
+    from tests.api.deployment import KEY, make_cfg
 
     emb = Embedded(make_cfg())
     side = await emb.start()

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pddgw.engines.types import SamplingParams
-from tests.api.test_openai_client import chat_ids, served  # noqa: F401  (served is a fixture)
+from tests.api.test_openai_client import chat_ids
 from tests.pipeline.test_logprobs_paths import TOL, local_off_loop
 
 MSGS = [("system", "Be brief."), ("user", "Name a colour.")]
@@ -35,8 +35,8 @@ def check_content(tok, content, toks, lps, k: int) -> None:
         assert c.top_logprobs[0].logprob == c.logprob              # greedy: the sampled token is the top one
 
 
-async def test_chat_completions_logprobs_and_top_logprobs(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_chat_completions_logprobs_and_top_logprobs(deployment):
+    side, _, oai = await deployment()
     tok, name = side.door.tok, side.door.model_name
     ids = chat_ids(side, MSGS)
     toks, lps = await local_off_loop(ids, SamplingParams(max_tokens=10, logprobs=2))
@@ -63,8 +63,8 @@ async def test_chat_completions_logprobs_and_top_logprobs(served):  # noqa: F811
     assert r.choices[0].logprobs is None
 
 
-async def test_completions_logprobs(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_completions_logprobs(deployment):
+    side, _, oai = await deployment()
     tok, name = side.door.tok, side.door.model_name
     ids = [40 + (i * 7) % 80 for i in range(50)]
     toks, lps = await local_off_loop(ids, SamplingParams(max_tokens=9, logprobs=2))
@@ -93,8 +93,8 @@ async def test_completions_logprobs(served):  # noqa: F811
           [d for p in parts for d in p.top_logprobs], [o for p in parts for o in p.text_offset])
 
 
-async def test_responses_include_output_text_logprobs(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_responses_include_output_text_logprobs(deployment):
+    side, _, oai = await deployment()
     tok, name = side.door.tok, side.door.model_name
     ids = chat_ids(side, MSGS)
     toks, lps = await local_off_loop(ids, SamplingParams(max_tokens=8, logprobs=2))
@@ -112,8 +112,8 @@ async def test_responses_include_output_text_logprobs(served):  # noqa: F811
     check_content(tok, events[-1].response.output[0].content[0].logprobs, toks, lps, 2)
 
 
-async def test_out_of_range_logprobs_are_400s_naming_the_parameter(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_out_of_range_logprobs_are_400s_naming_the_parameter(deployment):
+    side, _, oai = await deployment()
     name = side.door.model_name
     messages = [{"role": "user", "content": "x"}]
     cases = [

@@ -8,7 +8,7 @@ import json
 import orjson
 import pytest
 
-from tests.api.test_openai_client import KEY, served  # noqa: F401  (served is a fixture)
+from tests.api.deployment import KEY
 from tests.api.test_tools import WEATHER, valid_args
 
 # The Responses API's flat tool shape.
@@ -27,8 +27,8 @@ def one_call(r) -> object:
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
-async def test_a_forced_call_is_a_function_call_item_and_its_stream_reassembles_it(served, choice):  # noqa: F811
-    _, _, oai = await served()
+async def test_a_forced_call_is_a_function_call_item_and_its_stream_reassembles_it(deployment, choice):
+    _, _, oai = await deployment()
     kw = dict(model=MODEL, input="weather in Paris?", tools=[TOOL] if choice == "required" else [TOOL, NOOP],
               tool_choice=choice, max_output_tokens=120, temperature=1.0, extra_body={"seed": 3})
     r = await oai.responses.create(**kw)
@@ -54,8 +54,8 @@ async def test_a_forced_call_is_a_function_call_item_and_its_stream_reassembles_
     assert one_call(final).call_id == done.call_id == added.call_id
 
 
-async def test_parallel_calls_may_be_several_items(served):  # noqa: F811
-    _, _, oai = await served()
+async def test_parallel_calls_may_be_several_items(deployment):
+    _, _, oai = await deployment()
     r = await oai.responses.create(model=MODEL, input="weather?", tools=[TOOL], tool_choice="required",
                                    parallel_tool_calls=True, max_output_tokens=200, temperature=1.0,
                                    extra_body={"seed": 5})
@@ -67,8 +67,8 @@ async def test_parallel_calls_may_be_several_items(served):  # noqa: F811
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_text_format_json_schema_and_json_object(served, stream):  # noqa: F811
-    _, _, oai = await served()
+async def test_text_format_json_schema_and_json_object(deployment, stream):
+    _, _, oai = await deployment()
     schema = WEATHER["function"]["parameters"]
     for fmt, check in (({"type": "json_schema", "name": "w", "schema": schema, "strict": True}, valid_args),
                        ({"type": "json_object"}, lambda t: isinstance(json.loads(t), dict))):
@@ -86,8 +86,8 @@ async def test_text_format_json_schema_and_json_object(served, stream):  # noqa:
         check(text)
 
 
-async def test_tool_choice_none_and_auto_leave_the_text_free(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_tool_choice_none_and_auto_leave_the_text_free(deployment):
+    side, _, oai = await deployment()
     base = dict(model=MODEL, input="hi", max_output_tokens=6, temperature=0)
     plain = await oai.responses.create(**base)
     none = await oai.responses.create(tools=[TOOL], tool_choice="none", **base)
@@ -99,8 +99,8 @@ async def test_tool_choice_none_and_auto_leave_the_text_free(served):  # noqa: F
     assert auto.output_text == side.door.tok.decode(auto.pddgw["output_token_ids"])
 
 
-async def test_a_second_turn_with_the_function_call_and_its_output(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_a_second_turn_with_the_function_call_and_its_output(deployment):
+    side, _, oai = await deployment()
     first = await oai.responses.create(model=MODEL, input="weather in Paris?", tools=[TOOL], tool_choice="required",
                                        max_output_tokens=120, temperature=1.0, extra_body={"seed": 3})
     call = one_call(first)
@@ -131,8 +131,8 @@ async def ws_events(client, **fields) -> list[dict]:
     return [*events, ev]
 
 
-async def test_websocket_mode_streams_the_call_items_before_completed(served):  # noqa: F811
-    _, client, oai = await served()
+async def test_websocket_mode_streams_the_call_items_before_completed(deployment):
+    _, client, oai = await deployment()
     fields = dict(model=MODEL, input="weather in Paris?", tools=[TOOL], tool_choice="required",
                   max_output_tokens=120, temperature=1.0, seed=3)
     events = await ws_events(client, **fields)
@@ -151,8 +151,8 @@ async def test_websocket_mode_streams_the_call_items_before_completed(served):  
     assert json.loads(item["arguments"]) == json.loads(one_call(http).arguments)   # same seed, same call
 
 
-async def test_bad_tools_and_formats_name_the_field(served):  # noqa: F811
-    _, client, _ = await served()
+async def test_bad_tools_and_formats_name_the_field(deployment):
+    _, client, _ = await deployment()
     h = {"Authorization": f"Bearer {KEY}"}
     for body, param in (({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
                         ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "x"}}, "tool_choice"),

@@ -18,7 +18,7 @@ import pytest
 
 from pddgw.config import PolicyConfig
 from pddgw.harness.leaks import state_leftovers
-from tests.api.test_openai_client import make_cfg, served  # noqa: F401  (served is a fixture)
+from tests.api.deployment import make_cfg
 
 PROMPT = [40 + (i * 7) % 80 for i in range(40)]
 MAX = 120
@@ -35,9 +35,9 @@ async def free_at_once(side) -> None:
 
 
 @pytest.mark.parametrize("pipeline", ["P-MD", "P-RLD-MD"])
-async def test_completions_stop_cuts_the_text_counts_the_tokens_and_frees_every_node(served, pipeline):  # noqa: F811
+async def test_completions_stop_cuts_the_text_counts_the_tokens_and_frees_every_node(deployment, pipeline):
     cfg = make_cfg()
-    side, _, oai = await served(replace(cfg, policy=PolicyConfig(pipeline=pipeline)))
+    side, _, oai = await deployment(replace(cfg, policy=PolicyConfig(pipeline=pipeline)))
     tok, name = side.door.tok, side.door.model_name
     kw = dict(model=name, prompt=PROMPT, max_tokens=MAX, temperature=0.9, seed=11)
     full = await oai.completions.create(**kw, extra_body={"ignore_eos": True})
@@ -69,8 +69,8 @@ async def test_completions_stop_cuts_the_text_counts_the_tokens_and_frees_every_
         assert streamed == ids[:kept]
 
 
-async def test_chat_stop_streamed_holds_back_a_possible_stop_and_a_stop_at_the_first_characters(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_chat_stop_streamed_holds_back_a_possible_stop_and_a_stop_at_the_first_characters(deployment):
+    side, _, oai = await deployment()
     name = side.door.model_name
     msgs = [{"role": "user", "content": "Say something."}]
     kw = dict(model=name, messages=msgs, max_tokens=60, temperature=0.9, seed=5, extra_body={"ignore_eos": True})
@@ -92,8 +92,8 @@ async def test_chat_stop_streamed_holds_back_a_possible_stop_and_a_stop_at_the_f
     await free_at_once(side)
 
 
-async def test_a_stop_token_id_is_the_stop_reason_and_no_stop_leaves_it_null(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_a_stop_token_id_is_the_stop_reason_and_no_stop_leaves_it_null(deployment):
+    side, _, oai = await deployment()
     name = side.door.model_name
     kw = dict(model=name, prompt=PROMPT, max_tokens=40, temperature=0.9, seed=3)
     full = await oai.completions.create(**kw, extra_body={"ignore_eos": True})

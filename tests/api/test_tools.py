@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from tests.api.test_openai_client import make_cfg, served  # noqa: F401  (served is a fixture)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
@@ -26,8 +25,8 @@ def valid_args(args: str) -> dict:
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-async def test_a_forced_call_is_valid_and_streamed_deltas_reassemble_it(served, choice):  # noqa: F811
-    _, _, oai = await served()
+async def test_a_forced_call_is_valid_and_streamed_deltas_reassemble_it(deployment, choice):
+    _, _, oai = await deployment()
     kw = dict(model="pddgw-tiny", messages=MESSAGES, tools=[WEATHER, OTHER] if choice != "required" else [WEATHER],
               tool_choice=choice, max_tokens=120, seed=3, temperature=1.0)
     r = await oai.chat.completions.create(**kw)
@@ -51,8 +50,8 @@ async def test_a_forced_call_is_valid_and_streamed_deltas_reassemble_it(served, 
     assert ids[0].startswith("call_")
 
 
-async def test_tool_messages_in_the_history_are_rendered(served):  # noqa: F811
-    side, _, oai = await served()
+async def test_tool_messages_in_the_history_are_rendered(deployment):
+    side, _, oai = await deployment()
     history = [*MESSAGES,
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
@@ -67,8 +66,8 @@ async def test_tool_messages_in_the_history_are_rendered(served):  # noqa: F811
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_response_format_json_schema_and_json_object(served, stream):  # noqa: F811
-    _, _, oai = await served()
+async def test_response_format_json_schema_and_json_object(deployment, stream):
+    _, _, oai = await deployment()
     schema = WEATHER["function"]["parameters"]
     for fmt, check in (({"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}},
                         lambda t: valid_args(t)),
@@ -87,9 +86,9 @@ async def test_response_format_json_schema_and_json_object(served, stream):  # n
         assert check(text)
 
 
-async def test_bad_tools_name_the_field(served):  # noqa: F811
-    _, client, _ = await served()
-    from tests.api.test_openai_client import KEY
+async def test_bad_tools_name_the_field(deployment):
+    _, client, _ = await deployment()
+    from tests.api.deployment import KEY
     h = {"Authorization": f"Bearer {KEY}"}
     for body, param in (({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
                         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},

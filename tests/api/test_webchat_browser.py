@@ -84,7 +84,7 @@ async def test_page_and_static_files_are_served_from_the_package(aiohttp_client)
 
 
 @pytest.fixture
-async def served(request):
+async def webchat(request):
     """-> (base URL, RouterSide): the front door plus the page on a free 127.0.0.1 port.
 
     Parametrize indirectly with api_keys to set `[server] api_keys`."""
@@ -184,9 +184,9 @@ def check_turn(page_view: dict[str, Any], events: list[dict[str, Any]]) -> dict[
     return tl
 
 
-async def test_web_chat_streams_colours_tokens_by_role_and_shows_the_timeline(served, tmp_path):
+async def test_web_chat_streams_colours_tokens_by_role_and_shows_the_timeline(webchat, tmp_path):
     async_api, chromium = _browser_or_skip()
-    url, side = served
+    url, side = webchat
     frames = Frames()
     problems: list[str] = []
     async with async_api.async_playwright() as pw:
@@ -266,12 +266,12 @@ async def test_web_chat_streams_colours_tokens_by_role_and_shows_the_timeline(se
     assert problems == []
 
 
-@pytest.mark.parametrize("served", [("secret-key",)], indirect=True, ids=["api_keys"])
-async def test_with_api_keys_the_page_connects_once_given_a_key(served):
+@pytest.mark.parametrize("webchat", [("secret-key",)], indirect=True, ids=["api_keys"])
+async def test_with_api_keys_the_page_connects_once_given_a_key(webchat):
     """Browsers cannot set Authorization on a WebSocket: the page sends the key as the
     subprotocol pddgw.key.<base64url(key)>, which the front door accepts."""
     async_api, chromium = _browser_or_skip()
-    url, _ = served
+    url, _ = webchat
     async with async_api.async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=chromium, headless=True)
         try:

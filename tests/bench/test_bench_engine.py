@@ -10,7 +10,7 @@ every output a valid prefix of its schema), that both engines are fed the same
 checkpoint and produce the same greedy tokens (which are also the naive full-recompute generator's), that
 pddgw's sampled case samples what a dense recompute and the sampler give,
 and that `tokens_match` does report a difference when the weights differ.  The vLLM column: absent -> the report
-says so; its subprocess protocol (pddgw/bench/vllm_side.py) driven through a
+says so; its subprocess protocol (pddgw/harness/vllm_side.py) driven through a
 fake `vllm` package whose "engine" is the naive generator.  And
 scripts/gpu_check.sh: valid bash, rc 2 with a clear message without a GPU.
 """

@@ -96,7 +96,7 @@ def test_settings_are_checked():
 def test_shared_prompts_and_engine_sizing_are_the_benchmarks_own_formulas():
     import torch
 
-    from pddgw.bench.common import BLOCK_SIZE, engine_config, random_prompts
+    from pddgw.harness.engines import BLOCK_SIZE, engine_config, random_prompts
 
     # Drawn lengths, then ids, from one generator (invariance's prompts and fillers).
     g = torch.Generator().manual_seed(5)

@@ -48,8 +48,8 @@ def test_a_chunk_forwards_its_span_and_renumbering_revalidates():
     chunk = KVChunk(SPAN, bytearray(SPAN.nbytes))
     assert (chunk.request_id, chunk.token_start, chunk.token_end, chunk.layer_start, chunk.layer_end) == \
         ("r", 16, 24, 1, 3)
-    assert (chunk.num_tokens, chunk.dtype, chunk.shape, chunk.virtual, chunk.nbytes) == \
-        (8, "float16", (2, 2, 8, 2, 4), False, 512)
+    assert (chunk.num_tokens, chunk.dtype, chunk.shape, chunk.virtual, chunk.nbytes, chunk.payload_nbytes) == \
+        (8, "float16", (2, 2, 8, 2, 4), False, 512, 512)
     assert dataclasses.replace(chunk, seq=7).seq == 7
     with pytest.raises(ValueError, match="last must be a boolean"):
         dataclasses.replace(chunk, last=1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pddgw.engines.model import rope_inv_freq
-from pddgw.engines.model_spec import ModelSpec, RopeScaling, UnsupportedModelError
+from pddgw.engines.model_spec import ModelSpec, RopeScaling, UnsupportedModelError, llama_spec
 from pddgw.engines.weights import build_tiny, load_model, save_hf_checkpoint
 
 
@@ -135,3 +135,19 @@ def test_rope_inv_freq_bands():
     assert torch.equal(scaled[high], plain[high])
     assert torch.allclose(scaled[low], plain[low] / 8.0)
     assert ((scaled[mid] < plain[mid]) & (scaled[mid] > plain[mid] / 8.0)).all()
+
+
+def test_llama_spec_is_what_a_plain_llama_config_decodes_to():
+    plain = llama_spec(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_ids=(2,))
+    assert plain == ModelSpec.from_hf_config(_cfg())
+    assert plain.head_dim == 16
+    wide = llama_spec(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
+                      num_kv_heads=2, head_dim=128)
+    assert (wide.head_dim, wide.q_size, wide.eos_token_ids, wide.bos_token_id) == (128, 256, (), None)
+    with pytest.raises(ValueError, match="hidden_size must be a multiple of num_heads"):
+        llama_spec(vocab_size=512, hidden_size=100, intermediate_size=256, num_layers=2, num_heads=3,
+                   num_kv_heads=1)
+    with pytest.raises(ValueError, match="num_heads must be a multiple of num_kv_heads"):
+        llama_spec(vocab_size=512, hidden_size=96, intermediate_size=256, num_layers=2, num_heads=3,
+                   num_kv_heads=2)

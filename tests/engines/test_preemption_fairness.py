@@ -2,10 +2,12 @@
 
 The real Scheduler and BlockManager with a stand-in for the model (each
 chunk's tokens are computed; a sequence with nothing pending samples one
-token): exact block arithmetic, no torch.  Four long sequences fill a small
-pool and keep growing; a short one arrives last, like a request handed off
-to a full MD (it used to be the victim every time it needed a block: the
-most recently admitted, and the last in the step's batch, preempted itself).
+token): exact block arithmetic, no torch.  Long sequences fill a small pool
+and keep growing; a short one arrives last, like a request handed off to a
+full MD (it used to be the victim every time it needed a block: the most
+recently admitted, and the last in the step's batch, preempted itself), also
+once every long one has given way (counted from zero, the newcomer was then
+the least preempted candidate).
 """
 
 from __future__ import annotations
@@ -81,6 +83,34 @@ def test_a_short_request_behind_growing_long_ones_is_never_preempted():
     assert "short" not in run.order
     for i in range(4):
         assert len(run.token_steps[f"long{i}"]) == 60
+
+
+def test_a_short_request_arriving_after_every_long_one_was_preempted_is_not_the_first_victim():
+    # Counted from 0, a newcomer would be the least preempted candidate once every long one
+    # has given way: preempted first, then queued behind each later victim (17 steps without
+    # a token here; up to 86 on a full MD, tests/reliability/test_full_md_starvation.py).
+    # It starts at the most preempted live one's count.
+    run = Run(num_blocks=60)
+    for i in range(8):
+        run.add(f"long{i}", 100)
+    added = None
+    for i in range(2000):
+        if added is None and len(run.order) >= 8:
+            live = [s.request_id for s in list(run.sched.running) + list(run.sched.waiting)]
+            assert len(live) == 8 and min(run.sched.preempted.get(r, 0) for r in live) >= 1, run.sched.preempted
+            run.add("short", 12)
+            added = i
+        run.step(i)
+        if run.idle:
+            break
+    assert run.idle and added is not None
+    short = run.token_steps["short"]
+    assert len(short) == 12
+    assert max(_gaps(short)) <= MAX_GAP_STEPS
+    assert "short" not in run.order
+    assert len(run.order) > 16                   # the pool stayed full while it ran
+    for i in range(8):
+        assert len(run.token_steps[f"long{i}"]) == 100
 
 
 def test_no_request_is_preempted_again_before_every_other_candidate_was():

@@ -72,7 +72,7 @@ def _workload(engine) -> list[list]:
     return steps
 
 
-@pytest.mark.parametrize("rows_blocks", [None, (3, 30), (8, 6)], ids=["default", "few-rows", "short-rows"])
+@pytest.mark.parametrize("rows_blocks", [None, (3, 30), (8, 7)], ids=["default", "few-rows", "short-rows"])
 def test_incremental_inputs_equal_list_inputs_on_a_mixed_workload(tiny64, rows_blocks):
     """Same tokens and, step by step, the same input tensors; also when the builder runs
     out of rows (more decoding sequences than rows) or a sequence outgrows its row."""

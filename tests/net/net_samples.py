@@ -21,6 +21,7 @@ def every_message() -> list[m.Message]:
         m.KVChunk(SPAN, kv_payload(), 3, True),
         m.TokenIds("req-1", 37, tuple(range(100, 200))),
         m.TokenItem("req-1", 40, (5, 6, 7), True, "stop"),
+        m.TokenBatch((m.TokenItem("req-2", 0, (1, 2)), m.TokenItem("req-3", 9, (), True, "length"))),
         m.Ready("req-1", "kv"),
         m.Ack("req-1", 9, "placed"),
         m.Cancel("req-1", "user went away"),

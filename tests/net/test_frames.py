@@ -73,6 +73,8 @@ def _frame(kind: int, meta: bytes, payload: bytes = b"", *, magic=b"PD", version
 
 
 GOOD_READY = b'{"request_id":"r","detail":""}'
+BATCH_META = orjson.dumps({"request_ids": ["a"], "positions": [0], "counts": [2], "done": [False],
+                           "reasons": [""]})
 KV_META = orjson.dumps({"request_id": "r", "layer_start": 0, "layer_end": 1, "token_start": 0, "token_end": 1,
                         "dtype": "float32", "shape": [1, 2, 1, 1, 2], "virtual": False, "seq": 0,
                         "last": False})
@@ -107,6 +109,14 @@ KV_META = orjson.dumps({"request_id": "r", "layer_start": 0, "layer_end": 1, "to
     (_frame(1, orjson.dumps({"node": "n", "link_id": "l", "stripe": 3, "stripes": 3, "nonce": "0" * 64,
                              "shaping": ""})), "stripe out of range"),
     (_frame(3, b'{"proof":"XYZ"}'), "64 lowercase hex"),
+    (_frame(13, BATCH_META, b"\x01\x00\x00\x00"), "summing to the payload's 1 ids"),
+    (_frame(13, BATCH_META.replace(b'"request_ids":["a"]', b'"request_ids":["a","b"]'), b"\x00" * 8),
+     "lists of one length"),
+    (_frame(13, orjson.dumps({"request_ids": [], "positions": [], "counts": [], "done": [], "reasons": []})),
+     "lists of one length"),
+    (_frame(13, BATCH_META.replace(b'"counts":[2]', b'"counts":[-1]'), b""), "counts must be ints"),
+    (_frame(13, BATCH_META.replace(b'"done":[false]', b'"done":[1]'), b"\x00" * 8), "done must be a boolean"),
+    (_frame(13, BATCH_META, b"\x00" * 6), "not whole items"),
 ])
 def test_malformed_frames_raise_frame_error(data, match):
     with pytest.raises(FrameError, match=match):
@@ -124,6 +134,13 @@ def test_size_limits():
 
 
 @pytest.mark.parametrize("build, match", [
+    (lambda: m.TokenBatch(()), "between 1 and 4096"),
+    (lambda: m.TokenBatch(tuple(m.TokenItem("r", 0, ()) for _ in range(m.MAX_BATCH_ITEMS + 1))),
+     "between 1 and 4096"),
+    (lambda: m.TokenBatch([m.TokenItem("r", 0, ())]), "tuple of TokenItem"),
+    (lambda: m.TokenBatch((m.Ready("r"),)), "must be TokenItems"),
+    (lambda: m.TokenBatch((m.TokenItem("a", 0, (1,) * m.MAX_TOKEN_IDS), m.TokenItem("b", 0, (2,)))),
+     "more than"),
     (lambda: m.KVChunk(SPAN, bytearray(SPAN.nbytes - 1)), "span needs"),
     (lambda: m.KVChunk(SPAN, memoryview(bytearray(SPAN.nbytes * 2))[::2]), "C-contiguous"),
     (lambda: m.TokenIds("r", 0, (1 << 31,)), "out of range"),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pddgw.config import NetConfig, ShapingConfig
 from pddgw.net import messages as m
 from pddgw.net.inproc import InProcNetwork, wire_size
@@ -64,3 +66,82 @@ def test_a_request_pays_the_latency_both_ways():
         return took
 
     assert run_virtual(main()) == 2 * 0.040
+
+
+@pytest.mark.parametrize("gbps", [0.001, 10.0])       # the sender waits for the wire / it does not
+def test_a_token_batch_crosses_a_shaped_wire_as_its_items_would_alone(gbps):
+    """Each item is booked at the send's instant at its own TokenItem size: the arrivals, the
+    frame and byte counts are those of one frame per item (inproc.py's docstring)."""
+    items = [m.TokenItem(f"r{i}", 7 * i, tuple(range(i + 1)), i == 2, "stop" if i == 2 else "") for i in range(3)]
+
+    async def main(batched: bool) -> tuple[list[tuple[float, m.TokenItem]], int, int]:
+        net = InProcNetwork(_cfg(ShapingConfig(name="wan", gbps=gbps, latency_ms=15.0)))
+        loop = asyncio.get_running_loop()
+        got: list[tuple[float, m.TokenItem]] = []
+
+        async def handle(link, msg):
+            got.append((loop.time(), msg))
+
+        net.listen("srv", handle)
+        client = await net.connect("cli", "srv", shaping="wan")
+        if batched:
+            await client.send(m.TokenBatch(tuple(items)))
+        else:
+            await asyncio.gather(*(client.send(it) for it in items))   # at one instant, as tasks did
+        await asyncio.sleep(1.0)
+        stats = client.stats.frames_sent, client.stats.bytes_sent
+        await net.close()
+        return got, *stats
+
+    alone, batch = run_virtual(main(False)), run_virtual(main(True))
+    assert batch == alone
+    assert [msg for _, msg in batch[0]] == items
+    assert batch[1:] == (3, sum(wire_size(it) for it in items))
+    if gbps < 1:       # (on a fast wire frames due within the clock's resolution land together)
+        assert batch[0][2][0] == wire_size(items[2]) * 8 / (gbps * 1e9) + 0.015    # its own bytes
+
+
+def test_live_kv_overtakes_a_background_transfer_at_the_chunk_boundary():
+    """Live KV sent while a background chunk is on the wire goes right after that chunk; the rest
+    of the background transfer follows; each side's service time is its own frames' time."""
+    from pddgw.net.link import Priority
+
+    span = lambda rid, i: m.KVSpan(rid, 0, 1, i * 4, (i + 1) * 4, "float16", (1, 2, 4, 8, 128))
+    bulk = [m.KVChunk(span("bulk", i), bytes(16384), i, i == 3) for i in range(4)]
+    live = [m.KVChunk(span("live", i), bytes(16384), i, i == 1) for i in range(2)]
+    chunk_s = wire_size(bulk[0]) * 8 / 2e6                       # ~65 ms at 2 Mbps
+
+    async def main():
+        net = InProcNetwork(_cfg(ShapingConfig(name="emu", gbps=0.002, latency_ms=5.0)))
+        loop = asyncio.get_running_loop()
+        got: list[tuple[str, int, float]] = []
+        first = loop.create_future()
+        memory = bytearray(1 << 20)
+
+        async def handle(link, msg):
+            got.append((msg.span.request_id, msg.seq, loop.time()))
+            if not first.done():
+                first.set_result(None)
+
+        net.listen("srv", handle, kv_sink=lambda s: memoryview(memory)[:s.nbytes])
+        client = await net.connect("cli", "srv", shaping="emu")
+        t0 = loop.time()
+        background = asyncio.ensure_future(client.send_all(bulk, priority=Priority.BACKGROUND))
+        await first                                   # bulk 0 arrived: bulk 1 is on the wire
+        live_service = await client.send_all(live)
+        bulk_service = await background
+        await asyncio.sleep(1.0)
+        await net.close()
+        return t0, got, live_service, bulk_service
+
+    t0, got, live_service, bulk_service = run_virtual(main())
+    assert [(rid, seq) for rid, seq, _ in got] == [
+        ("bulk", 0), ("live", 0), ("live", 1), ("bulk", 1), ("bulk", 2), ("bulk", 3)]
+    # Arrivals in chunk times after the 5 ms latency: live is sent when bulk 0 arrives (1 chunk +
+    # 5 ms) and preempts bulk 1 on the wire; bulk 1 then finishes its remaining part, the wire
+    # busy throughout, so the last chunk arrives after 6 chunk times as without live traffic.
+    late = 0.005 / chunk_s
+    assert [(t - t0 - 0.005) / chunk_s for _, _, t in got] == pytest.approx(
+        [1, 2 + late, 3 + late, 4, 5, 6], abs=1e-3)
+    assert live_service == pytest.approx(sum(wire_size(c) for c in live) * 8 / 2e6, rel=1e-9)
+    assert bulk_service == pytest.approx(sum(wire_size(c) for c in bulk) * 8 / 2e6, rel=1e-9)

@@ -34,7 +34,7 @@ async def ack(link, msg):
 
 
 @pytest.fixture
-async def served(aiohttp_client):
+async def ws_server(aiohttp_client):
     """-> async factory(cfg, handler, ssl) -> (WsServer, url); closes servers and checks for leftovers."""
     servers = []
     clients = []
@@ -62,9 +62,9 @@ def no_tasks_left() -> list:
     return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
 
-async def test_auth_success_both_sides_know_each_other(served):
+async def test_auth_success_both_sides_know_each_other(ws_server):
     accepted = []
-    server, url = await served(on_link=accepted.append)
+    server, url = await ws_server(on_link=accepted.append)
     link = await connect(url, "cli", cfg_for())
     assert (link.peer, link.state) == ("srv", LinkState.OPEN)
     assert [(x.local, x.peer) for x in accepted] == [("srv", "cli")]
@@ -72,8 +72,8 @@ async def test_auth_success_both_sides_know_each_other(served):
     await link.close()
 
 
-async def test_wrong_secret_is_rejected_and_server_keeps_serving(served):
-    server, url = await served()
+async def test_wrong_secret_is_rejected_and_server_keeps_serving(ws_server):
+    server, url = await ws_server()
     with pytest.raises(AuthError, match="wrong deployment secret"):
         await connect(url, "intruder", cfg_for(secret="not-the-secret-at-all"))
     assert server.links == set()
@@ -95,8 +95,8 @@ async def _close_code(ws) -> int:
     return ws.close_code if msg.type != WSMsgType.CLOSE else msg.data
 
 
-async def test_forged_proof_is_cut_off_with_close_code_and_log(served):
-    server, url = await served()
+async def test_forged_proof_is_cut_off_with_close_code_and_log(ws_server):
+    server, url = await ws_server()
     session, ws = await _raw_ws(url)
     hello = m.Hello("rogue", "l" * 32, 0, 1, auth.new_nonce())
     with capture_logs() as logs:
@@ -117,8 +117,8 @@ async def test_forged_proof_is_cut_off_with_close_code_and_log(served):
     ("garbage", CloseCode.BAD_FRAME, "link peer rejected: bad hello"),
     ("oversized", CloseCode.TOO_BIG, "link peer rejected: no binary hello"),
 ])
-async def test_unauthenticated_peers_are_cut_off(served, attack, code, event):
-    server, url = await served(cfg_for(auth_timeout_s=0.3))
+async def test_unauthenticated_peers_are_cut_off(ws_server, attack, code, event):
+    server, url = await ws_server(cfg_for(auth_timeout_s=0.3))
     session, ws = await _raw_ws(url)
     with capture_logs() as logs:
         if attack == "text":
@@ -133,8 +133,8 @@ async def test_unauthenticated_peers_are_cut_off(served, attack, code, event):
     assert server.links == set()
 
 
-async def test_oversized_frame_after_auth_closes_1009_then_reconnects(served):
-    server, url = await served(cfg_for(max_frame_bytes=256 << 10, kv_frame_bytes=256 << 10, max_control_bytes=64 << 10))
+async def test_oversized_frame_after_auth_closes_1009_then_reconnects(ws_server):
+    server, url = await ws_server(cfg_for(max_frame_bytes=256 << 10, kv_frame_bytes=256 << 10, max_control_bytes=64 << 10))
     link = await connect(url, "cli", cfg_for(max_frame_bytes=4 << 20))    # a misconfigured peer
     span = m.KVSpan("big", 0, 1, 0, 128, "float16", (1, 2, 128, 8, 128))  # 512 KiB
     with capture_logs() as logs:
@@ -149,8 +149,8 @@ async def test_oversized_frame_after_auth_closes_1009_then_reconnects(served):
     await link.close()
 
 
-async def test_malformed_frame_after_auth_closes_bad_frame(served):
-    server, url = await served()
+async def test_malformed_frame_after_auth_closes_bad_frame(ws_server):
+    server, url = await ws_server()
     link = await connect(url, "cli", cfg_for())
     conn = link._conns[0]
     async with link.stream("x", timeout=5) as st:
@@ -175,9 +175,9 @@ def pki(tmp_path_factory):
     return d
 
 
-async def test_tls_link_carries_kv_intact(served, pki):
+async def test_tls_link_carries_kv_intact(ws_server, pki):
     srv_tls = TlsConfig(enabled=True, cert_file=str(pki / "srv.pem"), key_file=str(pki / "srv.key"))
-    server, url = await served(ssl=server_context(srv_tls))
+    server, url = await ws_server(ssl=server_context(srv_tls))
     assert url.startswith("wss://")
     link = await connect(url, "cli", cfg_for(tls=TlsConfig(enabled=True, ca_file=str(pki / "ca.pem"))),
                          stripes=2)
@@ -196,10 +196,10 @@ async def test_tls_link_carries_kv_intact(served, pki):
     await link.close()
 
 
-async def test_mutual_tls_requires_a_client_certificate(served, pki):
+async def test_mutual_tls_requires_a_client_certificate(ws_server, pki):
     srv_tls = TlsConfig(enabled=True, cert_file=str(pki / "srv.pem"), key_file=str(pki / "srv.key"),
                         ca_file=str(pki / "ca.pem"), mutual=True)
-    server, url = await served(ssl=server_context(srv_tls))
+    server, url = await ws_server(ssl=server_context(srv_tls))
     with pytest.raises((AuthError, LinkClosed)):
         await connect(url, "cli", cfg_for(tls=TlsConfig(enabled=True, ca_file=str(pki / "ca.pem")),
                                           connect_timeout_s=2, auth_timeout_s=1))
@@ -210,7 +210,7 @@ async def test_mutual_tls_requires_a_client_certificate(served, pki):
     await link.close()
 
 
-async def test_peer_dying_mid_stream_fails_within_timeout_and_leaves_nothing(served):
+async def test_peer_dying_mid_stream_fails_within_timeout_and_leaves_nothing(ws_server):
     started = asyncio.Event()
     producers, producer_saw = [], []
 
@@ -228,7 +228,7 @@ async def test_peer_dying_mid_stream_fails_within_timeout_and_leaves_nothing(ser
             producers.append(asyncio.get_running_loop().create_task(run()))
         return None
 
-    server, url = await served(handler=trickle)
+    server, url = await ws_server(handler=trickle)
     link = await connect(url, "cli", cfg_for())
     got = []
     t0 = None
@@ -252,8 +252,8 @@ async def test_peer_dying_mid_stream_fails_within_timeout_and_leaves_nothing(ser
     assert no_tasks_left() == []
 
 
-async def test_silent_peer_detected_by_heartbeat(served):
-    server, url = await served(cfg_for(heartbeat_s=0))
+async def test_silent_peer_detected_by_heartbeat(ws_server):
+    server, url = await ws_server(cfg_for(heartbeat_s=0))
 
     async def freeze(link, msg):
         await asyncio.Event().wait()
@@ -274,9 +274,9 @@ async def test_silent_peer_detected_by_heartbeat(served):
         c.transport.resume_reading()
 
 
-async def test_client_reconnects_after_server_side_close(served):
+async def test_client_reconnects_after_server_side_close(ws_server):
     accepted = []
-    server, url = await served(on_link=accepted.append)
+    server, url = await ws_server(on_link=accepted.append)
     link = await connect(url, "cli", cfg_for(reconnect_max_s=0.2), stripes=2)
     await accepted[0].close(CloseCode.GOING_AWAY, "restart")
     assert (await link.request(m.Ready("again"), timeout=5)).detail == "ok"
@@ -284,10 +284,10 @@ async def test_client_reconnects_after_server_side_close(served):
     await link.close()
 
 
-async def test_connect_failures_are_typed(served):
+async def test_connect_failures_are_typed(ws_server):
     with pytest.raises(LinkClosed, match="cannot connect"):
         await connect("ws://127.0.0.1:9/pddgw/link", "cli", cfg_for())
-    server, url = await served()
+    server, url = await ws_server()
     with pytest.raises(LinkClosed, match="not a pddgw link endpoint") as ei:
         await connect(url.replace(LINK_PATH, "/nope"), "cli", cfg_for())
     assert ei.value.code == CloseCode.PROTOCOL_ERROR
@@ -295,13 +295,13 @@ async def test_connect_failures_are_typed(served):
         await connect(url, "cli", NetConfig())
 
 
-async def test_shaping_accuracy_server_to_client_striped(served):
+async def test_shaping_accuracy_server_to_client_striped(ws_server):
     """10 MB over an emulated 100 Mbps, 20 ms RTT link takes at least 0.81 s end to end (both ends shape)."""
     from pddgw.config import ShapingConfig
 
     cfg = cfg_for(links=(ShapingConfig(name="emu", gbps=0.1, latency_ms=10.0),))
     accepted = []
-    server, url = await served(cfg, on_link=accepted.append)
+    server, url = await ws_server(cfg, on_link=accepted.append)
     link = await connect(url, "cli", cfg, shaping="emu", stripes=2)
     span = lambda i: m.KVSpan("dl", 0, 1, i * 250, (i + 1) * 250, "float32", (1, 2, 250, 10, 50))  # 1 MB
     payload = bytes(1_000_000)
@@ -316,7 +316,7 @@ async def test_shaping_accuracy_server_to_client_striped(served):
     await link.close()
 
 
-async def test_a_stalled_stripe_bounds_the_frames_held_for_reordering_and_the_transfer_completes(served):
+async def test_a_stalled_stripe_bounds_the_frames_held_for_reordering_and_the_transfer_completes(ws_server):
     """Stripe 0 stops reading: what the other stripes deliver ahead of it is held only up to
     inbound_buffer_bytes (plus what their last read had taken), then they stop too; once stripe 0
     reads again everything arrives, in order (an honest striped sender never deadlocks)."""
@@ -329,7 +329,7 @@ async def test_a_stalled_stripe_bounds_the_frames_held_for_reordering_and_the_tr
         accepted.append(link)
         link._conns[0].transport.pause_reading()
 
-    server, url = await served(cfg, on_link=stall_stripe0)
+    server, url = await ws_server(cfg, on_link=stall_stripe0)
     link = await connect(url, "cli", cfg, stripes=3)
     srv = accepted[0]
     n = 400                                                   # 26 MB: more than stripe 0's socket buffers
@@ -365,12 +365,12 @@ async def test_a_stalled_stripe_bounds_the_frames_held_for_reordering_and_the_tr
 NO_GRACE_BOUND_S = 10.0
 
 
-async def test_both_sides_closing_at_once_finish_the_handshake_without_the_grace(served, monkeypatch):
+async def test_both_sides_closing_at_once_finish_the_handshake_without_the_grace(ws_server, monkeypatch):
     """Each side sends its close frame before reading the other's (a drained node and its
     router; a link's stripes): each must still take the peer's frame as the answer."""
     monkeypatch.setattr(wsproto, "CLOSE_GRACE_S", 600.0)
     accepted = []
-    server, url = await served(cfg_for(stripes=2), on_link=accepted.append)
+    server, url = await ws_server(cfg_for(stripes=2), on_link=accepted.append)
     cli = await connect(url, "cli", cfg_for(stripes=2))
     assert (await cli.request(m.Ready("r1"))).detail == "ok"
     srv_link = accepted[0]
@@ -385,12 +385,12 @@ async def test_both_sides_closing_at_once_finish_the_handshake_without_the_grace
     assert server.links == set()
 
 
-async def test_a_close_mid_frame_skips_the_rest_and_takes_the_peers_close_frame(served, monkeypatch):
+async def test_a_close_mid_frame_skips_the_rest_and_takes_the_peers_close_frame(ws_server, monkeypatch):
     """The client closes while a 4 MiB frame is arriving, and the server's close frame
     is queued right behind that frame: the rest is skipped, the close frame read."""
     monkeypatch.setattr(wsproto, "CLOSE_GRACE_S", 600.0)
     accepted = []
-    server, url = await served(cfg_for(stripes=1, max_frame_bytes=8 << 20), on_link=accepted.append)
+    server, url = await ws_server(cfg_for(stripes=1, max_frame_bytes=8 << 20), on_link=accepted.append)
     closing: list[asyncio.Task] = []
     got: list[m.Message] = []
 

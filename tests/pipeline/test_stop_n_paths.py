@@ -27,7 +27,7 @@ from pddgw.config import ServerConfig
 from pddgw.core.sampling import SamplingParams
 from pddgw.harness.leaks import state_leftovers
 from pddgw.net.errors import CloseCode
-from tests.api.test_openai_client import serve, unserve
+from tests.api.deployment import serve, unserve
 from tests.api.test_stops_door import stop_point
 
 from .test_embedded import prompt_of
@@ -40,7 +40,7 @@ PATHS = [("P-MD", None), ("P-RLD-MD", "one-shot"), ("P-RLD-MD", "catch-up")]
 
 
 @pytest.fixture
-async def served(aiohttp_client):
+async def steered(aiohttp_client):
     """-> start(pipeline, mode) -> (emb, side, AsyncOpenAI), steering allowed; afterwards every node is quiet."""
     started = []
 
@@ -95,8 +95,8 @@ async def check_stop(side, oai, toks: list[int], at: int, body: dict) -> dict:
 
 
 @pytest.mark.parametrize("pipeline,mode", PATHS)
-async def test_a_stop_string_cuts_the_local_engines_text_on_every_path(served, pipeline, mode):
-    _, side, oai = await served("P-MD", None)        # the path is the request's own (steered)
+async def test_a_stop_string_cuts_the_local_engines_text_on_every_path(steered, pipeline, mode):
+    _, side, oai = await steered("P-MD", None)        # the path is the request's own (steered)
     n = 300 if pipeline == "P-RLD-MD" else 120
     toks = await local_tokens(n, SEED)
     tl = await check_stop(side, oai, toks, n - 40 if pipeline == "P-RLD-MD" else 60, steer(pipeline, mode))
@@ -107,8 +107,8 @@ async def test_a_stop_string_cuts_the_local_engines_text_on_every_path(served, p
         assert 0 < tl["handoff_position"] < kept and tl["tokens_by_role"]["md"] > 0
 
 
-async def test_a_stop_string_after_a_redrive_cuts_the_local_engines_text(served, monkeypatch):
-    emb, side, oai = await served("P-RLD-MD", "one-shot")
+async def test_a_stop_string_after_a_redrive_cuts_the_local_engines_text(steered, monkeypatch):
+    emb, side, oai = await steered("P-RLD-MD", "one-shot")
     n, kill_at = 120, 10
     toks = await local_tokens(n, SEED)
     real = side.router.run
@@ -140,8 +140,8 @@ async def test_a_stop_string_after_a_redrive_cuts_the_local_engines_text(served,
 
 
 @pytest.mark.parametrize("pipeline,mode", PATHS)
-async def test_n_choices_are_the_local_engines_tokens_of_their_seeds_on_every_path(served, pipeline, mode):
-    _, side, oai = await served("P-MD", None)
+async def test_n_choices_are_the_local_engines_tokens_of_their_seeds_on_every_path(steered, pipeline, mode):
+    _, side, oai = await steered("P-MD", None)
     n = 300 if pipeline == "P-RLD-MD" else 40
     want = [await local_tokens(n, choice_seed(SEED, i)) for i in range(2)]
     assert want[0] != want[1]

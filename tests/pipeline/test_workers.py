@@ -220,3 +220,45 @@ def test_every_sampling_field_crosses_the_wire():
         assert frames.decode(frames.encode_bytes(msg)).msg.sampling == sp
     with pytest.raises(ValueError, match=r"min_p must be a number in \[0, 1\]"):
         SamplingParams(min_p=1.5)
+
+
+@pytest.mark.parametrize("path", ["emit_now", "emit_many"])
+def test_one_emission_per_engine_step_carries_every_requests_tokens(model, path):
+    """The decode worker reads a step's outputs in one pass: one emission per step with each
+    request's tokens of that step (at most one event each), in order, the same tokens as alone."""
+    prompts = {"a": tuple(range(40, 70)), "b": tuple(range(90, 131))}
+    sp = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
+    expected = {rid: reference(model, p, sp) for rid, p in prompts.items()}
+
+    async def main():
+        calls: list[list[TokenEvent]] = []
+        done = asyncio.Event()
+
+        def record(events):
+            calls.append(list(events))
+            if sum(ev.finished for evs in calls for ev in evs) == len(prompts):
+                done.set()
+
+        async def many(events):
+            record(events)
+
+        def now(events):
+            record(events)
+            return []                   # all sent within the call
+
+        async def single(ev):
+            raise AssertionError("every step's events go through the batched paths")
+
+        aeng = AsyncEngine(engine(model, 16), "d")
+        dec = DecodeWorker(aeng, single, many, now if path == "emit_now" else None)
+        for rid, p in prompts.items():
+            await dec.open_compute(rid, p, sp, hold=False)
+        await asyncio.wait_for(done.wait(), 60)
+        await aeng.stop()
+        return calls
+
+    calls = asyncio.run(main())
+    for rid in prompts:
+        assert tokens_of([ev for evs in calls for ev in evs if ev.request_id == rid]) == expected[rid]
+    assert all(len({ev.request_id for ev in evs}) == len(evs) for evs in calls)
+    assert any(len(evs) == 2 for evs in calls)      # both requests decoded in one step, emitted together

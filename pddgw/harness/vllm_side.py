@@ -1,6 +1,6 @@
 """The vLLM column of `python -m pddgw.bench.engine`, run with vLLM's own python.
 
-`VLLM_PYTHON pddgw/bench/vllm_side.py` (started by the bench, not by hand).
+`VLLM_PYTHON pddgw/harness/vllm_side.py` (started by `harness.sides.VllmSide`, not by hand).
 A plain script: it imports only the standard library and vLLM (never pddgw),
 because it runs in vLLM's virtual environment (scripts/make_vllm_env.sh).
 
@@ -31,8 +31,8 @@ import sys
 import time
 import traceback
 
-# This file's folder (pddgw/bench) comes first on sys.path when run as a script; its
-# modules (kernels.py, ...) would shadow packages vLLM imports.
+# This file's folder (pddgw/harness) comes first on sys.path when run as a script; its
+# modules (engines.py, ...) would shadow packages vLLM imports.
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 

@@ -1,0 +1,337 @@
+"""One batch of requests timed on pddgw's TorchEngine, transformers' `generate` and vLLM, same weights.
+
+A side's `run(prompts, output_len, sampling=None)` -> `Run`: seconds until
+every request had its first token, to the end, and the output ids.
+`sampling` (None: greedy) is any object with `params(i, max_tokens)` (request
+i's SamplingParams) and `temperature`, `top_p`, `seed`; pddgw also takes a
+`variant` whose `apply(params)` asks more of its sampler, and
+`PddgwSide.breakdown` times one more run by phase (`PhaseTimer`).
+`build_checkpoint` writes the seeded random Llama every side loads.
+
+`VllmSide` runs vLLM in its own virtual environment (scripts/make_vllm_env.sh
+DIR): pddgw/harness/vllm_side.py under DIR/bin/python (its protocol is that
+file's docstring) loads the checkpoint once (skip_tokenizer_init, prefix
+caching off) and runs greedy batches timed inside its process.  It gets the
+same thread count, unpinned (OMP_NUM_THREADS=N, VLLM_CPU_OMP_THREADS_BIND=nobind,
+either kept if set: pinned to core 0, vLLM stalled for seconds per run on a
+busy 2-core machine).  Where it cannot start or answer, `VllmUnavailable`
+says why with its log's tail (PDDGW_VLLM_LOG=FILE keeps the whole log).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import select
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.model_spec import ModelSpec
+from pddgw.engines.tokenizer import ByteTokenizer
+from pddgw.engines.torch_engine import TorchEngine
+from pddgw.engines.types import EngineRequest
+from pddgw.harness.engines import engine_config, patched
+
+SEED = 0
+
+
+def build_checkpoint(spec: ModelSpec, directory: str) -> None:
+    """A seeded random Llama of a plain-Llama spec (`model_spec.llama_spec`: RoPE and head size
+    as transformers' defaults) saved by transformers (float32 safetensors), no EOS."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                      intermediate_size=spec.intermediate_size,
+                      num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                      num_key_value_heads=spec.num_kv_heads,
+                      max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
+                      tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=spec.bos_token_id,
+                      eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * r)
+            elif "embed_tokens" in name:
+                p.copy_(r)
+            elif name == "lm_head.weight":
+                # Logit std ~4 over 32000 ids: top-1 vs top-2 gaps dwarf float32
+                # differences between the two implementations.
+                p.copy_(4.0 * r / p.shape[1] ** 0.5)
+            else:
+                p.copy_(r / p.shape[1] ** 0.5)
+    model.save_pretrained(directory)
+
+
+def request_params(i: int, output_len: int, sampling: Any = None, variant: Any = None) -> SamplingParams:
+    """Request i's sampling: greedy with EOS ignored, or `sampling`'s, `variant` applied on top."""
+    if sampling is None:
+        return SamplingParams(max_tokens=output_len, ignore_eos=True)
+    params = sampling.params(i, output_len)
+    return params if variant is None else variant.apply(params)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One timed generation: seconds to the point every request had its first token, and to the end."""
+
+    to_first: float
+    total: float
+    tokens: tuple[tuple[int, ...], ...]    # output ids per request
+
+    def seconds(self, kind: str) -> float:
+        return self.to_first if kind == "prefill" else self.total - self.to_first
+
+
+@dataclass(frozen=True, slots=True)
+class Breakdown:
+    """pddgw's time per engine step by phase, milliseconds."""
+
+    steps: int
+    step_ms: float
+    scheduling_ms: float     # step() minus _forward(): scheduler, stopping, prefix-cache publish
+    pack_ms: float           # _forward() minus model and sampler: ids, slots, block tables
+    attention_ms: float      # store_kv + paged attention kernels, all layers
+    model_other_ms: float    # the model call minus attention
+    sampling_ms: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.synchronize(device)
+
+
+class PhaseTimer:
+    """Seconds spent per phase over one run, per engine step (wraps; never changes results)."""
+
+    PHASES = ("step", "forward", "model", "attention", "sampling")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            _sync(self.device)
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _sync(self.device)
+                # Calls outside a step (e.g. a CUDA graph capture at start-up) are not counted;
+                # a replayed graph shows as "model other", its attention not seen.
+                if self.steps and phase == "step":
+                    self.steps[-1]["step"] = time.perf_counter() - t
+                elif self.steps:
+                    self.steps[-1][phase] += time.perf_counter() - t
+        return timed
+
+    def wrap_step(self, fn: Callable) -> Callable:
+        """fn = the engine's step: every call opens a new row of phase times."""
+        timed = self.wrap("step", fn)
+
+        def step(*args, **kwargs):
+            self.steps.append(dict.fromkeys(self.PHASES, 0.0))
+            return timed(*args, **kwargs)
+        return step
+
+    def breakdown(self, skip_first: bool) -> Breakdown:
+        steps = self.steps[1:] if skip_first and len(self.steps) > 1 else self.steps
+        n = len(steps)
+
+        def ms(phase: str) -> float:
+            return 1e3 * sum(st[phase] for st in steps) / n
+
+        step, fwd, model, attn, samp = (ms(ph) for ph in self.PHASES)
+        return Breakdown(steps=n, step_ms=step, scheduling_ms=step - fwd,
+                         pack_ms=fwd - model - samp, attention_ms=attn,
+                         model_other_ms=model - attn, sampling_ms=samp)
+
+
+class PddgwSide:
+    name = "pddgw"
+    variants = True       # the only side that runs variants
+
+    def __init__(self, model, dtype: torch.dtype, device: str = "cpu",
+                 engine_overrides: dict | None = None):
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        self.engine_overrides = engine_overrides or {}
+
+    def run(self, prompts: list[list[int]], output_len: int, timer: PhaseTimer | None = None,
+            sampling: Any = None, variant: Any = None) -> Run:
+        """A fresh engine (the prefix cache would serve repeated prompts) with room for the whole
+        batch in one step and in the pool."""
+        batch, plen = len(prompts), len(prompts[0])
+        cfg = engine_config(batch, plen + output_len, self.device, max(batch * plen, batch),
+                            **self.engine_overrides)
+        params = [request_params(i, output_len, sampling, variant) for i in range(batch)]
+        spec, tok = self.model.spec, None
+        if any(p.grammar is not None for p in params):
+            # The random checkpoint names no EOS and has no tokenizer: its matcher gets the byte
+            # vocabulary (ids < 256) and the byte tokenizer's EOS id to end a finished object with.
+            tok = ByteTokenizer(spec.vocab_size)
+            spec = dataclasses.replace(spec, eos_token_ids=(ByteTokenizer.EOS,))
+        engine = TorchEngine(self.model, spec, cfg, self.dtype, tokenizer=tok)
+        step = engine.step
+        if timer is not None:
+            engine._forward = timer.wrap("forward", engine._forward)
+            engine.model = timer.wrap("model", engine.model)
+            step = timer.wrap_step(engine.step)
+        out: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
+        gc.collect()
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.add_request(EngineRequest(f"r{i}", tuple(p), params[i]))
+        t_first = None
+        while engine.has_work():
+            for o in step():
+                out[o.request_id] += o.new_token_ids
+            if t_first is None and all(out.values()):
+                t_first = time.perf_counter()
+        t_end = time.perf_counter()
+        engine.check_integrity()
+        tokens = tuple(tuple(out[f"r{i}"]) for i in range(batch))
+        if t_first is None or any(len(t) != output_len for t in tokens):
+            raise RuntimeError(f"pddgw generated {sorted({len(t) for t in tokens})} tokens per "
+                               f"request, expected {output_len}")
+        return Run(t_first - t0, t_end - t0, tokens)
+
+    def breakdown(self, prompts: list[list[int]], output_len: int, kind: str,
+                  sampling: Any = None, variant: Any = None) -> Breakdown:
+        """One extra run with every phase timed (module functions wrapped for its duration)."""
+        import pddgw.engines.model as model_mod
+        import pddgw.engines.torch_engine as engine_mod
+
+        timer = PhaseTimer(torch.device(self.device))
+        with patched(model_mod, "paged_attention", lambda f: timer.wrap("attention", f)), \
+                patched(engine_mod, "sample", lambda f: timer.wrap("sampling", f)):
+            self.run(prompts, output_len, timer, sampling, variant)
+        return timer.breakdown(skip_first=kind == "decode")
+
+
+class TransformersSide:
+    name = "transformers"
+
+    def __init__(self, model, device: str = "cpu"):
+        self.model = model
+        self.device = device
+
+    def run(self, prompts: Sequence[Sequence[int]], output_len: int, sampling: Any = None) -> Run:
+        """`generate` with a stopping criterion that only records when each step finished; sampled
+        like pddgw (top_k 0: generate's default top-k of 50 off) but with its own RNG."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        stamps: list[float] = []
+
+        class _Stamp(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                stamps.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)   # [B, L]
+        mask = torch.ones_like(ids)     # equal lengths: left padding is empty
+        how: dict = {"do_sample": False}
+        if sampling is not None:
+            how = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                   "top_k": 0}
+            torch.manual_seed(sampling.seed)
+        gc.collect()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            gen = self.model.generate(input_ids=ids, attention_mask=mask,
+                                      max_new_tokens=output_len, min_new_tokens=output_len,
+                                      pad_token_id=0, stopping_criteria=StoppingCriteriaList([_Stamp()]),
+                                      **how)
+        t_end = time.perf_counter()
+        new = gen[:, ids.shape[1]:]                                    # [B, N]
+        if new.shape[1] != output_len or len(stamps) != output_len:
+            raise RuntimeError(f"transformers generated {new.shape[1]} tokens in {len(stamps)} "
+                               f"steps, expected {output_len}")
+        return Run(stamps[0] - t0, t_end - t0, tuple(tuple(r) for r in new.tolist()))
+
+
+VLLM_SIDE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_side.py")
+
+
+class VllmUnavailable(RuntimeError):
+    """The vLLM subprocess could not start or answer; the message says why."""
+
+
+class VllmSide:
+    """vLLM in its own python (pddgw/harness/vllm_side.py), JSON lines over stdin/stdout."""
+
+    name = "vllm"
+    samples = False       # vllm_side.py runs greedy only
+
+    def __init__(self, python: str, checkpoint: str, dtype_name: str, threads: int,
+                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 enforce_eager: bool = False, start_timeout_s: float = 900.0):
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")              # GiB
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")      # engine in this one process
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.pop("PYTHONPATH", None)                                # vLLM's env only, not pddgw's
+        # The child's stderr (vLLM's logs): kept for the error message, or in PDDGW_VLLM_LOG.
+        log_path = os.environ.get("PDDGW_VLLM_LOG")
+        self._log = open(log_path, "w+") if log_path else tempfile.TemporaryFile(mode="w+")
+        try:
+            self._proc = subprocess.Popen([python, VLLM_SIDE_SCRIPT], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                          env=env)
+        except OSError as e:
+            raise VllmUnavailable(f"cannot start {python}: {e}") from e
+        self.info = self._call({"model": checkpoint, "dtype": dtype_name,
+                                "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+                                "max_num_batched_tokens": max_num_batched_tokens,
+                                "enforce_eager": enforce_eager}, start_timeout_s)
+
+    def _log_tail(self, lines: int = 8) -> str:
+        self._log.seek(0)
+        tail = [ln for ln in self._log.read().splitlines() if ln.strip()][-lines:]
+        return "\n".join(tail)
+
+    def _call(self, msg: dict, timeout_s: float = 900.0) -> dict:
+        try:
+            self._proc.stdin.write(json.dumps(msg) + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass     # the process died; the empty read below says so
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            why = "timed out" if not ready else f"exited with {self._proc.returncode}"
+            raise VllmUnavailable(f"vllm_side {why}:\n{self._log_tail()}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise VllmUnavailable(f"{reply.get('error')}\n{self._log_tail()}")
+        return reply
+
+    def run(self, prompts: list[list[int]], output_len: int, sampling: None = None) -> Run:
+        r = self._call({"op": "run", "prompts": prompts, "output_len": output_len})
+        return Run(r["to_first"], r["total"], tuple(tuple(t) for t in r["tokens"]))
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.write('{"op": "quit"}\n')
+                self._proc.stdin.close()
+                self._proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - a stuck child is killed below
+                self._proc.kill()
+                self._proc.wait()

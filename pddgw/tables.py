@@ -1,0 +1,79 @@
+"""Human tables and JSON reports: what the benchmarks and `pddgw sim` print.
+
+A report is a frozen dataclass (nested dataclasses, lists, numbers,
+strings); `emit(report, as_json, table)` prints it as JSON (orjson,
+dataclasses natively) with --json (`add_output_args`), else the human table
+(`format_table`).  Progress goes to stderr (`to_stderr`), so stdout stays the
+report alone.  Timings are noisy on shared machines, so benchmarks repeat
+interleaved runs and keep the best (`best`), and compare only within one run
+(`ratio`).
+
+Where it sits: below everything that prints a report; it imports nothing of
+pddgw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, TextIO
+
+import orjson
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def to_stderr(message: str) -> None:
+    """A progress line: stderr, so stdout stays the report alone."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    """ours / theirs, None when either is missing or theirs is zero."""
+    if ours is None or theirs is None or theirs == 0:
+        return None
+    return ours / theirs
+
+
+def best(values: Iterable[float]) -> float:
+    """The smallest of repeated timings: noise only ever adds time."""
+    return min(values)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 10:
+            return f"{value:.2f}"
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.1f}"
+    return str(value)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns aligned: the first left-aligned (labels), the rest right-aligned."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def to_json(report: Any) -> str:
+    return orjson.dumps(report, option=orjson.OPT_INDENT_2).decode()
+
+
+def emit(report: Any, as_json: bool, table: str, out: TextIO | None = None) -> None:
+    """Print the report as JSON or the human table (with a trailing newline)."""
+    stream = sys.stdout if out is None else out
+    stream.write((to_json(report) if as_json else table) + "\n")
+    stream.flush()
