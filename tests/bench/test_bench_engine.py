@@ -31,6 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 from pddgw.bench import engine as bench  # noqa: E402
 from pddgw.engines.grammar import Grammars  # noqa: E402
+from pddgw.harness.sides import Run  # noqa: E402
 from pddgw.engines.naive import naive_greedy  # noqa: E402
 from pddgw.engines.tokenizer import ByteTokenizer  # noqa: E402
 from pddgw.engines.sampler import sample_one  # noqa: E402
@@ -205,7 +206,7 @@ def test_sides_that_only_decode_greedily_sit_out_the_sampled_cases(models):
         def run(self, prompts, output_len, sampling=None):
             assert sampling is None
             GreedyOnly.calls += 1
-            return bench.Run(0.01, 0.02, tuple(tuple(naive_greedy(ours, p, output_len)) for p in prompts))
+            return Run(0.01, 0.02, tuple(tuple(naive_greedy(ours, p, output_len)) for p in prompts))
 
     todo = [bench.Case("decode", 2, 8, 3), bench.Case("decode", 2, 8, 3, bench.Sampling())]
     prompts = [bench.make_prompts(2, 8, bench.QUICK.model.vocab_size, salt=3)] * 2
