@@ -32,11 +32,14 @@ the values (a refusal names the field).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import struct
 import sys
 import typing
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -86,6 +89,21 @@ class _Schema:
     packed: str        # "" none, "raw" KV payload, "i" int32 array, "Q" uint64 array, "batch" TokenBatch
     packed_field: str  # message field carried as the payload
     nested: tuple[tuple[str, type], ...] = ()   # fields that are dataclasses: (name, class)
+    # msg -> the values of `meta_order`, in that order (one attrgetter call, not a getattr per
+    # field: every frame's metadata is read through it).  Not for "raw" and "batch" schemas.
+    values: Callable[[Any], tuple[Any, ...]] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        order = self.meta_order
+        if len(order) > 1:
+            get = operator.attrgetter(*order)
+        elif order:
+            one = operator.attrgetter(order[0])
+            get = lambda msg: (one(msg),)       # noqa: E731
+        else:
+            get = lambda msg: ()                # noqa: E731
+        object.__setattr__(self, "values", get)
+
 
 
 def _nested(cls: type) -> tuple[tuple[str, type], ...]:
@@ -210,7 +228,7 @@ def encode(msg: m.Message, *, corr: int = 0, seq: int = 0, flags: int = 0) -> tu
             arr.byteswap()
         payload = memoryview(arr).cast("B")
     else:
-        meta = orjson.dumps({name: getattr(msg, name) for name in schema.meta_order})
+        meta = orjson.dumps(dict(zip(schema.meta_order, schema.values(msg))))
         if schema.packed:
             arr = array(schema.packed, getattr(msg, schema.packed_field))
             if _BIG_ENDIAN:
@@ -249,7 +267,7 @@ def frame_size(msg: m.Message) -> int:
         meta_len = len(_batch_meta(msg))  # type: ignore[arg-type]
         payload = 4 * sum(len(it.ids) for it in msg.items)  # type: ignore[union-attr]
     else:
-        meta_len = len(orjson.dumps({name: getattr(msg, name) for name in schema.meta_order}))
+        meta_len = len(orjson.dumps(dict(zip(schema.meta_order, schema.values(msg)))))
         payload = len(getattr(msg, schema.packed_field)) * _ITEM_SIZE[schema.packed] if schema.packed else 0
     if meta_len > MAX_META:
         raise FrameTooLarge(f"metadata of {meta_len} bytes exceeds {MAX_META}")

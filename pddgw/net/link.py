@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -57,6 +57,7 @@ from pddgw.net import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed, LinkError, LinkTimeout, RemoteError
 
 log = structlog.get_logger("pddgw.net")
+T = TypeVar("T")
 
 Handler = Callable[["Link", m.Message], Awaitable[m.Message | None]]
 """Called with each inbound message that is not a reply and not for an open stream.
@@ -451,13 +452,29 @@ class LinkBase(Link):
         corr = self._next_corr
         fut: asyncio.Future[m.Message] = self._loop.create_future()
         self._pending[corr] = fut
-
-        async def run() -> m.Message:
-            await self._send_frame(msg, corr, 0)
-            return await fut
-
+        what = f"request {type(msg).__name__}"
+        loop = self._loop
         try:
-            reply = await self._timed(run(), t, f"request {type(msg).__name__}")
+            # As `_timed(send, then await fut)`: the deadline counts from here, the frame goes
+            # out first.  Most frames are taken at once; then only `fut` is awaited, under a
+            # timer that fails it at the deadline (no timeout scope, no coroutine around it).
+            deadline = loop.time() + t
+            send = self._send_frame(msg, corr, 0)
+            try:
+                first = send.send(None)
+            except StopIteration:
+                if fut.done():               # answered already: nothing to time
+                    reply = fut.result()
+                else:
+                    timer = (loop.call_at(deadline, self._expire, fut, what, t) if deadline > loop.time()
+                             else loop.call_soon(self._expire, fut, what, t))
+                    try:
+                        reply = await fut
+                    finally:
+                        timer.cancel()
+            else:
+                rest = _then(Resumed(send, first), fut)
+                reply = await self._timed_rest(rest, rest.send(None), deadline, t, what)
         finally:
             self._pending.pop(corr, None)
         if isinstance(reply, m.Error):
@@ -517,13 +534,22 @@ class LinkBase(Link):
             first = coro.send(None)
         except StopIteration as done:
             return done.value
+        return await self._timed_rest(coro, first, deadline, timeout, what)
+
+    async def _timed_rest(self, coro: Coroutine, first: Any, deadline: float, timeout: float, what: str):  # type: ignore[no-untyped-def]
+        """The rest of `_timed`'s coroutine, suspended on `first`, by `deadline`."""
         try:
             async with asyncio.timeout_at(deadline) as cm:
-                return await _Resumed(coro, first)
+                return await Resumed(coro, first)
         except TimeoutError:
             if cm.expired():
                 raise LinkTimeout(f"{what} to {self.peer}: no completion within {timeout}s") from None
             raise
+
+    def _expire(self, fut: asyncio.Future, what: str, timeout: float) -> None:
+        """A request's deadline: its reply future fails (as `_timed` raises) unless answered."""
+        if not fut.done():
+            fut.set_exception(LinkTimeout(f"{what} to {self.peer}: no completion within {timeout}s"))
 
     async def _wait_open(self) -> None:
         while self._state != LinkState.OPEN:
@@ -736,7 +762,12 @@ class LinkBase(Link):
         self._lost(LinkClosed(f"no byte from {self.peer} within {self.cfg.dead_after_s}s", CloseCode.PEER_SILENT))
 
 
-class _Resumed:
+async def _then(first: Awaitable[Any], then: Awaitable[T]) -> T:
+    await first
+    return await then
+
+
+class Resumed:
     """The rest of a coroutine that has suspended once (on `first`), as an awaitable:
     what `await coro` would have continued with, results, exceptions and
     cancellation passed through unchanged."""

@@ -274,6 +274,15 @@ class LoadReport:
     tag: Literal["load"] = "load"
 
     def __post_init__(self) -> None:
+        # One per load poll and its reply: the valid case checked inline, the checks below (which
+        # name what is wrong) for every other.
+        node, run, wait, free, total, kv, tps = (self.node, self.running, self.waiting, self.free_blocks,
+                                                 self.total_blocks, self.kv_bytes_in_flight, self.tokens_per_s)
+        if (type(node) is str and 0 < len(node) <= MAX_ID_CHARS and type(run) is int and type(wait) is int
+                and type(free) is int and type(total) is int and type(kv) is int and type(tps) is float
+                and 0 <= run < 1 << 63 and 0 <= wait < 1 << 63 and 0 <= free <= total < 1 << 63
+                and 0 <= kv < 1 << 63 and 0.0 <= tps < math.inf):
+            return
         _text(self.node, "node", empty=False)
         for name in ("running", "waiting", "free_blocks", "total_blocks", "kv_bytes_in_flight"):
             _uint(getattr(self, name), name)

@@ -518,6 +518,15 @@ class WorkerNode:
             if op is not None:
                 by_link.setdefault(op.router, []).append(ev)
         for link, evs in by_link.items():
+            if len(evs) == 1:        # one request's tokens to this router: one frame, nothing to cut
+                ev = evs[0]
+                if link.send_nowait(m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished,
+                                                ev.finish_reason or "")):
+                    if ev.finished:
+                        self._open.pop(ev.request_id, None)
+                else:
+                    left.append(ev)
+                continue
             items = [m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished, ev.finish_reason or "")
                      for ev in evs]
             parts = _batches(items)

@@ -117,6 +117,18 @@ class StreamMerger:
              logprobs: Sequence[TokenLogprobs] | None = None) -> list[TokenRun]:
         """Accept a piece (with one logprobs entry per token, or none); return the runs it
         made emittable, in order."""
+        tokens = self._tokens
+        position_next = len(tokens)
+        if (position == position_next and not self._pending and len(token_ids) == 1 and role in ROLES
+                and (self._sealed is None or position < self._sealed)):
+            # The common piece: one token at the next position, nothing waiting (a decoder's
+            # step): the one run `_drain` would make, without the pending map.
+            t = token_ids[0]
+            if type(t) is int and t >= 0 and (not logprobs or len(logprobs) == 1):
+                tokens.append(t)
+                self._roles.append(role)
+                self._counts[role] = self._counts.get(role, 0) + 1
+                return [TokenRun(position, (t,), role, (logprobs[0],) if logprobs else ())]
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         if position < 0:

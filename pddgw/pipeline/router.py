@@ -18,7 +18,9 @@ For each request (`Router.run`), in order:
   5. Merge the decoders' token streams by position (each position once, in
      order) and pass every run to the caller as soon as it is in order; each
      decoder's stream pushes its messages, turned into typed events at the
-     edge (events.py), into the request's event queue (no task per stream),
+     edge (events.py), into the request's event queue (no task per stream;
+     tokens that arrive while the queue is empty and the request's loop waits
+     on it are merged and emitted right there, without the queue's hop),
      joining each token piece with its logprobs when the request asked for
      them (P's first token's come through the decoder that emits position 0).
   6. P-RLD-MD: when MD reports the prompt KV in, hand off by token IDs
@@ -59,7 +61,7 @@ import asyncio
 import contextlib
 import dataclasses
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +75,7 @@ from pddgw.engines.types import TokenLogprobs
 from pddgw.metrics import RouterCounts, RouterMetrics
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkClosed, LinkError, LinkTimeout, RemoteError
-from pddgw.net.link import Link, LinkState
+from pddgw.net.link import Link, LinkState, Resumed
 from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.admission import Overloaded, RoomQueue
 from pddgw.pipeline.affinity import PrefixIndex
@@ -676,12 +678,16 @@ class Router:
                            rld: NodeHandle | None, md: NodeHandle | None, streams) -> None:
         """Steps 4-7: prefill, merge, hand off, fall back."""
         rid = fl.rid
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[Event | _Resume | _Raised | _Wake] = asyncio.Queue()
+        # The loop below waits in events.get(): a decoder's tokens arriving while nothing is
+        # queued are handled where they arrive (`tokens_now`), not queued for the loop.
+        parked = False
 
         def pump(node: NodeHandle) -> None:
             """The decoder's stream pushes into `events` (no task per stream: `LinkStream.push`)."""
             reader = self._reader(node, fl)
             failed = False
+            role: Role = "rld" if node is rld else "md"
 
             def push(msg: m.Message | LinkError) -> None:
                 nonlocal failed
@@ -695,10 +701,49 @@ class Router:
                     failed = True
                     events.put_nowait(NodeFailed(node, str(e) if isinstance(e, LinkError) else repr(e)))
                     return
-                if ev is not None:
+                if ev is None:
+                    return
+                if parked and type(ev) is Tokens and events.empty():
+                    tokens_now(ev, role)
+                else:
                     events.put_nowait(ev)
 
             streams[node.name].push(push)
+
+        def tokens_now(ev: Tokens, role: Role) -> None:
+            """A decoder's tokens while the loop waits with nothing queued: what the loop's
+            Tokens cases do, here, without the queue's hop and the task switch.  The caller's
+            `emit` runs eagerly; if it suspends (a client's write waiting for the socket),
+            the rest of it goes to the loop (`_Resume`), which awaits it as it would have
+            awaited `_on_tokens`; what it raises goes to the loop too (`_Raised`); a finished
+            merge wakes the loop to end (`_Wake`).  Anything queued meanwhile (by what `emit`
+            set off, or arriving later) waits behind it, in order."""
+            nonlocal parked
+            node = ev.node
+            if node.name in awaiting_kv:
+                kv_confirmed(node)
+            if node is rld and not rld_alive:
+                return
+            parked = False
+            try:
+                coro = self._on_tokens(fl, ev, role)
+                try:
+                    waiting = coro.send(None)
+                except StopIteration:
+                    pass
+                else:
+                    events.put_nowait(_Resume(coro, waiting, ev))
+                    return
+                if node is rld and ev.item.done:
+                    self._end_relay(fl)
+                if fl.merger.complete:
+                    events.put_nowait(_WAKE)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:
+                events.put_nowait(_Raised(e))
+            finally:
+                parked = True
 
         async def prefill() -> None:
             msg = pm.Prefill(request_id=rid, targets=tuple(starts), starts=tuple(starts.values()),  # type: ignore[arg-type]
@@ -748,7 +793,21 @@ class Router:
 
         try:
             while not fl.merger.complete:
-                ev = await events.get()
+                parked = True
+                try:
+                    ev = await events.get()
+                finally:
+                    parked = False
+                match ev:
+                    case _Resume(coro=coro, waiting=waiting, tokens=tokens):
+                        await Resumed(coro, waiting)
+                        if tokens.node is rld and tokens.item.done:
+                            self._end_relay(fl)
+                        continue
+                    case _Raised(error=error):
+                        raise error
+                    case _Wake():
+                        continue
                 match ev:
                     case Tokens(node=node) | KvReady(node=node) if node.name in awaiting_kv:
                         kv_confirmed(node)
@@ -830,6 +889,12 @@ class Router:
                 self._align_md(fl, p, md, md_ready, starts, prefill_task, events, tasks, streams)
         finally:
             if fl.background is None:
+                # An emit handed to the loop and never resumed (the loop ended first): closed,
+                # as a cancelled await of it would have ended it.
+                while not events.empty():
+                    left = events.get_nowait()
+                    if isinstance(left, _Resume):
+                        left.coro.close()
                 await _cancel_all(tasks + ([handoff] if handoff else []))
             elif handoff is not None:
                 await _cancel_all([handoff])
@@ -909,16 +974,16 @@ class Router:
         tr = fl.tracker
         ev = tokens.item
         if ev.ids:
-            if tr.state == RequestState.PREFILLING:
+            state = tr.state
+            if state == RequestState.PREFILLING:
                 tr.advance(RequestState.MD_DECODING if role == "md" else RequestState.RLD_DECODING)
-            elif role == "md" and tr.state == RequestState.HANDING_OFF:
+            elif role == "md" and state == RequestState.HANDING_OFF:
                 tr.advance(RequestState.MD_DECODING)
             for run in fl.merger.push(ev.position, ev.ids, role, tokens.logprobs):
                 prev = tr.last_emission_t
-                tr.tokens_emitted(run.position, len(run.token_ids), run.role)
-                now = tr.last_emission_t
-                assert now is not None
-                self.metrics.emitted(run.role, len(run.token_ids), now, prev, tr.t0, len(fl.prompt))
+                count = len(run.token_ids)
+                now = tr.tokens_emitted(run.position, count, run.role)
+                self.metrics.emitted(run.role, count, now, prev, tr.t0, len(fl.prompt))
                 await fl.emit(run)
         if ev.done and ev.reason in ("stop", "length"):
             fl.merger.seal(ev.position + len(ev.ids))
@@ -958,6 +1023,32 @@ class Router:
             raise _NodeLost(node, "stream ended before the request finished")
         finally:
             stream.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Resume:
+    """The rest of a token run's handling (`Router._on_tokens`) that suspended in `emit`
+    on `waiting` (what it awaits) while handled where the tokens arrived: the loop awaits it."""
+
+    coro: Coroutine[Any, Any, None]
+    waiting: Any
+    tokens: Tokens
+
+
+@dataclass(frozen=True, slots=True)
+class _Raised:
+    """What a token run's handling raised where the tokens arrived: the loop raises it."""
+
+    error: BaseException
+
+
+class _Wake:
+    """Nothing to do: the loop looks at the request again (its merge may be complete)."""
+
+    __slots__ = ()
+
+
+_WAKE = _Wake()
 
 
 def _watch_link(node: NodeHandle, rid: str, timeout: float, events: asyncio.Queue[Event]) -> asyncio.Task | None:

@@ -383,18 +383,21 @@ class RequestTracker:
 
     # ---------------------------------------------------------------- events
 
-    def tokens_emitted(self, position: int, count: int, role: Role) -> None:
-        """Output tokens sent to the client, in order (the merger's output)."""
+    def tokens_emitted(self, position: int, count: int, role: Role) -> float:
+        """Output tokens sent to the client, in order (the merger's output); -> the time it
+        records for them (`last_emission_t` from now on)."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         if position != self._emitted or count < 1:
             raise ValueError(
                 f"request {self.request_id}: emitted [{position}, {position + count}) "
                 f"but next position is {self._emitted}")
-        if self.terminal:
+        if self._stamps[-1].state in TERMINAL:       # `terminal`, read once per run of tokens
             raise ValueError(f"request {self.request_id}: tokens emitted after {self.state.name}")
-        self._emissions.append(Emission(position, count, role, self._clock()))
+        t = self._clock()
+        self._emissions.append(Emission(position, count, role, t))
         self._emitted += count
+        return t
 
     def add_wan_kv_bytes(self, nbytes: int) -> None:
         if nbytes < 0:

@@ -32,8 +32,10 @@ float arithmetic, so a run is the same to the last bit as on
 for `pddgw.bench.simspeed` and the test that pins the equality):
 
 * the real selector is polled only before the clock jumps (nothing ready),
-  not every iteration: a thread's `call_soon_threadsafe` lands in the ready
-  queue either way, its self-pipe byte is drained at the next poll;
+  not every iteration, and only while something besides the loop's
+  self-pipe is registered: a thread's `call_soon_threadsafe` lands in the
+  ready queue either way (its self-pipe byte is drained at the next poll,
+  or never: a full pipe only drops wake-up bytes nobody needs);
 * the timer heap holds (when, handle) pairs: the heap's comparisons are
   float comparisons in C instead of `TimerHandle.__lt__` calls (a run keeps
   hundreds of timers: stream deadlines, request timeouts, users' think
@@ -60,6 +62,19 @@ class _VirtualSelector(selectors.DefaultSelector):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
+        # More than the loop's self-pipe is registered (a socket): only then can polling the
+        # real selector find anything the ready queue does not hold already.
+        self.real_io = False
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        key = super().register(fileobj, events, data)
+        self.real_io = len(self.get_map()) > 1
+        return key
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        key = super().unregister(fileobj)
+        self.real_io = len(self.get_map()) > 1
+        return key
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         ready = super().select(0)
@@ -129,7 +144,7 @@ class VirtualClockLoop(ReferenceVirtualLoop):
         if not ready and not self._stopping:
             if scheduled:
                 # What _VirtualSelector.select does with the stock loop's timeout, the same float steps.
-                events = selectors.DefaultSelector.select(vsel, 0)
+                events = selectors.DefaultSelector.select(vsel, 0) if vsel.real_io else None
                 if events:
                     self._process_events(events)
                 else:

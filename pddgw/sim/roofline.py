@@ -249,34 +249,86 @@ def alltoall_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: 
     return 2 * hw.allreduce_latency_us / 1e6 + wire
 
 
+class _StepConsts:
+    """What `step_cost` computes from the instance alone, and per step size (T = sum(new)):
+    every step of one engine prices the same (model, hardware, shape), and a size repeats
+    (decode batches), so only the attention and the sums are left per step.  Each value is
+    the very expression `step_cost` evaluated (same operands, same order): the costs are the
+    same to the last bit."""
+
+    __slots__ = ("model", "hw", "par", "linear_per_token", "gpus", "kv_copies", "attn_per_tp", "compute_rate",
+                 "memory_rate", "overhead_s", "_by_new", "_attn_dp", "_shared_bytes", "_expert_bytes")
+
+    def __init__(self, model: ModelProfile, hw: HardwareProfile, par: Parallel) -> None:
+        self.model, self.hw, self.par = model, hw, par
+        self.linear_per_token, attn_bytes, self._shared_bytes, self._expert_bytes, kv_split = _per_model(model)
+        self.gpus = par.gpus
+        self.kv_copies = 1 if kv_split else par.tp          # one latent: every GPU of a rank holds it all
+        self._attn_dp = attn_bytes * par.dp
+        self.attn_per_tp = attn_bytes / par.tp
+        self.compute_rate = hw.peak_flops(model.fp8_compute) * hw.compute_efficiency
+        self.memory_rate = hw.hbm_tb_s * 1e12 * hw.bandwidth_efficiency
+        self.overhead_s = hw.step_overhead_ms / 1e3
+        self._by_new: dict[int, tuple[float, float, float]] = {}
+
+    def by_new(self, new: int) -> tuple[float, float, float]:
+        """(dense + attention + expert bytes, shared + expert bytes, communication seconds) of
+        a step of `new` tokens."""
+        got = self._by_new.get(new)
+        if got is not None:
+            return got
+        model, hw, par = self.model, self.hw, self.par
+        experts = (model.num_moe_layers * distinct_experts(model.num_experts, model.experts_per_token, new)
+                   * self._expert_bytes)
+        comm_s = 0.0
+        if par.tp > 1:
+            buffer = new / par.dp * model.hidden_size * ACTIVATION_BYTES
+            per_call = hw.allreduce_latency_us / 1e6 + (2 * (par.tp - 1) / par.tp) * buffer / (hw.interconnect_gb_s * 1e9)
+            ep_layers = model.num_moe_layers if par.expert_parallel > 1 else 0
+            comm_s = (2 * model.num_layers - ep_layers) * per_call
+        comm_s += model.num_moe_layers * alltoall_s(model, hw, par, new)
+        got = (self._attn_dp + self._shared_bytes + experts, self._shared_bytes + experts, comm_s)
+        if len(self._by_new) >= 4096:
+            self._by_new.clear()
+        self._by_new[new] = got
+        return got
+
+
+_STEP_CONSTS: dict[tuple[int, int, int], _StepConsts] = {}
+
+
+def _step_consts(model: ModelProfile, hw: HardwareProfile, par: Parallel) -> _StepConsts:
+    """Per (model, hardware, shape) object, by identity (as `_per_profile`; entries hold them)."""
+    key = (id(model), id(hw), id(par))
+    c = _STEP_CONSTS.get(key)
+    if c is not None and c.model is model and c.hw is hw and c.par is par:
+        return c
+    c = _StepConsts(model, hw, par)
+    if len(_STEP_CONSTS) >= 64:
+        _STEP_CONSTS.clear()
+    _STEP_CONSTS[key] = c
+    return c
+
+
 def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, batch: Sequence[SeqWork]) -> StepCost:
     """The modeled duration of one forward step of `batch` on one instance of `hw` GPUs split
     as `tp` (a TP degree or a `Parallel`; formulas: module doc)."""
-    par = as_parallel(tp)
+    par = tp if type(tp) is Parallel else as_parallel(tp)
     work = [w for w in batch if w.new_tokens > 0]
     if not work:
         return _IDLE
-    new = sum(w.new_tokens for w in work)
-    linear_per_token, attn_bytes, shared_bytes, expert_bytes, kv_split = _per_model(model)
+    new = sum([w.new_tokens for w in work]) if len(work) > 1 else work[0].new_tokens
+    c = _step_consts(model, hw, par)
     attn_flops, kv = _attention(model, work)
-    flops = linear_per_token * new + attn_flops
-    experts = model.num_moe_layers * distinct_experts(model.num_experts, model.experts_per_token, new) * expert_bytes
-    gpus = par.gpus
-    kv_copies = 1 if kv_split else par.tp          # one latent: every GPU of a rank holds it all
-    nbytes = attn_bytes * par.dp + shared_bytes + experts + kv * kv_copies
-    per_gpu_bytes = attn_bytes / par.tp + (shared_bytes + experts + kv * kv_copies) / gpus
+    flops = c.linear_per_token * new + attn_flops
+    base_bytes, other_bytes, comm_s = c.by_new(new)
+    nbytes = base_bytes + kv * c.kv_copies
+    per_gpu_bytes = c.attn_per_tp + (other_bytes + kv * c.kv_copies) / c.gpus
 
-    compute_s = flops / gpus / (hw.peak_flops(model.fp8_compute) * hw.compute_efficiency)
-    memory_s = per_gpu_bytes / (hw.hbm_tb_s * 1e12 * hw.bandwidth_efficiency)
-    comm_s = 0.0
-    if par.tp > 1:
-        buffer = new / par.dp * model.hidden_size * ACTIVATION_BYTES
-        per_call = hw.allreduce_latency_us / 1e6 + (2 * (par.tp - 1) / par.tp) * buffer / (hw.interconnect_gb_s * 1e9)
-        ep_layers = model.num_moe_layers if par.expert_parallel > 1 else 0
-        comm_s = (2 * model.num_layers - ep_layers) * per_call
-    comm_s += model.num_moe_layers * alltoall_s(model, hw, par, new)
+    compute_s = flops / c.gpus / c.compute_rate
+    memory_s = per_gpu_bytes / c.memory_rate
     return StepCost(
-        seconds=max(compute_s, memory_s) + comm_s + hw.step_overhead_ms / 1e3,
+        seconds=max(compute_s, memory_s) + comm_s + c.overhead_s,
         flops=flops,
         bytes=nbytes,
         compute_s=compute_s,

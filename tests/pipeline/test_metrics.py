@@ -255,3 +255,38 @@ async def test_a_request_that_waits_for_kv_room_counts_its_queue_time(deploy):
     assert val(after, "pddgw:num_requests_waiting") == 0
     assert delta(before, after, "pddgw:request_queue_refused_total") == 0
     assert delta(before, after, "pddgw:pipeline_requests_total", pipeline="P-MD") == 2
+
+
+
+def _samples(registry, prefix: str) -> dict[tuple, float]:
+    """{(name without `prefix`, labels): value} of the registry's samples named `prefix`..."""
+    return {(smp.name[len(prefix):], tuple(sorted(smp.labels.items()))): smp.value
+            for fam in registry.collect() for smp in fam.samples
+            if smp.name.startswith(prefix) and not smp.name.endswith("_created")}
+
+
+def test_runs_counted_locally_are_exact_at_every_scrape():
+    """The router counts each run's inter-token gap and tokens locally and applies them when
+    its registry is collected (or every `_MAX_PENDING` runs): what a scrape reads is what
+    observing each run at once gives, to the last bit of the histogram's sum."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from pddgw import metrics as pm
+
+    rm = pm.RouterMetrics()
+    ref_reg = CollectorRegistry()
+    ref = Histogram("ref_itl", "", buckets=pm.ITL_BUCKETS, registry=ref_reg)
+    t, total, by_role = 0.0, 0, {"rld": 0, "md": 0}
+    for n in (1, 7, pm._MAX_PENDING + 3, 2 * pm._MAX_PENDING):   # scrapes in between, the bound crossed
+        for i in range(n):
+            role, count = ("rld" if i % 3 else "md"), 1 + i % 4
+            prev, t = (t if total else None), t + 0.001 * ((i * 7919) % 613) + 1e-9 * i
+            rm.emitted(role, count, t, prev, 0.0, 100)
+            if prev is not None:
+                ref.observe(max(0.0, t - prev))
+            total += count
+            by_role[role] += count
+        assert _samples(rm.registry, pm.PREFIX + "inter_token_latency_seconds") == _samples(ref_reg, "ref_itl")
+        tokens = _samples(rm.registry, pm.PREFIX + "generation_tokens")
+        assert tokens.pop(("_total", ())) == total
+        assert tokens == {("_by_role_total", (("role", r),)): float(v) for r, v in by_role.items()}

@@ -88,3 +88,29 @@ def test_the_lean_loop_still_wakes_for_another_thread():
             t.join()
 
     assert clock.run_virtual(main()) == "woken"
+
+
+def test_a_registered_socket_is_polled_before_the_clock_jumps():
+    """With only its self-pipe registered the loop jumps the clock without polling; a socket
+    registered makes it poll first, so bytes already there are read at the same instant."""
+    import socket
+
+    async def main() -> tuple[bytes, float]:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        got: asyncio.Future[tuple[bytes, float]] = loop.create_future()
+        loop.add_reader(a, lambda: got.done() or got.set_result((a.recv(8), loop.time())))
+        try:
+            b.send(b"x")
+            t0 = loop.time()
+            sleeper = asyncio.ensure_future(asyncio.sleep(100.0))    # a timer the clock could jump to
+            data, t = await got
+            sleeper.cancel()
+            return data, t - t0
+        finally:
+            loop.remove_reader(a)
+            a.close()
+            b.close()
+
+    assert clock.run_virtual(main()) == (b"x", 0.0)

@@ -48,7 +48,8 @@ def test_a_ten_second_shaped_transfer_takes_ten_virtual_seconds_and_no_wall_time
         await net.close()
         return arrived
 
-    # No wall time: the loop never waits in the real selector (every poll of it is non-blocking).
+    # No wall time: the loop never waits in the real selector (with nothing but its self-pipe
+    # registered it does not poll it at all; any poll would be non-blocking).
     waits: list[float | None] = []
     real_select = clock._VirtualSelector.__bases__[0].select
 
@@ -58,7 +59,7 @@ def test_a_ten_second_shaped_transfer_takes_ten_virtual_seconds_and_no_wall_time
 
     monkeypatch.setattr(clock._VirtualSelector.__bases__[0], "select", select)
     arrived = run_virtual(main())
-    assert waits and set(waits) == {0}
+    assert set(waits) <= {0}
     assert span.nbytes == 10_000_000
     # Serialization of every wire byte at 8 Mbit/s, then the one-way latency (1 us clock).
     assert arrived == pytest.approx(wire_size(chunk) * 8 / 8e6 + 0.020, abs=2e-6)
