@@ -7,8 +7,7 @@ work and fans the outputs out to per-request streams.  An engine that only
 models time (`Engine.runs_inline`, the cost model) is called on the loop
 itself, and each step's outputs are released once the step's modeled
 duration has passed on the loop's clock: real seconds in a deployment,
-virtual ones in `pddgw sim`; its loop is a chain of callbacks
-(`_InlineChain`), the task's loop hop for hop at a fraction of its calls.
+virtual ones in `pddgw sim`.
 
 A request's output entry (its queue; `pending` counts them) has one owner,
 this class, and one lifecycle:
@@ -34,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -152,7 +150,6 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self._chain: _InlineChain | None = None     # an inline engine's loop (once started)
 
     @property
     def pending(self) -> int:
@@ -164,10 +161,7 @@ class AsyncEngine:
         if self._closed:
             raise EngineStopped(f"{self.name} is stopped")
         result = await self._on_engine(fn, *args)
-        if self._chain is not None:
-            self._chain.wake()
-        else:
-            self._wake.set()
+        self._wake.set()
         return result
 
     def post(self, fn: Callable[..., Any], *args: Any) -> bool:
@@ -201,16 +195,11 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def start(self) -> None:
-        if self.engine.runs_inline:
-            if self._chain is None:
-                self._chain = _InlineChain(self, asyncio.get_running_loop())
-        elif self._task is None:
+        if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"{self.name}-loop")
 
     async def stop(self) -> None:
         self._closed = True
-        if self._chain is not None:
-            await self._chain.stop()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -299,16 +288,16 @@ class AsyncEngine:
             del self._entries[request_id]
 
     async def _run(self) -> None:
-        """The engine loop of a threaded engine (an inline one runs `_InlineChain`, the same
-        loop as callbacks)."""
         eng = self.engine
+        inline = eng.runs_inline
         try:
             while True:
                 self._wake.clear()
-                if not await self._on_engine(eng.has_work):
+                # An inline engine called directly: the same, minus a coroutine per call.
+                if not (eng.has_work() if inline else await self._on_engine(eng.has_work)):
                     await self._wake.wait()
                     continue
-                outputs = await self._on_engine(eng.step)
+                outputs = eng.step() if inline else await self._on_engine(eng.step)
                 modeled = self.engine.step_seconds()
                 if modeled > 0:
                     await asyncio.sleep(modeled)
@@ -320,14 +309,10 @@ class AsyncEngine:
                         pass
         except asyncio.CancelledError:
             raise
-        except Exception as e:
-            self._crashed(e)
-
-    def _crashed(self, e: Exception) -> None:
-        """A bug in the engine: fail every live request loudly (called in the `except` block)."""
-        log.exception("engine_loop_crashed", engine=self.name)
-        self._closed = True
-        self._fail_all(EngineStopped(f"{self.name} crashed: {e!r}"))
+        except Exception as e:   # a bug in the engine: fail every live request loudly
+            log.exception("engine_loop_crashed", engine=self.name)
+            self._closed = True
+            self._fail_all(EngineStopped(f"{self.name} crashed: {e!r}"))
 
     def _hand_out(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs to their readers: a stream's queue each, a sink's all in one call."""
@@ -366,184 +351,3 @@ class AsyncEngine:
                 self._end(rid, entry)
         for sink, got in sinks.items():
             sink(got)
-
-
-class _Poll:
-    """One idle poll of `_InlineChain`: `asyncio.wait_for(event.wait(), _IDLE_POLL_S)`'s parts,
-    each a flag (the inner task running `event.wait()`, the waiter wait_for sleeps on)."""
-
-    __slots__ = ("timer", "inner", "waiting", "must_cancel", "dead")
-
-    def __init__(self) -> None:
-        self.timer: asyncio.TimerHandle | None = None
-        self.inner = 0             # the inner task: 0 not started, 1 waiting, 2 woken, 3 done
-        self.waiting = 1           # the outer waits on: 1 wait_for's waiter, 2 _cancel_and_wait's, 0 done
-        self.must_cancel = False   # cancelled before its first step
-        self.dead = False          # the engine stopped: every part of it is a no-op
-
-
-class _InlineChain:
-    """The engine loop of an inline engine (`Engine.runs_inline`: the cost model), as callbacks.
-
-    The same loop as `AsyncEngine._run`: while there is work, step, release
-    the outputs once the step's modeled time has passed, hand them out; with
-    nothing to do wait for a wake-up (`wake`, what `AsyncEngine.call` does
-    after each control call); after a step that produced nothing, wait for a
-    wake-up or `_IDLE_POLL_S`, whichever comes first.  As a task that loop
-    costs a future, a timer, a handle and a task step per engine step; here a
-    step is a timer and a handle.
-
-    Each place where the task suspended and resumed is one hop here (a
-    `call_soon`), scheduled exactly where asyncio would schedule the task's
-    wake-up: the step's timer wakes the loop one handle later, as a sleeping
-    task; a wake-up while idle resumes it one handle later, as an Event waiter;
-    the idle poll takes `wait_for`'s hops (its inner task, its waiters, the
-    cancel on a timeout) and cancels its timer where `wait_for` does.  So the
-    engine's steps and hand-outs fall at the same place among everything else
-    the loop runs at one instant, and a simulated run is the same, event for
-    event, as with the task.  The callbacks run in one context, copied at the
-    start, as a task's steps do.  Once stopped, every callback still scheduled
-    is a no-op (timers are cancelled, as the task's were).
-    """
-
-    def __init__(self, aeng: AsyncEngine, loop: asyncio.AbstractEventLoop):
-        self.aeng = aeng
-        self.loop = loop
-        self.ctx = contextvars.copy_context()
-        self.woken = False                 # the Event's value (cleared at the top of each cycle)
-        self.idle = False                  # waiting for a wake-up with nothing to do
-        self.poll: _Poll | None = None
-        self.timer: asyncio.TimerHandle | None = None     # the step being modeled
-        self.stopped = False
-        self._soon(self._cycle)            # as a task's first step
-
-    def _soon(self, fn: Callable[..., None], *args: Any) -> None:
-        """One hop: what a task's wake-up would be."""
-        self.loop.call_soon(fn, *args, context=self.ctx)
-
-    def wake(self) -> None:
-        """`Event.set()`: a waiter (idle, or the poll's inner task) resumes one hop later."""
-        if self.woken or self.stopped:
-            return
-        self.woken = True
-        if self.idle:
-            self.idle = False
-            self._soon(self._cycle)
-        p = self.poll
-        if p is not None and p.inner == 1:
-            p.inner = 2
-            self._soon(self._inner_step, p)
-
-    def _cycle(self) -> None:
-        """The top of the loop."""
-        if self.stopped:
-            return
-        eng = self.aeng.engine
-        try:
-            while True:
-                self.woken = False
-                if not eng.has_work():
-                    self.idle = True
-                    return
-                outputs = eng.step()
-                modeled = eng.step_seconds()
-                if modeled > 0:
-                    # asyncio.sleep(modeled): its timer sets a future, whose callback wakes the task.
-                    self.timer = self.loop.call_at(self.loop.time() + modeled, self._step_due, outputs,
-                                                   context=self.ctx)
-                    return
-                if not self._handed_out(outputs):
-                    return
-        except Exception as e:
-            self._crash(e)
-
-    def _step_due(self, outputs: list[RequestOutput]) -> None:
-        self.timer = None
-        if not self.stopped:
-            self._soon(self._stepped, outputs)
-
-    def _stepped(self, outputs: list[RequestOutput]) -> None:
-        if self.stopped:
-            return
-        try:
-            if not self._handed_out(outputs):
-                return
-        except Exception as e:
-            self._crash(e)
-            return
-        self._cycle()
-
-    def _handed_out(self, outputs: list[RequestOutput]) -> bool:
-        """Hand the step's outputs out; -> False: it produced nothing, the idle poll starts."""
-        self.aeng._hand_out(outputs)
-        if outputs:
-            return True
-        # wait_for: its timer first, then the inner task (its first step one hop later).
-        self.poll = p = _Poll()
-        p.timer = self.loop.call_at(self.loop.time() + _IDLE_POLL_S, self._poll_timeout, p, context=self.ctx)
-        self._soon(self._inner_step, p)
-        return False
-
-    # ---- the idle poll: wait_for(event.wait(), _IDLE_POLL_S), hop for hop -----------------
-    def _inner_step(self, p: _Poll) -> None:
-        """A step of the inner task: its first (done at once if the Event is set, else it
-        waits), the one after its Event was set, or the one a cancel throws into."""
-        if p.dead:
-            return
-        if p.must_cancel or p.inner == 2 or (p.inner == 0 and self.woken):
-            p.inner = 3
-            self._soon(self._release, p)       # its done callback: release the outer's waiter
-        else:
-            p.inner = 1
-
-    def _release(self, p: _Poll) -> None:
-        """`_release_waiter`: the outer wakes one hop later (unless its waiter is done)."""
-        if p.dead or p.waiting == 0:
-            return
-        waiting, p.waiting = p.waiting, 0
-        self._soon(self._outer_step, p, waiting)
-
-    def _poll_timeout(self, p: _Poll) -> None:
-        p.timer = None
-        if p.dead or p.waiting != 1:
-            return
-        p.waiting = 0
-        self._soon(self._outer_step, p, 1)
-
-    def _outer_step(self, p: _Poll, woke_from: int) -> None:
-        if p.dead:
-            return
-        if woke_from == 1 and p.inner != 3:
-            # Timed out: cancel the inner task and wait for it (`_cancel_and_wait`).
-            p.waiting = 2
-            if p.inner == 1:                 # its Event future is cancelled: it resumes one hop later
-                p.inner = 2
-                self._soon(self._inner_step, p)
-            else:                            # woken already: its next step raises
-                p.must_cancel = True
-            return
-        # Done (the Event was set, or the cancelled inner task has ended).
-        if p.timer is not None:
-            p.timer.cancel()
-            p.timer = None
-        self.poll = None
-        self._cycle()
-
-    def _crash(self, e: Exception) -> None:
-        self.stopped = True
-        self.aeng._crashed(e)
-
-    async def stop(self) -> None:
-        """Cancel what is scheduled; then two hops, as cancelling and awaiting the task took."""
-        if self.stopped:
-            return
-        self.stopped = True
-        if self.timer is not None:
-            self.timer.cancel()
-        p = self.poll
-        if p is not None:
-            p.dead = True
-            if p.timer is not None:
-                p.timer.cancel()
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
