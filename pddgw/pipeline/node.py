@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import structlog
@@ -488,7 +488,7 @@ class WorkerNode:
         if len(events) == 1:
             await self._emit(events[0])
             return
-        by_link: dict[Link, list[m.TokenItem]] = {}
+        by_link: dict[Link, list[TokenEvent]] = {}
         for ev in events:
             if ev.error is not None or ev.logprobs:
                 await self._emit(ev)
@@ -498,11 +498,10 @@ class WorkerNode:
                 continue
             if ev.finished:
                 self._open.pop(ev.request_id, None)
-            by_link.setdefault(op.router, []).append(
-                m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished, ev.finish_reason or ""))
-        for link, items in by_link.items():
-            for part in _batches(items):
-                await self._send_items(link, part)
+            by_link.setdefault(op.router, []).append(ev)
+        for link, evs in by_link.items():
+            for part in _parts(evs):
+                await self._send_part(link, part)
 
     def _emit_now(self, events: list[TokenEvent]) -> list[TokenEvent]:
         """`_emit_many` within the call, where every frame goes out at once (`Link.send_nowait`)
@@ -518,40 +517,23 @@ class WorkerNode:
             if op is not None:
                 by_link.setdefault(op.router, []).append(ev)
         for link, evs in by_link.items():
-            if len(evs) == 1:        # one request's tokens to this router: one frame, nothing to cut
-                ev = evs[0]
-                if link.send_nowait(m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished,
-                                                ev.finish_reason or "")):
-                    if ev.finished:
-                        self._open.pop(ev.request_id, None)
-                else:
-                    left.append(ev)
-                continue
-            items = [m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished, ev.finish_reason or "")
-                     for ev in evs]
-            parts = _batches(items)
-            for part, part_evs in zip(parts, _cut_like(evs, parts)):
-                if link.send_nowait(part[0] if len(part) == 1 else m.TokenBatch(tuple(part))):
-                    for ev in part_evs:
+            for part in _parts(evs):
+                if link.send_nowait(_frame(part)):
+                    for ev in part:
                         if ev.finished:
                             self._open.pop(ev.request_id, None)
                 else:
-                    left += part_evs
+                    left += part
         return left
 
-    async def _send_items(self, link: Link, items: list[m.TokenItem]) -> None:
-        rids = [it.request_id for it in items]
+    @contextlib.contextmanager
+    def _in_flight(self, rids: list[str]) -> Iterator[None]:
+        """These requests have frames on their way to the router (`in_use` counts them)."""
         sending = self._sending
         for rid in rids:
             sending[rid] = sending.get(rid, 0) + 1
         try:
-            await link.send(items[0] if len(items) == 1 else m.TokenBatch(tuple(items)))
-        except LinkError as e:
-            # The router is gone: nobody will read these requests' tokens. Free them.
-            for rid in rids:
-                log.warning("router_link_lost", node=self.name, request_id=rid, error=str(e))
-                with contextlib.suppress(Exception):
-                    await self._cancel(rid)
+            yield
         finally:
             for rid in rids:
                 if sending[rid] == 1:
@@ -559,52 +541,59 @@ class WorkerNode:
                 else:
                     sending[rid] -= 1
 
+    async def _router_lost(self, rid: str, e: LinkError) -> None:
+        """The router is gone: nobody will read this request's tokens. Free it."""
+        log.warning("router_link_lost", node=self.name, request_id=rid, error=str(e))
+        with contextlib.suppress(Exception):
+            await self._cancel(rid)
+
+    async def _send_part(self, link: Link, part: list[TokenEvent]) -> None:
+        rids = [ev.request_id for ev in part]
+        with self._in_flight(rids):
+            try:
+                await link.send(_frame(part))
+            except LinkError as e:
+                for rid in rids:
+                    await self._router_lost(rid, e)
+
     async def _emit(self, ev: TokenEvent) -> None:
         op = self._open.get(ev.request_id)
         if op is None:
             return
         if ev.finished:
             self._open.pop(ev.request_id, None)
-        rid = ev.request_id
-        self._sending[rid] = self._sending.get(rid, 0) + 1
-        try:
-            if ev.error is not None:
-                await op.router.send(m.Error(ev.request_id, "decode", ev.error[:4000]))
-            else:
-                # Their logprobs first, on the same link: the router joins them at its edge (protocol.py).
-                for piece in pm.logprob_pieces(ev.request_id, ev.position, ev.logprobs):
-                    await op.router.send(piece)
-                await op.router.send(m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished,
-                                                 ev.finish_reason or ""))
-        except LinkError as e:
-            # The router is gone: nobody will read this request's tokens. Free it.
-            log.warning("router_link_lost", node=self.name, request_id=ev.request_id, error=str(e))
-            with contextlib.suppress(Exception):
-                await self._cancel(ev.request_id)
-        finally:
-            if self._sending[rid] == 1:
-                del self._sending[rid]
-            else:
-                self._sending[rid] -= 1
+        with self._in_flight([ev.request_id]):
+            try:
+                if ev.error is not None:
+                    await op.router.send(m.Error(ev.request_id, "decode", ev.error[:4000]))
+                else:
+                    # Their logprobs first, on the same link: the router joins them at its edge (protocol.py).
+                    for piece in pm.logprob_pieces(ev.request_id, ev.position, ev.logprobs):
+                        await op.router.send(piece)
+                    await op.router.send(_item(ev))
+            except LinkError as e:
+                await self._router_lost(ev.request_id, e)
 
 
-def _batches(items: list[m.TokenItem]) -> list[list[m.TokenItem]]:
-    """`items` cut into parts that each fit one TokenBatch (item count and ids)."""
-    parts: list[list[m.TokenItem]] = [[]]
+def _item(ev: TokenEvent) -> m.TokenItem:
+    return m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished, ev.finish_reason or "")
+
+
+def _frame(part: list[TokenEvent]) -> m.TokenItem | m.TokenBatch:
+    """One frame of a part: a lone event as its TokenItem, more as one TokenBatch."""
+    return _item(part[0]) if len(part) == 1 else m.TokenBatch(tuple(_item(ev) for ev in part))
+
+
+def _parts(evs: list[TokenEvent]) -> list[list[TokenEvent]]:
+    """`evs` cut into parts that each fit one TokenBatch (item count and ids)."""
+    if len(evs) == 1:
+        return [evs]
+    parts: list[list[TokenEvent]] = [[]]
     ids = 0
-    for it in items:
-        if parts[-1] and (len(parts[-1]) == m.MAX_BATCH_ITEMS or ids + len(it.ids) > m.MAX_TOKEN_IDS):
+    for ev in evs:
+        if parts[-1] and (len(parts[-1]) == m.MAX_BATCH_ITEMS or ids + len(ev.token_ids) > m.MAX_TOKEN_IDS):
             parts.append([])
             ids = 0
-        parts[-1].append(it)
-        ids += len(it.ids)
+        parts[-1].append(ev)
+        ids += len(ev.token_ids)
     return parts
-
-
-def _cut_like(evs: list[TokenEvent], parts: list[list[m.TokenItem]]) -> list[list[TokenEvent]]:
-    """`evs` cut at the same places as their items in `parts`."""
-    out, at = [], 0
-    for part in parts:
-        out.append(evs[at : at + len(part)])
-        at += len(part)
-    return out
