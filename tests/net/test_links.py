@@ -363,7 +363,7 @@ async def test_shaping_accuracy_10MB_over_100Mbps_20ms_rtt(make_pair):
     elapsed = await asyncio.wait_for(done, 5) - t0
     # Never faster than the wire (its bytes at 100 Mbps + 10 ms); how much slower is the machine's
     # load, not shaping: the exact arrival is pinned on the virtual clock (test_shaping_virtual.py).
-    assert elapsed >= 0.81, elapsed
+    assert elapsed >= 0.80, elapsed   # 0.81 s less timer slack
 
 
 async def test_shaped_latency_is_paid_both_ways(make_pair):

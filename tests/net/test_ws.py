@@ -312,7 +312,7 @@ async def test_shaping_accuracy_server_to_client_striped(ws_server):
         elapsed = time.perf_counter() - t0
     assert got == list(range(10))
     # Never faster than the wire; the exact arrival is pinned on the virtual clock (test_shaping_virtual.py).
-    assert elapsed >= 0.81, elapsed
+    assert elapsed >= 0.80, elapsed   # 0.81 s less timer slack
     await link.close()
 
 
