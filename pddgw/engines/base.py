@@ -9,6 +9,7 @@ call (the async wrapper runs all of them on one worker thread).
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence, Set
 from enum import IntEnum
@@ -353,6 +354,15 @@ def check_kv_span(span: KVSpan, layout: KVLayout, num_prompt: int) -> None:
                            f"outside the prompt [0, {num_prompt})")
 
 
+# `engine.implementation` -> the module whose import registers it (`register_engine`).  A plug-in
+# table, read on first use: a deployment imports only the implementation it runs (vLLM's module
+# stays unloaded on a torch node), and the cost-model engine lives in the sim layer above this one,
+# with the profiles and roofline it prices steps with, without this package importing upwards.
+IMPLEMENTATIONS = {
+    "torch": "pddgw.engines.torch_engine",
+    "vllm": "pddgw.engines.vllm_engine",       # vLLM itself is imported when one is built
+    "costmodel": "pddgw.sim.costmodel_engine",
+}
 # name -> Engine class; its `from_config(config, engine_config)` -> (Engine, Tokenizer)
 _REGISTRY: dict[str, type[Engine]] = {}
 
@@ -370,18 +380,13 @@ def register_engine(name: str) -> Callable[[Any], Any]:
 
 def engine_class(implementation: str) -> type[Engine]:
     """The registered class of an `engine.implementation` name."""
-    if implementation not in _REGISTRY:
-        # Importing the implementations registers them.
-        # The cost-model engine lives in the sim layer with the profiles and roofline it
-        # prices steps with; this registry entry is the engines package's only way to it.
-        import pddgw.sim.costmodel_engine  # noqa: F401
-        import pddgw.engines.torch_engine  # noqa: F401
-        import pddgw.engines.vllm_engine  # noqa: F401  (vLLM itself is imported when one is built)
+    if implementation not in _REGISTRY and implementation in IMPLEMENTATIONS:
+        importlib.import_module(IMPLEMENTATIONS[implementation])
     try:
         return _REGISTRY[implementation]
     except KeyError:
         raise ValueError(f"engine.implementation: unknown engine {implementation!r} "
-                         f"(known: {', '.join(sorted(_REGISTRY))})") from None
+                         f"(known: {', '.join(sorted(IMPLEMENTATIONS))})") from None
 
 
 def create_engine(config: Any, engine_config: Any = None) -> tuple[Engine, Any]:
