@@ -2,31 +2,22 @@
 
 `python -m pddgw.bench.calibration [--json]`
 
-Each row is one number a public source measured (engine, GPU, tensor
-parallelism, model, batch, prompt and output lengths as the source states
-them) next to what `pddgw.sim.roofline.step_cost` predicts for the same
-work with the `pddgw.sim.profiles` hardware profiles.  A measurement is
-replayed step by step: one prefill step of all prompts, then output - 1
-decode steps of the whole batch with the context growing by one token each.
-What is compared depends on what the source reports:
+Each row is one number a public source measured (engine, GPU, parallelism,
+model, batch, prompt and output lengths as it states them) next to what
+`pddgw.sim.roofline.step_cost` predicts for the same work on the
+`pddgw.sim.profiles` hardware: one prefill step of all prompts, then
+output - 1 decode steps of the whole batch, the context one token longer
+each.  Compared, by what the source reports: prefill_tok_s (prompt tokens /
+prefill step), decode_ms (mean decode step), decode_tok_s (batch / mean
+decode step), latency_ms (prefill + every decode step), user_tok_s (output
+tokens / that, one stream).  Large expert-parallel throughputs are
+published per node or GPU (`per_gpus`), and shown in that unit; a model
+ending in "@fp8" is that profile with FP8 weights and KV.
 
-  prefill_tok_s  prompt tokens / prefill step (time to first token)
-  decode_ms      mean decode step (inter-token latency)
-  decode_tok_s   batch / mean decode step (decode throughput)
-  latency_ms     prefill + all decode steps (end-to-end request latency)
-  user_tok_s     output tokens / (prefill + all decode steps), one stream
-
-Throughputs of large expert-parallel deployments are published per node
-(or per GPU): `per_gpus` says per how many GPUs the number is, and both the
-published and the predicted value are shown in that unit.  A model name
-ending in "@fp8" is that profile with FP8 weights and KV (an FP8 engine
-build of a BF16 checkpoint).
-
-`ratio` is predicted time / measured time for every kind: > 1 means the
-model is slower than the measurement, < 1 faster; `comm_share` is the part
-of the predicted steps that is communication (TP all-reduces, EP
-all-to-alls), which the model never overlaps with compute.  Nothing is
-timed here; the output is deterministic.
+`ratio` is predicted time / measured time (> 1: the model is slower);
+`comm_share` is the part of the predicted steps that is communication (TP
+all-reduces, EP all-to-alls), never overlapped with compute.  Nothing is
+timed; the output is deterministic.
 """
 
 from __future__ import annotations

@@ -3,68 +3,43 @@
 `python -m pddgw.bench.engine [--json] [--quick] [--dtype D] [--threads N] [--repeats R]
     [--device cpu|cuda] [--cuda-graphs on|off] [--vllm-python PATH] [--vllm-eager] [--no-breakdown]`
 
-Procedure:
-  1. Build a random Llama (GQA, 32000-token vocab) with transformers' own
-     class from a fixed seed, weights scaled so the logits are well spread
-     (greedy picks do not flip on float rounding), and save it as a
-     safetensors checkpoint in a temporary directory.
-  2. Load that one checkpoint twice: `pddgw.engines.weights.load_model` for
-     the TorchEngine and `from_pretrained` for transformers (its default
-     attention implementation, as a user gets it).
-  3. Warm both up, then for each repeat run every case on both engines,
-     alternating which goes first, and keep the best time of each:
-       decode b=1, 8, 32  B equal-length prompts, N greedy output tokens each
-                          (EOS ignored).  Decode time runs from the moment
-                          every request has its first token (prefill done)
-                          to the last token: B * (N - 1) tokens.
-       decode b=8, 32     the same prompts, sampled: temperature 0.8, top-p
-         sampled          0.95, no top-k, request i seeded SEED + i (pddgw's
-                          draws are position-keyed, so its tokens repeat
-                          run to run).  Run right after the greedy case of
-                          its batch, so `ratio_greedy` (pddgw sampled tok/s
-                          / pddgw greedy tok/s) compares runs side by side.
-                          transformers samples the same way (do_sample,
-                          temperature 0.8, top_p 0.95, top_k 0, seeded) but
-                          with its own RNG: its tokens are not comparable,
-                          `tokens_match` is None there.  vLLM: greedy only
-                          (harness/vllm_side.py), no sampled rows.
-       prefill            B prompts of L tokens, one output token: time to
-                          the first token, B * L prompt tokens.
-       decode b=32        the sampled case again, pddgw only (transformers has no
-         sampled          presence / frequency penalties nor grammars), with
-         +penalties,      (a) penalties: repetition 1.1, presence 0.5,
-         +json_schema     frequency 0.5 (EOS ignored); (b) a JSON-schema mask
-                          (`json_schema()`: a string of at least N characters
-                          first, so no output completes the object before N
-                          tokens; the engine gets a byte tokenizer and an EOS
-                          id for its matcher, EOS not ignored: a grammar ends
-                          by it).  Run right after the plain sampled case of
-                          the batch, on its prompts: `ratio_sampled` = tok/s
-                          over the plain sampled row's, the cost of each.
-     The sides (`pddgw.harness.sides`): a fresh pddgw engine per run, room for
-     the whole batch in one step; transformers timed by a stopping criterion.
-  4. Report tok/s of each, pddgw / transformers and pddgw / vLLM, and
-     whether every request's greedy tokens were identical (`tokens_match`:
-     pddgw vs transformers; `vllm_tokens_match`: pddgw vs vLLM).
-  5. Per-step breakdown of pddgw (one extra, untimed-for-throughput run per
-     case): the engine's phases wrapped with timers from the bench side:
-     scheduling/bookkeeping (`step` minus `_forward`), packing the batch
-     (`_forward` minus the model and the sampler), attention (every
-     `paged_attention` call), the rest of the model (matmuls, norms, RoPE,
-     logits) and sampling; milliseconds per step, averaged over the decode
-     steps (the prefill step excluded) or over the prefill step.
+A random Llama (GQA, 32000-token vocab, logits well spread so greedy picks
+do not flip on float rounding) is saved once as a safetensors checkpoint and
+loaded by every side (`pddgw.harness.sides`: a fresh pddgw engine per run
+with room for the whole batch in one step; transformers' `from_pretrained`
+with its default attention, timed by a stopping criterion; vLLM, below).
+After a warm-up, each repeat runs every case on every side, alternating
+which goes first; the best time of each counts:
 
-vLLM column: `--vllm-python DIR/bin/python` (default: env PDDGW_VLLM_PYTHON),
-a vLLM environment driven in a subprocess (`pddgw.harness.sides.VllmSide`).
-One vLLM engine serves every run (sized for the largest batch, prefix
-caching off).  Without it the report says so: "vLLM: not available
-(--vllm-python not given)"; where it fails to start or to run the model,
-the reason (its log's tail goes to stderr).
+  decode b=1, 8, 32   B equal-length prompts, N greedy tokens each (EOS
+                      ignored); decode time runs from the moment every
+                      request has its first token to the last: B * (N - 1).
+  decode b=8, 32      the same prompts sampled (temperature 0.8, top-p 0.95,
+    sampled           no top-k, request i seeded SEED + i), right after the
+                      greedy case: `ratio_greedy` = sampled / greedy pddgw
+                      tok/s.  transformers samples with its own RNG
+                      (`tokens_match` None); vLLM runs greedy only.
+  decode b=32         pddgw only, right after the plain sampled case on its
+    +penalties,       prompts: repetition 1.1, presence 0.5, frequency 0.5;
+    +json_schema      a JSON-schema mask (`json_schema()`: no output can end
+                      the object before N tokens; a byte tokenizer and its
+                      EOS for the matcher).  `ratio_sampled` = tok/s over the
+                      plain sampled row's.
+  prefill             B prompts of L tokens, one output token: time to the
+                      first token, B * L prompt tokens.
 
-Prompts have equal lengths, so transformers' left padding is a no-op and
-neither side computes wasted tokens.  `tokens_match` is expected in float32;
-in bfloat16 the two round differently (pddgw's attention accumulates in
-float32), so greedy picks may diverge there.
+Reported: tok/s of each side, pddgw / transformers and pddgw / vLLM, whether
+every request's greedy tokens were identical (`tokens_match`,
+`vllm_tokens_match`; expected in float32, in bfloat16 the sides round
+differently), and pddgw's per-step phases from one more run per case
+(scheduling = `step` minus `_forward`, packing = `_forward` minus the model
+and the sampler, attention = every `paged_attention` call, the rest of the
+model, sampling; ms per decode step, or of the prefill step).
+
+vLLM: `--vllm-python DIR/bin/python` (default: env PDDGW_VLLM_PYTHON), a
+vLLM environment driven in a subprocess, one engine for every run (sized
+for the largest batch, prefix caching off).  Without it the report says
+"vLLM: not available (--vllm-python not given)", or why it failed.
 """
 
 from __future__ import annotations
@@ -112,7 +87,7 @@ def json_schema(min_chars: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """A sampled decode case with more asked of the sampler (pddgw only; see step 3)."""
+    """A sampled decode case with more asked of the sampler (pddgw only)."""
 
     name: Literal["penalties", "json_schema"]
 
@@ -193,9 +168,7 @@ class Case:
 
     @property
     def measured_tokens(self) -> int:
-        if self.kind == "prefill":
-            return self.batch * self.prompt_len
-        return self.batch * (self.output_len - 1)
+        return self.batch * (self.prompt_len if self.kind == "prefill" else self.output_len - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,20 +216,18 @@ def make_prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[in
     return random_prompts(1000 + salt, batch, length, (3, vocab))
 
 
-# ---- driver -------------------------------------------------------------------------
-
 def cases(s: Settings) -> list[Case]:
     """Every decode batch, each sampled one right after its greedy twin and its variants right
     after it, then prefill."""
     out = []
     for b in s.decode_batches:
-        out.append(Case("decode", b, s.decode_prompt_len, s.decode_output_len))
+        decode = Case("decode", b, s.decode_prompt_len, s.decode_output_len)
+        out.append(decode)
         if b in s.sampled_batches:
-            out.append(Case("decode", b, s.decode_prompt_len, s.decode_output_len, s.sampling))
+            out.append(dataclasses.replace(decode, sampling=s.sampling))
         if b in s.variant_batches:
-            out += [Case("decode", b, s.decode_prompt_len, s.decode_output_len, s.sampling, v) for v in VARIANTS]
-    out.append(Case("prefill", s.prefill_batch, s.prefill_prompt_len, 1))
-    return out
+            out += [dataclasses.replace(decode, sampling=s.sampling, variant=v) for v in VARIANTS]
+    return out + [Case("prefill", s.prefill_batch, s.prefill_prompt_len, 1)]
 
 
 def case_prompts(todo: Sequence[Case], vocab: int) -> list[list[list[int]]]:
@@ -272,63 +243,47 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
             breakdown: bool = False) -> list[Row]:
     """Interleaved runs of every side ("pddgw" and "transformers" required, "vllm" optional; a
     side without `samples` sits out the sampled cases, one without `variants` the variant ones)."""
-    names = [side.name for side in sides]
-    times = {(c, n): [] for c in todo for n in names}
-    match = {c: True for c in todo}
-    vmatch = {c: True for c in todo}
+    times: dict[tuple[Case, str], list[float]] = {(c, side.name): [] for c in todo for side in sides}
+    differ: set[tuple[Case, str]] = set()      # (case, side) whose tokens were not pddgw's in a repeat
     for rep in range(repeats):
-        order = list(sides) if rep % 2 == 0 else list(reversed(sides))
         for c, p in zip(todo, prompts):
-            results = {}
-            for side in order:
+            got = {}
+            for side in (sides if rep % 2 == 0 else sides[::-1]):
                 if c.sampling is not None and not getattr(side, "samples", True):
                     continue
-                if c.variant is not None:
-                    if not getattr(side, "variants", False):
-                        continue
-                    r = side.run(p, c.output_len, sampling=c.sampling, variant=c.variant)
-                else:
-                    r = side.run(p, c.output_len, sampling=c.sampling)
+                if c.variant is not None and not getattr(side, "variants", False):
+                    continue
+                extra = {"variant": c.variant} if c.variant else {}   # only variant sides take one
+                r = side.run(p, c.output_len, sampling=c.sampling, **extra)
                 times[(c, side.name)].append(r.seconds(c.kind))
-                results[side.name] = r.tokens
-            if "transformers" in results:
-                match[c] = match[c] and results["pddgw"] == results["transformers"]
-            if "vllm" in results:
-                vmatch[c] = vmatch[c] and results["pddgw"] == results["vllm"]
+                got[side.name] = r.tokens
+            differ |= {(c, n) for n, tokens in got.items() if tokens != got["pddgw"]}
             progress(f"repeat {rep + 1}/{repeats} {c.label}: " + ", ".join(
-                f"{n} {times[(c, n)][-1] * 1e3:.0f} ms" for n in names if times[(c, n)]))
+                f"{n} {t[-1] * 1e3:.0f} ms" for (case, n), t in times.items() if case == c and t))
     ours_side = next(side for side in sides if side.name == "pddgw")
-    greedy_tps = {c.prompt_key: c.measured_tokens / best(times[(c, "pddgw")])
-                  for c in todo if c.sampling is None}
-    sampled_tps = {c.prompt_key: c.measured_tokens / best(times[(c, "pddgw")])
-                   for c in todo if c.sampling is not None and c.variant is None}
+    s_of = {(c, n): best(t) for (c, n), t in times.items() if t}
+    tps = {(c, n): c.measured_tokens / s for (c, n), s in s_of.items()}
+    greedy = {c.prompt_key: tps[(c, "pddgw")] for c in todo if c.sampling is None}
+    plain = {c.prompt_key: tps[(c, "pddgw")] for c in todo if c.sampling is not None and c.variant is None}
     rows = []
     for c, p in zip(todo, prompts):
-        tps = {n: c.measured_tokens / best(times[(c, n)]) for n in names if times[(c, n)]}
-        has_vllm = "vllm" in tps
-        s = c.sampling
-        rows.append(Row(c.label, c.kind, c.batch, c.prompt_len, c.output_len, c.measured_tokens,
-                        best(times[(c, "pddgw")]),
-                        best(times[(c, "transformers")]) if times[(c, "transformers")] else None,
-                        tps["pddgw"], tps.get("transformers"), ratio(tps["pddgw"], tps.get("transformers")),
-                        match[c] if s is None else None,
-                        sampling="greedy" if s is None else
-                        f"temperature={s.temperature} top_p={s.top_p} seed={s.seed}+i",
-                        ratio_greedy=None if s is None else ratio(tps["pddgw"], greedy_tps.get(c.prompt_key)),
-                        variant=None if c.variant is None else c.variant.name,
-                        ratio_sampled=(None if c.variant is None
-                                       else ratio(tps["pddgw"], sampled_tps.get(c.prompt_key))),
-                        vllm_s=best(times[(c, "vllm")]) if has_vllm else None,
-                        vllm_tok_s=tps.get("vllm"),
-                        ratio_vllm=ratio(tps["pddgw"], tps.get("vllm")),
-                        vllm_tokens_match=vmatch[c] if has_vllm else None,
-                        breakdown=(ours_side.breakdown(p, c.output_len, c.kind, c.sampling, c.variant)
-                                   if breakdown else None)))
+        ours, s = tps[(c, "pddgw")], c.sampling
+
+        def matched(name: str) -> bool | None:
+            return None if s is not None or (c, name) not in s_of else (c, name) not in differ
+
+        rows.append(Row(
+            c.label, c.kind, c.batch, c.prompt_len, c.output_len, c.measured_tokens, s_of[(c, "pddgw")],
+            s_of.get((c, "transformers")), ours, tps.get((c, "transformers")),
+            ratio(ours, tps.get((c, "transformers"))), matched("transformers"),
+            sampling="greedy" if s is None else f"temperature={s.temperature} top_p={s.top_p} seed={s.seed}+i",
+            ratio_greedy=None if s is None else ratio(ours, greedy.get(c.prompt_key)),
+            variant=None if c.variant is None else c.variant.name,
+            ratio_sampled=None if c.variant is None else ratio(ours, plain.get(c.prompt_key)),
+            vllm_s=s_of.get((c, "vllm")), vllm_tok_s=tps.get((c, "vllm")),
+            ratio_vllm=ratio(ours, tps.get((c, "vllm"))), vllm_tokens_match=matched("vllm"),
+            breakdown=ours_side.breakdown(p, c.output_len, c.kind, s, c.variant) if breakdown else None))
     return rows
-
-
-def _vllm_python(arg: str | None) -> str | None:
-    return arg if arg is not None else (os.environ.get("PDDGW_VLLM_PYTHON") or None)
 
 
 def _engine_overrides(cuda_graphs: str | None, device: str) -> tuple[dict, str]:
@@ -356,55 +311,55 @@ def run_benchmark(settings: Settings, dtype_name: str,
     threads = torch.get_num_threads()
     vllm: VllmSide | None = None
     vllm_note = "not available (--vllm-python not given)"
+
+    def unavailable(e: VllmUnavailable) -> str:
+        progress(f"vLLM: not available: {e}")
+        return f"not available ({str(e).splitlines()[0]})"
+
     with tempfile.TemporaryDirectory(prefix="pddgw-bench-") as d:
         build_checkpoint(settings.model, d)
         ours, _tok = load_model(d, dtype, device)
         theirs = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
         if vllm_python:
             progress(f"starting vLLM ({vllm_python}) ...")
+            longest = settings.model.max_position_embeddings
             try:
-                vllm = VllmSide(vllm_python, d, dtype_name, threads,
-                                settings.model.max_position_embeddings,
-                                max(c.batch for c in todo),
-                                max(max(c.batch * c.prompt_len for c in todo),
-                                    settings.model.max_position_embeddings),
+                vllm = VllmSide(vllm_python, d, dtype_name, threads, longest, max(c.batch for c in todo),
+                                max(max(c.batch * c.prompt_len for c in todo), longest),
                                 enforce_eager=vllm_eager)
                 vllm_note = (f"vLLM {vllm.info['vllm_version']} (torch {vllm.info['torch_version']}), "
                              f"OMP_NUM_THREADS={vllm.info['omp_threads']} "
                              f"VLLM_CPU_OMP_THREADS_BIND={vllm.info['threads_bind']}, "
                              f"{'eager' if vllm_eager else 'compiled'}")
             except VllmUnavailable as e:
-                vllm_note = f"not available ({str(e).splitlines()[0]})"
-                progress(f"vLLM: not available: {e}")
+                vllm_note = unavailable(e)
     sides: list = [PddgwSide(ours, dtype, device, overrides), TransformersSide(theirs, device)]
-    if vllm is not None:
-        sides.append(vllm)
-    prompts = case_prompts(todo, settings.model.vocab_size)
     warm = make_prompts(2, 8, settings.model.vocab_size, -1)
     try:
-        for side in list(sides):
+        for side in sides:
+            side.run(warm, 3)
+        if vllm is not None:
             try:
-                side.run(warm, 3)
+                vllm.run(warm, 3)
+                sides.append(vllm)
             except VllmUnavailable as e:     # started, but cannot run this model
-                vllm_note = f"not available ({str(e).splitlines()[0]})"
-                progress(f"vLLM: not available: {e}")
-                sides.remove(side)
-                side.close()
+                vllm_note = unavailable(e)
+                vllm.close()
                 vllm = None
-        rows = measure(sides, todo, prompts, settings.repeats, progress, breakdown=breakdown)
+        rows = measure(sides, todo, case_prompts(todo, settings.model.vocab_size), settings.repeats, progress,
+                       breakdown=breakdown)
     finally:
         if vllm is not None:
             vllm.close()
     return Report(benchmark="engine", dtype=dtype_name, threads=threads,
                   transformers_version=transformers.__version__,
                   transformers_attention=str(theirs.config._attn_implementation),
-                  settings=settings, rows=rows, device=device, cuda_graphs=graphs_note,
-                  vllm=vllm_note,
+                  settings=settings, rows=rows, device=device, cuda_graphs=graphs_note, vllm=vllm_note,
                   vllm_version=None if vllm is None else vllm.info["vllm_version"])
 
 
 def render(report: Report) -> str:
-    m = report.settings.model
+    m, s = report.settings.model, report.settings.sampling
     head = (f"engine throughput: pddgw TorchEngine vs transformers {report.transformers_version} "
             f"generate ({report.transformers_attention}) vs vLLM, same weights\n"
             f"model: llama vocab={m.vocab_size} hidden={m.hidden_size} layers={m.num_layers} "
@@ -418,7 +373,6 @@ def render(report: Report) -> str:
         [(r.case, r.prompt_len, r.output_len, r.pddgw_tok_s, r.transformers_tok_s, r.vllm_tok_s,
           r.ratio, r.ratio_vllm, r.ratio_greedy, r.ratio_sampled, r.tokens_match, r.vllm_tokens_match)
          for r in report.rows])
-    s = report.settings.sampling
     out = head + table + (f"\nsampled: temperature {s.temperature}, top_p {s.top_p}, no top-k, request i "
                           f"seeded {s.seed}+i; sampled/greedy = pddgw tok/s over its greedy row's; "
                           f"tokens_match '-': transformers samples with its own RNG; no vLLM "
@@ -428,11 +382,9 @@ def render(report: Report) -> str:
     if any(r.breakdown for r in report.rows):
         out += "\n\npddgw per step, ms (decode: steps after the first token; prefill: its step)\n"
         out += format_table(
-            ["case", "steps", "step", "sched/bookkeeping", "pack", "attention", "model other",
-             "sampling"],
-            [(r.case, b.steps, b.step_ms, b.scheduling_ms, b.pack_ms, b.attention_ms,
-              b.model_other_ms, b.sampling_ms)
-             for r in report.rows if (b := r.breakdown) is not None])
+            ["case", "steps", "step", "sched/bookkeeping", "pack", "attention", "model other", "sampling"],
+            [(r.case, b.steps, b.step_ms, b.scheduling_ms, b.pack_ms, b.attention_ms, b.model_other_ms,
+              b.sampling_ms) for r in report.rows if (b := r.breakdown) is not None])
     return out
 
 
@@ -445,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     parser.add_argument("--repeats", type=int, default=0, help="runs per case, best kept")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
                         help="EngineConfig.cuda_graphs, where the engine has that field")
-    parser.add_argument("--vllm-python", default=None,
+    parser.add_argument("--vllm-python", default=os.environ.get("PDDGW_VLLM_PYTHON") or None,
                         help="python of a vLLM venv (scripts/make_vllm_env.sh); "
                              "default: env PDDGW_VLLM_PYTHON, else no vLLM column")
     parser.add_argument("--vllm-eager", action="store_true",
@@ -456,11 +408,9 @@ def main(argv: Sequence[str] | None = None) -> Report:
     settings = QUICK if args.quick else FULL
     if args.repeats:
         settings = dataclasses.replace(settings, repeats=args.repeats)
-    report = run_benchmark(settings, args.dtype,
-                           progress=to_stderr,
-                           device=args.device, cuda_graphs=args.cuda_graphs,
-                           vllm_python=_vllm_python(args.vllm_python), vllm_eager=args.vllm_eager,
-                           breakdown=not args.no_breakdown)
+    report = run_benchmark(settings, args.dtype, progress=to_stderr, device=args.device,
+                           cuda_graphs=args.cuda_graphs, vllm_python=args.vllm_python,
+                           vllm_eager=args.vllm_eager, breakdown=not args.no_breakdown)
     emit(report, args.json, render(report))
     return report
 

@@ -3,54 +3,27 @@
 `python -m pddgw.bench.fidelity [--json] [--requests N] [--conversations N] [--keep DIR]`
 
 The simulator's claim (DESIGN.md §8) is that it runs the real router,
-policy, state machine and workers, only on a virtual clock.  This benchmark
-checks the claim end to end:
+policy, state machine and workers, only on a virtual clock.  Checked end to
+end: one config.toml (router, P and RLD in cluster A, MD in cluster B;
+cost-model engines of a real model shape on H100/H200 profiles; a shaped
+`[[net.links]] name = "wan"`) runs (1) simulated, `run_virtual(
+run_deployment(...))`, and (2) as four `python -m pddgw serve` processes
+over real WebSocket links, the engines sleeping each step's modeled time,
+while a client replays the same `pddgw.sim.workload` conversations in real
+time (`pddgw.harness.replay`, after one warm-up request on an unrelated
+prompt) and records what `pddgw.sim.cluster` records.  Compared: TTFT
+P50/P99, RLD's share of output tokens, mean E2E and the P-RLD-MD share
+(real / sim, within the tolerance, 15 % by default); every request's output
+ids (by `token_digest`: the cost-model engine draws token i from (seed, i)
+alone, so any difference is a bug); no KV block or pin left once idle.
 
-1. It writes one config.toml for a small deployment (router, P and RLD in
-   cluster A, MD in cluster B; cost-model engines of a real model shape on
-   H100/H200 profiles; a WAN shaped as `[[net.links]] name = "wan"`, which the
-   router also takes as its bandwidth/RTT prior) with free loopback ports and
-   a fresh random link secret.
-2. Simulated: `run_virtual(run_deployment(load_config(file), conversations,
-   prefix))` - in-process links, virtual time.
-3. Real: the same file served by four `python -m pddgw serve --role R --node N`
-   processes over real WebSocket links, the cost-model engines sleeping each
-   step's modeled time and the links delaying each frame by its shaped time.
-   A client replays the *same* conversations (same `pddgw.sim.workload`
-   objects, seeds, arrival and think times, prompts built by `PromptBuilder`
-   from the answers' token ids) against the router's `/v1/responses`
-   WebSocket in real time, and records what `pddgw.sim.cluster` records:
-   TTFT (send -> first delta), inter-token gaps, E2E, pipeline, tokens by
-   role, MD's prefix hit.
-4. It compares TTFT P50/P99, RLD's share of output tokens, mean E2E and the
-   pipeline mix (real / sim, and whether each is within the tolerance, 15 %
-   by default), and checks that every request produced exactly the same
-   output token ids on both sides (by `pddgw.sim.cluster.token_digest`; the
-   cost-model engine draws the token at output position i from (seed, i)
-   alone, so any difference is a bug), and that no node holds a KV block
-   or a pin once both runs are idle.
-
-Why the numbers can agree: everything the user waits for is modeled time
-(prefill and decode steps of a 32B model, tens of ms each; WAN latency and
-serialization), and the real run only adds what the model leaves out -
-Python, loopback sockets and process scheduling, ~0.1-1 ms per hop and step.
-The default model (qwen3-32b, 1 GPU) keeps decode steps at ~19-26 ms so
-those overheads stay a few per cent (with llama3-8b's ~8 ms steps the same
-run drifted: RLD token share and P-RLD-MD share 16-17 % low); KV frames are
-large (`kv_frame_bytes`) so a 2K-token prompt crosses a link in a few
-frames, not hundreds.  Pipeline choices that depend on timing (a request
-arriving while another's KV is still on the WAN sees it as backlog) may
-differ between the two runs; the report counts the requests whose pipeline
-agrees.
-The processes are warmed up with one request on an unrelated prompt (shares
-no prefix block with the workload) before the real clock starts, so the
-first measured request does not pay for lazy imports and cold code paths.
-
-The config writer, the processes, the real-time replay (`pddgw.harness.replay`)
-and the idle check are `pddgw.harness`'s.
-
-`run_fidelity(...)` is the entry point for tests (tests/sim/test_fidelity.py
-runs a CI-sized version).
+The numbers can agree because what the user waits for is modeled time
+(steps of a 32B model, tens of ms; WAN latency and serialization) and the
+real run only adds Python, loopback sockets and scheduling (~0.1-1 ms a hop).
+Pipeline choices that depend on timing (a request arriving while another's
+KV is on the WAN sees a backlog) may differ; the report counts the requests
+whose pipeline agrees.  `run_fidelity(...)` is the entry point for tests
+(tests/sim/test_fidelity.py runs a CI-sized version).
 """
 
 from __future__ import annotations

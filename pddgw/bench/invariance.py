@@ -41,39 +41,16 @@ path.  This bench measures how often that fails on the built-in tiny model
        chunked extend   the last rows of an extend computed as their own
                         chunk vs inside the whole extend
 
-What we found (CPU, torch 2.13, 1 thread, 32 prompts x 256 tokens; the
-attention kernels were changing while this was written: rerun the bench
-rather than trust these lines):
-
-  * Row-invariant, bit for bit: the engine's GEMMs (oneDNN-prepacked on
-    the CPU, any M), RMSNorm, the greedy sampler (argmax of the row).  Not
-    in float32: the unpacked F.linear (MKL takes another kernel for M < 4;
-    the engine uses it on CUDA and in float64 only).
-  * Decode attention was the batch and mixed paths' one difference: fused
-    SDPA over L keys with those past a sequence masked gives the same bits
-    for every L that is a multiple of 16, other bits when L is not (57 of
-    60 rows differed with L = the exact longest sequence), and other bits
-    again without a mask.  The CPU path of pddgw/kernels/reference.py used
-    to gather the batch's longest sequence exactly and drop the mask when no
-    key was padded: float32 logits differed at 93% of positions, and in
-    bfloat16 2 of 32 requests diverged (at output positions 20 and 201).  It
-    now gathers whole blocks and always masks: the batch and mixed paths
-    give bit-identical logits in both dtypes (0 of 8192), and no bfloat16
-    request diverges on any path (32 x 256 tokens).
-  * What remains is extend attention: a token computed inside a multi-token
-    extend (path c, the token-ID handoff of P-MD and catch-up; path d,
-    prompt chunks) goes through SDPA with another number of query rows than
-    as a decode or in another chunk, and SDPA's result for a row depends on
-    how many rows share the call (its GEMM blocking).  float32 logits then
-    differ in the last bits at nearly every position, but on this model no
-    argmax moves; bfloat16 rounds the attention outputs to 8 bits, which
-    hides most of those ulps (1-3% of positions differ), and a rare rounding
-    flip shifts the KV cache and, tens to hundreds of tokens later, a
-    near-tie argmax (1 of 32 requests, at position 201; the P-MD divergence
-    at 58).  Making this exact needs an attention kernel with a fixed
-    reduction order per query row whatever the number of rows (a
-    batch-invariant kernel), not a cheap change; the same holds for cuBLAS /
-    Triton GEMMs on CUDA, which pick kernels by M.
+What we found (CPU, 1 thread, 32 prompts x 256 tokens; rerun rather than
+trust these lines): the engine's GEMMs (oneDNN-prepacked on the CPU, any
+M), RMSNorm and the greedy sampler are row-invariant bit for bit (the
+unpacked F.linear, on CUDA and in float64, is not in float32).  Decode
+attention gathers whole blocks and always masks, so the batch and mixed
+paths give bit-identical logits.  What remains is extend attention (paths c
+and d): SDPA's result for a row depends on how many query rows share the
+call, so float32 logits differ in the last bits and a rare bfloat16 rounding
+flip can move a near-tie argmax tens of tokens later; exact would need a
+batch-invariant attention kernel (as would cuBLAS / Triton GEMMs on CUDA).
 """
 
 from __future__ import annotations
@@ -163,7 +140,7 @@ class Report:
 
 # ---- generation on each path ------------------------------------------------------
 
-Tokens = list[int]
+OutputIds = list[int]                        # one request's output token ids
 Logits = dict[tuple[int, int], bytes]         # (seed, output position) -> the row's bytes
 
 
@@ -197,19 +174,27 @@ class Runner:
         sp = SamplingParams(max_tokens=self.s.output_len, ignore_eos=True, seed=seed)
         return EngineRequest(rid, tuple(prompt), sp, output_token_ids=tuple(done))
 
-    def alone(self, prompts: list[list[int]], logits: Logits) -> list[Tokens]:
-        out = []
+    def alone(self, prompts: list[list[int]], logits: Logits) -> list[OutputIds]:
         with captured_logits(logits):
-            for i, p in enumerate(prompts):
-                e = self.engine(1)
-                e.add_request(self.request("r", p, i + 1))
-                out.append(drain(e)["r"])
-        return out
+            return [self.one(p, i + 1) for i, p in enumerate(prompts)]
 
-    def path(self, name: str, prompts: list[list[int]], alone: list[Tokens], logits: Logits) -> list[Tokens]:
+    def one(self, prompt: Sequence[int], seed: int, done: Sequence[int] = (), chunk: int = 0) -> OutputIds:
+        """One request alone in a fresh engine (`done`: output ids already given; `chunk`: the
+        engine's max_num_batched_tokens) -> its output ids after `done`."""
+        e = self.engine(1, chunk)
+        e.add_request(self.request("r", prompt, seed, done))
+        return drain(e)["r"]
+
+    def path(self, name: str, prompts: list[list[int]], alone: list[OutputIds],
+             logits: Logits) -> list[OutputIds]:
         n, s = len(prompts), self.s
         reqs = [self.request(f"r{i}", p, i + 1) for i, p in enumerate(prompts)]
         with captured_logits(logits):
+            if name == "extend":
+                return [alone[i][:s.extend_tokens] + self.one(p, i + 1, alone[i][:s.extend_tokens])
+                        for i, p in enumerate(prompts)]
+            if name == "chunked":
+                return [self.one(p, i + 1, chunk=s.chunk) for i, p in enumerate(prompts)]
             if name == "batch":
                 fill = [self.request(f"f{j}", p, FILLER_SEED + j)
                         for j, p in enumerate(random_prompts(SEED + 1, s.filler, s.prompt_lens, PRINTABLE))]
@@ -217,32 +202,19 @@ class Runner:
                 for r in [*reqs, *fill]:
                     e.add_request(r)
                 got = drain(e)
-                return [got[f"r{i}"] for i in range(n)]
-            if name == "mixed":
+            else:                                       # mixed: one arrival per step
                 got = drain(self.engine(n), reqs)
-                return [got[f"r{i}"] for i in range(n)]
-            out = []
-            for i, p in enumerate(prompts):
-                if name == "extend":
-                    done = alone[i][:s.extend_tokens]
-                    e = self.engine(1)
-                    e.add_request(self.request("r", p, i + 1, done))
-                    out.append(done + drain(e)["r"])
-                else:                                   # chunked
-                    e = self.engine(1, s.chunk)
-                    e.add_request(self.request("r", p, i + 1))
-                    out.append(drain(e)["r"])
-            return out
+            return [got[f"r{i}"] for i in range(n)]
 
 
-def first_divergence(a: Tokens, b: Tokens) -> int | None:
+def first_divergence(a: OutputIds, b: OutputIds) -> int | None:
     for j, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return j
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(dtype: str, path: str, alone: list[Tokens], other: list[Tokens], ref_logits: Logits,
+def compare(dtype: str, path: str, alone: list[OutputIds], other: list[OutputIds], ref_logits: Logits,
             logits: Logits, start: int) -> PathResult:
     divs = [first_divergence(a, b) for a, b in zip(alone, other)]
     hit = [d for d in divs if d is not None]
@@ -278,10 +250,6 @@ def measure_paths(dtype_name: str, s: Settings, device: str,
 
 # ---- op diagnostics -------------------------------------------------------------------
 
-def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return not torch.equal(a, b)
-
-
 def measure_ops(dtype_name: str, s: Settings, device: str) -> list[OpResult]:
     """Bit comparisons of one row's result alone vs with others, per op (module docstring, 3)."""
     from pddgw.engines.model import linear, pack_weight, rms_norm
@@ -303,16 +271,20 @@ def measure_ops(dtype_name: str, s: Settings, device: str) -> list[OpResult]:
     kc, vc = rand(nb, BLOCK_SIZE, kvh, hd), rand(nb, BLOCK_SIZE, kvh, hd)
     scale = hd ** -0.5
     i32 = dict(dtype=torch.int32, device=device)
+
+    def differs(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return not torch.equal(a, b)
+
     for _ in range(trials):
         # GEMM and RMSNorm: rows [0, m) alone vs inside 32 rows.
         m = int(torch.randint(1, 32, (1,), generator=g))
         x, w = rand(32, hid), rand(3 * hid, hid, scale=hid ** -0.5)
         packed = pack_weight(w)
         if packed is not None:
-            counts["linear oneDNN"] += _differs(linear(x[:m], w, None, packed), linear(x, w, None, packed)[:m])
-        counts["linear F.linear"] += _differs(linear(x[:m], w, None, None), linear(x, w, None, None)[:m])
+            counts["linear oneDNN"] += differs(linear(x[:m], w, None, packed), linear(x, w, None, packed)[:m])
+        counts["linear F.linear"] += differs(linear(x[:m], w, None, None), linear(x, w, None, None)[:m])
         nw = rand(hid, scale=0.1) + 1
-        counts["rms_norm"] += _differs(rms_norm(x[:m], nw, 1e-5), rms_norm(x, nw, 1e-5)[:m])
+        counts["rms_norm"] += differs(rms_norm(x[:m], nw, 1e-5), rms_norm(x, nw, 1e-5)[:m])
         # Attention over one sequence of length n in the paged cache.
         n = int(torch.randint(2, 12 * BLOCK_SIZE, (1,), generator=g))
         table = torch.randperm(nb, generator=g)[:12].to(**i32)                         # [12] blocks
@@ -323,15 +295,15 @@ def measure_ops(dtype_name: str, s: Settings, device: str) -> list[OpResult]:
         both = ops.paged_decode_attention(torch.cat([q, rand(1, heads, hd)]), kc, vc,
                                           torch.stack([table, other]),
                                           torch.tensor([n, 12 * BLOCK_SIZE], **i32), scale)
-        counts["decode attn"] += _differs(alone, both[:1])
+        counts["decode attn"] += differs(alone, both[:1])
         t = min(n, 6)                                   # an extend of the last t tokens
         qe = torch.cat([rand(t - 1, heads, hd), q])
         ext = ops.extend_attention(qe, kc, vc, used, torch.tensor([0, t], **i32),
                                    torch.tensor([n], **i32), scale)
-        counts["extend vs decode"] += _differs(ext[-1:], alone)
+        counts["extend vs decode"] += differs(ext[-1:], alone)
         last2 = ops.extend_attention(qe[-2:], kc, vc, used, torch.tensor([0, 2], **i32),
                                      torch.tensor([n], **i32), scale)
-        counts["chunked extend"] += _differs(last2, ext[-2:])
+        counts["chunked extend"] += differs(last2, ext[-2:])
     return [OpResult(dtype_name, op, trials, c, c / trials) for op, c in counts.items()]
 
 

@@ -25,9 +25,11 @@ median of the repeats.  Without a GPU the benchmark says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -65,6 +67,9 @@ class ExtendPoint:
     max_err: float | None
 
 
+P = TypeVar("P", DecodePoint, ExtendPoint)
+
+
 @dataclass(frozen=True, slots=True)
 class KernelReport:
     device: str
@@ -76,7 +81,7 @@ class KernelReport:
     peak_gbps: float | None
     decode: list[DecodePoint]
     extend: list[ExtendPoint]
-    sdpa_note: str
+    sdpa_note: str               # how SDPA handles GQA (torch >= 2.5: natively, enable_gqa)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,35 +89,28 @@ class Skipped:
     skipped: str
 
 
-class _Sdpa:
-    """SDPA on contiguous K/V: native GQA when this torch has it, else K/V
-    expanded to every query head beforehand (noted in the report)."""
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    ks: tuple[int, ...]
+    prefixes: tuple[int, ...]
 
-    def __init__(self) -> None:
-        self.note = "enable_gqa"
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 causal_offset: bool) -> Callable[[], torch.Tensor]:
-        """q [B, H, Tq, D], k/v [B, KVH, L, D] -> a closure computing [B, H, Tq, D]."""
-        import torch.nn.functional as F
+FULL = Sizes(batches=(1, 8, 32, 128), contexts=(1024, 4096, 16384, 65536), ks=(1, 16, 64, 512),
+             prefixes=(4096, 16384, 65536))
+QUICK = Sizes(batches=(1, 32), contexts=(4096, 32768), ks=(1, 16, 64, 512),
+              prefixes=(4096, 32768))
 
-        mask = None
-        if causal_offset and q.shape[2] > 1:
-            from torch.nn.attention.bias import causal_lower_right
 
-            mask = causal_lower_right(q.shape[2], k.shape[2])
-        if self.note == "enable_gqa":
-            try:
-                fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,  # noqa: E731
-                                                            enable_gqa=True)
-                fn()
-                return fn
-            except (TypeError, RuntimeError) as e:
-                self.note = f"K/V expanded per query head (enable_gqa failed: {e})"[:200]
-        group = q.shape[1] // k.shape[1]
-        ke = k.repeat_interleave(group, dim=1)
-        ve = v.repeat_interleave(group, dim=1)
-        return lambda: F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """q [B, H, Tq, D], k/v [B, KVH, L, D] -> a closure computing [B, H, Tq, D], the Tq queries
+    the last positions of the L (causal, aligned to the end)."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(q.shape[2], k.shape[2]) if q.shape[2] > 1 else None
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 def _bench_us(fn: Callable[[], object]) -> float:
@@ -133,8 +131,7 @@ def _paged(batch: int, seq_len: int, kv_heads: int, head_dim: int, block_size: i
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, device=device, dtype=dtype, generator=gen)
     v_cache = torch.randn(shape, device=device, dtype=dtype, generator=gen)
-    perm = torch.randperm(num_blocks, device=device, generator=gen)
-    tables = perm.view(batch, nblk).to(torch.int32)
+    tables = torch.randperm(num_blocks, device=device, generator=gen).view(batch, nblk).to(torch.int32)
 
     def contiguous(cache: torch.Tensor) -> torch.Tensor:
         pages = cache[tables.long()]                            # [B, nblk, bs, KVH, D]
@@ -143,27 +140,11 @@ def _paged(batch: int, seq_len: int, kv_heads: int, head_dim: int, block_size: i
     return k_cache, v_cache, tables, contiguous(k_cache), contiguous(v_cache)
 
 
-def _release(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
-
-
-@dataclass(frozen=True, slots=True)
-class Sizes:
-    batches: tuple[int, ...]
-    contexts: tuple[int, ...]
-    ks: tuple[int, ...]
-    prefixes: tuple[int, ...]
-
-
-FULL = Sizes(batches=(1, 8, 32, 128), contexts=(1024, 4096, 16384, 65536), ks=(1, 16, 64, 512),
-             prefixes=(4096, 16384, 65536))
-QUICK = Sizes(batches=(1, 32), contexts=(4096, 32768), ks=(1, 16, 64, 512),
-              prefixes=(4096, 32768))
+def _time_both(ours: Callable[[], torch.Tensor], theirs: Callable[[], torch.Tensor],
+               as_ours: Callable[[torch.Tensor], torch.Tensor]) -> tuple[float, float, float]:
+    """(Triton us, SDPA us, max |Triton - SDPA|), SDPA's output brought to Triton's layout by `as_ours`."""
+    t_ours, t_theirs = _bench_us(ours), _bench_us(theirs)
+    return t_ours, t_theirs, float((ours().float() - as_ours(theirs()).float()).abs().max())
 
 
 def run(*, sizes: Sizes, dtype_name: str, q_heads: int, kv_heads: int, head_dim: int,
@@ -172,65 +153,56 @@ def run(*, sizes: Sizes, dtype_name: str, q_heads: int, kv_heads: int, head_dim:
 
     dtype = _DTYPES[dtype_name]
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else device
-    peak = peak_tbps * 1e12 if peak_tbps else next(
-        (p for key, p in _PEAKS.items() if key in name), None)
+    peak = peak_tbps * 1e12 if peak_tbps else next((p for key, p in _PEAKS.items() if key in name), None)
     scale = head_dim ** -0.5
     elt = torch.finfo(dtype).bits // 8
     gen = torch.Generator(device=device).manual_seed(0)
-    sdpa = _Sdpa()
+    i32 = dict(dtype=torch.int32, device=device)
 
-    decode: list[DecodePoint] = []
-    for batch in sizes.batches:
-        for ctx in sizes.contexts:
-            if batch * ctx > _MAX_DECODE_TOKENS:
-                continue
-            k_cache, v_cache, tables, k, v = _paged(batch, ctx, kv_heads, head_dim, block_size,
-                                                    dtype, gen, device)
-            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-            q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
-            ours = lambda: T.paged_decode_attention(q, k_cache, v_cache, tables,  # noqa: E731
-                                                    seq_lens, scale)
-            theirs = sdpa(q[:, :, None], k, v, causal_offset=False)
-            t_ours, t_theirs = _bench_us(ours), _bench_us(theirs)
-            err = _max_err(ours(), theirs()[:, :, 0])
-            sdpa_moved = (2 * batch * ctx * kv_heads * head_dim + 2 * q.numel()) * elt
-            moved = sdpa_moved + tables.numel() * 4             # + the block tables
-            gbps = moved / t_ours / 1e3
-            decode.append(DecodePoint(
-                batch=batch, context=ctx, triton_us=t_ours, sdpa_us=t_theirs, triton_gbps=gbps,
-                triton_peak_frac=ratio(gbps * 1e9, peak), sdpa_gbps=sdpa_moved / t_theirs / 1e3,
-                speedup=ratio(t_theirs, t_ours), max_err=err))
-            del k_cache, v_cache, tables, k, v, q
-            _release(device)
+    def paged(batch: int, seq_len: int):
+        return _paged(batch, seq_len, kv_heads, head_dim, block_size, dtype, gen, device)
 
-    extend: list[ExtendPoint] = []
-    for prefix in sizes.prefixes:
-        for kq in sizes.ks:
-            total = prefix + kq
-            k_cache, v_cache, tables, k, v = _paged(1, total, kv_heads, head_dim, block_size,
-                                                    dtype, gen, device)
-            seq_lens = torch.tensor([total], dtype=torch.int32, device=device)
-            cu = torch.tensor([0, kq], dtype=torch.int32, device=device)
-            q = torch.randn(kq, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
-            ours = lambda: T.extend_attention(q, k_cache, v_cache, tables, cu,  # noqa: E731
-                                              seq_lens, scale)
-            q_sdpa = q.transpose(0, 1)[None]                    # [1, H, k, D]
-            theirs = sdpa(q_sdpa, k, v, causal_offset=True)
-            t_ours, t_theirs = _bench_us(ours), _bench_us(theirs)
-            err = _max_err(ours(), theirs()[0].transpose(0, 1))
-            keys_seen = kq * (prefix + 1) + kq * (kq - 1) // 2
-            flops = 4 * q_heads * head_dim * keys_seen
-            extend.append(ExtendPoint(
-                k=kq, prefix=prefix, triton_us=t_ours, sdpa_us=t_theirs,
-                triton_tflops=flops / t_ours / 1e6, sdpa_tflops=flops / t_theirs / 1e6,
-                speedup=ratio(t_theirs, t_ours), max_err=err))
-            del k_cache, v_cache, tables, k, v, q
-            _release(device)
+    def query(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
 
+    def decode_point(batch: int, ctx: int) -> DecodePoint:
+        k_cache, v_cache, tables, k, v = paged(batch, ctx)
+        seq_lens = torch.full((batch,), ctx, **i32)
+        q = query(batch)                                        # [B, H, D]
+        t_ours, t_theirs, err = _time_both(
+            lambda: T.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale),
+            _sdpa(q[:, :, None], k, v), lambda o: o[:, :, 0])
+        sdpa_moved = (2 * batch * ctx * kv_heads * head_dim + 2 * q.numel()) * elt
+        gbps = (sdpa_moved + tables.numel() * 4) / t_ours / 1e3          # + the block tables
+        return DecodePoint(batch=batch, context=ctx, triton_us=t_ours, sdpa_us=t_theirs, triton_gbps=gbps,
+                           triton_peak_frac=ratio(gbps * 1e9, peak), sdpa_gbps=sdpa_moved / t_theirs / 1e3,
+                           speedup=ratio(t_theirs, t_ours), max_err=err)
+
+    def extend_point(prefix: int, kq: int) -> ExtendPoint:
+        k_cache, v_cache, tables, k, v = paged(1, prefix + kq)
+        seq_lens, cu = torch.tensor([prefix + kq], **i32), torch.tensor([0, kq], **i32)
+        q = query(kq)                                           # [k, H, D]
+        t_ours, t_theirs, err = _time_both(
+            lambda: T.extend_attention(q, k_cache, v_cache, tables, cu, seq_lens, scale),
+            _sdpa(q.transpose(0, 1)[None], k, v), lambda o: o[0].transpose(0, 1))
+        flops = 4 * q_heads * head_dim * (kq * (prefix + 1) + kq * (kq - 1) // 2)   # over the keys each sees
+        return ExtendPoint(k=kq, prefix=prefix, triton_us=t_ours, sdpa_us=t_theirs,
+                           triton_tflops=flops / t_ours / 1e6, sdpa_tflops=flops / t_theirs / 1e6,
+                           speedup=ratio(t_theirs, t_ours), max_err=err)
+
+    def freed(point: P) -> P:
+        """`point`, its tensors gone with the call that made them: the allocator's cache back too."""
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        return point
+
+    decode = [freed(decode_point(b, ctx)) for b in sizes.batches for ctx in sizes.contexts
+              if b * ctx <= _MAX_DECODE_TOKENS]
+    extend = [freed(extend_point(prefix, kq)) for prefix in sizes.prefixes for kq in sizes.ks]
     return KernelReport(device=name, dtype=dtype_name, q_heads=q_heads, kv_heads=kv_heads,
                         head_dim=head_dim, block_size=block_size,
                         peak_gbps=None if peak is None else peak / 1e9, decode=decode,
-                        extend=extend, sdpa_note=sdpa.note)
+                        extend=extend, sdpa_note="enable_gqa")
 
 
 def table(report: KernelReport) -> str:
@@ -238,13 +210,11 @@ def table(report: KernelReport) -> str:
             f"head_dim {report.head_dim}  page {report.block_size}  "
             f"HBM peak {report.peak_gbps or '?'} GB/s  (SDPA: {report.sdpa_note})")
     dec = format_table(
-        ["decode B x L", "triton us", "GB/s", "of peak", "sdpa us", "sdpa GB/s", "speedup",
-         "max err"],
+        ["decode B x L", "triton us", "GB/s", "of peak", "sdpa us", "sdpa GB/s", "speedup", "max err"],
         [[f"{p.batch} x {p.context}", p.triton_us, p.triton_gbps, p.triton_peak_frac, p.sdpa_us,
           p.sdpa_gbps, p.speedup, f"{p.max_err:.1e}"] for p in report.decode])
     ext = format_table(
-        ["extend k @ prefix", "triton us", "TFLOP/s", "sdpa us", "sdpa TFLOP/s", "speedup",
-         "max err"],
+        ["extend k @ prefix", "triton us", "TFLOP/s", "sdpa us", "sdpa TFLOP/s", "speedup", "max err"],
         [[f"{p.k} @ {p.prefix}", p.triton_us, p.triton_tflops, p.sdpa_us, p.sdpa_tflops,
           p.speedup, f"{p.max_err:.1e}"] for p in report.extend])
     return "\n\n".join([head, dec, ext])
@@ -263,15 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peak-tbps", type=float, default=None,
                         help="HBM peak in TB/s (default: by device name, H200 = 4.8)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        msg = "no CUDA device: the kernel benchmark needs a GPU; nothing measured"
-        emit(Skipped(skipped=msg), args.json, msg)
-        return 0
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        msg = "triton is not installed: the kernel benchmark needs it; nothing measured"
-        emit(Skipped(skipped=msg), args.json, msg)
+    why = ("no CUDA device: the kernel benchmark needs a GPU" if not torch.cuda.is_available() else
+           "triton is not installed: the kernel benchmark needs it" if importlib.util.find_spec("triton") is None
+           else "")
+    if why:
+        emit(Skipped(skipped=f"{why}; nothing measured"), args.json, f"{why}; nothing measured")
         return 0
     report = run(sizes=QUICK if args.quick else FULL, dtype_name=args.dtype, q_heads=args.q_heads,
                  kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,

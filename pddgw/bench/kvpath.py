@@ -3,35 +3,26 @@
     python -m pddgw.bench.kvpath [--json] [--layers 8 --kv-heads 8 --head-dim 64 --block-size 16]
                                  [--prompt 2048] [--chunk-kb 1024] [--repeat 3] [--busy-seqs 4 --busy-context 512]
 
-Production code end to end: a P `WorkerNode` (its own process, like a real
-node) prefills the prompt and streams its KV with `PrefillWorker` over a
-pddgw WebSocket link it dials; two decoder `WorkerNode`s in this process
-import it through `DecodeWorker`, behind a `WsServer` set up as `run_worker`
-sets it up; this process plays the router (Submit, Prefill, Cancel) and
-times each transfer from the Prefill request until the decoder reports the
-KV complete (Ready after KvDone: every chunk committed).  The model is a
-generated Llama spec with random weights, big enough per token that one
-block is a frame of the size links move well (8 layers x 8 KV heads x 64 x
-fp32 = 32 KiB a token, 512 KiB a block); P's prefix cache holds the prompt
-after a warm-up, so a transfer costs P only its last block.
+Production code end to end: a P `WorkerNode` in its own process prefills the
+prompt and streams its KV with `PrefillWorker` over a WebSocket link it
+dials; two decoder `WorkerNode`s here import it through `DecodeWorker`
+behind a `WsServer` set up as `run_worker` sets it up; this process plays
+the router (Submit, Prefill, Cancel) and times each transfer from Prefill
+until the decoder reports the KV complete.  The model is a random Llama
+spec with a real KV shape (default 32 KiB a token, 512 KiB a block); P's
+prefix cache holds the prompt after a warm-up.
 
-Side by side, interleaved, on every repeat:
-  production  the decoder's links receive each payload where `WorkerNode.kv_sink`
-              says: a one-block chunk straight into its block of the pool; the
-              import only marks it present (no copy, no engine step)
-  old         the path before: the link allocates each payload, and each chunk
-              is copied into the pool by one engine call of its own (behind the
-              step in progress on a busy decoder)
-  raw         the ceiling: the same bytes in frames of the same size over a raw
-              TCP socket between the same two processes, received into
-              preallocated memory (`recv_into`)
-each on an idle decoder and on a busy one (`--busy-seqs` sequences of
-`--busy-context` tokens decoding throughout).  Reported: GB/s (KV bytes /
-seconds, best of the repeats), ratios, and the decoder's copies per KV byte
-(1 = received straight into the pool; the kernel's socket copy counts as
-the one), from the engines' own counters.  Both paths must leave
-bit-identical KV in their pools (exported back and compared).  P dials the
-decoders, so KV frames are masked client -> server on both paths alike.
+Side by side, interleaved, on an idle decoder and on a busy one
+(`--busy-seqs` sequences of `--busy-context` tokens decoding throughout):
+  production  each one-block chunk received straight into its pool block
+              (`WorkerNode.kv_sink`); the import only marks it present
+  old         the link allocates each payload and one engine call per chunk
+              copies it into the pool
+  raw         the ceiling: the same bytes in frames of the same size over
+              raw TCP between the same processes, into preallocated memory
+Reported: GB/s (best of the repeats), ratios, copies per KV byte (1 =
+received straight into the pool) from the engines' counters; both paths
+must leave bit-identical KV in their pools (read back and compared).
 """
 
 from __future__ import annotations
@@ -65,6 +56,7 @@ from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.decode import DecodeState, DecodeWorker
 from pddgw.pipeline.node import WorkerNode
 from pddgw.pipeline.prefill import tokens_per_chunk
+from pddgw.tables import add_output_args, emit, format_table
 
 PATHS = ("production", "old")
 SEED = 7
@@ -231,7 +223,7 @@ async def _suite(shape: Shape, repeat: int) -> dict:
         d.url = await d.server.start("127.0.0.1", 0)
     proc, addr = _spawn_peer(shape, secret, {d.name: d.url for d in decs.values()})
     runs: dict[str, dict[str, list[dict]]] = {phase: {p: [] for p in PATHS} for phase in ("idle", "busy")}
-    raw_s: list[float] = []
+    raw_rates: list[float] = []
     step_ms: list[float] = []
     p_link: Link | None = None
     try:
@@ -247,8 +239,8 @@ async def _suite(shape: Shape, repeat: int) -> dict:
         reference: bytes | None = None    # every measured transfer must leave exactly these bytes
         n = 0
         for r in range(repeat):
-            raw_bytes = total // frame * frame
-            raw_s.append(raw_bytes / await asyncio.to_thread(raw_rate, addr["raw"], b"S", raw_bytes, frame, buf))
+            raw_rates.append(await asyncio.to_thread(raw_rate, addr["raw"], b"S", total // frame * frame,
+                                                     frame, buf))
             for phase in ("idle", "busy"):
                 for path in (PATHS if r % 2 == 0 else PATHS[::-1]):
                     d = decs[path]
@@ -280,13 +272,11 @@ async def _suite(shape: Shape, repeat: int) -> dict:
         for d in decs.values():
             await d.node.stop()
             await d.server.close()
-    return _report(shape, runs, raw_s, step_ms, leaks, repeat)
+    return _report(shape, runs, max(raw_rates) / 1e9, step_ms, leaks, repeat)
 
 
-def _report(shape: Shape, runs: dict, raw_s: list[float], step_ms: list[float], leaks: dict, repeat: int) -> dict:
+def _report(shape: Shape, runs: dict, raw_gbps: float, step_ms: list[float], leaks: dict, repeat: int) -> dict:
     total = shape.prompt * shape.bytes_per_token
-    raw_bytes = total // shape.frame_bytes * shape.frame_bytes
-    raw_gbps = max(raw_bytes / s for s in raw_s) / 1e9
     out: dict = {
         "benchmark": "kvpath",
         "config": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
@@ -327,35 +317,33 @@ def _report(shape: Shape, runs: dict, raw_s: list[float], step_ms: list[float], 
 
 
 def _table(rep: dict) -> str:
-    c = rep["config"]
-    lines = [f"KV path P pool -> WebSocket (loopback) -> decoder pool: {c['prompt_tokens']} tokens x "
-             f"{c['kv_bytes_per_token']} B = {c['kv_bytes'] / 2**20:.1f} MiB a request, "
-             f"frames of {c['frame_bytes'] / 1024:.0f} KiB, blocks of {c['block_size']} tokens, best of {c['repeat']}",
-             f"{'':>20} {'end to end (Prefill -> KV in pool)':^27}  {'receive (1st chunk -> KV in pool)':^27}",
-             f"{'decoder':>8} {'path':>11} {'GB/s':>9} {'vs old':>8} {'vs raw':>8}  {'GB/s':>9} {'vs old':>8} "
-             f"{'vs raw':>8} {'copies/B':>9} {'landed':>7}"]
-    raw = rep["raw"]["gb_per_s"]
+    c, raw = rep["config"], rep["raw"]["gb_per_s"]
+    head = (f"KV path P pool -> WebSocket (loopback) -> decoder pool: {c['prompt_tokens']} tokens x "
+            f"{c['kv_bytes_per_token']} B = {c['kv_bytes'] / 2**20:.1f} MiB a request, frames of "
+            f"{c['frame_bytes'] / 1024:.0f} KiB, blocks of {c['block_size']} tokens, best of {c['repeat']}\n"
+            "GB/s: end to end (Prefill -> KV in pool); rx: receive (1st chunk delivered -> KV in pool)")
+    rows = []
     for phase in ("idle", "busy"):
         ph = rep[phase]
         for path in PATHS:
-            x = ph[path]
-            e2e = ph["production_to_old"] if path == "production" else 1.0
-            rx = ph["receive_production_to_old"] if path == "production" else 1.0
-            lines.append(f"{phase:>8} {path:>11} {x['gb_per_s']:>9.3f} {e2e:>8.2f} {x['gb_per_s'] / raw:>8.2f}  "
-                         f"{x['receive_gb_per_s']:>9.3f} {rx:>8.2f} {x['receive_gb_per_s'] / raw:>8.2f} "
-                         f"{x['copies_per_byte']:>9.2f} {x['landed_fraction']:>7.0%}")
-    lines.append(f"{'-':>8} {'raw TCP':>11} {raw:>9.3f} {'':>8} {1.0:>8.2f}  {raw:>9.3f} {'':>8} {1.0:>8.2f} "
-                 f"{1.0:>9.2f}")
+            x, prod = ph[path], path == "production"
+            rows.append((phase, path, f"{x['gb_per_s']:.3f}", ph["production_to_old"] if prod else 1.0,
+                         x["gb_per_s"] / raw, f"{x['receive_gb_per_s']:.3f}",
+                         ph["receive_production_to_old"] if prod else 1.0, x["receive_gb_per_s"] / raw,
+                         x["copies_per_byte"], f"{x['landed_fraction']:.0%}"))
+    rows.append(("-", "raw TCP", f"{raw:.3f}", None, 1.0, f"{raw:.3f}", None, 1.0, 1.0, None))
     step = rep["busy"]["decode_step_ms"]
-    lines.append(f"busy decoder: {c['busy_seqs']} sequences of {c['busy_context']} tokens decoding, "
-                 f"step ~{step:.1f} ms" if step else "busy decoder: no step completed during the transfers")
-    lines.append(f"KV in both pools bit-identical: {rep['kv_identical']}; leaks: {rep['leaks']}")
-    return "\n".join(lines)
+    tail = (f"busy decoder: {c['busy_seqs']} sequences of {c['busy_context']} tokens decoding, "
+            f"step ~{step:.1f} ms" if step else "busy decoder: no step completed during the transfers")
+    return "\n".join([head, format_table(
+        ["decoder", "path", "GB/s", "vs old", "vs raw", "rx GB/s", "rx vs old", "rx vs raw", "copies/B",
+         "landed"],
+        rows), tail, f"KV in both pools bit-identical: {rep['kv_identical']}; leaks: {rep['leaks']}"])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pddgw.bench.kvpath", description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print machine-readable results")
+    add_output_args(ap)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -376,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = Shape(args.layers, args.kv_heads, args.head_dim, args.block_size, args.prompt, args.chunk_kb << 10,
                   args.busy_seqs, args.busy_context)
     rep = uvloop.run(_suite(shape, args.repeat))
-    print(orjson.dumps(rep, option=orjson.OPT_INDENT_2).decode() if args.json else _table(rep))
+    emit(rep, args.json, _table(rep))
     return 0
 
 

@@ -55,32 +55,36 @@ def make_config(naive: bool, step_ms: float = 0.0) -> Config:
     return dataclasses.replace(cfg, nodes=nodes, policy=PolicyConfig(pipeline="P-MD"))
 
 
-async def _ask(ws, prompt: list[int], max_tokens: int, what: str) -> tuple[float | None, dict]:
-    """One greedy response over an open socket -> (TTFT in ms as the client saw it, the response object)."""
+async def _ask(ws, prompt: list[int], max_tokens: int, conv: int, turn: int, what: str) -> tuple[dict, dict]:
+    """One greedy response over an open socket -> (its result row, the response object)."""
     ans = await respond(ws, Answer(), prompt, max_tokens)
     final = ans.final or {"type": "error", "error": f"socket {ans.closed}"}
     if final["type"] == "error":
         raise RuntimeError(f"{what}: {final['error']}")
-    return None if ans.first_t is None else (ans.first_t - ans.sent_t) * 1000.0, final["response"]
+    resp = final["response"]
+    tl = resp["pddgw"]
+    return {"conversation": conv, "turn": turn,
+            # TTFT as the client saw it.
+            "ttft_ms": None if ans.first_t is None else (ans.first_t - ans.sent_t) * 1000.0,
+            "pipeline": tl["pipeline"], "tokens_by_role": tl["tokens_by_role"],
+            "handoff_stall_ms": tl["handoff_stall_ms"], "wan_kv_bytes": tl["wan_kv_bytes"],
+            "cached_tokens": resp["usage"]["input_tokens_details"]["cached_tokens"],
+            "input_tokens": resp["usage"]["input_tokens"]}, resp
 
 
 async def _conversation(client: TestClient, conv: int, turns: int, out_tokens: int, rng: random.Random,
                         results: list[dict], start_s: float) -> None:
     await asyncio.sleep(start_s)
-    ws = await client.ws_connect("/v1/responses")
     # An agent's system prompt with tool definitions: past the embedded WAN's ~713-token
     # P-MD threshold (README, "The embedded default's WAN"), so first turns relay.
-    system = [rng.randrange(32, 127) for _ in range(rng.randrange(900, 1500))]
-    history = list(system)
-    try:
+    history = [rng.randrange(32, 127) for _ in range(rng.randrange(900, 1500))]
+    async with await client.ws_connect("/v1/responses") as ws:
         for turn in range(turns):
             history += [rng.randrange(32, 127) for _ in range(rng.randrange(15, 40))]   # the user's message
-            ttft, resp = await _ask(ws, history, out_tokens, f"conversation {conv} turn {turn}")
-            results.append(_result(conv, turn, ttft, resp))
+            row, resp = await _ask(ws, history, out_tokens, conv, turn, f"conversation {conv} turn {turn}")
+            results.append(row)
             history += resp["pddgw"]["output_token_ids"]
             await asyncio.sleep(rng.uniform(1.0, 2.0))          # think time (tools, the user)
-    finally:
-        await ws.close()
 
 
 def load_trace(path: str, limit: int, block_tokens: int, out_scale: float, seed: int) -> list[dict]:
@@ -106,21 +110,8 @@ def load_trace(path: str, limit: int, block_tokens: int, out_scale: float, seed:
 
 async def _replay_one(client: TestClient, i: int, req: dict, speed: float, results: list[dict]) -> None:
     await asyncio.sleep(req["t_s"] / speed)
-    ws = await client.ws_connect("/v1/responses")
-    try:
-        ttft, resp = await _ask(ws, req["prompt"], req["max_tokens"], f"trace request {i}")
-        results.append(_result(i, 0, ttft, resp))
-    finally:
-        await ws.close()
-
-
-def _result(conv: int, turn: int, ttft: float | None, resp: dict) -> dict:
-    tl = resp["pddgw"]
-    return {"conversation": conv, "turn": turn, "ttft_ms": ttft, "pipeline": tl["pipeline"],
-            "tokens_by_role": tl["tokens_by_role"], "handoff_stall_ms": tl["handoff_stall_ms"],
-            "wan_kv_bytes": tl["wan_kv_bytes"],
-            "cached_tokens": resp["usage"]["input_tokens_details"]["cached_tokens"],
-            "input_tokens": resp["usage"]["input_tokens"]}
+    async with await client.ws_connect("/v1/responses") as ws:
+        results.append((await _ask(ws, req["prompt"], req["max_tokens"], i, 0, f"trace request {i}"))[0])
 
 
 async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, seed: int,
@@ -136,26 +127,23 @@ async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, 
     results: list[dict] = []
     try:
         if trace is not None:
-            await asyncio.gather(*(_replay_one(client, i, r, speed, results) for i, r in enumerate(trace)))
-            return results, emb.wan_kv_bytes(), await _drain_s(side.router)
-        rng = random.Random(seed)
-        seeds = [rng.randrange(1 << 30) for _ in range(conversations)]
-        starts = [0.0]
-        for _ in range(conversations - 1):       # Poisson arrivals of new conversations
-            starts.append(starts[-1] + rng.expovariate(1.0 / arrival_s))
-        await asyncio.gather(*(_conversation(client, i, turns, out_tokens, random.Random(s), results, t)
-                               for i, (s, t) in enumerate(zip(seeds, starts))))
-        return results, emb.wan_kv_bytes(), await _drain_s(side.router)
+            todo = [_replay_one(client, i, r, speed, results) for i, r in enumerate(trace)]
+        else:
+            rng = random.Random(seed)
+            seeds = [rng.randrange(1 << 30) for _ in range(conversations)]
+            starts = [0.0]
+            for _ in range(conversations - 1):       # Poisson arrivals of new conversations
+                starts.append(starts[-1] + rng.expovariate(1.0 / arrival_s))
+            todo = [_conversation(client, i, turns, out_tokens, random.Random(s), results, t)
+                    for i, (s, t) in enumerate(zip(seeds, starts))]
+        await asyncio.gather(*todo)
+        wan_bytes = emb.wan_kv_bytes()
+        t0 = time.perf_counter()
+        await side.router.drain()            # until every background transfer is done
+        return results, wan_bytes, time.perf_counter() - t0
     finally:
         await client.close()
         await emb.stop()
-
-
-async def _drain_s(router) -> float:
-    """Seconds from the last answer until every background transfer is done."""
-    t0 = time.perf_counter()
-    await router.drain()
-    return time.perf_counter() - t0
 
 
 def summarize(results: list[dict], wan_bytes: int, drain_s: float) -> dict:

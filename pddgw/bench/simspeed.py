@@ -2,34 +2,24 @@
 
 `python -m pddgw.bench.simspeed [--json] [--requests N] [--repeat R] [--against DIR] [--cases a,b] [--calls]`
 
-Cases (fixed, small, deterministic), each the PDD deployment at 10 Gbps: the
-paper scenario's workload (a few conversations: one or two requests per
-engine step, so per-step costs weigh most), the paper scenario with
-two-turn conversations that all arrive at once (tens of requests per engine
-step, as in the goodput search's probes: per-token costs weigh most), and
-the dense-70B scenario (long KV transfers over the shaped WAN).
+Cases (fixed, small, deterministic), each the PDD deployment at 10 Gbps:
+`paper` (a few conversations: per-step costs weigh most), `paper-batched`
+(two-turn conversations all arriving at once, as in the goodput search's
+probes: per-token costs weigh most) and `dense70b` (long KV transfers over
+the shaped WAN).  Variants, each case once per variant per repeat,
+interleaved, every run in a fresh process: `lean loop` (this tree on
+`VirtualClockLoop`, what `pddgw sim` runs), `stock loop` (this tree on
+`ReferenceVirtualLoop`, asyncio's own iteration) and, with `--against DIR`,
+the `pddgw` package under DIR on its own default loop.
 
-Variants, each case run once per variant per repeat, interleaved, every run
-in a fresh process (no warm caches carried from one to the next):
-
-* `lean loop`: this tree on `VirtualClockLoop` (what `pddgw sim` runs);
-* `stock loop`: this tree on `ReferenceVirtualLoop` (asyncio's own
-  iteration over the virtual selector, which `pddgw sim` ran before);
-* `against`: with `--against DIR`, the `pddgw` package under DIR (e.g. a
-  `git archive HEAD | tar -x -C DIR` of the commit to compare with), on its
-  own default loop.
-
-Per case: the best wall and CPU time of the repeats per variant, simulated
-requests per wall second and per CPU second, the speed-up in CPU time over
-the baseline (`against` if given, else `stock loop`; CPU time, because on a
-machine shared with other work wall time measures the neighbours too), and
-whether the variant's requests came out identical to the baseline's (a
-digest of every request's tokens and timeline): a speed-up that changes
-results is a bug, not a speed-up.  With `--calls`, one more run per case and
-variant under cProfile counts Python function calls: exact, so it shows what
-a change removed even where the machine's load drowns a 10 % time
-difference.  Absolute times depend on the machine; compare ratios within
-one run.
+Per case and variant: the best wall and CPU time of the repeats, simulated
+requests per wall and per CPU second, the speed-up in CPU time over the
+baseline (`against` if given, else `stock loop`; CPU time, because wall
+time on a shared machine measures the neighbours too), and whether its
+requests came out identical to the baseline's (a digest of every request's
+tokens and timeline): a speed-up that changes results is a bug.  `--calls`:
+one more run under cProfile counting Python function calls, exact where
+the machine's noise drowns a 10 % time difference.
 """
 
 from __future__ import annotations

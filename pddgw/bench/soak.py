@@ -3,58 +3,37 @@
 `python -m pddgw.bench.soak [--embedded] [--concurrency N] [--duration S] [--max-tokens N]
 [--faults SPEC] [--json] [--keep DIR]`
 
-1. Deployment (`pddgw.harness.deployment`).  By default the 4-process PDD
-   deployment on 127.0.0.1 (router, p0 and rld0 in cluster A; md0 in
-   cluster B, reached through a TCP proxy this process owns, so the bench
-   can cut the WAN or collapse its bandwidth); `--embedded`: one `python -m
-   pddgw serve` process (the embedded default; no faults).  Every process is
-   started and stopped here, by its pid; logs go to `<dir>/<node>.log` (kept
-   with `--keep DIR`, or when the run fails).
-2. Load (`pddgw.harness.client`).  `--concurrency` clients, one WebSocket each,
-   send greedy requests back to back for `--duration` seconds: multi-turn
-   conversations (first turns relay: P-RLD-MD; next turns P-MD) and, with
+1. Deployment (`pddgw.harness.deployment`): by default the 4-process PDD
+   deployment on 127.0.0.1 (router, p0, rld0 in cluster A; md0 in cluster B
+   behind a TCP proxy this process owns, so the WAN can be cut or slowed);
+   `--embedded`: one `python -m pddgw serve` process (no faults).  Logs go
+   to `<dir>/<node>.log`, kept with `--keep DIR` or when the run fails.
+2. Load (`pddgw.harness.client`): `--concurrency` clients send greedy
+   requests back to back for `--duration` seconds: multi-turn
+   conversations (first turns P-RLD-MD, next turns P-MD) and, with
    probability `--singular-share`, a long uncached prompt with a short
-   answer (P-RLD, as far as the router's limiter allows).  Then no new
-   request; what is in flight has `--grace` seconds to end.
-3. Faults (`--faults`, `pddgw.harness.deployment`), at seconds from the start of
-   the load, comma-separated `SECONDS:ACTION=TARGET[@ARG]` (the actions:
-   --help), e.g. "10:kill=rld0@5,20:cut=wan,25:heal=wan,30:slow=wan@2,40:heal=wan".
-   Faults not yet due when the last request has ended are skipped.
-4. Checks.  Every request ends as completed, error (counted by its code,
-   e.g. "overloaded" from the router's admission queue) or lost (no
-   completion and no error event by the end of the grace period, or the
-   socket dropped under it).  Streamed tokens (completed: all of them;
-   errors: those that came) must equal (be a prefix of) the reference, what
-   `python -m pddgw generate --prompt-ids ... --json` prints for that prompt
-   (`--reference engine`, the default, runs that same code path once per
-   distinct prompt in this process after the deployment stopped; `cli` runs
-   the command itself); `response.completed`'s output ids must equal the
-   streamed ones; positions must come once, in order.  Then the router's
-   GET /debug/state is polled until nothing is in use (or `--quiet-timeout`):
-   what is still there is a leak (KV blocks, pins, in-flight entries).  RSS
-   of every process (/proc/PID/status) after warm-up and at the end; TTFT
-   P50/P99 and throughput of the completed requests.
-5. Exit status 1 when a request was lost, a token was wrong, a position came
-   twice or out of order, something leaked or a process died that the bench
-   did not kill; 2 when the deployment could not be started or the options
-   are wrong; else 0.
+   answer; then what is in flight has `--grace` seconds to end.
+3. Faults (`--faults`, the actions: --help) at seconds from the start of
+   the load; those not yet due when the last request has ended are skipped.
+4. Checks: every request ends completed, with an error (by its code) or
+   lost (no end by the grace period, or its socket dropped).  Streamed
+   tokens must equal (errors: be a prefix of) what `pddgw generate` gives
+   for that prompt (`--reference engine`: its code path here after the
+   deployment stopped; `cli`: the command), `response.completed`'s ids the
+   streamed ones, positions once and in order.  Then the router's
+   /debug/state is polled until nothing is in use (or `--quiet-timeout`):
+   what is left leaked (KV blocks, pins, in-flight entries).  Also RSS of
+   every process after warm-up and at the end, TTFT P50/P99, throughput.
+5. Exit 1 when a request was lost, a token wrong, a position out of order,
+   something leaked or a process died unbidden; 2 when the deployment did
+   not start or the options are wrong; else 0.
 
-"Lost" depends on `--grace`: the 4-process deployment's router ends a
-request with an error after 30 s (`server.request_timeout_s`, below the
-default grace of 45 s), the embedded default's only after 600 s, so there a
-request stuck for longer than the grace counts as lost.  A node the router
-cannot reach at the end (killed and not restarted, behind a cut WAN) is
-listed as unhealthy and its pool is not checked; one the bench restarted is
-waited for (within `--quiet-timeout`) until the router reaches it again.
-
-float64 by default (`--dtype`): with float32, batch composition can flip a
-near-tie between two tokens and show up as a wrong token that is not a bug.
-
-The deployment, the load clients, the leak check and the references are
-`pddgw.harness`'s; what is here is the fault schedule and the report.
-
-`run_soak(SoakOptions(...))` is the entry point for tests
-(tests/bench/test_bench_soak.py runs a CI-sized version).
+The 4-process router ends a request with an error after 30 s (below the
+default grace of 45 s), the embedded default only after 600 s.  A node the
+router cannot reach at the end is listed as unhealthy and not checked; one
+the bench restarted is waited for.  float64 by default (`--dtype`): in
+float32 a near-tie flip by batch composition would look like a wrong token.
+`run_soak(SoakOptions(...))` is the entry point for tests.
 """
 
 from __future__ import annotations

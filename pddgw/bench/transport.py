@@ -29,22 +29,28 @@ import aiohttp
 import orjson
 from aiohttp import WSMsgType, web
 
-from pddgw.logs import setup_logging
 from pddgw.harness.peer import Ring, bench_net, raw_rate, serve_raw, spawn_peer, stop_peer, until_stdin_closes
+from pddgw.logs import setup_logging
 from pddgw.net import frames
 from pddgw.net import messages as m
 from pddgw.net.link import Link
 from pddgw.net.ws import WsServer, connect
 from pddgw.net.wsproto import ws_header_size
+from pddgw.tables import add_output_args, emit, format_table
 
 HEADS, DIM = 8, 128                       # KV chunk = [1, 2, tokens, 8, 128] float16
 BYTES_PER_TOKEN = 2 * HEADS * DIM * 2
+DIRECTIONS = ("s2c", "c2s")               # bulk server -> client (unmasked), client -> server (masked)
+PLAIN_FRAME = 1 << 20
 
 
 def _parse_size(s: str) -> int:
     s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(s[-1], 1)
-    return int(s[:-1] if s[-1] in "KM" else s) * mult
+    return int(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1]] if s[-1] in "KM" else int(s)
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
 
 
 def _chunks(rid: str, total: int, frame: int, src: memoryview) -> list[m.KVChunk]:
@@ -57,19 +63,17 @@ def _chunks(rid: str, total: int, frame: int, src: memoryview) -> list[m.KVChunk
 async def _peer_main(secret: str) -> None:
     src = memoryview(os.urandom(4 << 20))
     raw = serve_raw(src)
-    ring = Ring(64 << 20)
 
     async def handler(link: Link, msg: m.Message) -> m.Message | None:
         if isinstance(msg, m.Ready) and msg.detail.startswith("s2c"):
             _, total, frame = msg.detail.split()
             chunks = _chunks(msg.request_id, int(total), int(frame), src)
             asyncio.get_running_loop().create_task(link.send_all(chunks))
-            return None
-        if isinstance(msg, m.TokenIds):
+        elif isinstance(msg, m.TokenIds):
             return m.Ack(msg.request_id, msg.start + len(msg.ids))
-        return None   # KV chunks (c2s) land in `ring`; the closing request gets an Ack
+        return None   # KV chunks (c2s) land in the ring; the closing request gets an Ack
 
-    server = WsServer("bench-peer", bench_net(secret, 4 << 20, 60), handler, kv_sink=ring)
+    server = WsServer("bench-peer", bench_net(secret, 4 << 20, 60), handler, kv_sink=Ring(64 << 20))
     url = await server.start("127.0.0.1", 0)
     plain = web.AppRunner(_plain_app(src), access_log=None, handle_signals=False)
     await plain.setup()
@@ -111,11 +115,10 @@ def _plain_app(src: memoryview) -> web.Application:
 
 async def _ws(link: Link, direction: str, total: int, frame: int, src: memoryview) -> float:
     rid = uuid.uuid4().hex
+    t0 = time.perf_counter()
     if direction == "s2c":
-        n = max(1, total // frame)
-        t0 = time.perf_counter()
         async with link.stream(rid, timeout=60) as st:
-            await link.send(m.Ready(rid, f"s2c {n * frame} {frame}"))
+            await link.send(m.Ready(rid, f"s2c {max(1, total // frame) * frame} {frame}"))
             got = 0
             async for msg in st:
                 got += msg.span.nbytes  # type: ignore[union-attr]
@@ -149,8 +152,7 @@ async def _plain(url: str, direction: str, total: int, frame: int, src: memoryvi
 
 
 async def _handoff(link: Link, iters: int) -> dict:
-    rid = uuid.uuid4().hex
-    msg = m.TokenIds(rid, 4096, tuple(range(1000, 1100)))
+    msg = m.TokenIds(uuid.uuid4().hex, 4096, tuple(range(1000, 1100)))
     frame = len(frames.encode_bytes(msg))
     lat = []
     for _ in range(iters):
@@ -165,54 +167,75 @@ async def _handoff(link: Link, iters: int) -> dict:
             "rtt_ms_median": statistics.median(lat) * 1e3, "rtt_ms_p99": lat[int(len(lat) * 0.99) - 1] * 1e3}
 
 
-async def _ws_suite(url: str, secret: str, sizes: list[int], stripes: list[int], total_for, repeat: int,
-                    raw_port: int, plain_url: str) -> tuple[list[dict], dict[int, dict[str, float]], dict, dict]:
+async def _suite(addr: dict, secret: str, sizes: list[int], stripes: list[int], mib: int, repeat: int) -> dict:
+    """Every measurement, interleaved, best of `repeat` -> the report."""
+    def total_for(size: int) -> int:   # 64K frames move a quarter of --mib
+        t = (mib << 20) // (4 if size < 256 << 10 else 1)
+        return max(size, t // size * size)
+
     src = memoryview(os.urandom(4 << 20))
     ring = Ring(64 << 20)
-    links = {k: await connect(url, "bench", bench_net(secret, 4 << 20, 60), stripes=k, kv_sink=ring) for k in stripes}
+    links = {k: await connect(addr["ws"], "bench", bench_net(secret, 4 << 20, 60), stripes=k, kv_sink=ring)
+             for k in stripes}
     raw_buf = memoryview(bytearray(4 << 20))
-    best: dict[tuple[int, int, str], float] = {}
-    raw_best: dict[int, dict[str, float]] = {}
+    ws_best: dict[tuple[int, int, str], float] = {}
+    raw_best: dict[int, dict[str, float]] = {size: {} for size in sizes}
     plain_best: dict[str, float] = {}
-    plain_frame = 1 << 20
+
+    def keep(table: dict, key: object, rate: float) -> None:
+        table[key] = max(table.get(key, 0.0), rate)
+
     try:
         for _ in range(repeat):
-            for direction in ("s2c", "c2s"):
-                rate = await _plain(plain_url, direction, total_for(plain_frame), plain_frame, src)
-                plain_best[direction] = max(plain_best.get(direction, 0.0), rate)
+            for d in DIRECTIONS:
+                keep(plain_best, d, await _plain(addr["plain"], d, total_for(PLAIN_FRAME), PLAIN_FRAME, src))
             for size in sizes:
-                total = total_for(size)
-                for op, name in ((b"S", "s2c"), (b"R", "c2s")):
-                    rate = await asyncio.to_thread(raw_rate, raw_port, op, total, size, raw_buf)
-                    d = raw_best.setdefault(size, {})
-                    d[name] = max(d.get(name, 0.0), rate)
+                for op, d in ((b"S", "s2c"), (b"R", "c2s")):
+                    keep(raw_best[size], d, await asyncio.to_thread(raw_rate, addr["raw"], op, total_for(size),
+                                                                    size, raw_buf))
                 for k in stripes:
-                    for direction in ("s2c", "c2s"):
-                        rate = await _ws(links[k], direction, total, size, src)
-                        key = (size, k, direction)
-                        best[key] = max(best.get(key, 0.0), rate)
+                    for d in DIRECTIONS:
+                        keep(ws_best, (size, k, d), await _ws(links[k], d, total_for(size), size, src))
         handoff = await _handoff(links[stripes[0]], 300)
     finally:
         for link in links.values():
             await link.close()
-    rows = []
-    for (size, k, direction), rate in sorted(best.items()):
-        raw = raw_best[size][direction]
-        rows.append({"frame_bytes": size, "stripes": k, "direction": direction, "gb_per_s": rate / 1e9,
-                     "raw_gb_per_s": raw / 1e9, "ratio": rate / raw})
-    best_raw = {d: max(r[d] for r in raw_best.values()) for d in ("s2c", "c2s")}
-    plain = {"frame_bytes": plain_frame, **{f"{d}_gb_per_s": v / 1e9 for d, v in plain_best.items()},
+    rows = [{"frame_bytes": size, "stripes": k, "direction": d, "gb_per_s": rate / 1e9,
+             "raw_gb_per_s": raw_best[size][d] / 1e9, "ratio": rate / raw_best[size][d]}
+            for (size, k, d), rate in sorted(ws_best.items())]
+    best_raw = {d: max(r[d] for r in raw_best.values()) for d in DIRECTIONS}
+    summary = {}
+    for d in DIRECTIONS:
+        top = max((r for r in rows if r["direction"] == d), key=lambda r: r["gb_per_s"])
+        summary[d] = {"ws_gb_per_s": top["gb_per_s"], "frame_bytes": top["frame_bytes"], "stripes": top["stripes"],
+                      "raw_gb_per_s": best_raw[d] / 1e9, "ratio": top["gb_per_s"] * 1e9 / best_raw[d]}
+    plain = {"frame_bytes": PLAIN_FRAME, **{f"{d}_gb_per_s": v / 1e9 for d, v in plain_best.items()},
              **{f"{d}_ratio_to_best_raw": v / best_raw[d] for d, v in plain_best.items()}}
-    return rows, raw_best, handoff, plain
+    return {"rows": rows, "raw": {str(k): v for k, v in raw_best.items()}, "summary": summary,
+            "plain_aiohttp": plain, "handoff": handoff}
 
 
-def _fmt_size(n: int) -> str:
-    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
+def _table(rep: dict) -> str:
+    rows = [(_fmt_size(r["frame_bytes"]), r["stripes"], r["direction"], r["gb_per_s"], r["raw_gb_per_s"],
+             r["ratio"]) for r in rep["rows"]]
+    lines = [format_table(["frame", "stripes", "dir", "ws GB/s", "raw GB/s", "ratio"], rows)]
+    for d, what in zip(DIRECTIONS, ("bulk server -> client (unmasked)", "bulk client -> server (masked)")):
+        x = rep["summary"][d]
+        lines.append(f"best {what}: {x['ws_gb_per_s']:.2f} GB/s at {_fmt_size(x['frame_bytes'])} frames, "
+                     f"{x['stripes']} stripe(s) = {x['ratio']:.2f} of the best raw TCP ({x['raw_gb_per_s']:.2f} GB/s)")
+    plain, handoff = rep["plain_aiohttp"], rep["handoff"]
+    return "\n".join(lines + [
+        f"reference, aiohttp's own WebSocket API with defaults, 1M frames: s2c {plain['s2c_gb_per_s']:.2f} GB/s "
+        f"({plain['s2c_ratio_to_best_raw']:.2f} of best raw), c2s {plain['c2s_gb_per_s']:.2f} GB/s "
+        f"({plain['c2s_ratio_to_best_raw']:.2f})",
+        f"token-ID handoff, 100 tokens: {handoff['wire_bytes_client_to_server']} B client->server "
+        f"({handoff['bytes_per_token']:.2f} B/token), {handoff['wire_bytes_server_to_client']} B server->client; "
+        f"round trip (send + ack) median {handoff['rtt_ms_median']:.3f} ms, p99 {handoff['rtt_ms_p99']:.3f} ms"])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pddgw.bench.transport", description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print machine-readable results")
+    add_output_args(ap)
     ap.add_argument("--sizes", default="64K,256K,1M,4M", help="KV frame sizes")
     ap.add_argument("--stripes", default="1,2,3,4", help="parallel connections per link")
     ap.add_argument("--mib", type=int, default=768, help="MiB per transfer (64K frames move a quarter)")
@@ -222,49 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     setup_logging("warning")      # logs go to stderr; stdout is the table / JSON
-
     if args.peer:
         uvloop.run(_peer_main(os.environ["PDDGW_BENCH_SECRET"]))
         return 0
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
-    stripes = [int(s) for s in args.stripes.split(",")]
-    total_mib = args.mib
-
-    def total_for(size: int) -> int:
-        t = (total_mib << 20) // (4 if size < 256 << 10 else 1)
-        return max(size, t // size * size)
-
     secret = secrets.token_hex(16)
     proc, addr = spawn_peer("pddgw.bench.transport", {"PDDGW_BENCH_SECRET": secret})
     try:
-        rows, raw_best, handoff, plain = uvloop.run(
-            _ws_suite(addr["ws"], secret, sizes, stripes, total_for, args.repeat, addr["raw"], addr["plain"]))
+        rep = uvloop.run(_suite(addr, secret, [_parse_size(s) for s in args.sizes.split(",")],
+                                [int(s) for s in args.stripes.split(",")], args.mib, args.repeat))
     finally:
         stop_peer(proc)
-    summary = {}
-    for d in ("s2c", "c2s"):
-        top = max((r for r in rows if r["direction"] == d), key=lambda r: r["gb_per_s"])
-        raw_top = max(v[d] for v in raw_best.values())
-        summary[d] = {"ws_gb_per_s": top["gb_per_s"], "frame_bytes": top["frame_bytes"], "stripes": top["stripes"],
-                      "raw_gb_per_s": raw_top / 1e9, "ratio": top["gb_per_s"] * 1e9 / raw_top}
-    if args.json:
-        print(orjson.dumps({"rows": rows, "raw": {str(k): v for k, v in raw_best.items()}, "summary": summary,
-                            "plain_aiohttp": plain, "handoff": handoff}, option=orjson.OPT_INDENT_2).decode())
-        return 0
-    print(f"{'frame':>6} {'stripes':>7} {'dir':>4} {'ws GB/s':>8} {'raw GB/s':>9} {'ratio':>6}")
-    for r in rows:
-        print(f"{_fmt_size(r['frame_bytes']):>6} {r['stripes']:>7} {r['direction']:>4} {r['gb_per_s']:>8.2f} "
-              f"{r['raw_gb_per_s']:>9.2f} {r['ratio']:>6.2f}")
-    for d, what in (("s2c", "bulk server -> client (unmasked)"), ("c2s", "bulk client -> server (masked)")):
-        x = summary[d]
-        print(f"best {what}: {x['ws_gb_per_s']:.2f} GB/s at {_fmt_size(x['frame_bytes'])} frames, "
-              f"{x['stripes']} stripe(s) = {x['ratio']:.2f} of the best raw TCP ({x['raw_gb_per_s']:.2f} GB/s)")
-    print(f"reference, aiohttp's own WebSocket API with defaults, 1M frames: s2c {plain['s2c_gb_per_s']:.2f} GB/s "
-          f"({plain['s2c_ratio_to_best_raw']:.2f} of best raw), c2s {plain['c2s_gb_per_s']:.2f} GB/s "
-          f"({plain['c2s_ratio_to_best_raw']:.2f})")
-    print(f"token-ID handoff, 100 tokens: {handoff['wire_bytes_client_to_server']} B client->server "
-          f"({handoff['bytes_per_token']:.2f} B/token), {handoff['wire_bytes_server_to_client']} B server->client; "
-          f"round trip (send + ack) median {handoff['rtt_ms_median']:.3f} ms, p99 {handoff['rtt_ms_p99']:.3f} ms")
+    emit(rep, args.json, _table(rep))
     return 0
 
 
