@@ -145,6 +145,17 @@ class _Collector:
         return self._fn()
 
 
+# Every observed series is named `pddgw:NAME` and lives in its owner's registry, never the
+# global default one (see the module docstring): these two say so once.
+def _histogram(registry: CollectorRegistry, name: str, doc: str, buckets: tuple[float, ...],
+               labels: Iterable[str] = ()) -> Histogram:
+    return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=registry)
+
+
+def _counter(registry: CollectorRegistry, name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
+    return Counter(PREFIX + name, doc, labels, registry=registry)
+
+
 # ---- router ---------------------------------------------------------------------------
 
 
@@ -164,36 +175,25 @@ class RouterMetrics:
         self._itl_pending: list[float] = []
         self._tokens_pending: dict[str, int] = {}
         reg.register(_Collector(self._flush))
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Time from the request's arrival at the router to its first token sent.",
-                              buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                             "Gap between consecutive runs of tokens sent to a client (one per run).",
-                             buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                             "Time from the request's arrival at the router to its end.",
-                             buckets=REQUEST_BUCKETS, registry=reg)
-        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
-                                    "Time a request waited in the router's room queue (0: never).",
-                                    buckets=REQUEST_BUCKETS, registry=reg)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of requests that got a first token.",
-                                     registry=reg)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens sent to clients.",
-                                         registry=reg)
-        self.tokens_by_role = Counter(PREFIX + "generation_tokens_by_role",
-                                      "Output tokens sent to clients by the role that generated them.",
-                                      ["role"], registry=reg)
-        self.success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
-                               ["finished_reason"], registry=reg)
-        self.errors = Counter(PREFIX + "request_errors", "Requests that ended without finishing.",
-                              ["state"], registry=reg)
-        self.handoffs = Counter(PREFIX + "handoffs", "Requests handed off RLD -> MD, by handoff mode.",
-                                ["mode"], registry=reg)
-        self.handoff_stall = Histogram(PREFIX + "handoff_stall_seconds",
-                                       "Longest gap the client saw across a request's final handoff round.",
-                                       ["mode"], buckets=STALL_BUCKETS, registry=reg)
-        self.wan_kv_bytes = Counter(PREFIX + "wan_kv_bytes", "KV bytes P sent across the WAN for requests.",
-                                    registry=reg)
+        self.ttft = _histogram(reg, "time_to_first_token_seconds",
+                               "Time from the request's arrival at the router to its first token sent.", TTFT_BUCKETS)
+        self.itl = _histogram(reg, "inter_token_latency_seconds",
+                              "Gap between consecutive runs of tokens sent to a client (one per run).", ITL_BUCKETS)
+        self.e2e = _histogram(reg, "e2e_request_latency_seconds",
+                              "Time from the request's arrival at the router to its end.", REQUEST_BUCKETS)
+        self.queue_time = _histogram(reg, "request_queue_time_seconds",
+                                     "Time a request waited in the router's room queue (0: never).", REQUEST_BUCKETS)
+        self.prompt_tokens = _counter(reg, "prompt_tokens", "Prompt tokens of requests that got a first token.")
+        self.generation_tokens = _counter(reg, "generation_tokens", "Output tokens sent to clients.")
+        self.tokens_by_role = _counter(reg, "generation_tokens_by_role",
+                                       "Output tokens sent to clients by the role that generated them.", ["role"])
+        self.success = _counter(reg, "request_success", "Requests finished, by finish reason.", ["finished_reason"])
+        self.errors = _counter(reg, "request_errors", "Requests that ended without finishing.", ["state"])
+        self.handoffs = _counter(reg, "handoffs", "Requests handed off RLD -> MD, by handoff mode.", ["mode"])
+        self.handoff_stall = _histogram(reg, "handoff_stall_seconds",
+                                        "Longest gap the client saw across a request's final handoff round.",
+                                        STALL_BUCKETS, ["mode"])
+        self.wan_kv_bytes = _counter(reg, "wan_kv_bytes", "KV bytes P sent across the WAN for requests.")
         self.front_door = FrontDoorMetrics(reg)
         # Children looked up once: `labels()` takes a lock and a dict lookup per call.
         self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ("rld", "md")}
@@ -314,10 +314,10 @@ class FrontDoorMetrics:
     `requests_active` and `connections` read their owners at scrape time (`watch`)."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.refused = Counter(PREFIX + "front_door_refused", "Requests or connections the front door refused.",
-                               ["reason"], registry=registry)
-        self.closed = Counter(PREFIX + "front_door_closed", "Connections the front door closed for a read timeout.",
-                              ["reason"], registry=registry)
+        self.refused = _counter(registry, "front_door_refused", "Requests or connections the front door refused.",
+                                ["reason"])
+        self.closed = _counter(registry, "front_door_closed",
+                               "Connections the front door closed for a read timeout.", ["reason"])
         self._refused = {r: self.refused.labels(r) for r in REFUSED_REASONS}
         self._closed = {r: self.closed.labels(r) for r in CLOSED_REASONS}
         self._active: Callable[[], int] = lambda: 0
@@ -363,10 +363,10 @@ class NodeMetrics:
         self._links_fn = links
         self._stats: EngineStats | None = None
         self.registry = reg = CollectorRegistry()
-        self.kv_transfer_time = Histogram(
-            PREFIX + "kv_transfer_time_seconds",
+        self.kv_transfer_time = _histogram(
+            reg, "kv_transfer_time_seconds",
             "Wire seconds of one request's KV transfer to one peer (priority: its class when it ended).",
-            ["node", "peer", "priority"], buckets=TRANSFER_BUCKETS, registry=reg)
+            TRANSFER_BUCKETS, ["node", "peer", "priority"])
         reg.register(_Collector(self._snapshot))
 
     def transfer(self, peer: str, priority: int, seconds: float) -> None:

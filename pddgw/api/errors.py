@@ -1,8 +1,10 @@
-"""The front door's client-error type and how it quotes client input (every route's decoder uses them)."""
+"""The front door's client-error type, how it quotes client input, and the field checks
+every route's decoder shares."""
 
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Callable
 from typing import Any
 
 # Error messages quote what the client sent; a bounded quote keeps a 1 MiB
@@ -47,3 +49,14 @@ def optional(d: dict[str, Any], key: str, kind: type, *, name: str | None = None
     name = name or key
     what = _KIND_NAMES[kind] + ("" if max_len is None else f" of at most {max_len} characters")
     raise ApiError(f"'{name}' must be {what}", name)
+
+
+def text_content(content: Any, where: str, part_text: Callable[[Any, str, str], str]) -> str:
+    """A message's content as one string: a string as it is, or a list of parts joined, each
+    checked and read by `part_text(part, "WHERE[i]", where)` (each API has its own part shape);
+    otherwise ApiError "WHERE must be a string or a list of text parts" with param `where`."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part_text(part, f"{where}[{i}]", where) for i, part in enumerate(content))
+    raise ApiError(f"{where} must be a string or a list of text parts", where)

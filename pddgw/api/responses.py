@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import orjson
 
-from pddgw.api.errors import QUOTE_LEN, ApiError, brief, optional
+from pddgw.api.errors import QUOTE_LEN, ApiError, brief, optional, text_content
 from pddgw.api.toolcalls import parse_tools
 from pddgw.core.errors import FieldError
 from pddgw.core.sampling import COUNT_LIMIT, MAX_LOGPROBS, SamplingParams
@@ -183,20 +183,14 @@ def response_format_grammar(fmt: Any, param: str, flat: bool = False) -> tuple[s
     return "json_schema", text
 
 
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                raise ApiError(f"{where}[{i}] must be a text part (input_text or output_text)", where)
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise ApiError(f"{where}[{i}].text must be a string", where)
-            parts.append(text)
-        return "".join(parts)
-    raise ApiError(f"{where} must be a string or a list of text parts", where)
+def _text_part(part: Any, at: str, where: str) -> str:
+    """The text of one part of an input item's content (`text_content`)."""
+    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+        raise ApiError(f"{at} must be a text part (input_text or output_text)", where)
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ApiError(f"{at}.text must be a string", where)
+    return text
 
 
 def _messages(d: dict[str, Any]) -> tuple[tuple[tuple[str, str], ...], tuple[dict[str, Any], ...] | None]:
@@ -234,7 +228,7 @@ def _messages(d: dict[str, Any]) -> tuple[tuple[tuple[str, str], ...], tuple[dic
                 cid, text = item.get("call_id"), item.get("output")
                 if not isinstance(cid, str) or not cid:
                     raise ApiError(f"{where}.call_id must be a non-empty string", f"{where}.call_id")
-                text = _text_of(text, f"{where}.output")
+                text = text_content(text, f"{where}.output", _text_part)
                 out.append(("tool", text))
                 chat.append({"role": "tool", "content": text, "tool_call_id": cid})
                 continue
@@ -243,7 +237,8 @@ def _messages(d: dict[str, Any]) -> tuple[tuple[tuple[str, str], ...], tuple[dic
             role = item.get("role")
             if role not in _ROLES:
                 raise ApiError(f"{where}.role must be one of {', '.join(_ROLES)}", where)
-            pair = ("system" if role == "developer" else role, _text_of(item.get("content"), f"{where}.content"))
+            pair = ("system" if role == "developer" else role,
+                    text_content(item.get("content"), f"{where}.content", _text_part))
             out.append(pair)
             chat.append({"role": pair[0], "content": pair[1]})
     else:

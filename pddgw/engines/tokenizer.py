@@ -68,17 +68,22 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: list[int]) -> str: ...
 
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int: ...
+    # Set by each implementation's __init__; the three properties below read them.
+    _vocab_size: int
+    _bos: int | None
+    _eos: tuple[int, ...]
 
     @property
-    @abstractmethod
-    def bos_token_id(self) -> int | None: ...
+    def vocab_size(self) -> int:
+        return self._vocab_size
 
     @property
-    @abstractmethod
-    def eos_token_ids(self) -> tuple[int, ...]: ...
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
 
     @abstractmethod
     def _marker(self, text: str) -> list[int]:
@@ -182,24 +187,14 @@ class ByteTokenizer(Tokenizer):
         if vocab_size < self.MIN_VOCAB:
             raise ValueError(f"ByteTokenizer needs vocab_size >= {self.MIN_VOCAB}")
         self._vocab_size = vocab_size
+        self._bos = self.BOS
+        self._eos = (self.EOS, self.IM_END_ID)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.BOS
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return (self.EOS, self.IM_END_ID)
 
     def _marker(self, text: str) -> list[int]:
         return [{IM_START: self.IM_START_ID, IM_END: self.IM_END_ID}[text]]
@@ -269,18 +264,6 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._bos
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos
 
     @property
     def renders_jinja(self) -> bool:

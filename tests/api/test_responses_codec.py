@@ -71,6 +71,23 @@ def test_bad_events_name_the_problem(raw, param, msg):
     assert ei.value.param == param
 
 
+@pytest.mark.parametrize("item,param,msg", [
+    ({"role": "user", "content": 3}, "input[0].content", "input[0].content must be a string or a list of text parts"),
+    ({"role": "user", "content": [{"type": "input_text", "text": "a"}, "b"]}, "input[0].content",
+     "input[0].content[1] must be a text part (input_text or output_text)"),
+    ({"role": "user", "content": [{"type": "image", "text": "a"}]}, "input[0].content",
+     "input[0].content[0] must be a text part (input_text or output_text)"),
+    ({"role": "user", "content": [{"type": "text", "text": 1}]}, "input[0].content",
+     "input[0].content[0].text must be a string"),
+    ({"type": "function_call_output", "call_id": "c1", "output": [{"type": "output_text"}]}, "input[0].output",
+     "input[0].output[0].text must be a string"),
+])
+def test_bad_content_parts_are_named_exactly(item, param, msg):
+    with pytest.raises(ApiError) as ei:
+        parse_client_event(ev(input=[item]), 100)
+    assert (str(ei.value), ei.value.param) == (msg, param)
+
+
 def test_create_with_top_k_and_min_p():
     base = SamplingParams(max_tokens=COUNT_LIMIT - 1, temperature=1.0)
     assert unseeded(parse_client_event(ev(input="x", top_k=40, min_p=0.05), 10).sampling) == replace(
