@@ -160,11 +160,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         while engine.has_work():
             for o in engine.step():
-                out += o.new_token_ids
+                out += o.ids
                 lps += o.logprobs
                 prompt_lps = o.prompt_logprobs or prompt_lps
-                if not args.json and o.new_token_ids:
-                    print(tokenizer.decode(list(o.new_token_ids)), end="", flush=True)
+                if not args.json and o.ids:
+                    print(tokenizer.decode(list(o.ids)), end="", flush=True)
     text = tokenizer.decode(out)
     if args.json:
         obj: dict = {"token_ids": out, "text": text}

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pddgw.engines.tokenizer import Tokenizer
-from pddgw.engines.types import TokenLogprobs
+from pddgw.core.tokens import TokenLogprobs
 
 _CACHED_PIECES = 1 << 17
 

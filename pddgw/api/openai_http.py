@@ -136,7 +136,7 @@ from pddgw.api.responses import (SAMPLING_KEYS, CreateResponse, function_call_it
                                  parse_create_body, parse_extension, parse_sampling, response_format_grammar,
                                  response_object, top_logprobs_param)
 from pddgw.core.sampling import SEED_LIMIT, SamplingParams
-from pddgw.pipeline.ordering import TokenRun
+from pddgw.core.tokens import TokenRun
 from pddgw.pipeline.router import Outcome, RouterError, StopRequest, new_request_id
 
 from pddgw.api.door import ClientTooSlow
@@ -482,7 +482,7 @@ def response_request(req: CreateResponse, stream: bool) -> GenRequest:
 
 
 def _provenance(run: TokenRun) -> dict[str, Any]:
-    return {"position": run.position, "token_ids": list(run.token_ids), "role": run.role}
+    return {"position": run.position, "token_ids": list(run.ids), "role": run.role}
 
 
 @dataclass(slots=True)
@@ -527,7 +527,7 @@ class _Format:
 
     def content(self, runs: list[TokenRun]) -> list[dict[str, Any]]:
         """The chat / responses logprobs of these runs' tokens."""
-        return [c for r in runs for c in lpfmt.content(self.pieces, r.token_ids, r.logprobs)]
+        return [c for r in runs for c in lpfmt.content(self.pieces, r.ids, r.logprobs)]
 
     def head(self) -> list[bytes]:
         return []
@@ -666,7 +666,7 @@ class _CompletionFormat(_ChatFormat):
     def logprobs(self, runs: list[TokenRun] | None) -> dict[str, Any] | None:
         if self.req.logprobs is None or runs is None:
             return None
-        obj, self.text_offset = lpfmt.completion(self.pieces, [t for r in runs for t in r.token_ids],
+        obj, self.text_offset = lpfmt.completion(self.pieces, [t for r in runs for t in r.ids],
                                                  [lp for r in runs for lp in r.logprobs], self.text_offset)
         return obj
 
@@ -837,7 +837,7 @@ def _usage(fmt: _Format, results: list[_Result]) -> dict[str, Any]:
 def _cumulative_logprob(res: _Result) -> float:
     """A choice's rank for `best_of`: its kept tokens' summed log-probabilities (vLLM's cumulative
     logprob, of the model's raw distribution)."""
-    if any(len(r.logprobs) != len(r.token_ids) for r in res.runs):
+    if any(len(r.logprobs) != len(r.ids) for r in res.runs):
         # Asked for at prepare: a run without them would rank on a partial sum.
         raise RuntimeError("best_of: a choice's tokens came without their logprobs")
     return math.fsum(lp.logprob for r in res.runs for lp in r.logprobs)
@@ -1100,9 +1100,9 @@ class OpenAIRoutes:
 
         async def one(c: _Choice) -> _Result:
             async def emit(run: TokenRun) -> None:
-                text, kept = c.text.push(run.token_ids)
-                if kept < len(run.token_ids):      # a stop string ended the text inside this run
-                    run = dataclasses.replace(run, token_ids=run.token_ids[:kept], logprobs=run.logprobs[:kept])
+                text, kept = c.text.push(run.ids)
+                if kept < len(run.ids):      # a stop string ended the text inside this run
+                    run = dataclasses.replace(run, ids=run.ids[:kept], logprobs=run.logprobs[:kept])
                 c.runs.append(run)
                 first.set()
                 if sse is not None:

@@ -73,8 +73,8 @@ from pddgw.api.responses import (CancelResponse, CreateResponse, completed_event
 from pddgw.api.toolcalls import parse_calls
 from pddgw.api.tokenize import add_tokenize_routes
 from pddgw.api.webchat import add_webchat_routes
+from pddgw.core.tokens import TokenRun
 from pddgw.metrics import metrics_route
-from pddgw.pipeline.ordering import TokenRun
 from pddgw.pipeline.router import Outcome, RouterError, new_request_id
 
 log = structlog.get_logger(__name__)
@@ -299,12 +299,12 @@ class _Connection:
             holds = req.tools is not None and req.tools.may_call
 
             async def emit(run: TokenRun) -> None:
-                text = detok.push(run.token_ids)
+                text = detok.push(run.ids)
                 lps = None
                 if logprobs is not None:
-                    lps = lpfmt.content(door.pieces, run.token_ids, run.logprobs)
+                    lps = lpfmt.content(door.pieces, run.ids, run.logprobs)
                     logprobs.extend(lps)
-                await self.send(delta_event, sid, rid, "" if holds else text, run.position, list(run.token_ids),
+                await self.send(delta_event, sid, rid, "" if holds else text, run.position, list(run.ids),
                                 run.role, lps)
 
             out: Outcome = await door.router.run(rid, ids, sampling, emit, req.pipeline, req.handoff_mode)

@@ -133,9 +133,9 @@ def measure_decode_step_s(engine: Engine, prompt_tokens: int = PROBE_PROMPT_TOKE
             outs = engine.step()
             dt = engine.step_seconds() if engine.runs_inline else time.perf_counter() - t0
             # Output 0 ends the prefill; the next `warmup` decodes are not timed.
-            if produced > warmup and any(o.new_token_ids for o in outs):
+            if produced > warmup and any(o.ids for o in outs):
                 times.append(dt)
-            produced += sum(len(o.new_token_ids) for o in outs)
+            produced += sum(len(o.ids) for o in outs)
     finally:
         engine.abort(rid)
     return statistics.median(times)

@@ -106,7 +106,7 @@ class RequestStream:
             self._aeng._end(self.request_id, entry)
             self._entry = None
             raise item
-        if item.finished:
+        if item.done:
             self._aeng._end(self.request_id, entry)
             self._entry = None
         return item
@@ -125,7 +125,7 @@ class RequestStream:
         while not entry.queue.empty():
             out = entry.queue.get_nowait()
             early.append((key, out))
-            if isinstance(out, BaseException) or out.finished:
+            if isinstance(out, BaseException) or out.done:
                 self._aeng._end(self.request_id, entry)
                 break
         if early:
@@ -332,7 +332,7 @@ class AsyncEngine:
             if got is None:
                 got = sinks[sink] = []
             got.append((entry.key, out))
-            if out.finished:
+            if out.done:
                 self._end(out.request_id, entry)
         if sinks:
             for sink, got in sinks.items():

@@ -72,8 +72,9 @@ from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.prompt_hashes import prompt_hashes
 from pddgw.engines.scheduler import Chunk, Scheduler
 from pddgw.engines.sequence import Sequence, SeqStatus
+from pddgw.core.tokens import TokenLogprobs
 from pddgw.engines.types import (AddResult, CapacityError, EngineRequest, EngineStats, FinishReason,
-                                 KVChunk, KVLayout, KVSpan, RequestError, RequestOutput, TokenLogprobs)
+                                 KVChunk, KVLayout, KVSpan, RequestError, RequestOutput)
 
 # What `_forward` returns per sampled sequence: its token, and its logprobs when it asked for them.
 Sampled = tuple[int, TokenLogprobs | None]

@@ -507,7 +507,7 @@ class History(Protocol):
     def num_prompt(self) -> int: ...
 
 
-class Tokens(NamedTuple):
+class TokenHistory(NamedTuple):
     """A `History` built from a token list (tests, the vLLM processor)."""
 
     tokens: Sequence[int]

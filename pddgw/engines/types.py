@@ -14,10 +14,10 @@ from typing import Literal
 from pddgw.core.errors import RequestError  # noqa: F401
 from pddgw.core.kv import DTYPE_ITEMSIZE, KVChunk, KVSpan  # noqa: F401
 from pddgw.core.sampling import MAX_LOGPROBS, SamplingParams  # noqa: F401
+from pddgw.core.tokens import LOGPROB_FLOOR, TokenLogprobs  # noqa: F401
 
 FinishReason = Literal["stop", "length", "abort"]
 KVSource = Literal["compute", "import"]
-LOGPROB_FLOOR = -9999.0      # what a log-probability of -inf is reported as (vLLM's convention; JSON has no -inf)
 
 
 class CapacityError(RuntimeError):
@@ -60,41 +60,27 @@ class AddResult:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """The model's log-probabilities at one sampled output position (see `SamplingParams.logprobs`).
-
-    logprob       of the sampled token
-    top_ids       the k most probable token ids, most probable first
-    top_logprobs  their log-probabilities (non-increasing)
-    A log-probability of -inf is LOGPROB_FLOOR.
-    """
-
-    logprob: float
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """What one engine step did for one request.
+    """What one engine step did for one request (its token fields spelt as `TokenRun`'s).
 
-    new_token_ids are the tokens sampled this step, the first at output
-    position `position`.  num_computed_tokens counts the tokens whose KV is
-    in the cache (a P node streams KV out as it grows).  logprobs: one
-    `TokenLogprobs` per new token when the request asked for them
-    (`SamplingParams.logprobs` not None), else empty.  prompt_logprobs:
-    once, in the output of the step that computed the last prompt token, of
-    a request that asked (`SamplingParams.prompt_logprobs` not None) and
-    computed its prompt here: one `TokenLogprobs` per prompt token 1..n-1
-    (token 0 has no context), else empty.
+    ids are the tokens sampled this step, the first at output position
+    `position`.  num_computed_tokens counts the tokens whose KV is in the
+    cache (a P node streams KV out as it grows).  done: the request ended
+    here, for `reason` (None until then; "abort" too, which a decoder never
+    emits).  logprobs: one `TokenLogprobs` per new token when the request
+    asked for them (`SamplingParams.logprobs` not None), else empty.
+    prompt_logprobs: once, in the output of the step that computed the last
+    prompt token, of a request that asked (`SamplingParams.prompt_logprobs`
+    not None) and computed its prompt here: one `TokenLogprobs` per prompt
+    token 1..n-1 (token 0 has no context), else empty.
     """
 
     request_id: str
-    new_token_ids: tuple[int, ...]
+    ids: tuple[int, ...]
     position: int
     num_computed_tokens: int
-    finished: bool = False
-    finish_reason: FinishReason | None = None
+    done: bool = False
+    reason: FinishReason | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 

@@ -69,8 +69,9 @@ from pddgw.engines.base import TrackedEngine, check_kv_span, register_engine
 from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
 from pddgw.engines.kv_pool import DTYPES, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.model_spec import ModelSpec
-from pddgw.engines.types import (DTYPE_ITEMSIZE, LOGPROB_FLOOR, AddResult, CapacityError, EngineRequest,
-                                 EngineStats, KVChunk, KVLayout, KVSpan, RequestError, RequestOutput, TokenLogprobs)
+from pddgw.core.tokens import LOGPROB_FLOOR, TokenLogprobs
+from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, CapacityError, EngineRequest, EngineStats, KVChunk,
+                                 KVLayout, KVSpan, RequestError, RequestOutput)
 
 
 class ReqState(IntEnum):

@@ -45,7 +45,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from pddgw.engines.grammar import Constraint, Grammars
-from pddgw.engines.sampler import Tokens, adjust_logits, sample_ids
+from pddgw.engines.sampler import TokenHistory, adjust_logits, sample_ids
 from pddgw.engines.types import RequestError
 from pddgw.core.sampling import SamplingParams
 
@@ -131,7 +131,7 @@ class PositionKeyedSampling(LogitsProcessor):
         x = logits.index_select(0, index)                                                # [R, V]
         if any(p.adjusts_logits for p in params):
             # pddgw's tokens so far: vLLM's prompt is pddgw's prompt + the `given` outputs.
-            hist = [Tokens(prompt + outs, len(prompt) - given) for _, given, prompt, outs, _, _ in entries]
+            hist = [TokenHistory(prompt + outs, len(prompt) - given) for _, given, prompt, outs, _, _ in entries]
             x = adjust_logits(x, params, positions, hist, entries[0][4], [e[5] for e in entries])
         ids = sample_ids(x, params, positions)                                           # [R]
         keep = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype,

@@ -74,7 +74,7 @@ def drain(engine: Engine, arrivals: Sequence[EngineRequest] = ()) -> dict[str, l
         if pending:
             engine.add_request(pending.pop(0))
         for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.ids)
     engine.check_integrity()
     return out
 
@@ -118,7 +118,7 @@ class Decoding:
     async def _read(self, outputs: Any, first: asyncio.Future) -> None:
         try:
             async for out in outputs:
-                if out.new_token_ids:
+                if out.ids:
                     self.tokens += 1
                     if not first.done():
                         first.set_result(None)

@@ -198,7 +198,7 @@ class PddgwSide:
         t_first = None
         while engine.has_work():
             for o in step():
-                out[o.request_id] += o.new_token_ids
+                out[o.request_id] += o.ids
             if t_first is None and all(out.values()):
                 t_first = time.perf_counter()
         t_end = time.perf_counter()

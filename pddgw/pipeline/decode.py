@@ -39,9 +39,9 @@ AsyncEngine whatever point a request is cancelled at.
 One reader per worker, not one task per request: from DECODING (or a
 re-drive's open) on, a request's outputs are fed to the worker's step sink
 (`AsyncEngine` hands it every request's outputs of a step in one call), and
-one reader task records them and emits the step's tokens together (`Emit`
-per event, or `EmitMany` once per step: the node sends one frame per router
-link per step).
+one reader task records them and emits the step's tokens together, one
+`TokenRun` per request (`Emit` per run, or `EmitMany` once per step: the node
+sends one frame per router link per step).
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from enum import IntEnum
 
 import structlog
 
 from pddgw.engines.async_engine import AsyncEngine, EngineStopped, RequestStream
 from pddgw.core.sampling import SamplingParams
-from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, RequestOutput, TokenLogprobs
+from pddgw.core.tokens import TokenLogprobs, TokenRun
+from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, RequestOutput
 from pddgw.pipeline.protocol import PromptScores
 
 log = structlog.get_logger(__name__)
@@ -71,25 +71,11 @@ class DecodeState(IntEnum):
     DONE = 5
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """Tokens at output positions [position, position + len(token_ids)) of a request."""
-
-    request_id: str
-    position: int
-    token_ids: tuple[int, ...]
-    finished: bool = False
-    finish_reason: str | None = None     # "stop" | "length" | "handoff" | "error" | "cancelled"
-    error: str | None = None
-    # One per token when the request asked for logprobs, else empty.
-    logprobs: tuple[TokenLogprobs, ...] = ()
-
-
-Emit = Callable[[TokenEvent], Awaitable[None]]
-# The events of one engine step (several requests'), in step order.
-EmitMany = Callable[[list[TokenEvent]], Awaitable[None]]
-# Emits within the call what can go at once -> the events it did not emit (in order).
-EmitNow = Callable[[list[TokenEvent]], list[TokenEvent]]
+Emit = Callable[[TokenRun], Awaitable[None]]
+# The runs of one engine step (several requests'), in step order.
+EmitMany = Callable[[list[TokenRun]], Awaitable[None]]
+# Emits within the call what can go at once -> the runs it did not emit (in order).
+EmitNow = Callable[[list[TokenRun]], list[TokenRun]]
 
 
 class _Progress:
@@ -146,7 +132,7 @@ class DecodeWorker:
         # Steps' outputs fed to this worker (AsyncEngine's step sink), until the reader takes
         # them; or a step recorded already, (what is left to emit, failed sessions).
         self._steps: deque[list[tuple[_Session, RequestOutput | BaseException]]
-                           | tuple[list[TokenEvent], list[_Session]]] = deque()
+                           | tuple[list[TokenRun], list[_Session]]] = deque()
         self._reader: asyncio.Task[None] | None = None
         self._reader_wake: asyncio.Future[None] | None = None
         self.sessions: dict[str, _Session] = {}
@@ -346,19 +332,19 @@ class DecodeWorker:
         its tokens emitted within the call where they can go at once (`EmitNow`); the rest
         is queued for the reader (started when none runs)."""
         if self._emit_now is not None and self._reader is None and not self._steps:
-            events: list[TokenEvent] = []
+            runs: list[TokenRun] = []
             failed: list[_Session] = []
             for s, out in got:
                 if s.reading:
-                    self._take(s, out, events, failed)
-            if events:
+                    self._take(s, out, runs, failed)
+            if runs:
                 try:
-                    events = self._emit_now(events)
+                    runs = self._emit_now(runs)
                 except Exception as e:   # (a bug): the reader's emit reports it
                     log.error("decode_emit_now_failed", error=repr(e))
-            if not events and not failed:
+            if not runs and not failed:
                 return
-            self._steps.append((events, failed))
+            self._steps.append((runs, failed))
         else:
             self._steps.append(got)
         if self._reader is None:
@@ -375,14 +361,14 @@ class DecodeWorker:
                 while self._steps:
                     step = self._steps.popleft()
                     if type(step) is tuple:
-                        events, failed = step
+                        runs, failed = step
                     else:
-                        events, failed = [], []
+                        runs, failed = [], []
                         for s, out in step:
                             if s.reading:
-                                self._take(s, out, events, failed)
-                    if events:
-                        await self._emit_many(events)
+                                self._take(s, out, runs, failed)
+                    if runs:
+                        await self._emit_many(runs)
                     for s in failed:      # its stream ends here: the request is aborted, if live
                         with contextlib.suppress(Exception):
                             await s.outputs.aclose()
@@ -394,9 +380,9 @@ class DecodeWorker:
         finally:
             self._reader = self._reader_wake = None
 
-    def _take(self, s: _Session, out: RequestOutput | BaseException, events: list[TokenEvent],
+    def _take(self, s: _Session, out: RequestOutput | BaseException, runs: list[TokenRun],
               failed: list[_Session]) -> None:
-        """Record one engine output of `s` (adding what to emit to `events`); a failure (the engine
+        """Record one engine output of `s` (adding what to emit to `runs`); a failure (the engine
         stopped or crashed, or an output that breaks the contract) ends the request here and the
         router re-drives it."""
         if s.frozen:
@@ -405,50 +391,50 @@ class DecodeWorker:
         try:
             if isinstance(out, BaseException):
                 raise out
-            if not self._on_output(s, out, events):
+            if not self._on_output(s, out, runs):
                 s.reading = False
         except Exception as e:
             s.reading = False
             if not s.frozen:
                 log.warning("decode_stream_failed", request_id=s.rid, error=repr(e))
-                events.append(TokenEvent(s.rid, len(s.tokens), (), True, "error", str(e)))
+                runs.append(TokenRun(s.rid, len(s.tokens), (), True, "error", error=str(e)))
             self._finish(s)
             failed.append(s)
 
-    async def _each(self, events: list[TokenEvent]) -> None:
-        for ev in events:
-            await self._emit(ev)
+    async def _each(self, runs: list[TokenRun]) -> None:
+        for run in runs:
+            await self._emit(run)
 
-    def _on_output(self, s: _Session, out: RequestOutput, events: list[TokenEvent]) -> bool:
-        """Record one engine output (what to emit goes to `events`); False once the request has
+    def _on_output(self, s: _Session, out: RequestOutput, runs: list[TokenRun]) -> bool:
+        """Record one engine output (what to emit goes to `runs`); False once the request has
         ended here."""
         if out.prompt_logprobs:
             self.scored.put(s.rid, out.prompt_logprobs)
         s.num_computed = out.num_computed_tokens
         s.progress.notify()
-        if out.new_token_ids:
+        if out.ids:
             assert out.position == len(s.tokens), (out.position, len(s.tokens))
-            s.tokens += out.new_token_ids
+            s.tokens += out.ids
             if s.want_logprobs:
-                if len(out.logprobs) != len(out.new_token_ids):
+                if len(out.logprobs) != len(out.ids):
                     raise RequestError(f"request {s.rid!r} asked for logprobs; this engine gave "
-                                       f"{len(out.logprobs)} for {len(out.new_token_ids)} tokens")
+                                       f"{len(out.logprobs)} for {len(out.ids)} tokens")
                 s.logprobs += out.logprobs
-        if out.finished:
-            if out.finish_reason != "abort":
+        if out.done:
+            if out.reason != "abort":
                 self._finish(s)
-                ev = self._take_new(s, finished=True, reason=out.finish_reason)
-                if ev is not None:
-                    events.append(ev)
+                run = self._take_new(s, finished=True, reason=out.reason or "")
+                if run is not None:
+                    runs.append(run)
             return False
         if s.state in (DecodeState.DECODING, DecodeState.HANDING_OFF):
-            ev = self._take_new(s)
-            if ev is not None:
-                events.append(ev)
+            run = self._take_new(s)
+            if run is not None:
+                runs.append(run)
         return True
 
-    def _take_new(self, s: _Session, finished: bool = False, reason: str | None = None) -> TokenEvent | None:
-        """The tokens of `s` not emitted yet, as the event that emits them (None: nothing new)."""
+    def _take_new(self, s: _Session, finished: bool = False, reason: str = "") -> TokenRun | None:
+        """The tokens of `s` not emitted yet, as the run that emits them (None: nothing new)."""
         new = tuple(s.tokens[s.emitted :])
         if not new and not finished:
             return None
@@ -458,12 +444,12 @@ class DecodeWorker:
             assert all(lp is not None for lp in got), f"request {s.rid}: emitting tokens without logprobs"
             lps = tuple(got)  # type: ignore[arg-type]
         pos, s.emitted = s.emitted, len(s.tokens)
-        return TokenEvent(s.rid, pos, new, finished, reason, logprobs=lps)
+        return TokenRun(s.rid, pos, new, finished, reason, lps)
 
-    async def _emit_new(self, s: _Session, finished: bool = False, reason: str | None = None) -> None:
-        ev = self._take_new(s, finished, reason)
-        if ev is not None:
-            await self._emit(ev)
+    async def _emit_new(self, s: _Session, finished: bool = False, reason: str = "") -> None:
+        run = self._take_new(s, finished, reason)
+        if run is not None:
+            await self._emit(run)
 
     def _finish(self, s: _Session) -> None:
         """The request has ended here: wake whoever waits on its progress."""

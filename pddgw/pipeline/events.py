@@ -2,10 +2,11 @@
 
 The pumps of a request (P's Prefill reply, each decoder's token stream, the
 handoff) turn what they get into these at the edge - a decoder's stream
-messages through `StreamReader` (which joins each TokenItem with the
-Logprobs pieces sent right before it, and checks them), replies and link
-failures directly - so the loop in router.py matches on meaning, not on wire
-types.  `node` is the router's handle of the node it came from.
+messages through `StreamReader` (which turns each wire TokenItem, joined
+with the Logprobs pieces sent right before it and checked, into the
+`TokenRun` the router merges), replies and link failures directly - so the
+loop in router.py matches on meaning, not on wire types.  `node` is the
+router's handle of the node it came from.
 """
 
 from __future__ import annotations
@@ -13,19 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pddgw.engines.types import TokenLogprobs
+from pddgw.core.roles import Role
+from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.net import messages as m
 from pddgw.pipeline import protocol as pm
 
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
-    """Output tokens from a decoder (position-keyed; `item.done` ends its stream);
-    `logprobs`: one per token when the request asked for them, else empty."""
+    """Output tokens from a decoder (position-keyed, its role named; `run.done` ends its stream)."""
 
     node: Any
-    item: m.TokenItem
-    logprobs: tuple[TokenLogprobs, ...] = ()
+    run: TokenRun
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,7 @@ class StreamError(ValueError):
 
 
 class StreamReader:
-    """One decoder's stream of one request -> events (`event`).
+    """One decoder's stream of one request -> events (`event`); its tokens' runs name `role`.
 
     `top_n`: None when the request asked for no logprobs; else the number of
     alternatives every position must carry.  Then each TokenItem with tokens
@@ -84,8 +84,9 @@ class StreamReader:
     pump turns it into `NodeFailed`).
     """
 
-    def __init__(self, node: Any, top_n: int | None = None):
+    def __init__(self, node: Any, role: Role, top_n: int | None = None):
         self.node = node
+        self.role = role
         self.top_n = top_n
         self._pieces: list[pm.Logprobs] = []
 
@@ -103,7 +104,9 @@ class StreamReader:
                 self._pieces.append(msg)
                 return None
             case m.TokenItem():
-                return Tokens(self.node, msg, self._join(msg))
+                # The one place a wire item becomes a run (a decoder's node builds the item, `node._item`).
+                return Tokens(self.node, TokenRun(msg.request_id, msg.position, msg.ids, msg.done, msg.reason,
+                                                  self._join(msg), self.role))
             case m.Ready():
                 return KvReady(self.node)
             case pm.HandoffRound():

@@ -40,13 +40,14 @@ import structlog
 
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.base import Engine
-from pddgw.engines.types import CapacityError, KVChunk, KVSpan, RequestError, TokenLogprobs
+from pddgw.core.tokens import TokenLogprobs, TokenRun
+from pddgw.engines.types import CapacityError, KVChunk, KVSpan, RequestError
 from pddgw.metrics import NodeMetrics
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.link import Link, LinkState
 from pddgw.pipeline import protocol as pm
-from pddgw.pipeline.decode import DecodeWorker, TokenEvent
+from pddgw.pipeline.decode import DecodeWorker
 from pddgw.pipeline.handoff import relay_handoff, round_sender
 from pddgw.pipeline.prefill import KVTarget, PrefillWorker
 
@@ -482,46 +483,46 @@ class WorkerNode:
             self._dropped.add(rid)
 
     # ---- outbound token stream -------------------------------------------------------
-    async def _emit_many(self, events: list[TokenEvent]) -> None:
-        """One engine step's events: per router link, the tokens that carry no logprobs in one
+    async def _emit_many(self, runs: list[TokenRun]) -> None:
+        """One engine step's runs: per router link, the tokens that carry no logprobs in one
         frame (a `TokenBatch`; a lone item as its TokenItem), the others one by one (`_emit`)."""
-        if len(events) == 1:
-            await self._emit(events[0])
+        if len(runs) == 1:
+            await self._emit(runs[0])
             return
-        by_link: dict[Link, list[TokenEvent]] = {}
-        for ev in events:
-            if ev.error is not None or ev.logprobs:
-                await self._emit(ev)
+        by_link: dict[Link, list[TokenRun]] = {}
+        for run in runs:
+            if run.reason == "error" or run.logprobs:
+                await self._emit(run)
                 continue
-            op = self._open.get(ev.request_id)
+            op = self._open.get(run.request_id)
             if op is None:
                 continue
-            if ev.finished:
-                self._open.pop(ev.request_id, None)
-            by_link.setdefault(op.router, []).append(ev)
-        for link, evs in by_link.items():
-            for part in _parts(evs):
+            if run.done:
+                self._open.pop(run.request_id, None)
+            by_link.setdefault(op.router, []).append(run)
+        for link, rs in by_link.items():
+            for part in _parts(rs):
                 await self._send_part(link, part)
 
-    def _emit_now(self, events: list[TokenEvent]) -> list[TokenEvent]:
+    def _emit_now(self, runs: list[TokenRun]) -> list[TokenRun]:
         """`_emit_many` within the call, where every frame goes out at once (`Link.send_nowait`)
-        -> the events not sent (in order: `_emit_many` sends them).  Those with logprobs or an
+        -> the runs not sent (in order: `_emit_many` sends them).  Those with logprobs or an
         error always go that way."""
-        by_link: dict[Link, list[TokenEvent]] = {}
-        left: list[TokenEvent] = []
-        for ev in events:
-            if ev.error is not None or ev.logprobs:
-                left.append(ev)
+        by_link: dict[Link, list[TokenRun]] = {}
+        left: list[TokenRun] = []
+        for run in runs:
+            if run.reason == "error" or run.logprobs:
+                left.append(run)
                 continue
-            op = self._open.get(ev.request_id)
+            op = self._open.get(run.request_id)
             if op is not None:
-                by_link.setdefault(op.router, []).append(ev)
-        for link, evs in by_link.items():
-            for part in _parts(evs):
+                by_link.setdefault(op.router, []).append(run)
+        for link, rs in by_link.items():
+            for part in _parts(rs):
                 if link.send_nowait(_frame(part)):
-                    for ev in part:
-                        if ev.finished:
-                            self._open.pop(ev.request_id, None)
+                    for run in part:
+                        if run.done:
+                            self._open.pop(run.request_id, None)
                 else:
                     left += part
         return left
@@ -547,8 +548,8 @@ class WorkerNode:
         with contextlib.suppress(Exception):
             await self._cancel(rid)
 
-    async def _send_part(self, link: Link, part: list[TokenEvent]) -> None:
-        rids = [ev.request_id for ev in part]
+    async def _send_part(self, link: Link, part: list[TokenRun]) -> None:
+        rids = [run.request_id for run in part]
         with self._in_flight(rids):
             try:
                 await link.send(_frame(part))
@@ -556,44 +557,46 @@ class WorkerNode:
                 for rid in rids:
                     await self._router_lost(rid, e)
 
-    async def _emit(self, ev: TokenEvent) -> None:
-        op = self._open.get(ev.request_id)
+    async def _emit(self, run: TokenRun) -> None:
+        op = self._open.get(run.request_id)
         if op is None:
             return
-        if ev.finished:
-            self._open.pop(ev.request_id, None)
-        with self._in_flight([ev.request_id]):
+        if run.done:
+            self._open.pop(run.request_id, None)
+        with self._in_flight([run.request_id]):
             try:
-                if ev.error is not None:
-                    await op.router.send(m.Error(ev.request_id, "decode", ev.error[:4000]))
+                if run.reason == "error":
+                    await op.router.send(m.Error(run.request_id, "decode", run.error[:4000]))
                 else:
                     # Their logprobs first, on the same link: the router joins them at its edge (protocol.py).
-                    for piece in pm.logprob_pieces(ev.request_id, ev.position, ev.logprobs):
+                    for piece in pm.logprob_pieces(run.request_id, run.position, run.logprobs):
                         await op.router.send(piece)
-                    await op.router.send(_item(ev))
+                    await op.router.send(_item(run))
             except LinkError as e:
-                await self._router_lost(ev.request_id, e)
+                await self._router_lost(run.request_id, e)
 
 
-def _item(ev: TokenEvent) -> m.TokenItem:
-    return m.TokenItem(ev.request_id, ev.position, ev.token_ids, ev.finished, ev.finish_reason or "")
+def _item(run: TokenRun) -> m.TokenItem:
+    """The one place a run becomes a wire item (the router's stream edge turns it back, `events.StreamReader`);
+    the role does not travel (the router knows whom it hears from), the logprobs go before it."""
+    return m.TokenItem(run.request_id, run.position, run.ids, run.done, run.reason)
 
 
-def _frame(part: list[TokenEvent]) -> m.TokenItem | m.TokenBatch:
-    """One frame of a part: a lone event as its TokenItem, more as one TokenBatch."""
-    return _item(part[0]) if len(part) == 1 else m.TokenBatch(tuple(_item(ev) for ev in part))
+def _frame(part: list[TokenRun]) -> m.TokenItem | m.TokenBatch:
+    """One frame of a part: a lone run as its TokenItem, more as one TokenBatch."""
+    return _item(part[0]) if len(part) == 1 else m.TokenBatch(tuple(_item(run) for run in part))
 
 
-def _parts(evs: list[TokenEvent]) -> list[list[TokenEvent]]:
-    """`evs` cut into parts that each fit one TokenBatch (item count and ids)."""
-    if len(evs) == 1:
-        return [evs]
-    parts: list[list[TokenEvent]] = [[]]
+def _parts(runs: list[TokenRun]) -> list[list[TokenRun]]:
+    """`runs` cut into parts that each fit one TokenBatch (item count and ids)."""
+    if len(runs) == 1:
+        return [runs]
+    parts: list[list[TokenRun]] = [[]]
     ids = 0
-    for ev in evs:
-        if parts[-1] and (len(parts[-1]) == m.MAX_BATCH_ITEMS or ids + len(ev.token_ids) > m.MAX_TOKEN_IDS):
+    for run in runs:
+        if parts[-1] and (len(parts[-1]) == m.MAX_BATCH_ITEMS or ids + len(run.ids) > m.MAX_TOKEN_IDS):
             parts.append([])
             ids = 0
-        parts[-1].append(ev)
-        ids += len(ev.token_ids)
+        parts[-1].append(run)
+        ids += len(run.ids)
     return parts

@@ -1,7 +1,7 @@
 """The router's stream merger: every output position once, in order (invariant 2).
 
-RLD, MD and re-driven decoders stream (position, token_ids, role) pieces
-that may overlap (RLD made 0..40, MD's stream starts at 35 after a
+RLD, MD and re-driven decoders stream `TokenRun`s (pddgw.core.tokens; the
+router's stream edge names each one's role) that may overlap (RLD made 0..40, MD's stream starts at 35 after a
 catch-up), repeat (a re-drive replays from a position already sent) or
 arrive out of order.  `StreamMerger.push` returns the runs that became
 emittable: contiguous, starting at the next unsent position, each from one
@@ -16,10 +16,7 @@ position are not compared (float rounding may differ between nodes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-from pddgw.engines.types import TokenLogprobs
+from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.pipeline.state import ROLES, Role
 
 
@@ -44,21 +41,6 @@ class TokenConflict(OrderingError):
 
 class StreamGap(OrderingError):
     """The stream was sealed with positions never delivered."""
-
-
-@dataclass(frozen=True, slots=True)
-class TokenRun:
-    """Output positions [position, position + len(token_ids)) from one role;
-    `logprobs` one per token when its source sent them, else empty."""
-
-    position: int
-    token_ids: tuple[int, ...]
-    role: Role
-    logprobs: tuple[TokenLogprobs, ...] = ()
-
-    @property
-    def end(self) -> int:
-        return self.position + len(self.token_ids)
 
 
 class StreamMerger:
@@ -113,22 +95,24 @@ class StreamMerger:
             raise IndexError(f"position {position} not emitted")
         return self._roles[position]
 
-    def push(self, position: int, token_ids: Sequence[int], role: Role,
-             logprobs: Sequence[TokenLogprobs] | None = None) -> list[TokenRun]:
-        """Accept a piece (with one logprobs entry per token, or none); return the runs it
-        made emittable, in order."""
+    def push(self, run: TokenRun) -> list[TokenRun]:
+        """Accept a source's run (its `role` set; its logprobs one per token, or none); return
+        the runs it made emittable, in order."""
         tokens = self._tokens
-        position_next = len(tokens)
-        if (position == position_next and not self._pending and len(token_ids) == 1 and role in ROLES
+        position, token_ids, role, logprobs = run.position, run.ids, run.role, run.logprobs
+        if (position == len(tokens) and not self._pending and len(token_ids) == 1 and role in ROLES
                 and (self._sealed is None or position < self._sealed)):
             # The common piece: one token at the next position, nothing waiting (a decoder's
-            # step): the one run `_drain` would make, without the pending map.
+            # step): the one run `_drain` would make, without the pending map - the source's
+            # run itself unless it ends the source's stream (what is emitted says nothing of that).
             t = token_ids[0]
-            if type(t) is int and t >= 0 and (not logprobs or len(logprobs) == 1):
+            if type(t) is int and t >= 0 and len(logprobs) <= 1:
                 tokens.append(t)
-                self._roles.append(role)
-                self._counts[role] = self._counts.get(role, 0) + 1
-                return [TokenRun(position, (t,), role, (logprobs[0],) if logprobs else ())]
+                self._roles.append(role)  # type: ignore[arg-type]
+                self._counts[role] = self._counts.get(role, 0) + 1  # type: ignore[index]
+                if not run.done and run.request_id == self.request_id:
+                    return [run]
+                return [TokenRun(self.request_id, position, (t,), logprobs=logprobs, role=role)]
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         if position < 0:
@@ -178,7 +162,8 @@ class StreamMerger:
         start = p = len(self._tokens)
 
         def close() -> None:
-            runs.append(TokenRun(start, tuple(cur), cur_key[0], tuple(lps)))  # type: ignore[index]
+            runs.append(TokenRun(self.request_id, start, tuple(cur), logprobs=tuple(lps),
+                                 role=cur_key[0]))  # type: ignore[index]
 
         while p in self._pending:
             t, r, lp = self._pending.pop(p)

@@ -37,7 +37,8 @@ import structlog
 
 from pddgw.engines.async_engine import AsyncEngine, RequestStream
 from pddgw.core.sampling import SamplingParams
-from pddgw.engines.types import EngineRequest, KVChunk, RequestError, TokenLogprobs
+from pddgw.core.tokens import TokenLogprobs
+from pddgw.engines.types import EngineRequest, KVChunk, RequestError
 from pddgw.net.link import Priority
 from pddgw.pipeline.protocol import PromptScores
 
@@ -132,9 +133,9 @@ class PrefillWorker:
                 async for out in outputs:
                     if out.prompt_logprobs:
                         self.scored.put(rid, out.prompt_logprobs)
-                    if out.new_token_ids and not first.done():
-                        first.set_result((out.new_token_ids[0], out.logprobs[0] if out.logprobs else None))
-                    await progress.update(min(out.num_computed_tokens, n), out.finished)
+                    if out.ids and not first.done():
+                        first.set_result((out.ids[0], out.logprobs[0] if out.logprobs else None))
+                    await progress.update(min(out.num_computed_tokens, n), out.done)
             if not first.done():
                 raise RequestError(f"request {rid!r} ended on P without a first token")
             await asyncio.gather(*senders)

@@ -71,7 +71,7 @@ from pddgw.config import Config, NodeConfig
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.prompt_hashes import prompt_hashes
 from pddgw.core.sampling import SamplingParams
-from pddgw.engines.types import TokenLogprobs
+from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.metrics import RouterCounts, RouterMetrics
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkClosed, LinkError, LinkTimeout, RemoteError
@@ -84,7 +84,8 @@ from pddgw.pipeline.estimator import LinkEstimator
 from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, PrefillFinished, RoundSent,
                                    StreamError, StreamReader, Tokens)
 from pddgw.pipeline.handoff import drive_handoff
-from pddgw.pipeline.ordering import StreamMerger, TokenRun
+from pddgw.pipeline.ordering import StreamMerger
+from pddgw.pipeline.recovery import Paths, Recovery, Who
 from pddgw.pipeline.policy import (InstanceLoad, NoInstanceError, PipelineDecision, PipelineInputs,
                                    SingularLimiter, decide_pipeline, pick_instance, relay_pressure)
 from pddgw.pipeline.state import RequestRecord, RequestState, RequestTracker, Role
@@ -685,9 +686,8 @@ class Router:
 
         def pump(node: NodeHandle) -> None:
             """The decoder's stream pushes into `events` (no task per stream: `LinkStream.push`)."""
-            reader = self._reader(node, fl)
+            reader = self._reader(node, fl, "rld" if node is rld else "md")
             failed = False
-            role: Role = "rld" if node is rld else "md"
 
             def push(msg: m.Message | LinkError) -> None:
                 nonlocal failed
@@ -704,13 +704,13 @@ class Router:
                 if ev is None:
                     return
                 if parked and type(ev) is Tokens and events.empty():
-                    tokens_now(ev, role)
+                    tokens_now(ev)
                 else:
                     events.put_nowait(ev)
 
             streams[node.name].push(push)
 
-        def tokens_now(ev: Tokens, role: Role) -> None:
+        def tokens_now(ev: Tokens) -> None:
             """A decoder's tokens while the loop waits with nothing queued: what the loop's
             Tokens cases do, here, without the queue's hop and the task switch.  The caller's
             `emit` runs eagerly; if it suspends (a client's write waiting for the socket),
@@ -719,14 +719,11 @@ class Router:
             merge wakes the loop to end (`_Wake`).  Anything queued meanwhile (by what `emit`
             set off, or arriving later) waits behind it, in order."""
             nonlocal parked
-            node = ev.node
-            if node.name in awaiting_kv:
-                kv_confirmed(node)
-            if node is rld and not rld_alive:
+            if not admit(ev):
                 return
             parked = False
             try:
-                coro = self._on_tokens(fl, ev, role)
+                coro = self._on_tokens(fl, ev)
                 try:
                     waiting = coro.send(None)
                 except StopIteration:
@@ -734,8 +731,7 @@ class Router:
                 else:
                     events.put_nowait(_Resume(coro, waiting, ev))
                     return
-                if node is rld and ev.item.done:
-                    self._end_relay(fl)
+                relayed(ev)
                 if fl.merger.complete:
                     events.put_nowait(_WAKE)
             except (KeyboardInterrupt, SystemExit):
@@ -774,22 +770,34 @@ class Router:
         # Ready): P's PrefillDone only says P's transport took the bytes, so a P lost
         # after it still loses what its wire had not delivered (the decoder would wait
         # for it until the request timeout).  Its link's loss is watched until then.
-        awaiting_kv = set(starts)
+        role_of = {n.name: ("rld" if n is rld else "md") for n in (rld, md) if n is not None}
+        paths = Paths(has_rld=rld is not None, has_md=md is not None,
+                      awaiting_kv={role_of[name] for name in starts})
         p_watch = _watch_link(p, rid, self.timeout, events)
         if p_watch is not None:
             tasks.append(p_watch)
         prefill_task = asyncio.create_task(prefill())
         tasks.append(prefill_task)
         handoff: asyncio.Task | None = None
-        md_alive = md is not None
-        rld_alive = rld is not None
-        p_alive = True
-        md_ready = False
+
+        def who(node: NodeHandle) -> Who:
+            return "p" if node is p else role_of[node.name]
 
         def kv_confirmed(node: NodeHandle) -> None:
-            awaiting_kv.discard(node.name)
-            if not awaiting_kv and p_watch is not None:
+            paths.awaiting_kv.discard(role_of[node.name])
+            if not paths.awaiting_kv and p_watch is not None:
                 p_watch.cancel()
+
+        def admit(ev: Tokens) -> bool:
+            """A decoder's tokens confirm its KV arrived; a lost RLD's are dropped (MD took over)."""
+            if role_of[ev.node.name] in paths.awaiting_kv:
+                kv_confirmed(ev.node)
+            return ev.node is not rld or paths.rld_alive
+
+        def relayed(ev: Tokens) -> None:
+            """After a decoder's tokens: RLD's last frees its relay slot."""
+            if ev.node is rld and ev.run.done:
+                self._end_relay(fl)
 
         try:
             while not fl.merger.complete:
@@ -801,39 +809,26 @@ class Router:
                 match ev:
                     case _Resume(coro=coro, waiting=waiting, tokens=tokens):
                         await Resumed(coro, waiting)
-                        if tokens.node is rld and tokens.item.done:
-                            self._end_relay(fl)
+                        relayed(tokens)
                         continue
                     case _Raised(error=error):
                         raise error
                     case _Wake():
                         continue
+                if type(ev) is KvReady and role_of[ev.node.name] in paths.awaiting_kv:
+                    kv_confirmed(ev.node)
                 match ev:
-                    case Tokens(node=node) | KvReady(node=node) if node.name in awaiting_kv:
-                        kv_confirmed(node)
-                match ev:
-                    case NodeFailed(node=node) if node is p and not p_alive:
-                        continue        # already handled (the watch and the Prefill reply both report it)
-                    case NodeFailed(node=node, why=why) if (
-                            node is p and rld is not None and rld_alive and md is not None and md_alive
-                            and rld.name not in awaiting_kv and md.name in awaiting_kv):
-                        # RLD has its KV and decodes: only MD's transfer died with P - RLD finishes.
-                        p_alive = False
-                        events.put_nowait(NodeFailed(md, f"its KV was lost with P {p.name}: {why}"))
-                        continue
-                    case NodeFailed(node=node) if node is rld and not rld_alive:
-                        continue        # MD took over (below): what else fails on RLD is moot
-                    case Tokens(node=node) if node is rld and not rld_alive:
+                    case Tokens() if not admit(ev):
                         continue
                     case NodeFailed(node=node, why=why):
-                        if node is p:
-                            raise _NodeLost(p, f"prefill failed: {why}" if not prefill_task.done() else
-                                            f"lost before {', '.join(sorted(awaiting_kv))} had its KV: {why}")
-                        if (node is rld and md is not None and md_alive and handoff is None and not md_ready
-                                and fl.merger.next_position > 0 and fl.tracker.state == RequestState.RLD_DECODING):
-                            # MD still imports P's KV: it takes over from the emitted tokens once
-                            # the KV is in, so the transfer in flight is reused, not sent again.
-                            rld_alive = False
+                        recovery = paths.lost(who(node), fl.tracker.state, fl.merger.next_position)
+                        if recovery is Recovery.MOOT:
+                            continue
+                        if recovery is Recovery.MD_FAILS_WITH_P:
+                            events.put_nowait(NodeFailed(md, f"its KV was lost with P {p.name}: {why}"))
+                            continue
+                        if recovery is Recovery.MD_TAKES_OVER:
+                            # MD takes over from the emitted tokens once the KV is in (KvReady below).
                             self._end_relay(fl)
                             fl.excluded.add(node.name)
                             self.counts.redrives += 1
@@ -841,11 +836,7 @@ class Router:
                             log.warning("node_lost", request_id=rid, node=node.name, error=why,
                                         emitted=fl.merger.next_position, takeover=md.name)
                             continue
-                        if node is md and md_alive and rld_alive and fl.tracker.state in (
-                                RequestState.PREFILLING, RequestState.RLD_DECODING,
-                                RequestState.HANDOFF_PENDING, RequestState.CATCHING_UP):
-                            # RLD still holds the KV: it finishes the request alone.
-                            md_alive = False
+                        if recovery is Recovery.RLD_FINISHES:
                             self.counts.fallbacks += 1
                             if fl.tracker.state == RequestState.PREFILLING:
                                 fl.tracker.advance(RequestState.RLD_DECODING, "RLD decodes")
@@ -854,39 +845,45 @@ class Router:
                             if handoff is not None:
                                 handoff.cancel()
                             continue
+                        if node is p:
+                            waiting = sorted(n for n, r in role_of.items() if r in paths.awaiting_kv)
+                            raise _NodeLost(p, f"prefill failed: {why}" if not prefill_task.done() else
+                                            f"lost before {', '.join(waiting)} had its KV: {why}")
                         raise _NodeLost(node, why)
                     case PrefillFinished(done=done):
                         self._on_prefill_done(fl, done, p, list(starts))
                         for name, err in zip(starts, done.errors):
                             if err and rld is not None and name == rld.name:
-                                if rld_alive:   # lost: MD may take over (above), else a re-drive
+                                if paths.rld_alive:   # lost: MD may take over (above), else a re-drive
                                     events.put_nowait(NodeFailed(rld, f"KV transfer failed: {err}"))
-                            elif err and md is not None and name == md.name and rld_alive and md_alive:
+                            elif (err and md is not None and name == md.name
+                                  and paths.rld_alive and paths.md_alive):
                                 events.put_nowait(NodeFailed(md, f"KV transfer failed: {err}"))
                             elif err:
                                 raise _NodeLost(self.nodes[name], f"KV transfer failed: {err}")
-                    case Tokens(node=node, item=item):
-                        await self._on_tokens(fl, ev, "rld" if node is rld else "md")
-                        if node is rld and item.done:
-                            self._end_relay(fl)
-                    case KvReady(node=node) if node is md and md_alive and rld is not None and not rld_alive:
-                        md_ready = True
+                    case Tokens():
+                        await self._on_tokens(fl, ev)
+                        relayed(ev)
+                    case KvReady(node=node) if (node is md and paths.md_alive and rld is not None
+                                                and not paths.rld_alive):
+                        paths.md_ready = paths.handoff = True
                         fl.tracker.md_ready("RLD lost: MD takes over", held=1)   # P's first token is there
                         handoff = asyncio.create_task(self._take_over(fl, md, events))
-                    case KvReady(node=node) if node is md and md_alive and rld is not None:
-                        md_ready = True
+                    case KvReady(node=node) if node is md and paths.md_alive and rld is not None:
+                        paths.md_ready = True
                         if fl.tracker.state == RequestState.PREFILLING:
                             fl.tracker.advance(RequestState.RLD_DECODING, "RLD decodes")
                         if fl.tracker.state == RequestState.RLD_DECODING:
                             fl.tracker.md_ready(held=1)   # P's first token went with the KV
+                            paths.handoff = True
                             handoff = asyncio.create_task(self._hand_off(fl, rld, md, events))
                     case RoundSent(round=r):
                         if fl.tracker.state in (RequestState.HANDOFF_PENDING, RequestState.CATCHING_UP):
                             fl.tracker.handoff_round(r.start, r.end, r.final)
                     case HandoffEnded():
                         self._end_relay(fl)
-            if md is not None and md_alive and rld_alive and handoff is None:
-                self._align_md(fl, p, md, md_ready, starts, prefill_task, events, tasks, streams)
+            if md is not None and paths.md_alive and paths.rld_alive and handoff is None:
+                self._align_md(fl, p, md, paths.md_ready, starts, prefill_task, events, tasks, streams)
         finally:
             if fl.background is None:
                 # An emit handed to the loop and never resumed (the loop ended first): closed,
@@ -965,29 +962,30 @@ class Router:
                 fl.tracker.add_wan_kv_bytes(sent)
                 self.wan.observe_transfer(sent, secs)
 
-    def _reader(self, node: NodeHandle, fl: _Flight) -> StreamReader:
-        """The edge of a decoder's stream: the logprobs it must carry (k, or none)."""
+    def _reader(self, node: NodeHandle, fl: _Flight, role: Role) -> StreamReader:
+        """The edge of a decoder's stream (its tokens credited to `role`): the logprobs it must
+        carry (k, or none)."""
         k = fl.sampling.logprobs
-        return StreamReader(node, None if k is None else min(k, self.spec.vocab_size))
+        return StreamReader(node, role, None if k is None else min(k, self.spec.vocab_size))
 
-    async def _on_tokens(self, fl: _Flight, tokens: Tokens, role: Role) -> None:
+    async def _on_tokens(self, fl: _Flight, tokens: Tokens) -> None:
         tr = fl.tracker
-        ev = tokens.item
-        if ev.ids:
+        got = tokens.run
+        if got.ids:
             state = tr.state
             if state == RequestState.PREFILLING:
-                tr.advance(RequestState.MD_DECODING if role == "md" else RequestState.RLD_DECODING)
-            elif role == "md" and state == RequestState.HANDING_OFF:
+                tr.advance(RequestState.MD_DECODING if got.role == "md" else RequestState.RLD_DECODING)
+            elif got.role == "md" and state == RequestState.HANDING_OFF:
                 tr.advance(RequestState.MD_DECODING)
-            for run in fl.merger.push(ev.position, ev.ids, role, tokens.logprobs):
+            for run in fl.merger.push(got):
                 prev = tr.last_emission_t
-                count = len(run.token_ids)
+                count = len(run.ids)
                 now = tr.tokens_emitted(run.position, count, run.role)
                 self.metrics.emitted(run.role, count, now, prev, tr.t0, len(fl.prompt))
                 await fl.emit(run)
-        if ev.done and ev.reason in ("stop", "length"):
-            fl.merger.seal(ev.position + len(ev.ids))
-            fl.finish_reason = ev.reason
+        if got.done and got.reason in ("stop", "length"):
+            fl.merger.seal(got.end)
+            fl.finish_reason = got.reason
 
     async def _redrive(self, fl: _Flight) -> None:
         """Restart from the emitted tokens on a healthy decoder (MD first), recomputing their KV."""
@@ -995,9 +993,8 @@ class Router:
         if node is None:
             raise RouterError(f"request {fl.rid}: no healthy decode node left", "unavailable")
         emitted = fl.merger.emitted_tokens
-        role: Role = "md" if node.role == "md" else "rld"
         stream = node.link.stream(fl.rid, timeout=self.timeout)
-        reader = self._reader(node, fl)
+        reader = self._reader(node, fl, "md" if node.role == "md" else "rld")
         self._involve(fl, node)
         fl.scorer = node
         try:
@@ -1015,7 +1012,7 @@ class Router:
                 async for msg in stream:
                     ev = reader.event(msg)
                     if isinstance(ev, Tokens):
-                        await self._on_tokens(fl, ev, role)
+                        await self._on_tokens(fl, ev)
                         if fl.merger.complete:
                             return
             except (LinkError, StreamError) as e:

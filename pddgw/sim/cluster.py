@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pddgw.config import Config
 from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.core.sampling import SamplingParams
+from pddgw.core.tokens import TokenRun
 from pddgw.net.link import Priority
 from pddgw.net.shaping import Shaper
 from pddgw.deploy.serve import Embedded
-from pddgw.pipeline.ordering import TokenRun
 from pddgw.pipeline.router import Router, RouterError
 from pddgw.sim.workload import Conversation, PromptBuilder, Turn
 
@@ -108,10 +108,10 @@ async def _one(router: Router, rid: str, prompt: tuple[int, ...], turn: Turn, se
             res.ttft_s = now - t0
         else:
             res.itl_s.append(now - last)
-        if len(run.token_ids) > 1:
-            res.itl_s.extend([0.0] * (len(run.token_ids) - 1))
+        if len(run.ids) > 1:
+            res.itl_s.extend([0.0] * (len(run.ids) - 1))
         last = now
-        out.extend(run.token_ids)
+        out.extend(run.ids)
 
     try:
         outcome = await router.run(rid, prompt, SamplingParams(max_tokens=turn.max_tokens, temperature=1.0,

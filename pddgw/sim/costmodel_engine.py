@@ -55,7 +55,8 @@ from pddgw.engines.sampler import position_uniform
 from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.tokenizer import ByteTokenizer
-from pddgw.engines.types import MAX_LOGPROBS, KVChunk, KVSpan, RequestOutput, TokenLogprobs
+from pddgw.core.tokens import TokenLogprobs
+from pddgw.engines.types import MAX_LOGPROBS, KVChunk, KVSpan, RequestOutput
 from pddgw.sim import profiles
 from pddgw.sim.roofline import Parallel, SeqWork, StepCost, max_kv_tokens, step_cost
 

@@ -18,7 +18,7 @@ from openai import AsyncOpenAI
 
 from pddgw.config import Config, EngineConfig, ModelConfig
 from pddgw.harness.leaks import wait_quiescent
-from pddgw.pipeline.ordering import TokenRun
+from pddgw.core.tokens import TokenRun
 from pddgw.pipeline.router import RouterError
 from tests.api.deployment import ADMIN, KEY, make_cfg
 from tests.pipeline.pdd_client import reference
@@ -299,7 +299,7 @@ async def test_an_error_after_the_first_token_ends_the_stream_with_an_error_even
     side, _, oai = await deployment()
 
     async def fails_midway(rid, prompt, sampling, emit, *rest):
-        await emit(TokenRun(0, (104, 105), "rld"))
+        await emit(TokenRun(rid, 0, (104, 105), role="rld"))
         raise RouterError("no healthy decode node left", "unavailable")
 
     monkeypatch.setattr(side.router, "run", fails_midway)
@@ -471,7 +471,7 @@ def _local(prompt, sampling, tok=None) -> list[int]:
     out: list[int] = []
     while eng.has_work():
         for o in eng.step():
-            out += o.new_token_ids
+            out += o.ids
     return out
 
 

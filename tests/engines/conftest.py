@@ -29,10 +29,10 @@ def run_to_end(engine: TorchEngine) -> dict[str, list[int]]:
     while engine.has_work():
         for o in engine.step():
             got = out.setdefault(o.request_id, [])
-            if o.new_token_ids:
+            if o.ids:
                 start = first.setdefault(o.request_id, o.position)
                 assert o.position == start + len(got), (o, start, len(got))
-                got += o.new_token_ids
+                got += o.ids
     return out
 
 

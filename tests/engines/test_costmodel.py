@@ -41,7 +41,7 @@ def test_step_times_are_the_roofline_of_each_scheduled_batch():
     seen = []
     while eng.has_work():
         outs = eng.step()
-        seen.append((eng.step_seconds(), [(o.request_id, o.new_token_ids) for o in outs]))
+        seen.append((eng.step_seconds(), [(o.request_id, o.ids) for o in outs]))
     # 100 prompt tokens at a budget of 64: a 64-token chunk, then 36 on top of them (sampling the
     # first token), then two decodes at contexts 100 and 101.
     batches = [[SeqWork(64, 0)], [SeqWork(36, 64)], [SeqWork(1, 100)], [SeqWork(1, 101)]]
@@ -73,7 +73,7 @@ def test_tokens_depend_on_seed_and_position_only_and_never_end_early():
     for e in (a, b):
         while e.has_work():
             for o in e.step():
-                outs[o.request_id] += o.new_token_ids
+                outs[o.request_id] += o.ids
     assert outs["x"] == outs["y"] == expected_tokens(9, 40)
     assert 128001 not in outs["x"]
     assert engine().token_at(9, 3) == expected_tokens(9, 4)[3]
@@ -143,7 +143,7 @@ def test_async_driver_waits_each_step_on_the_loop_clock():
         t0 = loop.time()
         toks = []
         async for out in aeng.generate(EngineRequest("a", tuple(range(1000, 1100)), SamplingParams(max_tokens=3))):
-            toks += out.new_token_ids
+            toks += out.ids
         took = loop.time() - t0
         await aeng.stop()
         return took, toks

@@ -134,7 +134,7 @@ def _workload(engine: TorchEngine, seed: int = 3) -> dict[str, list[int]]:
         if n > 4 and not engine.has_work():
             break
         for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.ids)
     engine.check_integrity()
     return out
 
@@ -182,7 +182,7 @@ def test_runner_sampled_decoding_and_held_rows(tiny64):
                 eng.append_tokens("h", [83], final=True)
             if n > 7 and not eng.has_work():
                 break
-            steps.append([(o.request_id, o.new_token_ids, o.position, o.finished) for o in eng.step()])
+            steps.append([(o.request_id, o.ids, o.position, o.done) for o in eng.step()])
         eng.check_integrity()
         return steps, runner
 

@@ -46,7 +46,7 @@ def test_concurrent_batched_chunked_cached_equals_naive(tiny64):
         async def one(i, p):
             toks = []
             async for o in aeng.generate(req(f"r{i}", p, max_tokens=10)):
-                toks += o.new_token_ids
+                toks += o.ids
             return toks
 
         try:
@@ -260,7 +260,7 @@ def test_async_cancel_frees_blocks(tiny64):
         stream = aeng.generate(req("c", list(range(40, 100)), max_tokens=200))
         async with contextlib.aclosing(stream):
             async for o in stream:
-                got += o.new_token_ids
+                got += o.ids
                 if len(got) == 3:
                     break                                 # closing the stream aborts
         st = await aeng.call(engine.stats)
@@ -306,12 +306,12 @@ def test_handed_off_tokens_that_complete_the_request_finish_it(tiny64):
     engine.add_request(req("a", prompt, max_tokens=3, output_token_ids=(full[0],), hold=True))
     engine.append_tokens("a", full[1:3], final=True)
     outs = engine.step()
-    assert [(o.request_id, o.new_token_ids, o.position, o.finished, o.finish_reason) for o in outs] == [
+    assert [(o.request_id, o.ids, o.position, o.done, o.reason) for o in outs] == [
         ("a", (), 3, True, "length")]
     # A stop token as the last handed-off token.
     engine.add_request(req("b", prompt, max_tokens=10, hold=True, stop_token_ids=(full[1],)))
     engine.append_tokens("b", full[:2], final=True)
-    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [("b", "stop")]
+    assert [(o.request_id, o.reason) for o in engine.step()] == [("b", "stop")]
     with pytest.raises(RequestError, match="exceeds max_tokens"):
         engine.add_request(req("c", prompt, max_tokens=2, hold=True))
         engine.append_tokens("c", full[:3], final=True)

@@ -11,7 +11,7 @@ from pddgw.config import EngineConfig
 from pddgw.core.errors import FieldError
 from pddgw.core.sampling import MAX_GRAMMAR_CHARS, SamplingParams
 from pddgw.engines.grammar import Grammars, check_spec, mask_rows
-from pddgw.engines.sampler import Tokens, adjust_logits
+from pddgw.engines.sampler import TokenHistory, adjust_logits
 from pddgw.engines.tokenizer import ByteTokenizer
 from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import EngineRequest, RequestError
@@ -62,7 +62,7 @@ def test_adjust_logits_masks_only_the_rows_with_a_grammar(grammars):
     x = torch.randn(3, V)
     sp = SamplingParams(grammar=TINY)
     plain = SamplingParams()
-    hist = [Tokens([1, 2, ord("a")], 2), Tokens([1, 2], 2), Tokens([1, 2], 2)]
+    hist = [TokenHistory([1, 2, ord("a")], 2), TokenHistory([1, 2], 2), TokenHistory([1, 2], 2)]
     out = adjust_logits(x, [sp, plain, sp], [1, 0, 0], hist, EOS,
                         [grammars.constraint(TINY), None, grammars.constraint(TINY)])
     assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == {ord("b"), ord("c")}
@@ -111,9 +111,9 @@ def test_the_random_tiny_model_ends_with_valid_json_and_max_tokens_still_caps():
     reasons = {}
     while eng.has_work():
         for o in eng.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
+            outs.setdefault(o.request_id, []).extend(o.ids)
+            if o.done:
+                reasons[o.request_id] = o.reason
     for seed in range(4):
         toks = outs[f"r{seed}"]
         assert reasons[f"r{seed}"] == "stop" and toks[-1] in EOS

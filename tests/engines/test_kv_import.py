@@ -16,11 +16,12 @@ import threading
 import pytest
 import torch
 
+from pddgw.core.tokens import TokenRun
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.kv_pool import KVPool
 from pddgw.engines.paged import LeaseState
 from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, SamplingParams
-from pddgw.pipeline.decode import DecodeWorker, TokenEvent
+from pddgw.pipeline.decode import DecodeWorker
 
 from .conftest import make_engine, req, run_to_end
 
@@ -239,8 +240,8 @@ def test_a_readded_request_does_not_get_the_old_ones_abort(tiny64):
     d.abort("r")
     d.add_request(req("r", PROMPT, max_tokens=3))
     outs = d.step()
-    assert not any(o.finish_reason == "abort" for o in outs)
-    assert len(run_to_end(d)["r"]) + sum(len(o.new_token_ids) for o in outs) == 3
+    assert not any(o.reason == "abort" for o in outs)
+    assert len(run_to_end(d)["r"]) + sum(len(o.ids) for o in outs) == 3
 
 
 # ---- AsyncEngine: one owner of a request's output entry --------------------------------------
@@ -279,7 +280,7 @@ def test_async_entries_end_at_every_lifecycle_point(tiny64):
             s = aeng.stream("e")
             await s.__anext__()
             await aeng.abort("e")
-            assert [o.finish_reason async for o in s][-1] == "abort"
+            assert [o.reason async for o in s][-1] == "abort"
             # the reading task cancelled
             await aeng.add(req("f", PROMPT, max_tokens=500))
 
@@ -356,7 +357,7 @@ class _Decoder:
     def __init__(self, model):
         self.engine = make_engine(model)
         self.aeng = AsyncEngine(self.engine, "d")
-        self.events: list[TokenEvent] = []
+        self.events: list[TokenRun] = []
         self.dec = DecodeWorker(self.aeng, self._emit)
 
     async def _emit(self, ev):

@@ -16,7 +16,8 @@ import torch
 from pddgw.config import CostModelConfig, EngineConfig
 from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.engines.naive import naive_greedy
-from pddgw.engines.types import MAX_LOGPROBS, EngineRequest, RequestError, SamplingParams, TokenLogprobs
+from pddgw.core.tokens import TokenLogprobs
+from pddgw.engines.types import MAX_LOGPROBS, EngineRequest, RequestError, SamplingParams
 from pddgw.sim import profiles
 
 from .conftest import make_engine
@@ -31,8 +32,8 @@ def steps(engine) -> dict[str, tuple[list[int], list[TokenLogprobs]]]:
     while engine.has_work():
         for o in engine.step():
             toks, lps = out.setdefault(o.request_id, ([], []))
-            assert len(o.logprobs) in (0, len(o.new_token_ids)), o
-            toks += o.new_token_ids
+            assert len(o.logprobs) in (0, len(o.ids)), o
+            toks += o.ids
             lps += o.logprobs
     return out
 
@@ -103,9 +104,9 @@ def test_extend_of_given_output_tokens_reports_only_the_sampled_ones(tiny64):
                                   output_token_ids=tuple(ref[:3])))
     out = []
     while eng.has_work():
-        out += [o for o in eng.step() if o.new_token_ids]
+        out += [o for o in eng.step() if o.ids]
     assert out[0].position == 3
-    toks = [t for o in out for t in o.new_token_ids]
+    toks = [t for o in out for t in o.ids]
     assert toks == ref[3:]
     check_against_dense(tiny64, list(PROMPT) + ref[:3], toks, [lp for o in out for lp in o.logprobs], 1)
 

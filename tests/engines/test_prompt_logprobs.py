@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from pddgw.config import CostModelConfig, EngineConfig
-from pddgw.engines.types import EngineRequest, RequestError, SamplingParams, TokenLogprobs
+from pddgw.core.tokens import TokenLogprobs
+from pddgw.engines.types import EngineRequest, RequestError, SamplingParams
 from pddgw.sim import profiles
 from pddgw.sim.costmodel_engine import CostModelEngine
 
@@ -47,7 +48,7 @@ def run(engine) -> dict[str, dict]:
     while engine.has_work():
         for o in engine.step():
             r = out.setdefault(o.request_id, {"tokens": [], "prompt": (), "carriers": 0, "computed": 0})
-            r["tokens"] += o.new_token_ids
+            r["tokens"] += o.ids
             if o.prompt_logprobs:
                 r["prompt"] = o.prompt_logprobs
                 r["carriers"] += 1

@@ -468,7 +468,7 @@ def test_logprobs_on_device_are_small_tensors():
 
 # ---- penalties, logit_bias, min_tokens (`adjust_logits`), against hand computations -------------------------
 
-from pddgw.engines.sampler import Tokens, adjust_logits  # noqa: E402
+from pddgw.engines.sampler import TokenHistory, adjust_logits  # noqa: E402
 
 PEN_ROW = [0.5, -1.0, 2.0, 0.0, 3.0, -2.0]            # float64: every step below is exact
 INF = float("-inf")
@@ -476,7 +476,7 @@ INF = float("-inf")
 
 def adjusted(params: SamplingParams, tokens=(), num_prompt: int = 0, eos=(3,)) -> list[float]:
     x = torch.tensor([PEN_ROW], dtype=torch.float64)
-    out = adjust_logits(x, [params], [len(tokens) - num_prompt], [Tokens(list(tokens), num_prompt)], eos)
+    out = adjust_logits(x, [params], [len(tokens) - num_prompt], [TokenHistory(list(tokens), num_prompt)], eos)
     assert x.tolist() == [PEN_ROW]                     # the raw logits are left as they are (logprobs use them)
     return out[0].tolist()
 
@@ -486,7 +486,7 @@ def test_logit_bias_is_added():
     # Greedy takes the biased argmax: 4 (3.0) drops to 1.5, 2 (2.0) wins.
     x = torch.tensor([PEN_ROW], dtype=torch.float64)
     sp = SamplingParams(logit_bias={4: -1.5})
-    assert sample(adjust_logits(x, [sp], [0], [Tokens([0], 1)]), [sp], [0]) == [2]
+    assert sample(adjust_logits(x, [sp], [0], [TokenHistory([0], 1)]), [sp], [0]) == [2]
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_output_tokens():
@@ -524,7 +524,7 @@ def test_adjusting_touches_only_the_rows_that_ask_and_a_batch_equals_its_rows_al
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 50, generator=g, dtype=torch.float64)
     plain = [SamplingParams(temperature=0.8, seed=i) for i in range(8)]
-    hist = [Tokens([int(t) for t in torch.randint(0, 50, (12,), generator=g)], 5) for _ in range(8)]
+    hist = [TokenHistory([int(t) for t in torch.randint(0, 50, (12,), generator=g)], 5) for _ in range(8)]
     pos = [7] * 8
     assert adjust_logits(x, plain, pos, hist, (3,)) is x                      # nobody asks: not even a copy
     asks = {1: SamplingParams(repetition_penalty=1.3), 4: SamplingParams(frequency_penalty=0.7, logit_bias={9: 3}),
@@ -562,9 +562,9 @@ def test_engine_honours_min_tokens_and_logit_bias_and_refuses_bias_outside_the_v
     outs = []
     while eng.has_work():
         outs += eng.step()
-    tokens = [t for o in outs for t in o.new_token_ids]
+    tokens = [t for o in outs for t in o.ids]
     assert len(tokens) == 4 and eos not in tokens[:3] and tokens[3] == eos
-    assert (outs[-1].finished, outs[-1].finish_reason) == (True, "stop")
+    assert (outs[-1].done, outs[-1].reason) == (True, "stop")
     with pytest.raises(RequestError, match="logit_bias"):
         eng.add_request(EngineRequest("v", (5,), SamplingParams(logit_bias={tiny64.spec.vocab_size: 1.0})))
     assert "v" not in eng.seqs

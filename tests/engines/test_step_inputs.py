@@ -65,7 +65,7 @@ def _workload(engine) -> list[list]:
                 engine.append_tokens(rid, args[0], final=args[1])
             else:
                 engine.abort(rid)
-        steps.append([(o.request_id, o.new_token_ids, o.position, o.finished, o.finish_reason)
+        steps.append([(o.request_id, o.ids, o.position, o.done, o.reason)
                       for o in engine.step()])
         n += 1
         assert n < 500

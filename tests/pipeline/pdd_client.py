@@ -80,5 +80,5 @@ def reference(prompt, max_tokens: int, temperature: float = 0.0, seed: int = 0, 
     out: list[int] = []
     while eng.has_work():
         for o in eng.step():
-            out += o.new_token_ids
+            out += o.ids
     return out

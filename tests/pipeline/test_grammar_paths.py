@@ -42,7 +42,7 @@ def local_grammar(prompt, sp: SamplingParams) -> list[int]:
     out: list[int] = []
     while eng.has_work():
         for o in eng.step():
-            out += o.new_token_ids
+            out += o.ids
     return out
 
 

@@ -18,12 +18,13 @@ import pytest
 
 from pddgw.config import EngineConfig
 from pddgw.engines.torch_engine import TorchEngine
-from pddgw.engines.types import EngineRequest, SamplingParams, TokenLogprobs
+from pddgw.core.tokens import TokenLogprobs, TokenRun
+from pddgw.engines.types import EngineRequest, SamplingParams
 from pddgw.engines.weights import build_tiny
 from pddgw.net import frames
 from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.events import StreamError, StreamReader, Tokens
-from pddgw.pipeline.ordering import StreamMerger, TokenRun
+from pddgw.pipeline.ordering import StreamMerger
 from pddgw.net import messages as m
 
 from .pdd_client import chat
@@ -44,7 +45,7 @@ def local(prompt, sp: SamplingParams) -> tuple[list[int], list[TokenLogprobs]]:
     lps: list[TokenLogprobs] = []
     while eng.has_work():
         for o in eng.step():
-            toks += o.new_token_ids
+            toks += o.ids
             lps += o.logprobs
     return toks, lps
 
@@ -76,9 +77,9 @@ def check_runs(runs: list[TokenRun], toks: list[int], lps: list[TokenLogprobs]) 
     """Every position once, in order, each run with one logprobs entry per token."""
     pos = 0
     for r in runs:
-        assert r.position == pos and len(r.logprobs) == len(r.token_ids), r
+        assert r.position == pos and len(r.logprobs) == len(r.ids), r
         pos = r.end
-    assert [t for r in runs for t in r.token_ids] == toks
+    assert [t for r in runs for t in r.ids] == toks
     assert_same([lp for r in runs for lp in r.logprobs], lps)
 
 
@@ -167,12 +168,13 @@ def test_logprobs_message_round_trips_and_is_bounded():
 
 
 def test_router_edge_joins_pieces_with_their_tokens_and_refuses_mismatches():
-    r = StreamReader("md", top_n=2)
+    r = StreamReader("md0", "md", top_n=2)
     for p in pm.logprob_pieces("r", 3, [entry(3), entry(4)]):
         assert r.event(p) is None
     ev = r.event(m.TokenItem("r", 3, (7, 8)))
-    assert isinstance(ev, Tokens) and ev.logprobs == (entry(3), entry(4))
-    assert r.event(m.TokenItem("r", 5, (), True, "stop")).logprobs == ()
+    assert ev == Tokens("md0", TokenRun("r", 3, (7, 8), logprobs=(entry(3), entry(4)), role="md"))
+    assert r.event(m.TokenItem("r", 5, (), True, "stop")) == Tokens("md0", TokenRun("r", 5, (), True, "stop",
+                                                                                   role="md"))
     bad = [
         ([], m.TokenItem("r", 0, (1,))),                                             # missing
         (pm.logprob_pieces("r", 1, [entry(1)]), m.TokenItem("r", 0, (1,))),          # wrong position
@@ -180,24 +182,25 @@ def test_router_edge_joins_pieces_with_their_tokens_and_refuses_mismatches():
         (pm.logprob_pieces("r", 0, [entry(0, 3)]), None),                            # wrong k
     ]
     for pieces, item in bad:
-        r = StreamReader("md", top_n=2)
+        r = StreamReader("md0", "md", top_n=2)
         with pytest.raises(StreamError):
             for p in pieces:
                 r.event(p)
             r.event(item)
     with pytest.raises(StreamError):                                                 # nobody asked
-        StreamReader("md").event(pm.logprob_pieces("r", 0, [entry(0)])[0])
+        StreamReader("md0", "md").event(pm.logprob_pieces("r", 0, [entry(0)])[0])
 
 
 def test_merger_passes_the_first_sources_logprobs_once_in_order():
     mg = StreamMerger("r")
-    assert mg.push(2, (12, 13), "md", [entry(2), entry(3)]) == []
-    runs = mg.push(0, (10, 11, 12), "rld", [entry(0), entry(1), entry(2, 3)])        # overlaps MD's 2
-    assert runs == [TokenRun(0, (10, 11), "rld", (entry(0), entry(1))),
-                    TokenRun(2, (12, 13), "md", (entry(2), entry(3)))]
-    assert mg.push(4, (14,), "md") == [TokenRun(4, (14,), "md")]
+    assert mg.push(TokenRun("r", 2, (12, 13), logprobs=(entry(2), entry(3)), role="md")) == []
+    runs = mg.push(TokenRun("r", 0, (10, 11, 12), logprobs=(entry(0), entry(1), entry(2, 3)),
+                            role="rld"))                                             # overlaps MD's 2
+    assert runs == [TokenRun("r", 0, (10, 11), logprobs=(entry(0), entry(1)), role="rld"),
+                    TokenRun("r", 2, (12, 13), logprobs=(entry(2), entry(3)), role="md")]
+    assert mg.push(TokenRun("r", 4, (14,), role="md")) == [TokenRun("r", 4, (14,), role="md")]
     with pytest.raises(ValueError):
-        mg.push(5, (15, 16), "md", [entry(5)])
+        mg.push(TokenRun("r", 5, (15, 16), logprobs=(entry(5),), role="md"))
 
 
 async def test_a_handed_off_request_redriven_keeps_logprobs(deploy, monkeypatch):  # noqa: F811

@@ -51,7 +51,7 @@ def continued(prompt, given, sp: SamplingParams) -> list[int]:
     out: list[int] = []
     while eng.has_work():
         for o in eng.step():
-            out += o.new_token_ids
+            out += o.ids
     return out
 
 
@@ -95,7 +95,7 @@ async def redrive_after_losing_rld(name: str, sp: SamplingParams, kill_at: int =
                 await link.close(CloseCode.GOING_AWAY, "rld0 lost")
 
     async def emit(run) -> None:
-        got.extend(run.token_ids)
+        got.extend(run.ids)
         if not lost and len(got) >= kill_at:
             lost.append(len(got))
             asyncio.get_running_loop().create_task(lose())

@@ -57,7 +57,7 @@ async def run(lose_rld: bool):
                 await link.close(CloseCode.GOING_AWAY, "rld0 lost")
 
     async def emit(run):
-        out.extend(run.token_ids)
+        out.extend(run.ids)
         if lose_rld and not lost and len(out) >= KILL_AT:
             lost.append((asyncio.get_running_loop().time(), len(out)))
             asyncio.get_running_loop().create_task(lose())

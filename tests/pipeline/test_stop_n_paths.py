@@ -123,7 +123,7 @@ async def test_a_stop_string_after_a_redrive_cuts_the_local_engines_text(steered
         got = [0]
 
         async def emit_then_lose(tr) -> None:
-            got[0] += len(tr.token_ids)
+            got[0] += len(tr.ids)
             if not lost and got[0] >= kill_at:
                 lost.append(asyncio.get_running_loop().create_task(lose()))
             await emit(tr)

@@ -7,18 +7,20 @@ decodes agree exactly); MD uses another block size than P and RLD.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 
 import pytest
 import torch
 
 from pddgw.config import EngineConfig
+from pddgw.core.tokens import TokenRun
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.block_manager import chain_hashes
 from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import SamplingParams
 from pddgw.engines.weights import build_tiny
-from pddgw.pipeline.decode import DecodeWorker, TokenEvent
+from pddgw.pipeline.decode import DecodeWorker
 from pddgw.pipeline.ordering import StreamMerger
 from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.handoff import relay_handoff
@@ -42,7 +44,7 @@ def reference(model, prompt, sp):
     out = []
     while e.has_work():
         for o in e.step():
-            out += o.new_token_ids
+            out += o.ids
     return out
 
 
@@ -51,15 +53,15 @@ class Cluster:
 
     def __init__(self, model):
         self.p_eng, self.rld_eng, self.md_eng = engine(model, 16), engine(model, 16), engine(model, 8)
-        self.events: dict[str, list[TokenEvent]] = {"rld": [], "md": []}
+        self.events: dict[str, list[TokenRun]] = {"rld": [], "md": []}
         self.p = PrefillWorker(AsyncEngine(self.p_eng, "p"), chunk_bytes=8 * 1024)
         self.rld = DecodeWorker(AsyncEngine(self.rld_eng, "rld"), functools.partial(self._emit, "rld"))
         self.md = DecodeWorker(AsyncEngine(self.md_eng, "md"), functools.partial(self._emit, "md"))
         self.finished = asyncio.Event()
 
-    async def _emit(self, role, ev: TokenEvent):
+    async def _emit(self, role, ev: TokenRun):
         self.events[role].append(ev)
-        if ev.finished:
+        if ev.done:
             self.finished.set()
 
     def target(self, name, worker: DecodeWorker, start, decode):
@@ -74,8 +76,8 @@ class Cluster:
         m = StreamMerger(self.rid)
         evs = sorted(((e, r) for r in ("rld", "md") for e in self.events[r]), key=lambda x: x[0].position)
         for ev, role in evs:
-            m.push(ev.position, list(ev.token_ids), role)
-        return [t for run in m.emitted_runs for t in run.token_ids] if hasattr(m, "emitted_runs") else m
+            m.push(dataclasses.replace(ev, role=role))
+        return [t for run in m.emitted_runs for t in run.ids] if hasattr(m, "emitted_runs") else m
 
     async def stop(self):
         for w in (self.p, self.rld, self.md):
@@ -90,8 +92,8 @@ def tokens_of(events):
     for ev in events:
         if pos is not None:
             assert ev.position == pos, "gap or overlap within one node's stream"
-        out += ev.token_ids
-        pos = ev.position + len(ev.token_ids)
+        out += ev.ids
+        pos = ev.position + len(ev.ids)
     return out
 
 
@@ -115,7 +117,7 @@ def test_p_rld_md_handoff(model, mode, threshold, temperature):
         assert res.first_token == expected[0]
         assert res.targets["md"].sent_bytes == len(prompt) * c.p_eng.kv_layout.bytes_per_token()
         # Let RLD make some eager tokens, then hand off by token IDs.
-        while sum(len(e.token_ids) for e in c.events["rld"]) < 8:
+        while sum(len(e.ids) for e in c.events["rld"]) < 8:
             await asyncio.sleep(0.001)
         rounds = []
 
@@ -182,7 +184,7 @@ def test_rld_finishes_locally_without_handoff(model):
         await c.p.prefill("s", prompt, sp, [c.target("rld", c.rld, 0, True), c.target("md", c.md, 0, False)])
         await asyncio.wait_for(c.finished.wait(), 30)
         assert tokens_of(c.events["rld"]) == expected
-        assert c.events["rld"][-1].finish_reason == "length"
+        assert c.events["rld"][-1].reason == "length"
         assert await c.md.cancel("s")                      # MD never got the handoff: freed
         await c.stop()
 
@@ -231,12 +233,12 @@ def test_one_emission_per_engine_step_carries_every_requests_tokens(model, path)
     expected = {rid: reference(model, p, sp) for rid, p in prompts.items()}
 
     async def main():
-        calls: list[list[TokenEvent]] = []
+        calls: list[list[TokenRun]] = []
         done = asyncio.Event()
 
         def record(events):
             calls.append(list(events))
-            if sum(ev.finished for evs in calls for ev in evs) == len(prompts):
+            if sum(ev.done for evs in calls for ev in evs) == len(prompts):
                 done.set()
 
         async def many(events):

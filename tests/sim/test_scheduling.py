@@ -117,7 +117,7 @@ def test_the_next_turn_supersedes_a_pending_alignment_and_keeps_what_arrived():
         out = []
 
         async def emit(run):
-            out.extend(run.token_ids)
+            out.extend(run.ids)
 
         try:
             r1 = await router.run("t1", turn1, SamplingParams(max_tokens=16, seed=1), emit)

@@ -75,7 +75,7 @@ def one_node(checkpoint):
             out: list[int] = []
             while eng.has_work():
                 for o in eng.step():
-                    out += o.new_token_ids
+                    out += o.ids
             cache[key] = out
         return cache[key]
 

@@ -44,9 +44,9 @@ def run(engine, *requests: EngineRequest) -> dict[str, list[int]]:
 def drain(engine, out: dict[str, list[int]]) -> dict[str, list[int]]:
     while engine.has_work():
         for o in engine.step():
-            if o.new_token_ids:
+            if o.ids:
                 assert o.position == len(out[o.request_id]), o
-                out[o.request_id] += o.new_token_ids
+                out[o.request_id] += o.ids
     return out
 
 
@@ -141,7 +141,7 @@ def test_logprobs_are_the_raw_log_softmax_as_on_the_torch_engine(veng, teng):
         eng.add_request(EngineRequest(name, PROMPTS[1], sp))
         got = []
         while eng.has_work():
-            got += [(t, lp) for o in eng.step() for t, lp in zip(o.new_token_ids, o.logprobs)]
+            got += [(t, lp) for o in eng.step() for t, lp in zip(o.ids, o.logprobs)]
         outs[name] = got
     assert [t for t, _ in outs["vllm"]] == [t for t, _ in outs["torch"]]
     for (_, v), (_, t) in zip(outs["vllm"], outs["torch"]):
@@ -159,9 +159,9 @@ def test_stop_tokens_and_context_length_finish_as_on_the_torch_engine(veng, teng
     outs = []
     while veng.has_work():
         outs += veng.step()
-    tokens = [t for o in outs for t in o.new_token_ids]
+    tokens = [t for o in outs for t in o.ids]
     assert tokens == ref[: first + 1]
-    assert (outs[-1].finished, outs[-1].finish_reason) == (True, "stop")
+    assert (outs[-1].done, outs[-1].reason) == (True, "stop")
 
 
 def transfer(src, dst, rid: str, start: int, end: int, chunk: int = 24) -> int:
@@ -229,7 +229,7 @@ def test_held_request_computes_each_round_and_samples_after_the_final_one(veng, 
     def computed() -> list[tuple[tuple[int, ...], int]]:
         outs = []
         while veng.has_work():
-            outs += [(o.new_token_ids, o.num_computed_tokens) for o in veng.step()]
+            outs += [(o.ids, o.num_computed_tokens) for o in veng.step()]
         return outs
 
     # A round computes all but the held last token, and samples nothing.
@@ -250,7 +250,7 @@ def test_retained_kv_stays_until_release_and_abort_frees_everything(veng):
     veng.add_request(EngineRequest("i", prompt, greedy(), kv_source="import"))
     assert veng.abort("i")
     (out,) = veng.step()
-    assert (out.request_id, out.finished, out.finish_reason) == ("i", True, "abort")
+    assert (out.request_id, out.done, out.reason) == ("i", True, "abort")
 
 
 def test_bad_imports_get_clear_errors(veng):

@@ -1,0 +1,96 @@
+"""What the loss of one of a request's nodes means for it: the router's recovery rule.
+
+The router's stream loop (router.py `_run_streams`) keeps one `Paths` per
+request in flight: which of its nodes still serve it, and whose prompt KV is
+still on its way from P.  When a node fails, `Paths.lost` marks it lost and
+answers what to do; the loop only carries the answer out (a message, a
+timeline entry, a cancel), so the rule is read, and tested, here alone.
+
+The rules, first match wins:
+
+1. MOOT: a node already lost whose loss did not end the loop: P (its link
+   watch and its Prefill reply both report it), RLD after MD took over from
+   it, MD after RLD went on alone.
+2. MD_FAILS_WITH_P: P is lost after RLD had its KV, while MD still waited
+   for its own: only MD's transfer died with P.  RLD goes on; MD's failure
+   follows (rule 5: RLD finishes alone).
+3. REDRIVE: any other loss of P (it was still prefilling, or a decoder
+   still waited for KV P's wire had not delivered).
+4. MD_TAKES_OVER: RLD is lost before any handoff began, after it emitted
+   tokens, while MD (alive, not yet holding the prompt KV) imports P's KV:
+   once the KV is in, MD takes over from the emitted tokens, so the transfer
+   in flight is reused rather than sent again.
+5. RLD_FINISHES: MD is lost while RLD is alive and still holds, or is
+   receiving, the KV (`RLD_CAN_FINISH`): RLD finishes the request alone.
+6. REDRIVE: anything else (a decoder lost after the handoff, RLD lost with
+   nothing for MD to take over): a new path from the emitted tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Literal
+
+from pddgw.pipeline.state import RLD_HOLDS_KV, RequestState
+
+Who = Literal["p", "rld", "md"]
+
+# Where RLD can finish a request alone: it holds the KV and decodes, or P is still sending
+# it the KV (the request moves on to RLD_DECODING first).  Not HANDING_OFF: RLD has stopped
+# for the final round (handoff.py) and frees the request once MD extended it.
+RLD_CAN_FINISH: frozenset[RequestState] = (
+    (RLD_HOLDS_KV - {RequestState.HANDING_OFF}) | {RequestState.PREFILLING})
+
+
+class Recovery(IntEnum):
+    MOOT = 0
+    MD_FAILS_WITH_P = 1
+    REDRIVE = 2
+    MD_TAKES_OVER = 3
+    RLD_FINISHES = 4
+
+
+@dataclass(slots=True)
+class Paths:
+    """Which of one request's nodes still serve it.  `awaiting_kv`: the decoders ("rld",
+    "md") whose prompt KV P has not yet been confirmed to deliver (their first token, or
+    MD's Ready); `md_ready`: MD holds the prompt KV; `handoff`: a handoff or takeover runs."""
+
+    has_rld: bool
+    has_md: bool
+    awaiting_kv: set[Who] = field(default_factory=set)
+    p_alive: bool = True
+    rld_alive: bool = False
+    md_alive: bool = False
+    md_ready: bool = False
+    handoff: bool = False
+
+    def __post_init__(self) -> None:
+        self.rld_alive, self.md_alive = self.has_rld, self.has_md
+
+    def lost(self, who: Who, state: RequestState, emitted: int) -> Recovery:
+        """`who` failed while the request is in `state` with `emitted` tokens out: mark it
+        lost and say what recovers the request (the module docstring's rules)."""
+        if who == "p":
+            if not self.p_alive:
+                return Recovery.MOOT
+            self.p_alive = False
+            if (self.rld_alive and self.md_alive and "rld" not in self.awaiting_kv
+                    and "md" in self.awaiting_kv):
+                return Recovery.MD_FAILS_WITH_P
+            return Recovery.REDRIVE
+        if who == "rld":
+            if not self.rld_alive:
+                return Recovery.MOOT
+            self.rld_alive = False
+            if (self.md_alive and not self.handoff and not self.md_ready and emitted > 0
+                    and state == RequestState.RLD_DECODING):
+                return Recovery.MD_TAKES_OVER
+            return Recovery.REDRIVE
+        if not self.md_alive:
+            return Recovery.MOOT
+        self.md_alive = False
+        if self.rld_alive and state in RLD_CAN_FINISH:
+            return Recovery.RLD_FINISHES
+        return Recovery.REDRIVE
