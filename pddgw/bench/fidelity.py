@@ -57,9 +57,14 @@ TOLERANCE = 0.15
 class DeploymentSpec:
     """The small deployment both sides run (one config.toml)."""
 
-    model: str = "qwen3-32b"                 # pddgw.sim.profiles.MODELS
+    model: str = "qwen3-32b"                 # pddgw.sim.profiles.MODELS, or a shipped config.json
     a_hardware: str = "H100-SXM"             # P and RLD (cluster A)
     b_hardware: str = "H200-SXM"             # MD (cluster B)
+    # Every instance's shape (config.CostModelConfig): a MoE such as deepseek-v4-flash needs
+    # several GPUs to hold its weights.
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    expert_parallel: int = 0                 # 0: all of the instance's GPUs
     wan_gbps: float = 10.0
     wan_latency_ms: float = 15.0             # one way
     p_md_max_transfer_ms: float = 200.0
@@ -75,7 +80,9 @@ def _engine_toml(spec: DeploymentSpec, hardware: str) -> str:
     return toml_lines(implementation="costmodel", num_blocks=0, block_size=spec.block_size,
                       max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                       enable_prefix_caching=True) + (
-        f'\ncostmodel = {{ hardware = "{hardware}", tensor_parallel = 1, gpu_memory_utilization = 0.9 }}')
+        f'\ncostmodel = {{ hardware = "{hardware}", tensor_parallel = {spec.tensor_parallel}, '
+        f'data_parallel = {spec.data_parallel}, expert_parallel = {spec.expert_parallel}, '
+        f'gpu_memory_utilization = 0.9 }}')
 
 
 def write_config(directory: Path, spec: DeploymentSpec) -> tuple[Path, dict[str, int]]:
@@ -209,13 +216,19 @@ def compare(spec: DeploymentSpec, sim: SideResult, real: SideResult, tol: float 
     same_ids = sum(1 for r in sim.requests if r.rid in by_rid and r.error is None
                    and by_rid[r.rid].output_digest == r.output_digest)
     return FidelityReport(
-        model=spec.model, hardware=f"A {spec.a_hardware}, B {spec.b_hardware} (TP 1)",
+        model=spec.model, hardware=f"A {spec.a_hardware}, B {spec.b_hardware} ({_shape(spec)})",
         wan=f"{spec.wan_gbps:g} Gbps, {2 * spec.wan_latency_ms:g} ms RTT",
         requests=len(sim.requests), completed_sim=sum(r.error is None for r in sim.requests),
         completed_real=sum(r.error is None for r in real.requests), same_output_ids=same_ids,
         same_pipeline=same_pipeline, leaked_sim=sim.leaked_blocks + sim.leaked_pins,
         leaked_real=real.leaked_blocks + real.leaked_pins, tolerance=tol, metrics=metrics,
         sim_wall_s=round(sim.wall_s, 2), real_wall_s=round(real.wall_s, 2))
+
+
+def _shape(spec: DeploymentSpec) -> str:
+    dp = f" x DP {spec.data_parallel}" if spec.data_parallel > 1 else ""
+    ep = f", EP {spec.expert_parallel}" if spec.expert_parallel else ""
+    return f"TP {spec.tensor_parallel}{dp}{ep}"
 
 
 def run_fidelity(workload: Workload, spec: DeploymentSpec = DeploymentSpec(), *, directory: Path | None = None,
@@ -260,13 +273,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     dflt = DeploymentSpec()
     p.add_argument("--model", default=dflt.model)
+    p.add_argument("--tensor-parallel", type=int, default=dflt.tensor_parallel)
+    p.add_argument("--data-parallel", type=int, default=dflt.data_parallel)
+    p.add_argument("--expert-parallel", type=int, default=dflt.expert_parallel)
     p.add_argument("--wan-gbps", type=float, default=dflt.wan_gbps)
     p.add_argument("--wan-latency-ms", type=float, default=dflt.wan_latency_ms)
     p.add_argument("--tolerance", type=float, default=TOLERANCE)
     p.add_argument("--keep", type=Path, help="keep config.toml and the node logs in this directory")
     args = p.parse_args(argv)
     setup_logging("warning")
-    spec = DeploymentSpec(model=args.model, wan_gbps=args.wan_gbps, wan_latency_ms=args.wan_latency_ms)
+    spec = DeploymentSpec(model=args.model, tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel,
+                          expert_parallel=args.expert_parallel, wan_gbps=args.wan_gbps,
+                          wan_latency_ms=args.wan_latency_ms)
     wl = default_workload(args.requests, args.conversations, args.seed, rate=args.rate,
                           context_tokens=args.context_tokens, output_tokens=args.output_tokens,
                           shared_prefix_tokens=args.context_tokens // 2)
