@@ -61,8 +61,8 @@ class Paths:
     has_md: bool
     awaiting_kv: set[Who] = field(default_factory=set)
     p_alive: bool = True
-    rld_alive: bool = False
-    md_alive: bool = False
+    rld_alive: bool = field(init=False)       # from has_rld / has_md, until lost
+    md_alive: bool = field(init=False)
     md_ready: bool = False
     handoff: bool = False
 
