@@ -3,7 +3,9 @@
 A report is a frozen dataclass (nested dataclasses, lists, numbers,
 strings); `emit(report, as_json, table)` prints it as JSON (orjson,
 dataclasses natively) with --json (`add_output_args`), else the human table
-(`format_table`).  Progress goes to stderr (`to_stderr`), so stdout stays the
+(`format_table`).  A benchmark's options are fields of its dataclasses
+(`option`: default and help said once; `add_options` puts them on a parser,
+`from_options` builds the dataclass from what it parsed).  Progress goes to stderr (`to_stderr`), so stdout stays the
 report alone.  Timings are noisy on shared machines, so benchmarks repeat
 interleaved runs and keep the best (`best`), and compare only within one run
 (`ratio`).
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import Field, field, fields, is_dataclass
 from typing import Any, TextIO
 
 import orjson
@@ -24,6 +27,38 @@ import orjson
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def option(value: Any, help_text: str | None = None, **argparse_kw: Any) -> Any:
+    """A dataclass field that is also the option `--name` (a trailing `_s` dropped); type and default
+    come from `value` (False: a switch) unless `argparse_kw` for add_argument says otherwise."""
+    return field(default=value, metadata={"help": help_text, **argparse_kw})
+
+
+def _options(cls: type) -> Iterator[Field[Any]]:
+    for f in fields(cls):
+        if is_dataclass(f.default):
+            yield from _options(type(f.default))
+        elif f.metadata:
+            yield f
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
+    """An option for each `option` field of `cls` and of the dataclasses it nests, in field order."""
+    for f in _options(cls):
+        kw = {"action": "store_true"} if f.default is False else {"type": type(f.default), "default": f.default}
+        parser.add_argument("--" + f.name.removesuffix("_s").replace("_", "-"), **{**kw, **f.metadata})
+
+
+def from_options(cls: type, args: argparse.Namespace, **given: Any) -> Any:
+    """`cls` with its `option` fields (those of the dataclasses it nests too) from `args`; `given` as given."""
+    kw: dict[str, Any] = {}
+    for f in fields(cls):
+        if is_dataclass(f.default):
+            kw[f.name] = from_options(type(f.default), args)
+        elif f.metadata:
+            kw[f.name] = getattr(args, f.name.removesuffix("_s"))
+    return cls(**{**kw, **given})
 
 
 def to_stderr(message: str) -> None:

@@ -5,11 +5,9 @@
 
 A random Llama (GQA, 32000-token vocab, logits well spread so greedy picks
 do not flip on float rounding) is saved once as a safetensors checkpoint and
-loaded by every side (`pddgw.harness.sides`: a fresh pddgw engine per run
-with room for the whole batch in one step; transformers' `from_pretrained`
-with its default attention, timed by a stopping criterion; vLLM, below).
-After a warm-up, each repeat runs every case on every side, alternating
-which goes first; the best time of each counts:
+loaded by every side (`pddgw.harness.sides`).  After a warm-up, each repeat
+runs every case on every side, alternating which goes first; the best time
+of each counts:
 
   decode b=1, 8, 32   B equal-length prompts, N greedy tokens each (EOS
                       ignored); decode time runs from the moment every
@@ -21,10 +19,8 @@ which goes first; the best time of each counts:
                       (`tokens_match` None); vLLM runs greedy only.
   decode b=32         pddgw only, right after the plain sampled case on its
     +penalties,       prompts: repetition 1.1, presence 0.5, frequency 0.5;
-    +json_schema      a JSON-schema mask (`json_schema()`: no output can end
-                      the object before N tokens; a byte tokenizer and its
-                      EOS for the matcher).  `ratio_sampled` = tok/s over the
-                      plain sampled row's.
+    +json_schema      a JSON-schema mask no output can end before N tokens.
+                      `ratio_sampled` = tok/s over the plain sampled row's.
   prefill             B prompts of L tokens, one output token: time to the
                       first token, B * L prompt tokens.
 
@@ -32,78 +28,34 @@ Reported: tok/s of each side, pddgw / transformers and pddgw / vLLM, whether
 every request's greedy tokens were identical (`tokens_match`,
 `vllm_tokens_match`; expected in float32, in bfloat16 the sides round
 differently), and pddgw's per-step phases from one more run per case
-(scheduling = `step` minus `_forward`, packing = `_forward` minus the model
-and the sampler, attention = every `paged_attention` call, the rest of the
-model, sampling; ms per decode step, or of the prefill step).
+(`sides.Breakdown`; ms per decode step, or of the prefill step).
 
-vLLM: `--vllm-python DIR/bin/python` (default: env PDDGW_VLLM_PYTHON), a
-vLLM environment driven in a subprocess, one engine for every run (sized
-for the largest batch, prefix caching off).  Without it the report says
-"vLLM: not available (--vllm-python not given)", or why it failed.
+vLLM: `--vllm-python DIR/bin/python` (default: env PDDGW_VLLM_PYTHON), one
+engine for every run (`sides.VllmSide`); without it the report says "vLLM:
+not available (--vllm-python not given)", or why it failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from pddgw.core.sampling import SamplingParams
 from pddgw.engines.model_spec import ModelSpec, llama_spec
-from pddgw.engines.weights import DTYPES, load_model
-from pddgw.harness.engines import add_torch_args, parse_torch_args, random_prompts
-from pddgw.harness.sides import (SEED, Breakdown, PddgwSide, TransformersSide, VllmSide,
-                                 VllmUnavailable, build_checkpoint, request_params)
-from pddgw.tables import add_output_args, best, emit, format_table, ratio, to_stderr
+from pddgw.harness.engines import add_torch_args, chosen_settings, parse_torch_args
+from pddgw.harness.sides import Breakdown, Case, Sampling, Variant, case_prompts, started, time_cases
+from pddgw.tables import add_output_args, emit, format_table, ratio, to_stderr
 
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """The sampled decode cases' settings (no top-k: the top-p-only path of the sampler)."""
-
-    temperature: float = 0.8
-    top_p: float = 0.95
-    seed: int = SEED            # request i gets seed + i
-
-    def params(self, i: int, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed + i)
-
-
-def json_schema(min_chars: int) -> str:
-    """The JSON-schema variant's grammar: a 3-field object whose first field is a string of at
-    least `min_chars` characters (an output of fewer tokens cannot finish it)."""
-    return json.dumps({"type": "object", "properties": {
-        "name": {"type": "string", "minLength": min_chars}, "age": {"type": "integer"},
-        "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["name", "age", "tags"]})
-
-
-@dataclass(frozen=True, slots=True)
-class Variant:
-    """A sampled decode case with more asked of the sampler (pddgw only)."""
-
-    name: Literal["penalties", "json_schema"]
-
-    def apply(self, params: SamplingParams) -> SamplingParams:
-        if self.name == "penalties":
-            return dataclasses.replace(params, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
-        return dataclasses.replace(params, ignore_eos=False, grammar=("json_schema", json_schema(params.max_tokens)))
-
-
-VARIANTS = (Variant("penalties"), Variant("json_schema"))
+VARIANTS: tuple[Variant, ...] = ("penalties", "json_schema")
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """What one benchmark run measures."""
-
     model: ModelSpec                 # a plain Llama (`llama_spec`): what `build_checkpoint` writes
     decode_batches: tuple[int, ...]
     decode_prompt_len: int
@@ -111,15 +63,14 @@ class Settings:
     prefill_batch: int
     prefill_prompt_len: int
     repeats: int
-    sampled_batches: tuple[int, ...] = (8, 32)     # decode batches also run sampled (each a decode batch)
+    sampled_batches: tuple[int, ...] = (8, 32)     # decode batches also run sampled
     sampling: Sampling = Sampling()
     variant_batches: tuple[int, ...] = (32,)       # sampled batches also run with each of VARIANTS
 
     def __post_init__(self) -> None:
-        if self.decode_output_len < 2:
-            raise ValueError("decode_output_len must be >= 2 (decode = tokens after the first)")
-        if min(self.decode_batches) < 1 or self.prefill_batch < 1 or self.repeats < 1:
-            raise ValueError(f"batches and repeats must be >= 1: {self}")
+        if self.decode_output_len < 2 or min(self.decode_batches + (self.prefill_batch, self.repeats)) < 1:
+            raise ValueError(f"need decode_output_len >= 2 (decode = tokens after the first), batches and "
+                             f"repeats >= 1: {self}")
         if not set(self.sampled_batches) <= set(self.decode_batches):
             raise ValueError(f"sampled_batches {self.sampled_batches} must be decode batches")
         if not set(self.variant_batches) <= set(self.sampled_batches):
@@ -144,34 +95,6 @@ QUICK = Settings(
 
 
 @dataclass(frozen=True, slots=True)
-class Case:
-    kind: Literal["decode", "prefill"]
-    batch: int
-    prompt_len: int
-    output_len: int
-    sampling: Sampling | None = None     # None: greedy
-    variant: Variant | None = None       # sampled cases only: penalties / a grammar on top
-
-    @property
-    def label(self) -> str:
-        return (f"{self.kind} b={self.batch}" + (" sampled" if self.sampling else "")
-                + (f" +{self.variant.name}" if self.variant else ""))
-
-    @property
-    def prompt_key(self) -> tuple[str, int, int]:
-        """Cases with the same key get the same prompts (a sampled case its greedy twin's)."""
-        return self.kind, self.batch, self.prompt_len
-
-    def params(self, i: int) -> SamplingParams:
-        """Request i's sampling."""
-        return request_params(i, self.output_len, self.sampling, self.variant)
-
-    @property
-    def measured_tokens(self) -> int:
-        return self.batch * (self.prompt_len if self.kind == "prefill" else self.output_len - 1)
-
-
-@dataclass(frozen=True, slots=True)
 class Row:
     case: str
     kind: Literal["decode", "prefill"]
@@ -186,9 +109,9 @@ class Row:
     ratio: float | None              # pddgw tok/s / transformers tok/s
     tokens_match: bool | None        # pddgw's greedy tokens == transformers'; None: sampled
     sampling: str = "greedy"         # or "temperature=T top_p=P seed=S+i"
-    ratio_greedy: float | None = None    # sampled rows: pddgw tok/s / pddgw's greedy tok/s, same batch
-    variant: str | None = None           # "penalties" / "json_schema" (Variant), None: plain
-    ratio_sampled: float | None = None   # variant rows: pddgw tok/s / the plain sampled row's, same batch
+    ratio_greedy: float | None = None
+    variant: Variant | None = None
+    ratio_sampled: float | None = None
     vllm_s: float | None = None
     vllm_tok_s: float | None = None
     ratio_vllm: float | None = None  # pddgw tok/s / vLLM tok/s
@@ -211,18 +134,12 @@ class Report:
     vllm_version: str | None = None
 
 
-def make_prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[int]]:
-    # Skip the low ids (bos/pad/eos in most vocabularies).
-    return random_prompts(1000 + salt, batch, length, (3, vocab))
-
-
 def cases(s: Settings) -> list[Case]:
     """Every decode batch, each sampled one right after its greedy twin and its variants right
     after it, then prefill."""
     out = []
     for b in s.decode_batches:
-        decode = Case("decode", b, s.decode_prompt_len, s.decode_output_len)
-        out.append(decode)
+        out.append(decode := Case("decode", b, s.decode_prompt_len, s.decode_output_len))
         if b in s.sampled_batches:
             out.append(dataclasses.replace(decode, sampling=s.sampling))
         if b in s.variant_batches:
@@ -230,38 +147,11 @@ def cases(s: Settings) -> list[Case]:
     return out + [Case("prefill", s.prefill_batch, s.prefill_prompt_len, 1)]
 
 
-def case_prompts(todo: Sequence[Case], vocab: int) -> list[list[list[int]]]:
-    """Prompts per case: one set per `prompt_key`, salted by its order (greedy cases as before)."""
-    salts: dict[tuple[str, int, int], int] = {}
-    for c in todo:
-        salts.setdefault(c.prompt_key, len(salts))
-    return [make_prompts(c.batch, c.prompt_len, vocab, salts[c.prompt_key]) for c in todo]
-
-
-def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[int]]],
-            repeats: int, progress: Callable[[str], None],
-            breakdown: bool = False) -> list[Row]:
-    """Interleaved runs of every side ("pddgw" and "transformers" required, "vllm" optional; a
-    side without `samples` sits out the sampled cases, one without `variants` the variant ones)."""
-    times: dict[tuple[Case, str], list[float]] = {(c, side.name): [] for c in todo for side in sides}
-    differ: set[tuple[Case, str]] = set()      # (case, side) whose tokens were not pddgw's in a repeat
-    for rep in range(repeats):
-        for c, p in zip(todo, prompts):
-            got = {}
-            for side in (sides if rep % 2 == 0 else sides[::-1]):
-                if c.sampling is not None and not getattr(side, "samples", True):
-                    continue
-                if c.variant is not None and not getattr(side, "variants", False):
-                    continue
-                extra = {"variant": c.variant} if c.variant else {}   # only variant sides take one
-                r = side.run(p, c.output_len, sampling=c.sampling, **extra)
-                times[(c, side.name)].append(r.seconds(c.kind))
-                got[side.name] = r.tokens
-            differ |= {(c, n) for n, tokens in got.items() if tokens != got["pddgw"]}
-            progress(f"repeat {rep + 1}/{repeats} {c.label}: " + ", ".join(
-                f"{n} {t[-1] * 1e3:.0f} ms" for (case, n), t in times.items() if case == c and t))
+def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[int]]], repeats: int,
+            progress: Callable[[str], None], breakdown: bool = False) -> list[Row]:
+    """A row per case from `time_cases` ("pddgw" and "transformers" sides required, "vllm" optional)."""
+    s_of, differ = time_cases(sides, todo, prompts, repeats, progress)
     ours_side = next(side for side in sides if side.name == "pddgw")
-    s_of = {(c, n): best(t) for (c, n), t in times.items() if t}
     tps = {(c, n): c.measured_tokens / s for (c, n), s in s_of.items()}
     greedy = {c.prompt_key: tps[(c, "pddgw")] for c in todo if c.sampling is None}
     plain = {c.prompt_key: tps[(c, "pddgw")] for c in todo if c.sampling is not None and c.variant is None}
@@ -277,8 +167,7 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
             s_of.get((c, "transformers")), ours, tps.get((c, "transformers")),
             ratio(ours, tps.get((c, "transformers"))), matched("transformers"),
             sampling="greedy" if s is None else f"temperature={s.temperature} top_p={s.top_p} seed={s.seed}+i",
-            ratio_greedy=None if s is None else ratio(ours, greedy.get(c.prompt_key)),
-            variant=None if c.variant is None else c.variant.name,
+            ratio_greedy=None if s is None else ratio(ours, greedy.get(c.prompt_key)), variant=c.variant,
             ratio_sampled=None if c.variant is None else ratio(ours, plain.get(c.prompt_key)),
             vllm_s=s_of.get((c, "vllm")), vllm_tok_s=tps.get((c, "vllm")),
             ratio_vllm=ratio(ours, tps.get((c, "vllm"))), vllm_tokens_match=matched("vllm"),
@@ -286,76 +175,16 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
     return rows
 
 
-def _engine_overrides(cuda_graphs: str | None, device: str) -> tuple[dict, str]:
-    """EngineConfig fields for --cuda-graphs, and what the report says about it."""
-    if cuda_graphs is None:
-        return {}, "default"
-    if cuda_graphs == "on" and not device.startswith("cuda"):
-        return {}, f"on ignored: CUDA graphs need a CUDA device, not {device!r}"
-    return {"cuda_graphs": cuda_graphs == "on"}, cuda_graphs
-
-
-def run_benchmark(settings: Settings, dtype_name: str,
-                  progress: Callable[[str], None] = lambda _m: None, *,
-                  device: str = "cpu", cuda_graphs: str | None = None,
-                  vllm_python: str | None = None, vllm_eager: bool = False,
-                  breakdown: bool = True) -> Report:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    dtype = DTYPES[dtype_name]
-    overrides, graphs_note = _engine_overrides(cuda_graphs, device)
+def run_benchmark(settings: Settings, dtype_name: str, progress: Callable[[str], None] = lambda _m: None, *,
+                  device: str = "cpu", cuda_graphs: str | None = None, vllm_python: str | None = None,
+                  vllm_eager: bool = False, breakdown: bool = True) -> Report:
     todo = cases(settings)
-    threads = torch.get_num_threads()
-    vllm: VllmSide | None = None
-    vllm_note = "not available (--vllm-python not given)"
-
-    def unavailable(e: VllmUnavailable) -> str:
-        progress(f"vLLM: not available: {e}")
-        return f"not available ({str(e).splitlines()[0]})"
-
-    with tempfile.TemporaryDirectory(prefix="pddgw-bench-") as d:
-        build_checkpoint(settings.model, d)
-        ours, _tok = load_model(d, dtype, device)
-        theirs = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
-        if vllm_python:
-            progress(f"starting vLLM ({vllm_python}) ...")
-            longest = settings.model.max_position_embeddings
-            try:
-                vllm = VllmSide(vllm_python, d, dtype_name, threads, longest, max(c.batch for c in todo),
-                                max(max(c.batch * c.prompt_len for c in todo), longest),
-                                enforce_eager=vllm_eager)
-                vllm_note = (f"vLLM {vllm.info['vllm_version']} (torch {vllm.info['torch_version']}), "
-                             f"OMP_NUM_THREADS={vllm.info['omp_threads']} "
-                             f"VLLM_CPU_OMP_THREADS_BIND={vllm.info['threads_bind']}, "
-                             f"{'eager' if vllm_eager else 'compiled'}")
-            except VllmUnavailable as e:
-                vllm_note = unavailable(e)
-    sides: list = [PddgwSide(ours, dtype, device, overrides), TransformersSide(theirs, device)]
-    warm = make_prompts(2, 8, settings.model.vocab_size, -1)
-    try:
-        for side in sides:
-            side.run(warm, 3)
-        if vllm is not None:
-            try:
-                vllm.run(warm, 3)
-                sides.append(vllm)
-            except VllmUnavailable as e:     # started, but cannot run this model
-                vllm_note = unavailable(e)
-                vllm.close()
-                vllm = None
+    with started(settings.model, dtype_name, device, cuda_graphs, todo, vllm_python, vllm_eager, progress) as (
+            sides, about):
         rows = measure(sides, todo, case_prompts(todo, settings.model.vocab_size), settings.repeats, progress,
                        breakdown=breakdown)
-    finally:
-        if vllm is not None:
-            vllm.close()
-    return Report(benchmark="engine", dtype=dtype_name, threads=threads,
-                  transformers_version=transformers.__version__,
-                  transformers_attention=str(theirs.config._attn_implementation),
-                  settings=settings, rows=rows, device=device, cuda_graphs=graphs_note, vllm=vllm_note,
-                  vllm_version=None if vllm is None else vllm.info["vllm_version"])
+    return Report(benchmark="engine", dtype=dtype_name, threads=torch.get_num_threads(), settings=settings,
+                  rows=rows, device=device, **about)
 
 
 def render(report: Report) -> str:
@@ -383,8 +212,7 @@ def render(report: Report) -> str:
         out += "\n\npddgw per step, ms (decode: steps after the first token; prefill: its step)\n"
         out += format_table(
             ["case", "steps", "step", "sched/bookkeeping", "pack", "attention", "model other", "sampling"],
-            [(r.case, b.steps, b.step_ms, b.scheduling_ms, b.pack_ms, b.attention_ms, b.model_other_ms,
-              b.sampling_ms) for r in report.rows if (b := r.breakdown) is not None])
+            [(r.case, *dataclasses.astuple(r.breakdown)) for r in report.rows if r.breakdown])
     return out
 
 
@@ -402,15 +230,12 @@ def main(argv: Sequence[str] | None = None) -> Report:
                              "default: env PDDGW_VLLM_PYTHON, else no vLLM column")
     parser.add_argument("--vllm-eager", action="store_true",
                         help="vLLM with enforce_eager (no torch.compile at start-up)")
-    parser.add_argument("--no-breakdown", action="store_true",
-                        help="skip the per-step phase breakdown of pddgw")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the per-step phase breakdown of pddgw")
     args = parse_torch_args(parser, argv, ("threads", "repeats"))
-    settings = QUICK if args.quick else FULL
-    if args.repeats:
-        settings = dataclasses.replace(settings, repeats=args.repeats)
-    report = run_benchmark(settings, args.dtype, progress=to_stderr, device=args.device,
-                           cuda_graphs=args.cuda_graphs, vllm_python=args.vllm_python,
-                           vllm_eager=args.vllm_eager, breakdown=not args.no_breakdown)
+    report = run_benchmark(chosen_settings(args, QUICK, FULL, repeats=args.repeats), args.dtype,
+                           progress=to_stderr, device=args.device, cuda_graphs=args.cuda_graphs,
+                           vllm_python=args.vllm_python, vllm_eager=args.vllm_eager,
+                           breakdown=not args.no_breakdown)
     emit(report, args.json, render(report))
     return report
 

@@ -2,24 +2,18 @@
 
 `python -m pddgw.bench.pipeline [--json] [--conversations N] [--turns T]`
 
-Both deployments are the embedded default (router, P, RLD in cluster A; MD in
-cluster B over the emulated WAN, built-in tiny model) and see the same
-traffic and the same WAN (derived once from the measured decode step, see
-`[net.regime]`) in the same run:
+Both run the embedded default (router, P, RLD in cluster A; MD in cluster B over the emulated WAN,
+built-in tiny model) on the same traffic and the same WAN (derived once from the measured decode
+step, see `[net.regime]`).  PDD: the policy picks P-MD or P-RLD-MD per request, MD keeps a prefix
+cache (only missing KV crosses the WAN), RLD covers slow transfers.  Naive: P-MD only, MD without a
+prefix cache (every request waits for its whole prompt KV to cross the WAN before its first token).
 
-* PDD: the policy picks P-MD or P-RLD-MD per request; MD keeps a prefix cache,
-  so only missing KV crosses the WAN; RLD covers slow transfers.
-* naive: P-MD only, MD without a prefix cache: every request waits for its
-  whole prompt KV to cross the WAN before its first token.
-
-Traffic: N conversations arrive as a Poisson process and overlap; each starts with a long system
-prompt (900-1,500 uncached tokens, different per conversation), then T
-turns, each re-sending the conversation so far plus a new user message,
-after a short think time.  With `--trace`, a Mooncake-format trace
-is replayed instead (block ids -> shared token blocks, lengths scaled to
-the tiny model).  Reports TTFT P50/P99 side by side (and their
-ratio), the share of requests per pipeline, the share of output tokens RLD
-produced and the largest handoff stall.
+Traffic: N conversations arrive as a Poisson process and overlap; each is a long system prompt
+(900-1,500 uncached tokens, different per conversation), then T turns, each re-sending the
+conversation so far plus a new user message after a short think time.  With `--trace`, a
+Mooncake-format trace is replayed instead (block ids -> shared token blocks, lengths scaled to the
+tiny model).  Reports TTFT P50/P99 side by side (and their ratio), the share of requests per
+pipeline, the share of output tokens RLD produced and the largest handoff stall.
 """
 
 from __future__ import annotations
@@ -30,15 +24,16 @@ import dataclasses
 import random
 import time
 from collections import Counter
+from itertools import accumulate
 
 from aiohttp.test_utils import TestClient, TestServer
 
 from pddgw.api.server import build_app
 from pddgw.config import Config, EngineConfig, NetConfig, PolicyConfig, RegimeConfig
 from pddgw.logs import setup_logging
-from pddgw.deploy import regime
-from pddgw.deploy.serve import Embedded, embedded_nodes, with_topology
-from pddgw.harness.client import Answer, respond
+from pddgw.deploy.regime import DerivedWan
+from pddgw.deploy.serve import Embedded, embedded_nodes
+from pddgw.harness.client import Answer, respond, tokens
 from pddgw.sim.report import percentile
 from pddgw.sim.workload import TRACE_BLOCK_TOKENS, read_mooncake
 from pddgw.tables import add_output_args, emit, format_table
@@ -55,21 +50,14 @@ def make_config(naive: bool, step_ms: float = 0.0) -> Config:
     return dataclasses.replace(cfg, nodes=nodes, policy=PolicyConfig(pipeline="P-MD"))
 
 
-async def _ask(ws, prompt: list[int], max_tokens: int, conv: int, turn: int, what: str) -> tuple[dict, dict]:
-    """One greedy response over an open socket -> (its result row, the response object)."""
+async def _ask(ws, prompt: list[int], max_tokens: int, what: str) -> dict:
+    """One greedy response -> its `pddgw` timeline plus `ttft_ms`, the TTFT as the client saw it."""
     ans = await respond(ws, Answer(), prompt, max_tokens)
     final = ans.final or {"type": "error", "error": f"socket {ans.closed}"}
     if final["type"] == "error":
         raise RuntimeError(f"{what}: {final['error']}")
-    resp = final["response"]
-    tl = resp["pddgw"]
-    return {"conversation": conv, "turn": turn,
-            # TTFT as the client saw it.
-            "ttft_ms": None if ans.first_t is None else (ans.first_t - ans.sent_t) * 1000.0,
-            "pipeline": tl["pipeline"], "tokens_by_role": tl["tokens_by_role"],
-            "handoff_stall_ms": tl["handoff_stall_ms"], "wan_kv_bytes": tl["wan_kv_bytes"],
-            "cached_tokens": resp["usage"]["input_tokens_details"]["cached_tokens"],
-            "input_tokens": resp["usage"]["input_tokens"]}, resp
+    ttft_ms = None if ans.first_t is None else (ans.first_t - ans.sent_t) * 1000.0
+    return {**final["response"]["pddgw"], "ttft_ms": ttft_ms}
 
 
 async def _conversation(client: TestClient, conv: int, turns: int, out_tokens: int, rng: random.Random,
@@ -77,32 +65,31 @@ async def _conversation(client: TestClient, conv: int, turns: int, out_tokens: i
     await asyncio.sleep(start_s)
     # An agent's system prompt with tool definitions: past the embedded WAN's ~713-token
     # P-MD threshold (README, "The embedded default's WAN"), so first turns relay.
-    history = [rng.randrange(32, 127) for _ in range(rng.randrange(900, 1500))]
+    history = tokens(rng, rng.randrange(900, 1500))
     async with await client.ws_connect("/v1/responses") as ws:
         for turn in range(turns):
-            history += [rng.randrange(32, 127) for _ in range(rng.randrange(15, 40))]   # the user's message
-            row, resp = await _ask(ws, history, out_tokens, conv, turn, f"conversation {conv} turn {turn}")
+            history += tokens(rng, rng.randrange(15, 40))   # the user's message
+            row = await _ask(ws, history, out_tokens, f"conversation {conv} turn {turn}")
             results.append(row)
-            history += resp["pddgw"]["output_token_ids"]
+            history += row["output_token_ids"]
             await asyncio.sleep(rng.uniform(1.0, 2.0))          # think time (tools, the user)
 
 
 def load_trace(path: str, limit: int, block_tokens: int, out_scale: float, seed: int) -> list[dict]:
-    """Mooncake-format trace (`sim.workload.read_mooncake`) -> requests on the tiny model's scale.
+    """A Mooncake-format trace -> requests on the tiny model's scale.
 
-    Each 512-token block id becomes a fixed random block of `block_tokens`
-    tokens (equal ids at the start of two prompts stay a shared prefix);
-    input lengths scale by block_tokens / 512, output lengths by out_scale.
+    Each 512-token block id becomes a fixed random block of `block_tokens` tokens (equal ids at the
+    start of two prompts stay a shared prefix); input lengths scale by block_tokens / 512, output
+    lengths by out_scale.
     """
     rng = random.Random(seed)
     blocks: dict[int, list[int]] = {}
     out = []
     for r in read_mooncake(path, limit):
-        ids = []
         for h in r.hash_ids:
             if h not in blocks:
-                blocks[h] = [rng.randrange(32, 127) for _ in range(block_tokens)]
-            ids += blocks[h]
+                blocks[h] = tokens(rng, block_tokens)
+        ids = [t for h in r.hash_ids for t in blocks[h]]
         n_in = max(1, min(len(ids), round(r.input_length * block_tokens / TRACE_BLOCK_TOKENS)))
         out.append({"t_s": r.t_s, "prompt": ids[:n_in], "max_tokens": max(1, round(r.output_length * out_scale))})
     return out
@@ -111,15 +98,12 @@ def load_trace(path: str, limit: int, block_tokens: int, out_scale: float, seed:
 async def _replay_one(client: TestClient, i: int, req: dict, speed: float, results: list[dict]) -> None:
     await asyncio.sleep(req["t_s"] / speed)
     async with await client.ws_connect("/v1/responses") as ws:
-        results.append((await _ask(ws, req["prompt"], req["max_tokens"], i, 0, f"trace request {i}"))[0])
+        results.append(await _ask(ws, req["prompt"], req["max_tokens"], f"trace request {i}"))
 
 
-async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, seed: int,
-                  arrival_s: float = 1.5, trace: list[dict] | None = None,
-                  speed: float = 1.0, step_ms: float = 0.0) -> tuple[list[dict], int, float]:
-    """-> per-request results, the KV bytes that crossed the WAN (response-time
-    transfers and MD cache alignment after responses alike), and the seconds
-    background work (MD cache alignment) ran on after the last answer."""
+async def run_one(naive: bool, args: argparse.Namespace, trace: list[dict] | None,
+                  step_ms: float) -> tuple[dict, DerivedWan]:
+    """One deployment under the traffic -> (`summarize`, the WAN it derived from `step_ms`)."""
     emb = Embedded(make_config(naive, step_ms))
     side = await emb.start()
     client = TestClient(TestServer(build_app(side.door)))
@@ -127,38 +111,36 @@ async def run_one(naive: bool, conversations: int, turns: int, out_tokens: int, 
     results: list[dict] = []
     try:
         if trace is not None:
-            todo = [_replay_one(client, i, r, speed, results) for i, r in enumerate(trace)]
+            todo = [_replay_one(client, i, r, args.speed, results) for i, r in enumerate(trace)]
         else:
-            rng = random.Random(seed)
-            seeds = [rng.randrange(1 << 30) for _ in range(conversations)]
-            starts = [0.0]
-            for _ in range(conversations - 1):       # Poisson arrivals of new conversations
-                starts.append(starts[-1] + rng.expovariate(1.0 / arrival_s))
-            todo = [_conversation(client, i, turns, out_tokens, random.Random(s), results, t)
-                    for i, (s, t) in enumerate(zip(seeds, starts))]
+            rng = random.Random(args.seed)
+            seeds = [rng.randrange(1 << 30) for _ in range(args.conversations)]
+            # Poisson arrivals of new conversations.
+            gaps = [rng.expovariate(1.0 / args.arrival_s) for _ in range(args.conversations - 1)]
+            todo = [_conversation(client, i, args.turns, args.output_tokens, random.Random(s), results, t)
+                    for i, (s, t) in enumerate(zip(seeds, accumulate(gaps, initial=0.0)))]
         await asyncio.gather(*todo)
         wan_bytes = emb.wan_kv_bytes()
         t0 = time.perf_counter()
         await side.router.drain()            # until every background transfer is done
-        return results, wan_bytes, time.perf_counter() - t0
+        return summarize(results, wan_bytes, time.perf_counter() - t0), emb.wan_regime
     finally:
         await client.close()
         await emb.stop()
 
 
 def summarize(results: list[dict], wan_bytes: int, drain_s: float) -> dict:
-    ttft = [r["ttft_ms"] for r in results]
+    """`wan_bytes`: the KV that crossed the WAN (response-time transfers and MD cache alignment after
+    responses alike); `drain_s`: how long background work (MD cache alignment) ran on after the last answer."""
     n = len(results)
-    tokens = {"rld": 0, "md": 0}
-    for r in results:
-        for role, k in r["tokens_by_role"].items():
-            tokens[role] = tokens.get(role, 0) + k
+    ttft = [r["ttft_ms"] for r in results]
+    rld = sum(r["tokens_by_role"].get("rld", 0) for r in results)
+    out_tokens = sum(sum(r["tokens_by_role"].values()) for r in results)
     stalls = [r["handoff_stall_ms"] for r in results if r["handoff_stall_ms"] is not None]
     pipelines = Counter(r["pipeline"] for r in results)
-    return {"requests": n, "ttft_p50_ms": round(percentile(ttft, 50), 1),
-            "ttft_p90_ms": round(percentile(ttft, 90), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
+    return {"requests": n, **{f"ttft_p{q}_ms": round(percentile(ttft, q), 1) for q in (50, 90, 99)},
             "pipeline_share": {k: round(v / n, 3) for k, v in sorted(pipelines.items())},
-            "rld_token_share": round(tokens.get("rld", 0) / max(1, sum(tokens.values())), 3),
+            "rld_token_share": round(rld / max(1, out_tokens), 3),
             "max_handoff_stall_ms": max(stalls) if stalls else None,
             "wan_kv_mb": round(wan_bytes / 1e6, 3), "background_drain_s": round(drain_s, 2)}
 
@@ -166,13 +148,9 @@ def summarize(results: list[dict], wan_bytes: int, drain_s: float) -> dict:
 async def main_async(args: argparse.Namespace) -> dict:
     trace = (load_trace(args.trace, args.requests, args.block_tokens, args.output_scale, args.seed)
              if args.trace else None)
-    # One decode-step measurement for both runs: side by side, they must see the same derived WAN.
-    cfg = with_topology(make_config(False))
-    step_s = await regime.probe_step_s(cfg)
-    wan = regime.derive(cfg.net.regime, step_s, regime.kv_bytes_per_token(cfg))
-    runs = [await run_one(naive, args.conversations, args.turns, args.output_tokens, args.seed, args.arrival_s,
-                          trace, args.speed, wan.step_ms) for naive in (False, True)]
-    a, b = summarize(*runs[0]), summarize(*runs[1])
+    # One decode-step measurement (the PDD run's) for both: side by side, they must see the same WAN.
+    a, wan = await run_one(False, args, trace, 0.0)
+    b, _ = await run_one(True, args, trace, wan.step_ms)
     return {"pdd": a, "naive": b,
             "wan": {"decode_step_ms": round(wan.step_ms, 4), "gbps": round(wan.shaping.gbps, 6),
                     "rtt_ms": round(2 * wan.shaping.latency_ms, 4),
@@ -184,10 +162,8 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--conversations", type=int, default=10)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--output-tokens", type=int, default=160)
-    p.add_argument("--seed", type=int, default=0)
+    for flag, default in (("--conversations", 10), ("--turns", 6), ("--output-tokens", 160), ("--seed", 0)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--arrival-s", type=float, default=1.5, help="mean time between new conversations")
     p.add_argument("--trace", help="replay a Mooncake-format trace (e.g. shared/traces/"
                    "mooncake_synthetic_trace.jsonl) instead of the synthetic conversations")
@@ -201,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     res = asyncio.run(main_async(args))
     a, b = res["pdd"], res["naive"]
     rows = [[k, a[k], b[k]] for k in ("requests", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "wan_kv_mb",
-                                      "rld_token_share", "max_handoff_stall_ms", "background_drain_s")]
-    rows += [["pipeline_share", a["pipeline_share"], b["pipeline_share"]],
-             ["ttft p50 / p99 ratio (pdd/naive)", res["ttft_p50_ratio"], res["ttft_p99_ratio"]]]
+                                      "rld_token_share", "max_handoff_stall_ms", "background_drain_s",
+                                      "pipeline_share")]
+    rows.append(["ttft p50 / p99 ratio (pdd/naive)", res["ttft_p50_ratio"], res["ttft_p99_ratio"]])
     w = res["wan"]
     title = (f"emulated WAN {w['gbps']:.3g} Gbps, {w['rtt_ms']:.3g} ms RTT, P-MD budget "
              f"{w['p_md_max_transfer_ms']:.3g} ms (decode step {w['decode_step_ms']:.3g} ms, [net.regime])")

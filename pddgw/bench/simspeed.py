@@ -2,24 +2,20 @@
 
 `python -m pddgw.bench.simspeed [--json] [--requests N] [--repeat R] [--against DIR] [--cases a,b] [--calls]`
 
-Cases (fixed, small, deterministic), each the PDD deployment at 10 Gbps:
-`paper` (a few conversations: per-step costs weigh most), `paper-batched`
-(two-turn conversations all arriving at once, as in the goodput search's
-probes: per-token costs weigh most) and `dense70b` (long KV transfers over
-the shaped WAN).  Variants, each case once per variant per repeat,
-interleaved, every run in a fresh process: `lean loop` (this tree on
-`VirtualClockLoop`, what `pddgw sim` runs), `stock loop` (this tree on
-`ReferenceVirtualLoop`, asyncio's own iteration) and, with `--against DIR`,
-the `pddgw` package under DIR on its own default loop.
+Cases (fixed, small, deterministic), each the PDD deployment at 10 Gbps: `paper` (a few
+conversations: per-step costs weigh most), `paper-batched` (two-turn conversations all arriving at
+once, as in the goodput search's probes: per-token costs weigh most) and `dense70b` (long KV
+transfers over the shaped WAN).  Variants, each case once per variant per repeat, interleaved, every
+run in a fresh process: `lean loop` (this tree on `VirtualClockLoop`, what `pddgw sim` runs),
+`stock loop` (this tree on `ReferenceVirtualLoop`, asyncio's own iteration) and, with
+`--against DIR`, the `pddgw` package under DIR on its own default loop.
 
-Per case and variant: the best wall and CPU time of the repeats, simulated
-requests per wall and per CPU second, the speed-up in CPU time over the
-baseline (`against` if given, else `stock loop`; CPU time, because wall
-time on a shared machine measures the neighbours too), and whether its
-requests came out identical to the baseline's (a digest of every request's
-tokens and timeline): a speed-up that changes results is a bug.  `--calls`:
-one more run under cProfile counting Python function calls, exact where
-the machine's noise drowns a 10 % time difference.
+Per case and variant: the best wall and CPU time of the repeats, simulated requests per wall and per
+CPU second, the speed-up in CPU time over the baseline (`against` if given, else `stock loop`; CPU
+time, because wall time on a shared machine measures the neighbours too), and whether its requests
+came out identical to the baseline's (a digest of every request's tokens and timeline): a speed-up
+that changes results is a bug.  `--calls`: one more run under cProfile counting Python function
+calls, exact where the machine's noise drowns a 10 % time difference.
 """
 
 from __future__ import annotations
@@ -34,35 +30,15 @@ from pathlib import Path
 import pddgw
 from pddgw.tables import add_output_args, best, emit, format_table, ratio
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Case:
-    name: str
-    scenario: str          # relative to the repository root
-    deployment: str
-    wan_gbps: float | None
-    # Overrides of the scenario's [workload.agentic]; "rate_per_request" sets rate to that x
-    # the request count (every conversation arrives within about as many seconds).
-    agentic: tuple[tuple[str, float], ...] = ()
-
-
-CASES = (
-    Case("paper", "scenarios/paper.toml", "pdd", 10.0),
-    # Tens of requests decoding at once, as in the goodput search's probes: conversations of
-    # two turns that all arrive within ~2 s, so an engine step carries many requests' tokens.
-    Case("paper-batched", "scenarios/paper.toml", "pdd", 10.0,
-         (("turns_min", 2), ("turns_max", 2), ("rate_per_request", 0.5))),
-    Case("dense70b", "scenarios/dense70b.toml", "pdd", 10.0),
-)
+WAN_GBPS = 10.0
 
 # One measured run, in a fresh interpreter: only APIs present since the simulator's first
 # version (load_scenario, deployment_config, the workload builder, run_deployment), so an
 # older tree given by --against runs it too.  Prints one JSON line.
 _ONE = r"""
-import asyncio, dataclasses, hashlib, json, sys, time
+import asyncio, cProfile, dataclasses, hashlib, json, sys, time
 args = json.loads(sys.argv[1])
-if args["tree"]:
-    sys.path.insert(0, args["tree"])      # ahead of the working directory and any installed pddgw
+sys.path.insert(0, args["tree"])      # ahead of the working directory and any installed pddgw
 from pddgw.logs import setup_logging
 setup_logging("warning")
 import pddgw
@@ -78,27 +54,24 @@ sc = dataclasses.replace(sc, workload=dataclasses.replace(sc.workload, agentic=s
 dep = sc.deployment(args["deployment"])
 cfg = deployment_config(sc, dep, args["wan_gbps"] if sc.uses_wan(dep) else None)
 convs, prefix = simrun._workload(sc)
-factory = getattr(clock, args["loop"]) if args["loop"] else clock.VirtualClockLoop
-prof = None
-if args["calls"]:
-    import cProfile
-    prof = cProfile.Profile()
+factory = getattr(clock, args["loop"])
+prof = cProfile.Profile() if args["calls"] else None
+if prof is not None:
     prof.enable()
 t0, c0 = time.perf_counter(), time.process_time()
 with asyncio.Runner(loop_factory=factory) as runner:
     res = runner.run(run_deployment(cfg, convs, prefix))
 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-calls = None
 if prof is not None:
     prof.disable()
-    calls = sum(entry.callcount for entry in prof.getstats())
 h = hashlib.blake2b(digest_size=12)
 for r in res.requests:
     h.update(repr((r.rid, r.arrival_s, r.output_tokens, r.output_digest, r.ttft_s, r.e2e_s, r.pipeline,
                    r.handoff_mode, r.rld_tokens, r.md_tokens, r.error, tuple(r.itl_s))).encode())
 h.update(repr((res.duration_s, res.drain_s, res.wan_kv_bytes)).encode())
-print(json.dumps({"wall_s": wall, "cpu_s": cpu, "calls": calls, "requests": len(res.requests),
-                  "digest": h.hexdigest(), "package": pddgw.__file__}))
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "requests": len(res.requests), "digest": h.hexdigest(),
+                  "calls": None if prof is None else sum(e.callcount for e in prof.getstats()),
+                  "package": pddgw.__file__}))
 """
 
 
@@ -106,7 +79,7 @@ print(json.dumps({"wall_s": wall, "cpu_s": cpu, "calls": calls, "requests": len(
 class Variant:
     name: str
     tree: str               # the directory holding its `pddgw/`
-    loop: str | None        # a loop class of pddgw.sim.clock; None: the tree's default
+    loop: str               # the loop class of pddgw.sim.clock it runs on
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,12 +99,25 @@ class Cell:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class CaseReport:
+class Case:
+    """A workload to simulate and, in a report, its cells."""
+
     case: str
-    scenario: str
+    scenario: str           # relative to --root
     deployment: str
-    agentic: dict[str, float]       # the case's workload overrides
-    cells: list[Cell]
+    # Overrides of the scenario's [workload.agentic]; "rate_per_request" sets rate to that x
+    # the request count (every conversation arrives within about as many seconds).
+    agentic: dict[str, float] = dataclasses.field(default_factory=dict)
+    cells: list[Cell] = dataclasses.field(default_factory=list)
+
+
+CASES = (
+    Case("paper", "scenarios/paper.toml", "pdd"),
+    # Tens of requests decoding at once, as in the goodput search's probes: conversations of
+    # two turns that all arrive within ~2 s, so an engine step carries many requests' tokens.
+    Case("paper-batched", "scenarios/paper.toml", "pdd", {"turns_min": 2, "turns_max": 2, "rate_per_request": 0.5}),
+    Case("dense70b", "scenarios/dense70b.toml", "pdd"),
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,85 +125,76 @@ class Report:
     requests: int
     repeat: int
     baseline: str
-    cases: list[CaseReport]
+    cases: list[Case]
 
 
 def run_one(case: Case, variant: Variant, requests: int, root: Path, calls: bool = False) -> dict:
-    """One simulated run in a fresh interpreter -> {wall_s, cpu_s, calls, requests, digest, package};
+    """One simulated run in a fresh interpreter -> {wall_s, cpu_s, requests, digest, calls, package};
     `calls`: profiled, counting Python function calls (then its times are the profiler's)."""
-    arg = json.dumps({"tree": variant.tree, "calls": calls, "scenario": case.scenario,
-                      "deployment": case.deployment, "wan_gbps": case.wan_gbps, "agentic": case.agentic,
-                      "requests": requests, "loop": variant.loop})
-    out = subprocess.run([sys.executable, "-c", _ONE, arg], cwd=root, capture_output=True,
-                         text=True, check=False)
+    arg = json.dumps({"tree": variant.tree, "loop": variant.loop, "calls": calls, "requests": requests,
+                      "scenario": case.scenario, "deployment": case.deployment, "wan_gbps": WAN_GBPS,
+                      "agentic": case.agentic})
+    out = subprocess.run([sys.executable, "-c", _ONE, arg], cwd=root, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"{case.name} / {variant.name} failed:\n{out.stderr[-4000:]}")
+        raise RuntimeError(f"{case.case} / {variant.name} failed:\n{out.stderr[-4000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if not Path(got["package"]).resolve().is_relative_to(Path(variant.tree).resolve()):
         raise RuntimeError(f"{variant.name}: ran {got['package']}, not the tree under {variant.tree}")
     return got
 
 
+def _cell(variant: str, runs: list[dict], ref: list[dict]) -> Cell:
+    """A variant's runs of a case against the baseline's (`ref`, `runs` itself for the baseline)."""
+    wall, cpu = best(r["wall_s"] for r in runs), best(r["cpu_s"] for r in runs)
+    n = runs[0]["requests"]
+    calls, ref_calls = (next((r["calls"] for r in rs if r["calls"] is not None), None) for rs in (runs, ref))
+    is_base = runs is ref
+    return Cell(variant, round(wall, 3), round(cpu, 3), n, round(n / wall, 2), round(n / cpu, 2),
+                None if is_base else round(ratio(best(r["cpu_s"] for r in ref), cpu) or 0.0, 3),
+                all(r["digest"] == ref[0]["digest"] for r in runs), calls,
+                None if is_base or calls is None else round(calls / ref_calls, 3))
+
+
 def measure(cases: list[Case], variants: list[Variant], requests: int, repeat: int, root: Path,
             calls: bool = False) -> Report:
-    runs: dict[tuple[str, str], list[dict]] = {}
-    counted: dict[tuple[str, str], int] = {}
+    pairs = [(c, v) for c in cases for v in variants]
+    runs: dict[tuple[str, str], list[dict]] = {(c.case, v.name): [] for c, v in pairs}
     for _ in range(repeat):
-        for case in cases:
-            for v in variants:            # interleaved: machine noise spreads over every variant
-                runs.setdefault((case.name, v.name), []).append(run_one(case, v, requests, root))
-    if calls:
-        for case in cases:
-            for v in variants:
-                got = run_one(case, v, requests, root, calls=True)
-                runs[(case.name, v.name)].append({**got, "wall_s": float("inf"), "cpu_s": float("inf")})
-                counted[(case.name, v.name)] = got["calls"]
+        for c, v in pairs:            # interleaved: machine noise spreads over every variant
+            runs[c.case, v.name].append(run_one(c, v, requests, root))
+    for c, v in pairs if calls else ():
+        # The profiled run's digest counts, its times (the profiler's) do not.
+        got = run_one(c, v, requests, root, calls=True)
+        runs[c.case, v.name].append({**got, "wall_s": float("inf"), "cpu_s": float("inf")})
     base = variants[-1].name
-    reports = []
-    for case in cases:
-        ref = runs[(case.name, base)]
-        ref_cpu = best(r["cpu_s"] for r in ref)
-        cells = []
-        for v in variants:
-            rs = runs[(case.name, v.name)]
-            wall, cpu = best(r["wall_s"] for r in rs), best(r["cpu_s"] for r in rs)
-            n = rs[0]["requests"]
-            cells.append(Cell(v.name, round(wall, 3), round(cpu, 3), n, round(n / wall, 2), round(n / cpu, 2),
-                              None if v.name == base else round(ratio(ref_cpu, cpu) or 0.0, 3),
-                              all(r["digest"] == ref[0]["digest"] for r in rs),
-                              counted.get((case.name, v.name)),
-                              None if (case.name, v.name) not in counted or v.name == base else
-                              round(counted[(case.name, v.name)] / counted[(case.name, base)], 3)))
-        reports.append(CaseReport(case.name, case.scenario, case.deployment, dict(case.agentic), cells))
-    return Report(requests, repeat, base, reports)
+    return Report(requests, repeat, base, [
+        dataclasses.replace(c, cells=[_cell(v.name, runs[c.case, v.name], runs[c.case, base]) for v in variants])
+        for c in cases])
 
 
 def table(rep: Report) -> str:
     rows = [[c.case, cell.variant, cell.requests, cell.wall_s, cell.requests_per_wall_s, cell.cpu_s,
-             cell.requests_per_cpu_s,
-             "-" if cell.speedup is None else f"{cell.speedup:.2f}x", cell.same_results, cell.calls,
-             cell.calls_ratio]
+             cell.requests_per_cpu_s, "-" if cell.speedup is None else f"{cell.speedup:.2f}x",
+             cell.same_results, cell.calls, cell.calls_ratio]
             for c in rep.cases for cell in c.cells]
     head = (f"pddgw sim speed: {rep.requests} requests a case, best of {rep.repeat}; "
             f"speed-up and identity against '{rep.baseline}'")
     return head + "\n" + format_table(["case", "variant", "requests", "wall s", "req / wall s", "CPU s",
-                                       "req / CPU s", "speed-up", "same results", "calls",
-                                       "calls ratio"], rows)
+                                       "req / CPU s", "speed-up", "same results", "calls", "calls ratio"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
+    known = {c.case: c for c in CASES}
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=40, help="requests a case (default 40)")
     p.add_argument("--repeat", type=int, default=1, help="runs per case and variant; the best counts")
     p.add_argument("--against", help="also run the pddgw package under this directory (the baseline)")
-    p.add_argument("--cases", default=",".join(c.name for c in CASES),
-                   help=f"comma-separated subset of: {', '.join(c.name for c in CASES)}")
+    p.add_argument("--cases", default=",".join(known), help=f"comma-separated subset of: {', '.join(known)}")
     p.add_argument("--calls", action="store_true",
                    help="also count Python function calls (one profiled run per case and variant)")
     p.add_argument("--root", default=".", help="the directory the scenario paths are relative to")
     add_output_args(p)
     args = p.parse_args(argv)
-    known = {c.name: c for c in CASES}
     names = [n for n in args.cases.split(",") if n]
     bad = [n for n in names if n not in known]
     if bad or not names:
@@ -229,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     here = str(Path(pddgw.__file__).resolve().parent.parent)     # the tree this module runs from
     variants = [Variant("lean loop", here, "VirtualClockLoop"), Variant("stock loop", here, "ReferenceVirtualLoop")]
     if args.against:
-        variants.append(Variant(f"against {args.against}", str(Path(args.against).resolve()), None))
+        variants.append(Variant(f"against {args.against}", str(Path(args.against).resolve()), "VirtualClockLoop"))
     rep = measure([known[n] for n in names], variants, args.requests, args.repeat, Path(args.root).resolve(),
                   args.calls)
     emit(rep, args.json, table(rep))

@@ -2,17 +2,15 @@
 
     python -m pddgw.bench.transport [--json] [--sizes 64K,256K,1M,4M] [--stripes 1,2,3,4]
 
-A peer process (spawned here, loopback only, stopped at the end) serves
-both a pddgw `WsServer` and a raw TCP socket.  For every frame size the raw
-TCP transfer (blocking sockets, `recv_into` preallocated memory: the physical
-limit of this machine: frames of the same size sent, received as large as
-the kernel offers) and the WebSocket link transfers (1..4 stripes, bulk
-server -> client and client -> server) run side by side, interleaved and
-repeated; the best of the repeats is reported, and each WebSocket rate as a
-ratio of the raw rate for the same frame size.  Also: bytes on the wire and
-round-trip latency of a 100-token token-ID handoff.  (The whole path from P's
-KV pool into a decoder's pool through the production workers, on an idle and
-a busy decoder: `python -m pddgw.bench.kvpath`.)
+A peer process (loopback only) serves a pddgw `WsServer`, a raw TCP socket
+and aiohttp's own WebSocket API (the reference, defaults).  For every frame
+size, interleaved and repeated (the best kept): raw TCP (the physical limit
+of this machine: frames of that size sent, received by `recv_into`
+preallocated memory as large as the kernel offers) and the WebSocket link
+(1..4 stripes, bulk server -> client and client -> server), each WebSocket
+rate also as a ratio of raw TCP's.  Also: bytes on the wire and round-trip
+latency of a 100-token token-ID handoff.  (P's KV pool into a decoder's pool
+through the production workers: `python -m pddgw.bench.kvpath`.)
 """
 
 from __future__ import annotations
@@ -26,10 +24,9 @@ import time
 import uuid
 
 import aiohttp
-import orjson
 from aiohttp import WSMsgType, web
 
-from pddgw.harness.peer import Ring, bench_net, raw_rate, serve_raw, spawn_peer, stop_peer, until_stdin_closes
+from pddgw.harness.peer import Ring, bench_net, raw_rate, run_peer, running_peer, serve_peer
 from pddgw.logs import setup_logging
 from pddgw.net import frames
 from pddgw.net import messages as m
@@ -62,27 +59,20 @@ def _chunks(rid: str, total: int, frame: int, src: memoryview) -> list[m.KVChunk
 
 async def _peer_main(secret: str) -> None:
     src = memoryview(os.urandom(4 << 20))
-    raw = serve_raw(src)
 
     async def handler(link: Link, msg: m.Message) -> m.Message | None:
         if isinstance(msg, m.Ready) and msg.detail.startswith("s2c"):
             _, total, frame = msg.detail.split()
-            chunks = _chunks(msg.request_id, int(total), int(frame), src)
-            asyncio.get_running_loop().create_task(link.send_all(chunks))
+            asyncio.get_running_loop().create_task(link.send_all(_chunks(msg.request_id, int(total), int(frame), src)))
         elif isinstance(msg, m.TokenIds):
             return m.Ack(msg.request_id, msg.start + len(msg.ids))
         return None   # KV chunks (c2s) land in the ring; the closing request gets an Ack
 
-    server = WsServer("bench-peer", bench_net(secret, 4 << 20, 60), handler, kv_sink=Ring(64 << 20))
-    url = await server.start("127.0.0.1", 0)
     plain = web.AppRunner(_plain_app(src), access_log=None, handle_signals=False)
     await plain.setup()
     await web.TCPSite(plain, "127.0.0.1", 0).start()
-    plain_url = f"http://127.0.0.1:{plain.addresses[0][1]}/plain"
-    print(orjson.dumps({"ws": url, "raw": raw.getsockname()[1], "plain": plain_url}).decode(), flush=True)
-    await until_stdin_closes()
-    raw.close()
-    await server.close()
+    await serve_peer(WsServer("bench-peer", bench_net(secret, 4 << 20, 60), handler, kv_sink=Ring(64 << 20)), src,
+                     plain=f"http://127.0.0.1:{plain.addresses[0][1]}/plain")
     await plain.cleanup()
 
 
@@ -110,28 +100,26 @@ def _plain_app(src: memoryview) -> web.Application:
 
 
 # ---------------------------------------------------------------------------
-# Measurements (this process)
+# Measurements (this process), each -> bytes/s
 
 
 async def _ws(link: Link, direction: str, total: int, frame: int, src: memoryview) -> float:
     rid = uuid.uuid4().hex
+    if direction == "c2s":
+        chunks = _chunks(rid, total, frame, src)
+        t0 = time.perf_counter()
+        await link.send_all(chunks)
+        await link.request(m.Ready(rid, "c2s done"))
+        return len(chunks) * frame / (time.perf_counter() - t0)
     t0 = time.perf_counter()
-    if direction == "s2c":
-        async with link.stream(rid, timeout=60) as st:
-            await link.send(m.Ready(rid, f"s2c {max(1, total // frame) * frame} {frame}"))
-            got = 0
-            async for msg in st:
-                got += msg.span.nbytes  # type: ignore[union-attr]
-        return got / (time.perf_counter() - t0)
-    chunks = _chunks(rid, total, frame, src)
-    t0 = time.perf_counter()
-    await link.send_all(chunks)
-    await link.request(m.Ready(rid, "c2s done"))
-    return len(chunks) * frame / (time.perf_counter() - t0)
+    async with link.stream(rid, timeout=60) as st:
+        await link.send(m.Ready(rid, f"s2c {max(1, total // frame) * frame} {frame}"))
+        got = sum([msg.span.nbytes async for msg in st])  # type: ignore[union-attr]
+    return got / (time.perf_counter() - t0)
 
 
 async def _plain(url: str, direction: str, total: int, frame: int, src: memoryview) -> float:
-    """Rate of aiohttp's own WebSocket API (defaults; messages copied into preallocated memory)."""
+    """aiohttp's own WebSocket API (defaults; messages copied into preallocated memory)."""
     dst = bytearray(frame)
     async with aiohttp.ClientSession() as session, session.ws_connect(url, max_msg_size=0) as ws:
         t0 = time.perf_counter()
@@ -173,11 +161,10 @@ async def _suite(addr: dict, secret: str, sizes: list[int], stripes: list[int], 
         t = (mib << 20) // (4 if size < 256 << 10 else 1)
         return max(size, t // size * size)
 
-    src = memoryview(os.urandom(4 << 20))
+    src, raw_buf = memoryview(os.urandom(4 << 20)), memoryview(bytearray(4 << 20))
     ring = Ring(64 << 20)
     links = {k: await connect(addr["ws"], "bench", bench_net(secret, 4 << 20, 60), stripes=k, kv_sink=ring)
              for k in stripes}
-    raw_buf = memoryview(bytearray(4 << 20))
     ws_best: dict[tuple[int, int, str], float] = {}
     raw_best: dict[int, dict[str, float]] = {size: {} for size in sizes}
     plain_best: dict[str, float] = {}
@@ -204,11 +191,10 @@ async def _suite(addr: dict, secret: str, sizes: list[int], stripes: list[int], 
              "raw_gb_per_s": raw_best[size][d] / 1e9, "ratio": rate / raw_best[size][d]}
             for (size, k, d), rate in sorted(ws_best.items())]
     best_raw = {d: max(r[d] for r in raw_best.values()) for d in DIRECTIONS}
-    summary = {}
-    for d in DIRECTIONS:
-        top = max((r for r in rows if r["direction"] == d), key=lambda r: r["gb_per_s"])
-        summary[d] = {"ws_gb_per_s": top["gb_per_s"], "frame_bytes": top["frame_bytes"], "stripes": top["stripes"],
-                      "raw_gb_per_s": best_raw[d] / 1e9, "ratio": top["gb_per_s"] * 1e9 / best_raw[d]}
+    top = {d: max((r for r in rows if r["direction"] == d), key=lambda r: r["gb_per_s"]) for d in DIRECTIONS}
+    summary = {d: {"ws_gb_per_s": t["gb_per_s"], "frame_bytes": t["frame_bytes"], "stripes": t["stripes"],
+                   "raw_gb_per_s": best_raw[d] / 1e9, "ratio": t["gb_per_s"] * 1e9 / best_raw[d]}
+               for d, t in top.items()}
     plain = {"frame_bytes": PLAIN_FRAME, **{f"{d}_gb_per_s": v / 1e9 for d, v in plain_best.items()},
              **{f"{d}_ratio_to_best_raw": v / best_raw[d] for d, v in plain_best.items()}}
     return {"rows": rows, "raw": {str(k): v for k, v in raw_best.items()}, "summary": summary,
@@ -242,19 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="repeats; the best is kept")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    import uvloop
-
     setup_logging("warning")      # logs go to stderr; stdout is the table / JSON
     if args.peer:
-        uvloop.run(_peer_main(os.environ["PDDGW_BENCH_SECRET"]))
-        return 0
+        return run_peer(_peer_main)
+    import uvloop
+
     secret = secrets.token_hex(16)
-    proc, addr = spawn_peer("pddgw.bench.transport", {"PDDGW_BENCH_SECRET": secret})
-    try:
+    with running_peer("pddgw.bench.transport", secret) as addr:
         rep = uvloop.run(_suite(addr, secret, [_parse_size(s) for s in args.sizes.split(",")],
                                 [int(s) for s in args.stripes.split(",")], args.mib, args.repeat))
-    finally:
-        stop_peer(proc)
     emit(rep, args.json, _table(rep))
     return 0
 

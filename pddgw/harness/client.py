@@ -1,4 +1,4 @@
-"""Load clients of the router's /v1/responses WebSocket: one response, and closed-loop load.
+"""Load clients of the router's /v1/responses WebSocket: one response, closed-loop load, a whole run.
 
 `respond` sends one `response.create` (token ids in, a binary frame) and
 reads its events into an `Answer` until `response.completed` or `error`
@@ -15,30 +15,39 @@ message; a turn that does not complete ends it) and, with probability
 
 `ask(ws, outcome)` reads one response into an Outcome: "completed", "error"
 (its code) or left "lost" (`lost_reason` "socket_closed" when the socket
-dropped under it; a cancelled one stays lost for its caller to name).
+dropped under it; a cancelled one stays lost: `check_outcomes` says "timeout").
 Once the deployment stopped, `references` gets what `pddgw generate` gives
 for each distinct (prompt, max tokens), and `check_outcomes` compares:
 streamed tokens equal (errors: are a prefix of) the reference, a
 completion's output ids equal the streamed ones, positions came once in
-order.
+order.  `run_load` is the soak's whole run: deployment, warm-up, load,
+faults, grace period, leak check, stop, references and checks.
 Prompt ids are printable bytes of the tiny model's vocabulary, [32, 127).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import shutil
+import signal
 import sys
+import tempfile
+import time
 from array import array
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-from pddgw.harness.deployment import utc
+from pddgw.harness.cluster import ClusterToml
+from pddgw.harness.deployment import Deployment, Fault, FaultRecord, ProcRss, apply_faults, utc
+from pddgw.harness.leaks import Leaks, measure_leaks, router_state
 from pddgw.harness.reference import Prompt, generate_cli_many, generate_engine
 
 
@@ -114,8 +123,11 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
 
 
-@dataclass(slots=True)
-class Outcome:
+@dataclass(slots=True, kw_only=True)
+class Outcome(Answer):
+    """One request of the load: what it asked, how it ended, and (the Answer) what streamed, filled as it
+    comes (a cancelled request keeps what came before the cancel)."""
+
     kind: str                                 # "turn" | "singular" | "warmup"
     prompt: tuple[int, ...]
     max_tokens: int
@@ -127,44 +139,17 @@ class Outcome:
     pipeline: str | None = None
     handoff_mode: str | None = None
     redrives: int = 0
-    # What streamed, filled as it comes (a cancelled request keeps what came before the cancel).
-    answer: Answer = field(default_factory=Answer)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.answer.tokens
-
-    @property
-    def positions_ok(self) -> bool:
-        return self.answer.positions_ok
-
-    @property
-    def response_id(self) -> str | None:
-        return self.answer.response_id or (self.answer.final or {}).get("response_id")
-
-    @property
-    def sent_t(self) -> float:
-        return self.answer.sent_t
-
-    @property
-    def first_t(self) -> float | None:
-        return self.answer.first_t
-
-    @property
-    def end_t(self) -> float | None:
-        return self.answer.end_t
 
 
 async def ask(ws: aiohttp.ClientWebSocketResponse, out: Outcome) -> None:
     """One greedy request (seed 0) into `out` (cancellation leaves it lost)."""
-    a = await respond(ws, out.answer, out.prompt, out.max_tokens, temperature=0, seed=0)
-    ev = a.final
+    ev = (await respond(ws, out, out.prompt, out.max_tokens, temperature=0, seed=0)).final
     if ev is None:
         out.lost_reason = "socket_closed"
     elif ev["type"] == "response.completed":
         tl = ev["response"].get("pddgw") or {}
         out.status = "completed"
-        out.completed_ids = list(tl.get("output_token_ids", a.tokens))
+        out.completed_ids = list(tl.get("output_token_ids", out.tokens))
         out.pipeline, out.handoff_mode = tl.get("pipeline"), tl.get("handoff_mode")
         out.redrives = len(tl.get("redrives") or ())
     else:
@@ -191,15 +176,16 @@ async def converse(i: int, url: str, session: aiohttp.ClientSession, shared: lis
                     await asyncio.sleep(0.5)
                     continue
             if rng.random() < singular_share:
-                out = Outcome("singular", tuple(tokens(rng, mix.singular_tokens)),
-                              min(mix.singular_max_output, max_tokens))
+                out = Outcome(kind="singular", prompt=tuple(tokens(rng, mix.singular_tokens)),
+                              max_tokens=min(mix.singular_max_output, max_tokens))
             else:
                 if history is None or turns_left <= 0 or len(history) + mix.message_max + max_tokens \
                         > mix.max_prompt_tokens:
                     history = shared + tokens(rng, rng.randint(mix.context_min, mix.context_max))
                     turns_left = turns
                 prompt = history + tokens(rng, rng.randint(mix.message_min, mix.message_max))
-                out = Outcome("turn", tuple(prompt), rng.randint(max(1, max_tokens // 2), max_tokens))
+                out = Outcome(kind="turn", prompt=tuple(prompt),
+                              max_tokens=rng.randint(max(1, max_tokens // 2), max_tokens))
             outcomes.append(out)
             try:
                 await ask(ws, out)
@@ -233,16 +219,18 @@ async def references(load: Sequence[Outcome], dtype: str, how: str = "engine") -
 def check_outcomes(load: Sequence[Outcome], ref: Mapping[Prompt, list[int]], t0: float, unix0: float,
                    limit: int = 10) -> tuple[int, int, list[dict[str, Any]]]:
     """-> (requests with a wrong token, requests whose positions did not come once in order, the first
-    `limit` wrong / out-of-order / lost requests as examples; times from `t0`, UTC from `unix0`)."""
+    `limit` wrong / out-of-order / lost requests as examples; times from `t0`, UTC from `unix0`).
+    A lost request without a reason gets "timeout"."""
     examples: list[dict[str, Any]] = []
 
     def example(o: Outcome, what: str, **extra: Any) -> None:
         if len(examples) < limit:
-            examples.append({"what": what, "kind": o.kind, "response_id": o.response_id,
+            examples.append({"what": what, "kind": o.kind,
+                             "response_id": o.response_id or (o.final or {}).get("response_id"),
                              "prompt_tokens": len(o.prompt), "max_tokens": o.max_tokens,
                              "sent_s": round(o.sent_t - t0, 3), "sent_utc": utc(unix0 + o.sent_t - t0),
-                             "status": o.status, "code": o.code,
-                             "pipeline": o.pipeline, "streamed": len(o.tokens), **extra})
+                             "status": o.status, "code": o.code, "pipeline": o.pipeline, "streamed": len(o.tokens),
+                             **extra})
 
     wrong = disorder = 0
     for o in load:
@@ -263,6 +251,7 @@ def check_outcomes(load: Sequence[Outcome], ref: Mapping[Prompt, list[int]], t0:
             example(o, "positions not once in order")
     for o in load:
         if o.status == "lost":
+            o.lost_reason = o.lost_reason or "timeout"     # no end by the caller's deadline
             example(o, "lost", reason=o.lost_reason)
     return wrong, disorder, examples
 
@@ -288,3 +277,96 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+# ---- a whole run: deployment, load, faults, checks ----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRun:
+    outcomes: list[Outcome]             # the load's requests (not the warm-up), checked
+    faults: list[FaultRecord]           # by time; those not yet due when the load ended: skipped, last
+    load_s: float                       # from the start of the load to the last request's end (> 0)
+    wrong_tokens: int                   # requests whose tokens differ from the reference
+    positions_not_in_order: int         # requests whose positions came twice, skipped or out of order
+    examples: list[dict[str, Any]]      # the first wrong / out-of-order / lost requests
+    leaks: Leaks
+    state: dict[str, Any]               # the router's last /debug/state of the leak check
+    stuck_state: dict[str, Any] | None  # /debug/state after the grace period if requests were still open
+    rss: dict[str, ProcRss]
+    logs: str | None                    # the directory of config.toml and the node logs, when kept
+    ok: bool                            # nothing lost, wrong, out of order or leaked; no process crashed
+
+
+async def run_load(toml: ClusterToml | None, dtype: str, faults: Sequence[Fault], *, clients: int,
+                   duration_s: float, grace_s: float, quiet_timeout_s: float, drain_timeout_s: float,
+                   reference: str, keep: Path | None, name: str, progress: bool, seed: int, mix: Mix,
+                   singular_share: float, max_tokens: int, turns: int) -> LoadRun:
+    """A whole run on `Deployment(keep or a temporary directory, toml, dtype)`: start, warm up, `clients`
+    `converse` clients for `duration_s` while `apply_faults` runs `faults`, `grace_s` for what is in flight
+    (later: lost), the restarts back, `measure_leaks` within `quiet_timeout_s`, RSS at both ends, stop, then
+    `references` and `check_outcomes`.  The directory stays (said on stderr) with `keep` or when the run
+    failed or raised.  RuntimeError: the deployment did not start or the warm-up failed."""
+    loop = asyncio.get_running_loop()
+    directory = keep or Path(tempfile.mkdtemp(prefix=f"pddgw-{name}-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    dep = Deployment(directory, toml, dtype)
+    outcomes: list[Outcome] = []
+    records: list[FaultRecord] = []
+    pending: list[asyncio.Task[None]] = []
+    stuck_state: dict[str, Any] | None = None
+    ok = False
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            session = await stack.enter_async_context(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+            stack.push_async_callback(dep.stop)
+            await dep.start()
+            # Ids below the load's range: the warm-up shares no block with it.
+            warm = Outcome(kind="warmup", prompt=tuple(1 + i % 30 for i in range(64)), max_tokens=4)
+            async with session.ws_connect(dep.url + "/v1/responses") as ws:
+                await asyncio.wait_for(ask(ws, warm), 120)
+            if warm.status != "completed":
+                raise RuntimeError(f"warm-up request failed: {warm.code} {warm.message}\n{dep.procs.log('router')}")
+            dep.sample_rss(end=False)
+
+            shared = tokens(random.Random(seed), mix.shared_prefix_tokens)
+            t0, unix0 = loop.time(), time.time()
+            stop_at = t0 + duration_s
+            bar = Progress(progress, duration_s, name)
+            tasks = [asyncio.create_task(converse(
+                i, dep.url, session, shared, stop_at, outcomes, seed=seed, mix=mix,
+                singular_share=singular_share, max_tokens=max_tokens, turns=turns)) for i in range(clients)]
+            schedule = asyncio.create_task(apply_faults(faults, dep, t0, drain_timeout_s, records, pending))
+            try:
+                while not all(c.done() for c in tasks) and loop.time() < stop_at + grace_s:
+                    await asyncio.wait(tasks, timeout=0.5)
+                    bar.update(loop.time() - t0, outcomes)
+                if not all(c.done() for c in tasks):
+                    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                        stuck_state = await router_state(session, dep.url)()   # what holds the lost requests
+            finally:
+                bar.close()
+                for task in (*tasks, schedule):
+                    task.cancel()       # past the grace period: what is still open is lost
+                await asyncio.gather(*tasks, schedule, return_exceptions=True)
+            load_s = max(1e-9, max([o.end_t for o in outcomes if o.end_t is not None], default=loop.time()) - t0)
+            for f in faults:
+                if not any(r.fault == str(f) for r in records):
+                    records.append(FaultRecord(str(f), None, "skipped: the load was over"))
+            await asyncio.gather(*pending, return_exceptions=True)
+            restarted = [n for n, node in dep.procs.nodes.items() if node.restarts and node.alive]
+            leaks, doc = await measure_leaks(router_state(session, dep.url), quiet_timeout_s, restarted)
+            dep.sample_rss(end=True)
+        # References once per distinct (prompt, max tokens), after the deployment stopped.
+        wrong, disorder, examples = check_outcomes(outcomes, await references(outcomes, dtype, reference), t0, unix0)
+        rss = dep.rss()
+        crashed = any(r.exit_code not in (None, -signal.SIGKILL) for r in rss.values())    # died unbidden
+        ok = leaks.quiet and not (wrong or disorder or crashed or any(o.status == "lost" for o in outcomes))
+        return LoadRun(outcomes, sorted(records, key=lambda r: (r.at_s is None, r.at_s or 0.0)), load_s, wrong,
+                       disorder, examples, leaks, doc, stuck_state, rss,
+                       str(directory) if keep is not None or not ok else None, ok)
+    finally:
+        if not ok:
+            print(f"{name}: node logs kept in {directory}", file=sys.stderr)
+        elif keep is None:
+            shutil.rmtree(directory, ignore_errors=True)

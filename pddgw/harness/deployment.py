@@ -64,10 +64,6 @@ class Deployment:
         self.exit_codes: dict[str, int | None] = {}      # at the end, before the stop
 
     @property
-    def embedded(self) -> bool:
-        return self.toml is None
-
-    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
 
@@ -140,14 +136,14 @@ class Deployment:
             await self.proxy.close()
 
 
+class OptionError(ValueError):
+    """A bad option value; the message names it."""
+
+
 # ---- faults on a schedule ----------------------------------------------------------
 
 WAN = "wan"
 ACTIONS = ("kill", "restart", "sigterm", "cut", "slow", "heal")
-
-
-class OptionError(ValueError):
-    """A bad option value; the message names it."""
 
 
 @dataclass(frozen=True, slots=True)

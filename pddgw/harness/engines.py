@@ -11,21 +11,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from pddgw.config import EngineConfig
 from pddgw.engines.base import Engine
-from pddgw.engines.types import EngineRequest
+from pddgw.engines.types import EngineRequest, SamplingParams
 
 BLOCK_SIZE = 16      # the engine benchmarks' KV block (tokens)
+T = TypeVar("T")
 
 
 def add_torch_args(parser: argparse.ArgumentParser, device_help: str = "cpu or cuda[:N]") -> None:
     """--threads and --device, for the benchmarks that run torch (then `parse_torch_args`)."""
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: as is)")
     parser.add_argument("--device", default="cpu", help=device_help)
+
+
+def chosen_settings(args: argparse.Namespace, quick: T, full: T, **flags: Any) -> T:
+    """--quick's settings or the full ones, with the fields of the flags given (non-zero) replaced."""
+    return dataclasses.replace(quick if args.quick else full, **{k: v for k, v in flags.items() if v})
 
 
 def parse_torch_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
@@ -104,8 +111,6 @@ class Decoding:
         self.tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        from pddgw.core.sampling import SamplingParams
-
         started = []
         for i, prompt in enumerate(self.prompts):
             rid = f"load-{i}"

@@ -135,9 +135,6 @@ class Processes:
 
     # ---- faults and the end --------------------------------------------------------------
 
-    def alive(self, name: str) -> bool:
-        return self.nodes[name].alive
-
     def kill(self, name: str) -> int | None:
         """SIGKILL by pid and reap -> the pid, or None when it was not running."""
         node = self.nodes[name]

@@ -1,12 +1,13 @@
 """A benchmark's peer process on loopback, and the raw TCP ceiling it serves.
 
-`spawn_peer(module, env)` runs `python -m module --peer` and reads the one
-JSON line it prints first (its addresses); the peer serves until its stdin
-closes (`until_stdin_closes`); `stop_peer` closes it and waits, then kills
-by pid.  Raw TCP: per connection `serve_raw` reads one `RAW_REQ` (op S: it
-sends `total` bytes in `chunk`-byte sends; R: it receives them and answers
-one byte); `raw_rate` times it from the parent, `recv_into` preallocated
-memory.
+`running_peer(module, secret, **args)` runs `python -m module --peer` for
+the length of a `with` and yields the addresses it prints first (one JSON
+line).  In the peer, `run_peer(peer_main)` calls `peer_main(secret, **args)`
+on uvloop, and `serve_peer` serves a `WsServer` and the raw TCP server until
+the parent closes the peer's stdin.  Raw TCP: per connection the peer reads
+one `RAW_REQ` (op S: it sends `total` bytes in `chunk`-byte sends; R: it
+receives them and answers one byte); `raw_rate` times it from the parent,
+`recv_into` preallocated memory.
 """
 
 from __future__ import annotations
@@ -19,42 +20,59 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import orjson
 
 from pddgw.config import NetConfig
 from pddgw.net import messages as m
+from pddgw.net.ws import WsServer
 
 RAW_REQ = struct.Struct("!cQQ")          # op (S: peer sends, R: peer receives), total, chunk
+_SECRET, _ARGS = "PDDGW_BENCH_SECRET", "PDDGW_BENCH_PEER"
 
 
-def spawn_peer(module: str, env: Mapping[str, str]) -> tuple[subprocess.Popen, dict]:
-    """`python -m module --peer` with `env` added to ours -> (the process, its first JSON line)."""
-    proc = subprocess.Popen([sys.executable, "-m", module, "--peer"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env={**os.environ, **env})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"{module} peer failed to start")
-    return proc, orjson.loads(line)
-
-
-def stop_peer(proc: subprocess.Popen) -> None:
-    assert proc.stdin is not None
-    proc.stdin.close()
+@contextmanager
+def running_peer(module: str, secret: str, **args: Any) -> Iterator[dict]:
+    """`python -m module --peer`, given `secret` and `args` (JSON) -> the addresses it printed; on exit its
+    stdin is closed and it is waited for (killed after 30 s)."""
+    proc = subprocess.Popen([sys.executable, "-m", module, "--peer"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env={**os.environ, _SECRET: secret, _ARGS: orjson.dumps(args).decode()})
+    assert proc.stdin is not None and proc.stdout is not None
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{module} peer failed to start")
+        yield orjson.loads(line)
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
-async def until_stdin_closes() -> None:
-    """In the peer: until the parent closes our stdin (or kills us)."""
+def run_peer(peer_main: Callable[..., Awaitable[None]]) -> int:
+    """In the peer (`--peer`): `peer_main(secret, **args)` as `running_peer` passed them, on uvloop."""
+    import uvloop
+
+    uvloop.run(peer_main(os.environ[_SECRET], **orjson.loads(os.environ[_ARGS])))
+    return 0
+
+
+async def serve_peer(server: WsServer, raw_src: memoryview, **addresses: str) -> None:
+    """In the peer: `server` and the raw TCP server (sending from `raw_src`) on free loopback ports, their
+    addresses ("ws", "raw", then `addresses`) printed for `running_peer`, served until our stdin closes."""
+    url = await server.start("127.0.0.1", 0)
+    raw = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_server, args=(raw, raw_src), daemon=True).start()
+    print(orjson.dumps({"ws": url, "raw": raw.getsockname()[1], **addresses}).decode(), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    raw.close()                                  # ends the raw server's thread
+    await server.close()
 
 
 def bench_net(secret: str, kv_frame_bytes: int, timeout_s: float) -> NetConfig:
@@ -100,13 +118,6 @@ def _raw_server(sock: socket.socket, src: memoryview) -> None:
                         break
                     done += n
                 c.sendall(b"k")
-
-
-def serve_raw(src: memoryview) -> socket.socket:
-    """In the peer: the raw TCP server on a free loopback port, on a thread (close the socket to end it)."""
-    sock = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_server, args=(sock, src), daemon=True).start()
-    return sock
 
 
 def raw_rate(port: int, op: bytes, total: int, chunk: int, buf: memoryview) -> float:

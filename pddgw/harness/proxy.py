@@ -134,10 +134,6 @@ class ThreadedProxy:
         return self.proxy.port
 
     @property
-    def target(self) -> int:
-        return self.proxy.target
-
-    @property
     def bytes(self) -> dict[str, int]:
         return dict(self.proxy.bytes)
 

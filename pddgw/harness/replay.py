@@ -4,7 +4,8 @@
 `pddgw.sim.cluster.play_conversation` over one WebSocket each and fills a
 `RequestResult` per request the way `pddgw.sim.cluster` does;
 `serve_and_play` starts the deployment of a config.toml (one `pddgw serve`
-process per node) and plays on it.  `SideResult`: one side's record.
+process per node) and plays on it.  `Workload`: what is played;
+`SideResult`: one side's record.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import aiohttp
 
@@ -24,7 +24,8 @@ from pddgw.sim.cluster import RequestResult, play_conversation, token_digest
 from pddgw.sim.workload import Conversation, Turn
 
 
-class Workload(Protocol):
+@dataclass(frozen=True, slots=True)
+class Workload:
     conversations: list[Conversation]
     shared_prefix: tuple[int, ...]
 

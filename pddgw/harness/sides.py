@@ -1,12 +1,13 @@
-"""One batch of requests timed on pddgw's TorchEngine, transformers' `generate` and vLLM, same weights.
+"""Batches of requests timed on pddgw's TorchEngine, transformers' `generate` and vLLM, same weights.
 
 A side's `run(prompts, output_len, sampling=None)` -> `Run`: seconds until
 every request had its first token, to the end, and the output ids.
-`sampling` (None: greedy) is any object with `params(i, max_tokens)` (request
-i's SamplingParams) and `temperature`, `top_p`, `seed`; pddgw also takes a
-`variant` whose `apply(params)` asks more of its sampler, and
-`PddgwSide.breakdown` times one more run by phase (`PhaseTimer`).
-`build_checkpoint` writes the seeded random Llama every side loads.
+`sampling` is a `Sampling` (None: greedy); pddgw also takes a `Variant` that
+asks more of its sampler (`request_params`), and `PddgwSide.breakdown` times
+one more run by phase (`PhaseTimer`).  `started` loads every side from one
+`build_checkpoint` (a seeded random Llama) and warms it up; `time_cases` runs
+each `Case` on every side, interleaved, and keeps the best times (what they
+mean is `pddgw.bench.engine`'s).
 
 `VllmSide` runs vLLM in its own virtual environment (scripts/make_vllm_env.sh
 DIR): pddgw/harness/vllm_side.py under DIR/bin/python (its protocol is that
@@ -20,6 +21,7 @@ says why with its log's tail (PDDGW_VLLM_LOG=FILE keeps the whole log).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -28,9 +30,10 @@ import select
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 import torch
 
@@ -39,9 +42,12 @@ from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.tokenizer import ByteTokenizer
 from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import EngineRequest
-from pddgw.harness.engines import engine_config, patched
+from pddgw.engines.weights import DTYPES, load_model
+from pddgw.harness.engines import engine_config, patched, random_prompts
+from pddgw.tables import best
 
 SEED = 0
+Variant = Literal["penalties", "json_schema"]      # more asked of pddgw's sampler (`request_params`)
 
 
 def build_checkpoint(spec: ModelSpec, directory: str) -> None:
@@ -49,14 +55,7 @@ def build_checkpoint(spec: ModelSpec, directory: str) -> None:
     as transformers' defaults) saved by transformers (float32 safetensors), no EOS."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                      intermediate_size=spec.intermediate_size,
-                      num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                      num_key_value_heads=spec.num_kv_heads,
-                      max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
-                      tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=spec.bos_token_id,
-                      eos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(LlamaConfig(**{**spec.to_hf_config(), "eos_token_id": None, "pad_token_id": 0}))
     g = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -74,12 +73,39 @@ def build_checkpoint(spec: ModelSpec, directory: str) -> None:
     model.save_pretrained(directory)
 
 
-def request_params(i: int, output_len: int, sampling: Any = None, variant: Any = None) -> SamplingParams:
-    """Request i's sampling: greedy with EOS ignored, or `sampling`'s, `variant` applied on top."""
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """The sampled cases' settings (no top-k: the top-p-only path of the sampler)."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = SEED            # request i gets seed + i
+
+    def params(self, i: int, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=self.temperature,
+                              top_p=self.top_p, seed=self.seed + i)
+
+
+def json_schema(min_chars: int) -> str:
+    """The json_schema variant's grammar: a 3-field object whose first field is a string of at
+    least `min_chars` characters (an output of fewer tokens cannot finish it)."""
+    return json.dumps({"type": "object", "properties": {
+        "name": {"type": "string", "minLength": min_chars}, "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["name", "age", "tags"]})
+
+
+def request_params(i: int, output_len: int, sampling: Sampling | None = None,
+                   variant: Variant | None = None) -> SamplingParams:
+    """Request i's sampling: greedy with EOS ignored, or `sampling`'s, with the variant's penalties or
+    JSON-schema mask (EOS then ends the object) on top."""
     if sampling is None:
         return SamplingParams(max_tokens=output_len, ignore_eos=True)
     params = sampling.params(i, output_len)
-    return params if variant is None else variant.apply(params)
+    if variant == "penalties":
+        return dataclasses.replace(params, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
+    if variant == "json_schema":
+        return dataclasses.replace(params, ignore_eos=False, grammar=("json_schema", json_schema(output_len)))
+    return params
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,13 +191,11 @@ class PddgwSide:
 
     def __init__(self, model, dtype: torch.dtype, device: str = "cpu",
                  engine_overrides: dict | None = None):
-        self.model = model
-        self.dtype = dtype
-        self.device = device
+        self.model, self.dtype, self.device = model, dtype, device
         self.engine_overrides = engine_overrides or {}
 
     def run(self, prompts: list[list[int]], output_len: int, timer: PhaseTimer | None = None,
-            sampling: Any = None, variant: Any = None) -> Run:
+            sampling: Sampling | None = None, variant: Variant | None = None) -> Run:
         """A fresh engine (the prefix cache would serve repeated prompts) with room for the whole
         batch in one step and in the pool."""
         batch, plen = len(prompts), len(prompts[0])
@@ -210,7 +234,7 @@ class PddgwSide:
         return Run(t_first - t0, t_end - t0, tokens)
 
     def breakdown(self, prompts: list[list[int]], output_len: int, kind: str,
-                  sampling: Any = None, variant: Any = None) -> Breakdown:
+                  sampling: Sampling | None = None, variant: Variant | None = None) -> Breakdown:
         """One extra run with every phase timed (module functions wrapped for its duration)."""
         import pddgw.engines.model as model_mod
         import pddgw.engines.torch_engine as engine_mod
@@ -226,10 +250,9 @@ class TransformersSide:
     name = "transformers"
 
     def __init__(self, model, device: str = "cpu"):
-        self.model = model
-        self.device = device
+        self.model, self.device = model, device
 
-    def run(self, prompts: Sequence[Sequence[int]], output_len: int, sampling: Any = None) -> Run:
+    def run(self, prompts: Sequence[Sequence[int]], output_len: int, sampling: Sampling | None = None) -> Run:
         """`generate` with a stopping criterion that only records when each step finished; sampled
         like pddgw (top_k 0: generate's default top-k of 50 off) but with its own RNG."""
         from transformers import StoppingCriteria, StoppingCriteriaList
@@ -245,8 +268,7 @@ class TransformersSide:
         mask = torch.ones_like(ids)     # equal lengths: left padding is empty
         how: dict = {"do_sample": False}
         if sampling is not None:
-            how = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                   "top_k": 0}
+            how = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
             torch.manual_seed(sampling.seed)
         gc.collect()
         t0 = time.perf_counter()
@@ -279,12 +301,10 @@ class VllmSide:
     def __init__(self, python: str, checkpoint: str, dtype_name: str, threads: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  enforce_eager: bool = False, start_timeout_s: float = 900.0):
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")              # GiB
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")      # engine in this one process
-        env.setdefault("HF_HUB_OFFLINE", "1")
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),   # unless set
+               "VLLM_CPU_KVCACHE_SPACE": "1",                 # GiB
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0",         # engine in this one process
+               "HF_HUB_OFFLINE": "1"} | dict(os.environ)
         env.pop("PYTHONPATH", None)                                # vLLM's env only, not pddgw's
         # The child's stderr (vLLM's logs): kept for the error message, or in PDDGW_VLLM_LOG.
         log_path = os.environ.get("PDDGW_VLLM_LOG")
@@ -319,6 +339,7 @@ class VllmSide:
             raise VllmUnavailable(f"vllm_side {why}:\n{self._log_tail()}")
         reply = json.loads(line)
         if not reply.get("ok"):
+            self.close()     # a side that failed is not used again: its caller need not close it
             raise VllmUnavailable(f"{reply.get('error')}\n{self._log_tail()}")
         return reply
 
@@ -335,3 +356,121 @@ class VllmSide:
             except Exception:  # noqa: BLE001 - a stuck child is killed below
                 self._proc.kill()
                 self._proc.wait()
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    kind: Literal["decode", "prefill"]
+    batch: int
+    prompt_len: int
+    output_len: int
+    sampling: Sampling | None = None     # None: greedy
+    variant: Variant | None = None       # sampled cases only
+
+    @property
+    def label(self) -> str:
+        return (f"{self.kind} b={self.batch}" + (" sampled" if self.sampling else "")
+                + (f" +{self.variant}" if self.variant else ""))
+
+    @property
+    def prompt_key(self) -> tuple[str, int, int]:
+        """Cases with the same key get the same prompts (a sampled case its greedy twin's)."""
+        return self.kind, self.batch, self.prompt_len
+
+    def params(self, i: int) -> SamplingParams:
+        return request_params(i, self.output_len, self.sampling, self.variant)
+
+    @property
+    def measured_tokens(self) -> int:
+        return self.batch * (self.prompt_len if self.kind == "prefill" else self.output_len - 1)
+
+
+def make_prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[int]]:
+    return random_prompts(1000 + salt, batch, length, (3, vocab))     # not the low ids: bos/pad/eos
+
+
+def case_prompts(todo: Sequence[Case], vocab: int) -> list[list[list[int]]]:
+    """Prompts per case: one set per `prompt_key`, salted by its order (greedy cases as before)."""
+    salts: dict[tuple[str, int, int], int] = {}
+    for c in todo:
+        salts.setdefault(c.prompt_key, len(salts))
+    return [make_prompts(c.batch, c.prompt_len, vocab, salts[c.prompt_key]) for c in todo]
+
+
+def engine_overrides(cuda_graphs: str | None, device: str) -> tuple[dict, str]:
+    """EngineConfig fields for --cuda-graphs ("on", "off", None: the default), and what a report says of it."""
+    if cuda_graphs is None:
+        return {}, "default"
+    if cuda_graphs == "on" and not device.startswith("cuda"):
+        return {}, f"on ignored: CUDA graphs need a CUDA device, not {device!r}"
+    return {"cuda_graphs": cuda_graphs == "on"}, cuda_graphs
+
+
+@contextlib.contextmanager
+def started(spec: ModelSpec, dtype_name: str, device: str, cuda_graphs: str | None, todo: Sequence[Case],
+            vllm_python: str | None, vllm_eager: bool, progress: Callable[[str], None]) -> Iterator[tuple[list, dict]]:
+    """pddgw (`engine_overrides`) and transformers on a `build_checkpoint` of `spec`, and with `vllm_python`
+    one vLLM engine sized for `todo`'s largest batch, each warmed up -> (the sides, pddgw first; what a report
+    says of them: cuda_graphs, transformers_version, transformers_attention, vllm, vllm_version).  A vLLM that
+    cannot start or run the model is left out (`vllm` says why); one that runs is closed after the block."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    dtype, warm = DTYPES[dtype_name], make_prompts(2, 8, spec.vocab_size, -1)
+    overrides, graphs_note = engine_overrides(cuda_graphs, device)
+    vllm, about = None, {"vllm": "not available (--vllm-python not given)", "vllm_version": None}
+    with tempfile.TemporaryDirectory(prefix="pddgw-bench-") as d:
+        build_checkpoint(spec, d)
+        ours, _tok = load_model(d, dtype, device)
+        theirs = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
+        if vllm_python:
+            progress(f"starting vLLM ({vllm_python}) ...")
+            longest = spec.max_position_embeddings
+            try:
+                vllm = VllmSide(vllm_python, d, dtype_name, torch.get_num_threads(), longest,
+                                max(c.batch for c in todo), max(max(c.batch * c.prompt_len for c in todo), longest),
+                                enforce_eager=vllm_eager)
+                vllm.run(warm, 3)           # started, but it may not run this model
+                about["vllm"] = ("vLLM {vllm_version} (torch {torch_version}), OMP_NUM_THREADS={omp_threads} "
+                                 "VLLM_CPU_OMP_THREADS_BIND={threads_bind}, ").format(**vllm.info) + (
+                                     "eager" if vllm_eager else "compiled")
+                about["vllm_version"] = vllm.info["vllm_version"]
+            except VllmUnavailable as e:    # the side has closed itself
+                vllm = None
+                progress(f"vLLM: not available: {e}")
+                about["vllm"] = f"not available ({str(e).splitlines()[0]})"
+    about |= {"cuda_graphs": graphs_note, "transformers_version": transformers.__version__,
+              "transformers_attention": str(theirs.config._attn_implementation)}
+    sides: list = [PddgwSide(ours, dtype, device, overrides), TransformersSide(theirs, device)]
+    try:
+        for side in sides:
+            side.run(warm, 3)
+        yield sides + ([vllm] if vllm else []), about
+    finally:
+        if vllm is not None:
+            vllm.close()
+
+
+def time_cases(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[int]]], repeats: int,
+               progress: Callable[[str], None]) -> tuple[dict[tuple[Case, str], float], set[tuple[Case, str]]]:
+    """-> the best seconds of each (case, side name) (`Run.seconds` of the case's kind), and the pairs
+    whose tokens were not pddgw's in some repeat.  A "pddgw" side is required; a side without
+    `samples` sits out the sampled cases, one without `variants` the variant ones."""
+    times: dict[tuple[Case, str], list[float]] = defaultdict(list)
+    differ: set[tuple[Case, str]] = set()
+    for rep in range(repeats):
+        for c, p in zip(todo, prompts):
+            got = {}
+            for side in (sides if rep % 2 == 0 else sides[::-1]):
+                if (c.sampling and not getattr(side, "samples", True)) or (
+                        c.variant and not getattr(side, "variants", False)):
+                    continue
+                r = side.run(p, c.output_len, sampling=c.sampling, **({"variant": c.variant} if c.variant else {}))
+                times[(c, side.name)].append(r.seconds(c.kind))
+                got[side.name] = r.tokens
+            differ |= {(c, n) for n, tokens in got.items() if tokens != got["pddgw"]}
+            progress(f"repeat {rep + 1}/{repeats} {c.label}: "
+                     + ", ".join(f"{n} {times[(c, n)][-1] * 1e3:.0f} ms" for n in got))
+    return {key: best(t) for key, t in times.items()}, differ

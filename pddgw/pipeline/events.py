@@ -21,49 +21,49 @@ from pddgw.pipeline import protocol as pm
 
 
 @dataclass(frozen=True, slots=True)
-class Tokens:
-    """Output tokens from a decoder (position-keyed, its role named; `run.done` ends its stream)."""
+class FromNode:
+    """Something that happened at `node` (the router's handle of the node it came from)."""
 
     node: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens(FromNode):
+    """Output tokens from a decoder (position-keyed, its role named; `run.done` ends its stream)."""
+
     run: TokenRun
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillFinished:
+class PrefillFinished(FromNode):
     """P computed the prompt and served every target (or reports which failed)."""
 
-    node: Any
     done: pm.PrefillDone
 
 
 @dataclass(frozen=True, slots=True)
-class KvReady:
+class KvReady(FromNode):
     """A holding decoder (MD in P-RLD-MD) has the whole prompt KV."""
-
-    node: Any
 
 
 @dataclass(frozen=True, slots=True)
-class RoundSent:
+class RoundSent(FromNode):
     """RLD sent MD a handoff round."""
 
-    node: Any
     round: pm.HandoffRound
 
 
 @dataclass(frozen=True, slots=True)
-class HandoffEnded:
+class HandoffEnded(FromNode):
     """RLD's handoff finished (`handed` = MD's position) or had nothing to hand off (None)."""
 
-    node: Any
     handed: pm.HandedOff | None
 
 
 @dataclass(frozen=True, slots=True)
-class NodeFailed:
+class NodeFailed(FromNode):
     """A node, its link or one of its operations for this request failed."""
 
-    node: Any
     why: str
 
 

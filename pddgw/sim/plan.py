@@ -23,7 +23,6 @@ go to stderr only.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -39,6 +38,7 @@ from pddgw.sim.plan_search import Evaluation, KindResult, _Workloads, search, up
 from pddgw.sim.plan_space import KINDS, Plan, candidates, load_plan
 from pddgw.sim.plan_write import config_toml, deployments_toml, serve_comment, serve_config
 from pddgw.sim.profiles import model
+from pddgw.sim.run import sim_parser
 from pddgw.tables import format_table
 
 
@@ -148,17 +148,14 @@ def write_outputs(plan: Plan, results: dict[str, KindResult], out: Path) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pddgw plan", description="Search role counts and parallelism per "
-                                "deployment kind for the highest SLA goodput per USD per hour.")
-    p.add_argument("--plan", required=True, help="planner TOML (e.g. scenarios/plan_paper.toml)")
-    p.add_argument("--trace", help="size for this Mooncake-format trace instead of the scenario's workload")
+    p = sim_parser("pddgw plan", "Search role counts and parallelism per deployment kind for the highest SLA "
+                   "goodput per USD per hour.", "--plan", "planner TOML (e.g. scenarios/plan_paper.toml)",
+                   "size for this Mooncake-format trace instead of the scenario's workload")
     p.add_argument("--wan-gbps", type=float, help="override the plan's WAN bandwidth")
     p.add_argument("--kinds", nargs="+", choices=KINDS, help="search only these deployment kinds")
-    p.add_argument("--jobs", type=int, default=2, help="parallel processes (default 2)")
     p.add_argument("--exhaustive", action="store_true", help="brute force: simulate every candidate and probe")
     p.add_argument("--dry-run", action="store_true", help="print the candidates' roofline bounds, simulate nothing")
     p.add_argument("--out", help="write config.toml, KIND.config.toml and deployments.toml into this directory")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     setup_logging("warning")
     try:

@@ -88,7 +88,7 @@ class HardwareProfile:
 #   ConnectX-6 200 Gb/s = 25 GB/s per GPU.
 #
 # Efficiencies, overheads and all-reduce latencies are fitted to the
-# published measurements in pddgw/bench/calibration.py; the README's
+# published measurements in pddgw/sim/calibration.toml; the README's
 # "Cost-model calibration" lists the rows and the residuals:
 #   bandwidth_efficiency 0.8: the HBM fraction weight-streaming GEMVs and
 #     decode attention sustain; one value fits the batch-1..8 decode rows of
@@ -108,7 +108,7 @@ class HardwareProfile:
 #     H200 has the same SMs and clocks as H100 and no published bf16 prefill
 #     profile was found, so it inherits H100's.
 #
-#   Refreshed with FP8 and MoE measurements (pddgw/bench/calibration.py,
+#   Refreshed with FP8 and MoE measurements (pddgw/sim/calibration.toml,
 #     README "Cost-model calibration"): TensorRT-LLM's H100 FP8 first-token
 #     latencies (Llama-2-70B TP4 and Llama-2-7B TP1 at 2K tokens) sit within
 #     6 % of 0.40 of the FP8 peak, and DeepSeek's own H800 prefill profile
@@ -128,32 +128,15 @@ class HardwareProfile:
 # ranges of mercatus-ai.com/blog/cloud-gpu-pricing (May 2026): A100 80GB
 # $1.10-1.50, H100 SXM $2.50-3.50, H200 SXM $3.50-4.50.
 _H100 = HardwareProfile(
-    name="H100-SXM",
-    peak_tflops_bf16=989.5,
-    hbm_tb_s=3.35,
-    hbm_gb=80.0,
-    interconnect_gb_s=450.0,
-    compute_efficiency=0.40,
-    bandwidth_efficiency=0.8,
-    step_overhead_ms=2.0,
-    price_per_gpu_hour=3.00,
-    allreduce_latency_us=25.0,
-    peak_tflops_fp8=1979.0,
-    scaleout_gb_s=50.0,
+    name="H100-SXM", peak_tflops_bf16=989.5, peak_tflops_fp8=1979.0, hbm_tb_s=3.35, hbm_gb=80.0,
+    interconnect_gb_s=450.0, scaleout_gb_s=50.0, allreduce_latency_us=25.0,
+    compute_efficiency=0.40, bandwidth_efficiency=0.8, step_overhead_ms=2.0, price_per_gpu_hour=3.00,
 )
 HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in (
     HardwareProfile(
-        name="A100-80G",
-        peak_tflops_bf16=312.0,
-        hbm_tb_s=2.039,
-        hbm_gb=80.0,
-        interconnect_gb_s=300.0,
-        compute_efficiency=0.65,
-        bandwidth_efficiency=0.8,
-        step_overhead_ms=2.5,
-        price_per_gpu_hour=1.30,
-        allreduce_latency_us=30.0,
-        scaleout_gb_s=25.0,
+        name="A100-80G", peak_tflops_bf16=312.0, hbm_tb_s=2.039, hbm_gb=80.0,
+        interconnect_gb_s=300.0, scaleout_gb_s=25.0, allreduce_latency_us=30.0,
+        compute_efficiency=0.65, bandwidth_efficiency=0.8, step_overhead_ms=2.5, price_per_gpu_hour=1.30,
     ),
     _H100,
     # The H100 die and HBM; NVLink cut to half, and DeepSeek's price (above).

@@ -342,19 +342,27 @@ def _fmt(x: Any) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
+def sim_parser(prog: str, description: str, toml_flag: str, toml_help: str, trace_help: str
+               ) -> argparse.ArgumentParser:
+    """The flags `pddgw sim` and `pddgw plan` share: the TOML, a trace, processes and JSON output."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument(toml_flag, required=True, help=toml_help)
+    p.add_argument("--trace", help=trace_help)
+    p.add_argument("--jobs", type=int, default=2, help="parallel processes (default 2)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pddgw sim", description="Run a scenario on a virtual clock "
-                                "with cost-model engines; deployments side by side.")
-    p.add_argument("--scenario", required=True, help="scenario TOML (e.g. scenarios/paper.toml)")
-    p.add_argument("--trace", help="replay this Mooncake-format trace instead of the scenario's workload")
+    p = sim_parser("pddgw sim", "Run a scenario on a virtual clock with cost-model engines; deployments side "
+                   "by side.", "--scenario", "scenario TOML (e.g. scenarios/paper.toml)",
+                   "replay this Mooncake-format trace instead of the scenario's workload")
     p.add_argument("--requests", type=int, help="override the workload's request count")
     p.add_argument("--seed", type=int, help="override the scenario's seed")
     p.add_argument("--rate", type=float, help="override the agentic workload's request rate (req/s)")
     p.add_argument("--wan-gbps", type=float, nargs="+", help="override the scenario's WAN variants")
     p.add_argument("--no-goodput", action="store_true", help="skip the SLA goodput search")
     p.add_argument("--no-bathtub", action="store_true", help="skip the bathtub sweep")
-    p.add_argument("--jobs", type=int, default=2, help="parallel processes (default 2)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--json-out", help="also write the JSON report to this file")
     p.add_argument("--plots", help="write PNG plots into this directory")
     args = p.parse_args(argv)

@@ -31,7 +31,8 @@ transformers = pytest.importorskip("transformers")
 
 from pddgw.bench import engine as bench  # noqa: E402
 from pddgw.engines.grammar import Grammars  # noqa: E402
-from pddgw.harness.sides import Run  # noqa: E402
+from pddgw.harness.sides import (PddgwSide, Run, TransformersSide, VllmSide, VllmUnavailable,  # noqa: E402
+                                 build_checkpoint, engine_overrides, json_schema, make_prompts)
 from pddgw.engines.naive import naive_greedy  # noqa: E402
 from pddgw.engines.tokenizer import ByteTokenizer  # noqa: E402
 from pddgw.engines.sampler import sample_one  # noqa: E402
@@ -42,7 +43,7 @@ from pddgw.engines.weights import load_model  # noqa: E402
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    bench.build_checkpoint(bench.QUICK.model, str(d))
+    build_checkpoint(bench.QUICK.model, str(d))
     ours, _ = load_model(str(d), torch.float32, "cpu")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return d, ours, theirs
@@ -119,8 +120,8 @@ def test_main_quick_json(capsys, monkeypatch):
 def test_variants_ask_the_engine_for_penalties_and_a_json_schema_mask(models):
     _d, ours, _ = models
     s, n = bench.Sampling(), 24
-    prompts = bench.make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
-    side = bench.PddgwSide(ours, torch.float32)
+    prompts = make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
+    side = PddgwSide(ours, torch.float32)
     pen, js = bench.VARIANTS
     params = bench.Case("decode", 3, 9, n, s, pen).params(1)
     assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.1, 0.5, 0.5)
@@ -131,7 +132,7 @@ def test_variants_ask_the_engine_for_penalties_and_a_json_schema_mask(models):
     masked = side.run(prompts, n, sampling=s, variant=js)
     assert masked.tokens != plain.tokens
     params = bench.Case("decode", 3, 9, n, s, js).params(0)
-    assert params.grammar == ("json_schema", bench.json_schema(n)) and not params.ignore_eos
+    assert params.grammar == ("json_schema", json_schema(n)) and not params.ignore_eos
     vocab = bench.QUICK.model.vocab_size
     grammars = Grammars(ByteTokenizer(vocab), vocab, (ByteTokenizer.EOS,))
     for toks in masked.tokens:
@@ -145,9 +146,9 @@ def test_variants_ask_the_engine_for_penalties_and_a_json_schema_mask(models):
 
 def test_both_sides_generate_the_naive_greedy_tokens(models):
     _d, ours, theirs = models
-    prompts = bench.make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
-    a = bench.PddgwSide(ours, torch.float32).run(prompts, 6)
-    b = bench.TransformersSide(theirs).run(prompts, 6)
+    prompts = make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
+    a = PddgwSide(ours, torch.float32).run(prompts, 6)
+    b = TransformersSide(theirs).run(prompts, 6)
     expected = tuple(tuple(naive_greedy(ours, p, 6)) for p in prompts)
     assert a.tokens == expected
     assert b.tokens == expected
@@ -163,8 +164,8 @@ def test_sampled_case_samples_what_a_dense_recompute_and_the_sampler_give(models
     d, _, _ = models
     ours64, _ = load_model(str(d), torch.float64, "cpu")
     s = bench.Sampling()
-    prompts = bench.make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
-    side = bench.PddgwSide(ours64, torch.float64)
+    prompts = make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
+    side = PddgwSide(ours64, torch.float64)
     run = side.run(prompts, 6, sampling=s)
     assert side.run(prompts, 6, sampling=s).tokens == run.tokens        # position-keyed: repeats
     for i, p in enumerate(prompts):
@@ -187,8 +188,8 @@ def test_cases_put_each_sampled_decode_after_its_greedy_twin_with_its_prompts():
     assert prompts[1] == prompts[2] and prompts[3] == prompts[4] == prompts[5] == prompts[6]
     assert prompts[1] != prompts[3]
     # The greedy cases keep the prompts they had before the sampled rows (salt = their order).
-    assert prompts[3] == bench.make_prompts(32, s.decode_prompt_len, s.model.vocab_size, 2)
-    assert prompts[7] == bench.make_prompts(2, s.prefill_prompt_len, s.model.vocab_size, 3)
+    assert prompts[3] == make_prompts(32, s.decode_prompt_len, s.model.vocab_size, 2)
+    assert prompts[7] == make_prompts(2, s.prefill_prompt_len, s.model.vocab_size, 3)
     with pytest.raises(ValueError, match="must be decode batches"):
         bench.Settings(model=s.model, decode_batches=(1, 8), decode_prompt_len=8, decode_output_len=4,
                        prefill_batch=2, prefill_prompt_len=16, repeats=1, sampled_batches=(32,))
@@ -209,8 +210,8 @@ def test_sides_that_only_decode_greedily_sit_out_the_sampled_cases(models):
             return Run(0.01, 0.02, tuple(tuple(naive_greedy(ours, p, output_len)) for p in prompts))
 
     todo = [bench.Case("decode", 2, 8, 3), bench.Case("decode", 2, 8, 3, bench.Sampling())]
-    prompts = [bench.make_prompts(2, 8, bench.QUICK.model.vocab_size, salt=3)] * 2
-    sides = (bench.PddgwSide(ours, torch.float32), bench.TransformersSide(theirs), GreedyOnly())
+    prompts = [make_prompts(2, 8, bench.QUICK.model.vocab_size, salt=3)] * 2
+    sides = (PddgwSide(ours, torch.float32), TransformersSide(theirs), GreedyOnly())
     greedy, sampled = bench.measure(sides, todo, prompts, repeats=1, progress=lambda _m: None)
     assert GreedyOnly.calls == 1
     assert (greedy.tokens_match, greedy.vllm_tokens_match, greedy.vllm_tok_s is not None) == (True, True, True)
@@ -226,8 +227,8 @@ def test_tokens_match_reports_a_difference(models):
     with torch.no_grad():
         flipped.lm_head.weight.neg_()
     case = bench.Case("decode", 2, 8, 3)
-    prompts = [bench.make_prompts(2, 8, bench.QUICK.model.vocab_size, salt=3)]
-    sides = (bench.PddgwSide(ours, torch.float32), bench.TransformersSide(flipped))
+    prompts = [make_prompts(2, 8, bench.QUICK.model.vocab_size, salt=3)]
+    sides = (PddgwSide(ours, torch.float32), TransformersSide(flipped))
     (row,) = bench.measure(sides, [case], prompts, repeats=2, progress=lambda _m: None)
     assert row.tokens_match is False
     assert row.measured_tokens == 4
@@ -299,12 +300,12 @@ def test_vllm_side_protocol_with_a_fake_vllm(models, fake_vllm_python, monkeypat
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     d, ours, _ = models
-    side = bench.VllmSide(fake_vllm_python, str(d), "float32", threads=1, max_model_len=256,
-                          max_num_seqs=4, max_num_batched_tokens=256)
+    side = VllmSide(fake_vllm_python, str(d), "float32", threads=1, max_model_len=256,
+                    max_num_seqs=4, max_num_batched_tokens=256)
     try:
         assert side.info["vllm_version"] == "0.0-fake"
         assert (side.info["omp_threads"], side.info["threads_bind"]) == ("1", "nobind")
-        prompts = bench.make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
+        prompts = make_prompts(3, 9, bench.QUICK.model.vocab_size, salt=7)
         for _ in range(2):                               # one vLLM engine serves every run
             run = side.run(prompts, 5)
             assert run.tokens == tuple(tuple(naive_greedy(ours, p, 5)) for p in prompts)
@@ -316,11 +317,11 @@ def test_vllm_side_protocol_with_a_fake_vllm(models, fake_vllm_python, monkeypat
 
 def test_vllm_side_unavailable_says_why(tmp_path, models):
     d, _, _ = models
-    with pytest.raises(bench.VllmUnavailable, match="cannot start"):
-        bench.VllmSide(str(tmp_path / "no-python"), str(d), "float32", 1, 256, 4, 256)
+    with pytest.raises(VllmUnavailable, match="cannot start"):
+        VllmSide(str(tmp_path / "no-python"), str(d), "float32", 1, 256, 4, 256)
     # A python without vLLM: the child's import error comes back as the reason.
-    with pytest.raises(bench.VllmUnavailable, match="No module named 'vllm'"):
-        bench.VllmSide(sys.executable, str(d), "float32", 1, 256, 4, 256)
+    with pytest.raises(VllmUnavailable, match="No module named 'vllm'"):
+        VllmSide(sys.executable, str(d), "float32", 1, 256, 4, 256)
 
 
 def test_the_vllm_env_script_is_valid_bash():
@@ -328,10 +329,10 @@ def test_the_vllm_env_script_is_valid_bash():
 
 
 def test_cuda_graphs_reach_the_engine_config_only_on_cuda():
-    assert bench._engine_overrides(None, "cpu") == ({}, "default")
-    assert bench._engine_overrides("off", "cpu") == ({"cuda_graphs": False}, "off")
-    assert bench._engine_overrides("on", "cuda:0") == ({"cuda_graphs": True}, "on")
-    assert bench._engine_overrides("on", "cpu") == ({}, "on ignored: CUDA graphs need a CUDA device, not 'cpu'")
+    assert engine_overrides(None, "cpu") == ({}, "default")
+    assert engine_overrides("off", "cpu") == ({"cuda_graphs": False}, "off")
+    assert engine_overrides("on", "cuda:0") == ({"cuda_graphs": True}, "on")
+    assert engine_overrides("on", "cpu") == ({}, "on ignored: CUDA graphs need a CUDA device, not 'cpu'")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
