@@ -20,6 +20,16 @@ from pddgw.engines.weights import build_random, save_hf_checkpoint, tiny_spec  #
 BLOCK = 32
 
 
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    """n prompt ids of the test vocabulary, a different sequence per salt (no two share a prefix)."""
+    return [3 + (i * 37 + salt * 11) % 250 for i in range(n)]
+
+
+def prompt_ids(n: int, salt: int = 0) -> tuple[int, ...]:
+    """`prompt_of` as an engine request's tuple."""
+    return tuple(prompt_of(n, salt))
+
+
 def spec():
     return dataclasses.replace(tiny_spec(), arch="llama", hidden_size=128, num_heads=4, num_kv_heads=2,
                                head_dim=32, intermediate_size=256)

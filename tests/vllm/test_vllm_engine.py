@@ -19,13 +19,9 @@ from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import CapacityError, EngineRequest, KVChunk, KVSpan, RequestError, SamplingParams
 from pddgw.engines.vllm_engine import VllmEngine
 
-from .conftest import BLOCK, config, torch_engine_config, vllm_engine_config
+from .conftest import BLOCK, config, prompt_ids, torch_engine_config, vllm_engine_config
 
 OUT = 16
-
-
-def prompt_of(n: int, salt: int = 0) -> tuple[int, ...]:
-    return tuple(3 + (i * 37 + salt * 11) % 250 for i in range(n))
 
 
 def greedy(max_tokens: int = OUT) -> SamplingParams:
@@ -87,7 +83,7 @@ def reference(teng, prompt: tuple[int, ...], max_tokens: int = OUT) -> list[int]
     return _REF[key]
 
 
-PROMPTS = (prompt_of(40), prompt_of(70, 1), prompt_of(100, 2))
+PROMPTS = (prompt_ids(40), prompt_ids(70, 1), prompt_ids(100, 2))
 
 
 _LLM_GENERATE = """
@@ -198,19 +194,19 @@ def hand_over(src, dst, rid: str, prompt: tuple[int, ...], hold: bool = False):
 @pytest.mark.parametrize("direction", ["torch P -> vLLM MD", "vLLM P -> torch MD"])
 def test_kv_from_the_other_engine_gives_the_same_tokens(veng, teng, direction):
     p_eng, md = (teng, veng) if direction.startswith("torch") else (veng, teng)
-    prompt = prompt_of(90, 3 if p_eng is teng else 9)      # nothing of it cached anywhere yet
+    prompt = prompt_ids(90, 3 if p_eng is teng else 9)      # nothing of it cached anywhere yet
     t0, added, _ = hand_over(p_eng, md, "x", prompt)
     assert added.num_cached_tokens == 0
     assert drain(md, {"x": [t0]})["x"] == reference(teng, prompt)
 
 
 def test_second_turn_imports_only_the_blocks_vllm_does_not_hold(veng, teng):
-    p1 = prompt_of(75, 4)
+    p1 = prompt_ids(75, 4)
     t0, _, _ = hand_over(teng, veng, "a", p1)
     out1 = drain(veng, {"a": [t0]})["a"]
     assert out1 == reference(teng, p1)
 
-    p2 = (*p1, *out1, *prompt_of(30, 5))
+    p2 = (*p1, *out1, *prompt_ids(30, 5))
     held = (len(p1) + OUT - 1) // BLOCK           # full blocks of what MD computed
     assert veng.match_prefix(chain_hashes(p2, BLOCK), pin_key="turn2") == held
     t0, added, moved = hand_over(teng, veng, "b", p2)
@@ -221,7 +217,7 @@ def test_second_turn_imports_only_the_blocks_vllm_does_not_hold(veng, teng):
 
 
 def test_held_request_computes_each_round_and_samples_after_the_final_one(veng, teng):
-    prompt = prompt_of(64, 6)
+    prompt = prompt_ids(64, 6)
     ref = reference(teng, prompt)
     t0, _, _ = hand_over(teng, veng, "h", prompt, hold=True)
     veng.append_tokens("h", (t0,), final=False)
@@ -241,7 +237,7 @@ def test_held_request_computes_each_round_and_samples_after_the_final_one(veng, 
 
 
 def test_retained_kv_stays_until_release_and_abort_frees_everything(veng):
-    prompt = prompt_of(50, 7)
+    prompt = prompt_ids(50, 7)
     prefill_on(veng, "p", prompt)
     assert veng.stats().retained == 1 and veng.stats().used_blocks == -(-len(prompt) // BLOCK) + 0
     chunk = veng.export_kv("p", 0, len(prompt))
@@ -254,7 +250,7 @@ def test_retained_kv_stays_until_release_and_abort_frees_everything(veng):
 
 
 def test_bad_imports_get_clear_errors(veng):
-    prompt = prompt_of(40, 8)
+    prompt = prompt_ids(40, 8)
     veng.add_request(EngineRequest("e", prompt, greedy(), kv_source="import"))
     layout = veng.kv_layout
     span = KVSpan.of("e", tokens=(0, 8), layers=(0, layout.num_layers), num_kv_heads=layout.num_kv_heads + 1,
@@ -265,13 +261,13 @@ def test_bad_imports_get_clear_errors(veng):
     with pytest.raises(RequestError, match="KV of prompt token 0 never arrived"):
         veng.finish_import("e")
     # Staged imports count against the pool before vLLM allocates their blocks.
-    veng.add_request(EngineRequest("big", prompt_of(40 * BLOCK - 8, 13), greedy(), kv_source="import"))
+    veng.add_request(EngineRequest("big", prompt_ids(40 * BLOCK - 8, 13), greedy(), kv_source="import"))
     with pytest.raises(CapacityError, match="import needs 30 KV blocks, 22 allocatable"):
-        veng.add_request(EngineRequest("big2", prompt_of(30 * BLOCK, 12), greedy(), kv_source="import"))
+        veng.add_request(EngineRequest("big2", prompt_ids(30 * BLOCK, 12), greedy(), kv_source="import"))
     assert veng.abort("e") and veng.abort("big")
     veng.step()
     with pytest.raises(RequestError, match="leave no room for output"):
-        veng.add_request(EngineRequest("long", prompt_of(veng.max_model_len), greedy()))
+        veng.add_request(EngineRequest("long", prompt_ids(veng.max_model_len), greedy()))
 
 
 _LLM_EXPORTED = """

@@ -14,7 +14,7 @@ from pddgw.config import Config, NetConfig, NodeConfig, PolicyConfig, ShapingCon
 from tests.pipeline.pdd_client import chat
 from tests.pipeline.test_embedded import deploy  # noqa: F401  (a fixture: stops the deployment, checks for leaks)
 
-from .conftest import BLOCK, model_config, torch_engine_config, vllm_engine_config
+from .conftest import BLOCK, model_config, prompt_of, torch_engine_config, vllm_engine_config
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
 BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4          # float32
@@ -30,10 +30,6 @@ def cluster(checkpoint: str, p: str, rld: str, md: str, **policy) -> Config:
     return Config(model=model_config(checkpoint), nodes=nodes,
                   net=NetConfig(links=(ShapingConfig(name="wan", gbps=0.05, latency_ms=20.0),)),
                   policy=PolicyConfig(**policy))
-
-
-def prompt_of(n: int, salt: int = 0) -> list[int]:
-    return [3 + (i * 37 + salt * 11) % 250 for i in range(n)]
 
 
 MIXES = [("vllm", "vllm", "vllm"), ("torch", "torch", "vllm"), ("vllm", "vllm", "torch")]

@@ -11,7 +11,7 @@ import pytest
 from tests.e2e.cluster import Cluster
 from tests.pipeline.pdd_client import chat
 
-from .conftest import BLOCK
+from .conftest import BLOCK, prompt_of
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +28,6 @@ def cluster(tmp_path_factory, checkpoint):
     c.start()
     yield c
     c.stop()
-
-
-def prompt_of(n: int, salt: int = 0) -> list[int]:
-    return [3 + (i * 37 + salt * 11) % 250 for i in range(n)]
 
 
 async def test_every_path_to_a_vllm_md_streams_what_one_node_generates(cluster, one_node):

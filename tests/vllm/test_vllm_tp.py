@@ -29,10 +29,10 @@ from pddgw.engines.weights import build_random, save_hf_checkpoint
 from pddgw.deploy.serve import Embedded
 from tests.pipeline.pdd_client import chat
 
-from .conftest import BLOCK, config, model_config, spec, torch_engine_config, vllm_engine_config
-from .test_vllm_engine import OUT, drain, greedy, hand_over, prefill_on, prompt_of, run, transfer
+from .conftest import (BLOCK, config, model_config, prompt_ids, prompt_of, spec, torch_engine_config,
+                       vllm_engine_config)
+from .test_vllm_engine import OUT, drain, greedy, hand_over, prefill_on, run, transfer
 from .test_vllm_pipeline import BYTES_PER_TOKEN
-from .test_vllm_pipeline import prompt_of as prompt_list
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def reference(teng, prompt, max_tokens: int = OUT) -> list[int]:
 
 
 def test_greedy_and_seeded_tokens_equal_the_torch_engine(tp2, teng):
-    prompts = (prompt_of(40, 20), prompt_of(70, 21), prompt_of(100, 22))
+    prompts = (prompt_ids(40, 20), prompt_ids(70, 21), prompt_ids(100, 22))
     got = run(tp2, *(EngineRequest(f"r{i}", p, greedy()) for i, p in enumerate(prompts)))
     assert [got[f"r{i}"] for i in range(3)] == [reference(teng, p) for p in prompts]
     # pddgw's position-keyed draw runs in every rank's sampler: same tokens, handoff included.
@@ -101,7 +101,7 @@ def test_import_lands_each_ranks_heads_and_exports_bit_exact(tp2, teng):
     """torch P -> TP=2 MD: the staged KV crosses to the ranks as a shared-memory file, each
     rank writes its head; the tokens equal single-node generation, and exporting the imported
     range returns exactly the bytes that came in."""
-    prompt = prompt_of(90, 23)
+    prompt = prompt_ids(90, 23)
     t0 = prefill_on(teng, "x", prompt)
     sent = bytes(teng.export_kv("x", 0, len(prompt)).payload)
     tp2.add_request(EngineRequest("x", prompt, greedy(), output_token_ids=(t0,), kv_source="import",
@@ -121,7 +121,7 @@ def test_import_lands_each_ranks_heads_and_exports_bit_exact(tp2, teng):
 def test_export_joins_the_ranks_heads_in_order(tp2, teng):
     """TP=2 P -> torch MD: the exported KV is the torch engine's own (float32 rounding apart),
     and the torch engine continues it to the same tokens."""
-    prompt = prompt_of(80, 24)
+    prompt = prompt_ids(80, 24)
     t0, added, _ = hand_over(tp2, teng, "y", prompt)
     assert added.num_cached_tokens == 0
     assert drain(teng, {"y": [t0]})["y"] == reference(teng, prompt)
@@ -137,7 +137,7 @@ def test_export_joins_the_ranks_heads_in_order(tp2, teng):
 
 
 def test_held_import_rounds_and_abort_remove_the_staging(tp2, teng):
-    prompt = prompt_of(64, 25)
+    prompt = prompt_ids(64, 25)
     ref = reference(teng, prompt)
     t0, _, _ = hand_over(teng, tp2, "h", prompt, hold=True)     # the first round loads the staging
     tp2.append_tokens("h", (t0,), final=False)
@@ -145,7 +145,7 @@ def test_held_import_rounds_and_abort_remove_the_staging(tp2, teng):
     tp2.append_tokens("h", ref[1:5], final=True)
     assert drain(tp2, {"h": ref[:5]})["h"] == ref
 
-    tp2.add_request(EngineRequest("gone", prompt_of(50, 26), greedy(), kv_source="import"))
+    tp2.add_request(EngineRequest("gone", prompt_ids(50, 26), greedy(), kv_source="import"))
     assert len(vllm_connector.staged_files(tp2._engine_id)) == 1
     assert tp2.abort("gone")
     tp2.step()
@@ -160,10 +160,10 @@ def test_replicated_kv_head(tmp_path):
     engine = started(str(path))
     try:
         assert engine.kv_layout.num_kv_heads == 1
-        prompt = prompt_of(70, 27)
+        prompt = prompt_ids(70, 27)
         ref = reference(torch_1kv, prompt)
         assert run(engine, EngineRequest("a", prompt, greedy()))["a"] == ref
-        prompt = prompt_of(75, 28)
+        prompt = prompt_ids(75, 28)
         ref = reference(torch_1kv, prompt)
         t0 = prefill_on(torch_1kv, "x", prompt)
         sent = bytes(torch_1kv.export_kv("x", 0, len(prompt)).payload)
@@ -213,7 +213,7 @@ async def test_pdd_with_a_tp2_md_node(aiohttp_client, one_node, checkpoint):
         # One non-final round, then the final one (RLD stops): on CPU, vLLM TP = 2 takes ~1 s an
         # extend while the tiny torch RLD decodes ~225 tokens a second, so a shorter answer (or more
         # non-final rounds) lets RLD finish alone before MD catches up, and no handoff is left to test.
-        prompt, n = prompt_list(120, 30), 600
+        prompt, n = prompt_of(120, 30), 600
         r = await chat(ws, prompt_token_ids=prompt, max_output_tokens=n, temperature=0.8, seed=78)
         assert r.final["type"] == "response.completed", r.final
         assert r.token_ids == one_node(prompt, n, temperature=0.8, seed=78)
@@ -223,7 +223,7 @@ async def test_pdd_with_a_tp2_md_node(aiohttp_client, one_node, checkpoint):
                                                                             120 * BYTES_PER_TOKEN)
         at = tl["handoff_position"]
         assert 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
-        p2 = prompt + r.token_ids + prompt_list(40, 31)
+        p2 = prompt + r.token_ids + prompt_of(40, 31)
         r2 = await chat(ws, prompt_token_ids=p2, max_output_tokens=8, temperature=0)
         assert r2.token_ids == one_node(p2, 8)
         held = (120 + n - 1) // BLOCK * BLOCK
