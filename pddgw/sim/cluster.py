@@ -19,6 +19,7 @@ import time
 from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pddgw.config import Config
 from pddgw.sim.costmodel_engine import CostModelEngine
@@ -81,6 +82,22 @@ class RunResult:
     preemptions: dict[str, int]
     leaked_blocks: int                # KV blocks still in use on any node at the end (must be 0)
     leaked_pins: int
+    # A watcher ended the run once its outcome was settled (`Decided`): `requests` holds those
+    # that ended before, the rest were cancelled, nothing drained (and `leaked_*` mean nothing).
+    decided: bool = False
+
+
+class Decided(Exception):
+    """Raised by a `Watch` when what the run is for is settled: `run_deployment` stops it there."""
+
+
+class Watch(Protocol):
+    """Sees every request as it arrives (its result being filled) and as it ends; may raise `Decided`.
+    It reads, never waits or schedules: a run it lets finish is the run without it, event for event."""
+
+    def arrived(self, res: RequestResult) -> None: ...
+
+    def finished(self, res: RequestResult) -> None: ...
 
 
 def _classes(sh: Shaper) -> dict[str, float]:
@@ -160,8 +177,10 @@ async def play_conversation(conv: Conversation, shared_prefix: tuple[int, ...], 
 
 
 async def run_deployment(cfg: Config, conversations: list[Conversation], shared_prefix: tuple[int, ...],
-                         on_request: Callable[[RequestResult], None] | None = None) -> RunResult:
-    """Serve `conversations` on deployment `cfg` (cost-model engines) on the running loop."""
+                         on_request: Callable[[RequestResult], None] | None = None,
+                         watch: Watch | None = None) -> RunResult:
+    """Serve `conversations` on deployment `cfg` (cost-model engines) on the running loop; `watch` may
+    end the run early (`RunResult.decided`)."""
     wall0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     emb = Embedded(cfg)
@@ -174,14 +193,27 @@ async def run_deployment(cfg: Config, conversations: list[Conversation], shared_
         results.append(res)
         if on_request is not None:
             on_request(res)
+        if watch is not None:
+            watch.finished(res)
 
     async def serve(res: RequestResult, prompt: tuple[int, ...], turn: Turn, seed: int) -> tuple[int, ...]:
+        if watch is not None:
+            watch.arrived(res)
         return await _one(router, res.rid, prompt, turn, seed, res)
 
+    users = [asyncio.ensure_future(play_conversation(c, shared_prefix, t0, serve, done)) for c in conversations]
     try:
-        await asyncio.gather(*(play_conversation(c, shared_prefix, t0, serve, done) for c in conversations))
+        decided = False
+        try:
+            await asyncio.gather(*users)
+        except Decided:
+            decided = True
+            for u in users:
+                u.cancel()          # the router cancels each request on its nodes, as for a client gone
+            await asyncio.gather(*users, return_exceptions=True)
         t_end = loop.time()
-        await router.drain()
+        if not decided:
+            await router.drain()
         drain = loop.time() - t_end
         duration = max(t_end - t0, 1e-9)
         engines = {w.name: (w.role, w.engine) for w in emb.workers.values()}
@@ -204,6 +236,8 @@ async def run_deployment(cfg: Config, conversations: list[Conversation], shared_
                          {r: sum(v) / len(v) for r, v in sorted(busy.items())},
                          dict(router.alignments.counts), router.counts.rld_full,
                          classes, router.counts.redrives, dict(sorted(preempted.items())),
-                         leaked, pins)
+                         leaked, pins, decided)
     finally:
+        for u in users:
+            u.cancel()
         await emb.stop()

@@ -59,8 +59,8 @@ def evaluation_json(e: Evaluation) -> dict[str, Any]:
             "probes": [{"rate": round(p.rate, 4), "attainment": round(p.attainment, 4),
                         "simulated": p.simulated, "attainment_bound": round(p.attainment_bound, 4)}
                        | ({"arrival_rps": round(p.window.arrival_rps, 4), "slo_rps": round(p.window.slo_rps, 4),
-                           "achieved_rps": round(p.achieved_rps, 4)} if p.window is not None and
-                          p.achieved_rps is not None else {}) for p in e.probes],
+                           "achieved_rps": round(p.achieved_rps, 4), "decided_early": p.decided}
+                          if p.window is not None and p.achieved_rps is not None else {}) for p in e.probes],
             "groups": [{"role": g.role, "count": g.count, "cluster": g.cluster, "hardware": g.hardware,
                         "tensor_parallel": g.tensor_parallel, "data_parallel": g.data_parallel,
                         "expert_parallel": g.expert_parallel} for g in c.groups]}

@@ -52,6 +52,7 @@ class Probe:
     window: report.Window | None         # None: not simulated (the roofline pruned the rate)
     achieved_rps: float | None           # requests served per second over the run
     attainment_bound: float              # the roofline's bound on its attainment (plan_bounds)
+    decided: bool = False                # settled early (`run.run_probe`): attainment and window are bounds
 
     @property
     def simulated(self) -> bool:
@@ -139,13 +140,13 @@ def upper_bound(plan: Plan, prof: ModelProfile, cand: Candidate, work: _Workload
     return max((slo_rps_bound(plan, prof, cand, work(r)) for r in rates), default=0.0)
 
 
-def simulate_probe(plan: Plan, cand: Candidate, rate: float) -> tuple[report.Window, float]:
+def simulate_probe(plan: Plan, cand: Candidate, rate: float) -> tuple[report.Window, float, bool]:
     """`pddgw sim`'s goodput probe at `rate` on the candidate: (its window, requests served per
-    second over the run)."""
+    second over the run, whether it was settled early)."""
     sc = plan.scenario
     cfg = deployment_config(sc, cand.deployment(plan.spec), plan.wan_gbps if cand.kind != "same-dc" else None)
     window, run = run_probe(sc, cfg, rate)
-    return window, sum(r.error is None for r in run.requests) / run.duration_s
+    return window, sum(r.error is None for r in run.requests) / run.duration_s, run.decided
 
 
 def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluation:
@@ -161,8 +162,8 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluatio
         if pruned and not exhaustive:
             probes.append(Probe(rate, 0.0, None, None, bound))
             return 0.0
-        window, achieved = simulate_probe(plan, cand, rate)
-        probes.append(Probe(rate, window.attainment, window, achieved, bound))
+        window, achieved, decided = simulate_probe(plan, cand, rate)
+        probes.append(Probe(rate, window.attainment, window, achieved, bound, decided))
         return window.attainment
 
     offered, _ = report.sla_goodput(probe, plan.slo.attainment, g.rate_min, g.rate_max, g.probes)

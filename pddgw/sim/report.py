@@ -21,12 +21,12 @@ conversations overlap).
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pddgw.sim.cluster import RequestResult, RunResult
+from pddgw.sim.cluster import Decided, RequestResult, RunResult
 from pddgw.sim.scenario import SloSpec
 
 
@@ -88,6 +88,48 @@ def window_goodput(requests: Sequence[RequestResult], slo: SloSpec, start_s: flo
         raise ValueError(f"need 0 <= start_s < end_s, got [{start_s}, {end_s})")
     inside = [r for r in requests if start_s <= r.arrival_s < end_s]
     return Window(len(inside), sum(meets_slo(r, slo) for r in inside), end_s - start_s)
+
+
+class WindowVerdict:
+    """Settles a goodput probe as soon as its window can no longer reach `target` (a `cluster.Watch`).
+
+    `most` bounds the requests that can arrive in [start_s, end_s) (every turn of every
+    conversation that starts before end_s).  A window request has missed once it ended outside
+    the SLO, or once a later arrival finds it past its TTFT deadline without a first token.  With
+    `missed` such requests the window's attainment is at most (most - missed) / most, whatever
+    the rest do (more arrivals only add to both counts), so once that is below `target` the probe
+    fails exactly as the whole run would: `cluster.Decided`.  `window()` then reports that bound
+    (requests = most, met = most - missed); a probe never decided is judged by `window_goodput`.
+    """
+
+    def __init__(self, slo: SloSpec, target: float, start_s: float, end_s: float, most: int):
+        self.slo, self.target, self.start_s, self.end_s, self.most = slo, target, start_s, end_s, most
+        self.missed = 0
+        self._waiting: deque[RequestResult] = deque()     # window requests by arrival, no verdict yet
+        self._late: set[str] = set()                      # counted at their TTFT deadline
+
+    def arrived(self, res: RequestResult) -> None:
+        now = res.arrival_s
+        waiting = self._waiting
+        while waiting and self.slo.ttft_s and now - waiting[0].arrival_s > self.slo.ttft_s:
+            r = waiting.popleft()
+            if r.ttft_s is None and r.e2e_s is None and r.error is None:
+                self._late.add(r.rid)
+                self._miss()
+        if self.start_s <= res.arrival_s < self.end_s:
+            waiting.append(res)
+
+    def finished(self, res: RequestResult) -> None:
+        if self.start_s <= res.arrival_s < self.end_s and res.rid not in self._late and not meets_slo(res, self.slo):
+            self._miss()
+
+    def window(self) -> Window:
+        return Window(self.most, self.most - self.missed, self.end_s - self.start_s)
+
+    def _miss(self) -> None:
+        self.missed += 1
+        if (self.most - self.missed) / max(1, self.most) < self.target:
+            raise Decided(f"{self.missed} of at most {self.most} window requests missed the SLO")
 
 
 def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:

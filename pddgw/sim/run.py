@@ -116,9 +116,15 @@ def probe_workload(sc: Scenario, rate: float) -> ProbeWorkload:
 
 
 def run_probe(sc: Scenario, cfg: Config, rate: float) -> tuple[report.Window, RunResult]:
-    """One probe (`probe_workload`) simulated on deployment `cfg`: its window and the whole run."""
+    """One probe (`probe_workload`) simulated on deployment `cfg`: its window and the run.  A probe
+    whose window can no longer reach the SLO's attainment stops there (`report.WindowVerdict`: the
+    same pass or fail as the whole run, the window its bound, `RunResult.decided`)."""
     pw = probe_workload(sc, rate)
-    run = run_virtual(run_deployment(cfg, list(pw.conversations), pw.prefix))
+    most = sum(len(c.turns) for c in pw.conversations if c.start_s < pw.end_s)
+    verdict = report.WindowVerdict(sc.slo, sc.slo.attainment, pw.start_s, pw.end_s, most)
+    run = run_virtual(run_deployment(cfg, list(pw.conversations), pw.prefix, watch=verdict))
+    if run.decided:
+        return verdict.window(), run
     return report.window_goodput(run.requests, sc.slo, pw.start_s, pw.end_s), run
 
 
@@ -140,7 +146,7 @@ def run_job(sc: Scenario, job: Job) -> dict[str, Any]:
             w, run = goodput_probe(sc, job, rate)
             walls.append(run.wall_s)
             total += len(run.requests)
-            windows[rate] = (w, sum(r.error is None for r in run.requests) / run.duration_s)
+            windows[rate] = (w, sum(r.error is None for r in run.requests) / run.duration_s, run.decided)
             return w.attainment
 
         offered, points = report.sla_goodput(probe, sc.slo.attainment, g.rate_min, g.rate_max, g.probes)
@@ -150,7 +156,8 @@ def run_job(sc: Scenario, job: Job) -> dict[str, Any]:
                 "probes": [{"rate": round(r, 4), "attainment": round(a, 4),
                             "arrival_rps": round(windows[r][0].arrival_rps, 4),
                             "slo_rps": round(windows[r][0].slo_rps, 4),
-                            "achieved_rps": round(windows[r][1], 4)} for r, a in points],
+                            "achieved_rps": round(windows[r][1], 4), "decided_early": windows[r][2]}
+                           for r, a in points],
                 "_wall_s": sum(walls), "_requests": total}
     if job.kind == "bathtub":
         run = _simulate(sc, job, sc.bathtub.rate, sc.bathtub.requests)

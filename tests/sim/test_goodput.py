@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from pddgw.sim import report
-from pddgw.sim.cluster import RequestResult
-from pddgw.sim.run import Job, goodput_probe, run_job
-from pddgw.sim.scenario import GoodputSpec, SloSpec, load_scenario
+from pddgw.sim.clock import run_virtual
+from pddgw.sim.cluster import Decided, RequestResult, run_deployment
+from pddgw.sim.run import Job, goodput_probe, probe_workload, run_job, run_probe
+from pddgw.sim.scenario import GoodputSpec, SloSpec, deployment_config, load_scenario
 from pddgw.sim.workload import AgenticSpec, agentic
 
 TINY = Path(__file__).parent / "tiny.toml"
@@ -91,6 +92,7 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
             self.requests = [_req(i, 0.0, 0.1) for i in range(int(rate * 15))]
             self.duration_s = 20.0
             self.wall_s = 0.0
+            self.decided = rate > 2.0                        # as a probe settled early reports it
 
     def fake_probe(sc_, job, rate):
         n = int(rate * 10)                                   # arrivals in the 10 s window
@@ -105,3 +107,49 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
     assert (out["goodput_offered_rps"], out["goodput_rps"]) == (2.0, 1.9)
     assert [p["slo_rps"] for p in out["probes"]] == [1.0, 2.0, 1.9]
     assert [p["achieved_rps"] for p in out["probes"]] == [0.75, 3.0, 1.5]     # served / 20 s
+    assert [p["decided_early"] for p in out["probes"]] == [False, True, False]
+
+
+def test_a_window_verdict_settles_exactly_when_the_target_is_out_of_reach():
+    # Window [10, 20), at most 10 requests, target 0.8: the third miss leaves at most 7 of 10.
+    slo = SloSpec(ttft_s=1.0, tpot_ms=50.0, attainment=0.8)
+    v = report.WindowVerdict(slo, 0.8, 10.0, 20.0, most=10)
+    warm, late, slow = _req(0, 9.0, None), _req(1, 10.0, None), _req(2, 10.5, 0.2, tpot=0.06)
+    for r in (warm, late, slow):
+        v.arrived(r)
+    v.finished(slow)                                       # TPOT 60 ms: the first miss
+    v.arrived(_req(3, 11.0, None))                         # `late` is 1.0 s old, not past 1.0 s yet
+    assert v.missed == 1
+    v.arrived(_req(4, 11.5, None))                         # `warm` (before the window) is not counted
+    assert v.missed == 2 and v.window() == report.Window(10, 8, 10.0)
+    late.ttft_s, late.e2e_s = 1.5, 2.0
+    v.finished(late)                                       # counted once, at its deadline, not again
+    assert v.missed == 2
+    v.finished(_req(5, 12.0, 0.1))                         # met
+    with pytest.raises(Decided, match="3 of at most 10 window requests missed the SLO"):
+        v.finished(_req(6, 12.5, None, error="node_lost: x"))
+    assert v.window().attainment == 0.7
+
+
+def test_an_overloaded_probe_stops_once_settled_with_the_whole_runs_verdict():
+    # 40 req/s into one tiny deployment with a 20 ms TTFT SLO: most of the window misses.
+    sc = dataclasses.replace(_tiny(seconds=2.0, warmup_s=1.0, rate_min=1.0, rate_max=40.0, probes=2),
+                             slo=SloSpec(ttft_s=0.02, tpot_ms=50.0, attainment=0.9))
+    cfg = deployment_config(sc, sc.deployment("same-dc"), None)
+    w, run = run_probe(sc, cfg, 40.0)
+    pw = probe_workload(sc, 40.0)
+    whole = run_virtual(run_deployment(cfg, list(pw.conversations), pw.prefix))
+    full = report.window_goodput(whole.requests, sc.slo, pw.start_s, pw.end_s)
+    assert run.decided and not whole.decided
+    assert full.attainment <= w.attainment < 0.9             # the bound, and the same fail
+    assert w.requests == sum(len(c.turns) for c in pw.conversations if c.start_s < pw.end_s) >= full.requests
+    assert len(run.requests) < len(whole.requests)
+    # A probe that passes (the tiny scenario's own 1 s TTFT SLO) is the whole run, event for event.
+    sc = dataclasses.replace(sc, slo=load_scenario(TINY).slo)
+    w1, run1 = run_probe(sc, cfg, 1.0)
+    pw1 = probe_workload(sc, 1.0)
+    whole1 = run_virtual(run_deployment(cfg, list(pw1.conversations), pw1.prefix))
+    assert not run1.decided and w1 == report.window_goodput(whole1.requests, sc.slo, pw1.start_s, pw1.end_s)
+    assert w1.attainment == 1.0
+    assert [(r.rid, r.ttft_s, r.e2e_s, r.output_digest) for r in run1.requests] == [
+        (r.rid, r.ttft_s, r.e2e_s, r.output_digest) for r in whole1.requests]
