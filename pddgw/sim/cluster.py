@@ -8,7 +8,9 @@ per conversation plays its turns against `Router.run`, as the front door
 would, and records what a user sees: arrival, each emitted token run, the
 end.  Nothing here branches the control plane: on a virtual loop
 (`pddgw.sim.clock`) every sleep, timeout, shaped transfer and engine step
-takes virtual time, so a cluster of tens of GPUs runs in seconds.
+takes virtual time, so a cluster of tens of GPUs runs in seconds.  A
+`Watch` sees each request arrive and end and may stop the run once what it
+is for is settled (a goodput probe's verdict, `pddgw.sim.report`).
 """
 
 from __future__ import annotations
