@@ -5,8 +5,8 @@ strings); `emit(report, as_json, table)` prints it as JSON (orjson,
 dataclasses natively) with --json (`add_output_args`), else the human table
 (`format_table`).  A benchmark's options are fields of its dataclasses
 (`option`: default and help said once; `add_options` puts them on a parser,
-`from_options` builds the dataclass from what it parsed).  Progress goes to stderr (`to_stderr`), so stdout stays the
-report alone.  Timings are noisy on shared machines, so benchmarks repeat
+`from_options` builds the dataclass from what it parsed).  Progress goes to
+stderr (`to_stderr`), so stdout stays the report alone.  Timings are noisy on shared machines, so benchmarks repeat
 interleaved runs and keep the best (`best`), and compare only within one run
 (`ratio`).
 

@@ -109,9 +109,10 @@ class WindowVerdict:
         self._late: set[str] = set()                      # counted at their TTFT deadline
 
     def arrived(self, res: RequestResult) -> None:
-        now = res.arrival_s
-        waiting = self._waiting
-        while waiting and self.slo.ttft_s and now - waiting[0].arrival_s > self.slo.ttft_s:
+        ttft, waiting = self.slo.ttft_s, self._waiting
+        if not ttft:                # no TTFT deadline: a request misses only when it ends
+            return
+        while waiting and res.arrival_s - waiting[0].arrival_s > ttft:
             r = waiting.popleft()
             if r.ttft_s is None and r.e2e_s is None and r.error is None:
                 self._late.add(r.rid)
@@ -120,7 +121,8 @@ class WindowVerdict:
             waiting.append(res)
 
     def finished(self, res: RequestResult) -> None:
-        if self.start_s <= res.arrival_s < self.end_s and res.rid not in self._late and not meets_slo(res, self.slo):
+        inside = self.start_s <= res.arrival_s < self.end_s
+        if inside and res.rid not in self._late and not meets_slo(res, self.slo):
             self._miss()
 
     def window(self) -> Window:
