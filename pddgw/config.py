@@ -142,6 +142,10 @@ class EngineConfig:
     # Tokens computed in one forward step (prefill chunks + extends + decodes).
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    # A decoding request's tokens go to the router every this many (vLLM's and SGLang's
+    # --stream-interval), and always at its end; the first token at once.  Larger: fewer
+    # frames and less work per token on the way to the client, tokens arriving in bursts.
+    stream_interval: int = 1
     attention_backend: Literal["auto", "triton", "torch"] = "auto"
     # Torch engine on CUDA: decode-only steps replay CUDA graphs captured at start for
     # bucketed batch sizes (1, 2, 4, 8, 16, 24, ... up to max_num_seqs; a batch is padded up
@@ -164,6 +168,7 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= self.max_num_seqs,
                "max_num_batched_tokens must be >= max_num_seqs")
         _check(self.cpu_threads >= 0, "cpu_threads must be >= 0")
+        _check(1 <= self.stream_interval <= 1024, "stream_interval must be in 1..1024")
         _check(not self.cuda_graphs or self.device.startswith("cuda"),
                f"cuda_graphs = true needs a CUDA device, not device = {self.device!r} "
                "(set cuda_graphs = false, or device = \"cuda\")")

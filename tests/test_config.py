@@ -132,3 +132,12 @@ def test_costmodel_instance_shape_keys(tmp_path):
     assert (cm.tensor_parallel, cm.data_parallel, cm.expert_parallel, cm.gpus_per_node, cm.gpus) == (1, 16, 16, 8, 16)
     # A dense deployment keeps its meaning: tensor_parallel GPUs, experts over all of them.
     assert (CostModelConfig(tensor_parallel=4).gpus, CostModelConfig().expert_parallel) == (4, 0)
+
+
+def test_stream_interval_key(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[engine]\nstream_interval = 8\n")
+    assert load_config(p).engine.stream_interval == 8
+    p.write_text("[engine]\nstream_interval = 0\n")
+    with pytest.raises(ConfigError, match="stream_interval must be in 1..1024"):
+        load_config(p)

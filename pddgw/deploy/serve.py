@@ -163,8 +163,9 @@ def _handle(n: NodeConfig, cfg: Config, link: Link) -> NodeHandle:
 
 
 def _make_worker(cfg: Config, n: NodeConfig, connect) -> WorkerNode:
-    engine, _ = create_engine(cfg, cfg.engine_for(n))
-    return WorkerNode(n.name, n.role, engine, connect, cfg.net.kv_frame_bytes)
+    ecfg = cfg.engine_for(n)
+    engine, _ = create_engine(cfg, ecfg)
+    return WorkerNode(n.name, n.role, engine, connect, cfg.net.kv_frame_bytes, ecfg.stream_interval)
 
 
 async def _build_worker(cfg: Config, n: NodeConfig, connect) -> WorkerNode:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence, Set
 from enum import IntEnum
 from typing import Any
 
+from pddgw.core.ids import in_range
 from pddgw.core.sampling import SamplingParams
 from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, EngineRequest, EngineStats, FinishReason, KVChunk,
                                  KVLayout, KVSpan, RequestError, RequestOutput)
@@ -306,9 +307,9 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int) -
     if n_out >= request.sampling.max_tokens:
         raise RequestError(f"request {rid!r}: {n_out} output tokens given, max_tokens is "
                            f"{request.sampling.max_tokens}")
-    ids = (*request.prompt_token_ids, *request.output_token_ids)
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        bad = next(t for t in ids if not 0 <= t < vocab_size)
+    if not (in_range(request.prompt_token_ids, vocab_size) and in_range(request.output_token_ids, vocab_size)):
+        bad = next(t for t in (*request.prompt_token_ids, *request.output_token_ids)
+                   if type(t) is not int or not 0 <= t < vocab_size)
         raise RequestError(f"request {rid!r}: token id {bad} outside the vocabulary [0, {vocab_size})")
 
 

@@ -75,8 +75,10 @@ class Sequence:
 
     def block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
         """Chained hashes of the first num_blocks full blocks of self.tokens."""
-        if len(self._hashes) < num_blocks:
+        have = len(self._hashes)
+        if have < num_blocks:
             parent = self._hashes[-1] if self._hashes else ROOT_HASH
-            self._hashes += chain_hashes(self.tokens[: num_blocks * block_size], block_size,
-                                         parent, start_block=len(self._hashes))
+            # Only the new blocks' tokens are copied (a 64K prompt's list is sliced per call).
+            self._hashes += chain_hashes(self.tokens[have * block_size : num_blocks * block_size], block_size,
+                                         parent)
         return self._hashes[:num_blocks]

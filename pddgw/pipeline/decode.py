@@ -42,6 +42,18 @@ re-drive's open) on, a request's outputs are fed to the worker's step sink
 one reader task records them and emits the step's tokens together, one
 `TokenRun` per request (`Emit` per run, or `EmitMany` once per step: the node
 sends one frame per router link per step).
+
+Stream interval (`engine.stream_interval`, vLLM's and SGLang's
+`--stream-interval`): a decoding request's tokens go out once it has gathered
+that many since the last run, and always when it ends here (finished, or
+frozen for the final handoff round: RLD's last run carries everything it
+made).  The first token a node decodes for a request goes out at once too
+(RLD's and a re-drive's first, MD's first after the handoff), so neither the
+time to the first decoded token nor the handoff's stall waits for a run to
+fill.  The engine still steps once per token and every decision here (the
+handoff's rounds, its step time) reads the tokens as they are made; only the
+runs to the router, and the work per run on the way to the client, are
+fewer.
 """
 
 from __future__ import annotations
@@ -102,7 +114,7 @@ class _Progress:
 
 class _Session:
     __slots__ = ("rid", "state", "tokens", "reading", "emitted", "frozen", "num_prompt", "num_computed",
-                 "progress", "decode_start", "outputs", "want_logprobs", "logprobs")
+                 "progress", "decode_start", "outputs", "want_logprobs", "logprobs", "eager")
 
     def __init__(self, rid: str, num_prompt: int, outputs: RequestStream, want_logprobs: bool = False):
         self.rid = rid
@@ -119,12 +131,15 @@ class _Session:
         self.num_computed = 0            # tokens (prompt + output) whose KV is in the engine
         self.progress = _Progress()      # notified when num_computed or state changes
         self.decode_start: tuple[float, int] | None = None   # (loop time, tokens) when decoding began
+        self.eager = True                # the next token made here goes out at once (stream interval)
 
 
 class DecodeWorker:
     def __init__(self, aeng: AsyncEngine, emit: Emit, emit_many: EmitMany | None = None,
-                 emit_now: EmitNow | None = None):
+                 emit_now: EmitNow | None = None, stream_interval: int = 1):
         self.aeng = aeng
+        # Tokens a decoding request gathers before they go out (module docstring).
+        self.stream_interval = stream_interval
         self.engine = aeng.engine
         self._emit = emit
         self._emit_many = emit_many or self._each
@@ -427,7 +442,9 @@ class DecodeWorker:
                 if run is not None:
                     runs.append(run)
             return False
-        if s.state in (DecodeState.DECODING, DecodeState.HANDING_OFF):
+        if s.state in (DecodeState.DECODING, DecodeState.HANDING_OFF) \
+                and (s.eager or len(s.tokens) - s.emitted >= self.stream_interval):
+            s.eager = False
             run = self._take_new(s)
             if run is not None:
                 runs.append(run)

@@ -84,7 +84,7 @@ class _Open:
 
 class WorkerNode:
     def __init__(self, name: str, role: str, engine: Engine, connect: Connect,
-                 kv_chunk_bytes: int = 1 << 20):
+                 kv_chunk_bytes: int = 1 << 20, stream_interval: int = 1):
         self.name = name
         self.role = role
         self.aeng = AsyncEngine(engine, name)
@@ -92,7 +92,7 @@ class WorkerNode:
         self._connect = connect
         self.metrics = NodeMetrics(name, role, lambda: self.aeng.call(self.engine.stats), self.kv_sent)
         self.prefill = PrefillWorker(self.aeng, kv_chunk_bytes, self.metrics.transfer) if role == "prefill" else None
-        self.decode = (DecodeWorker(self.aeng, self._emit, self._emit_many, self._emit_now)
+        self.decode = (DecodeWorker(self.aeng, self._emit, self._emit_many, self._emit_now, stream_interval)
                        if role in ("rld", "md") else None)
         self._open: dict[str, _Open] = {}
         self._pins: dict[str, Link] = {}          # prefix pins, by request, with the asking link

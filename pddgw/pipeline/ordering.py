@@ -100,19 +100,21 @@ class StreamMerger:
         the runs it made emittable, in order."""
         tokens = self._tokens
         position, token_ids, role, logprobs = run.position, run.ids, run.role, run.logprobs
-        if (position == len(tokens) and not self._pending and len(token_ids) == 1 and role in ROLES
-                and (self._sealed is None or position < self._sealed)):
-            # The common piece: one token at the next position, nothing waiting (a decoder's
-            # step): the one run `_drain` would make, without the pending map - the source's
-            # run itself unless it ends the source's stream (what is emitted says nothing of that).
-            t = token_ids[0]
-            if type(t) is int and t >= 0 and len(logprobs) <= 1:
-                tokens.append(t)
-                self._roles.append(role)  # type: ignore[arg-type]
-                self._counts[role] = self._counts.get(role, 0) + 1  # type: ignore[index]
-                if not run.done and run.request_id == self.request_id:
-                    return [run]
-                return [TokenRun(self.request_id, position, (t,), logprobs=logprobs, role=role)]
+        n = len(token_ids)
+        if (position == len(tokens) and not self._pending and 0 < n <= self.max_ahead and role in ROLES
+                and (self._sealed is None or position + n <= self._sealed)
+                and (not logprobs or len(logprobs) == n)
+                and all(type(t) is int and t >= 0 for t in token_ids)):
+            # The common piece: tokens at the next position, nothing waiting (a decoder's step,
+            # or its stream interval's run): the one run `_drain` would make, without the
+            # pending map - the source's run itself unless it ends the source's stream (what
+            # is emitted says nothing of that).
+            tokens += token_ids
+            self._roles += (role,) * n  # type: ignore[arg-type]
+            self._counts[role] = self._counts.get(role, 0) + n  # type: ignore[index]
+            if not run.done and run.request_id == self.request_id:
+                return [run]
+            return [TokenRun(self.request_id, position, tuple(token_ids), logprobs=logprobs, role=role)]
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         if position < 0:

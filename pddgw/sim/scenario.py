@@ -183,8 +183,10 @@ class Scenario:
     baseline: str = ""
     # Each value is one variant of the whole scenario with the "wan" link at that bandwidth.
     wan_gbps: tuple[float, ...] = ()
-    # Engine-step and KV-frame granularity of every node.
+    # KV-frame and token-stream granularity of every node: the KV frame size, and the tokens
+    # a decoding request gathers before they go to the router (engine.stream_interval).
     kv_frame_mb: float = 64.0
+    stream_interval: int = 1
     links: tuple[ShapingConfig, ...] = ()
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     slo: SloSpec = field(default_factory=SloSpec)
@@ -204,6 +206,7 @@ class Scenario:
                "bathtub needs deployment and baseline")
         _check(all(g > 0 for g in self.wan_gbps), "wan_gbps must be > 0")
         _check(self.kv_frame_mb > 0, "kv_frame_mb must be > 0")
+        _check(1 <= self.stream_interval <= 1024, "stream_interval must be in 1..1024")
 
     @property
     def baseline_name(self) -> str:
@@ -270,7 +273,8 @@ def deployment_config(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None 
         check_fit(sc, dep, g)
         ecfg = EngineConfig(implementation="costmodel", block_size=sc.block_size, num_blocks=0,
                             max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens,
-                            enable_prefix_caching=g.prefix_cache, costmodel=g.costmodel())
+                            enable_prefix_caching=g.prefix_cache, stream_interval=sc.stream_interval,
+                            costmodel=g.costmodel())
         for _ in range(g.count):
             i = counters.get(g.role, 0)
             counters[g.role] = i + 1

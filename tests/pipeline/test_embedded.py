@@ -7,6 +7,7 @@ what one local engine generates.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -96,6 +97,33 @@ async def test_p_rld_md_handoff_same_tokens(deploy, mode):
     assert tl["wan_kv_bytes"] == 120 * BYTES_PER_TOKEN
     if mode == "catch-up":
         assert len(tl["handoff_positions"]) == 3        # two catch-up rounds, then the final one
+
+
+@pytest.mark.parametrize("mode", ["one-shot", "catch-up"])
+async def test_a_stream_interval_sends_tokens_in_runs_and_keeps_every_path_exact(deploy, mode):
+    """engine.stream_interval = 5: RLD and MD send a request's tokens five at a time (the first
+    each decodes at once, the last run at the end or at RLD's freeze); same tokens, every
+    position once."""
+    cfg = make_cfg(pipeline="P-RLD-MD", handoff_mode=mode, catchup_threshold=2, catchup_threshold_md_loaded=2,
+                   catchup_max_rounds=2)
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, stream_interval=5))
+    ws, side, _ = await deploy(cfg)
+    p, n = prompt_of(120), 203
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=n, temperature=0.8, seed=77)
+    assert r.final["type"] == "response.completed", r.final
+    assert r.token_ids == reference(p, n, temperature=0.8, seed=77)
+    r.assert_positions_once_in_order()
+    tl = r.timeline
+    at = tl["handoff_position"]
+    assert tl["pipeline"] == "P-RLD-MD" and 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
+    sizes = [(d["pddgw"]["role"], len(d["pddgw"]["token_ids"])) for d in r.deltas]
+    # P's first token alone; then each decoder's first token alone, runs of five, and its last.
+    assert sizes[0] == ("rld", 1)
+    for role in ("rld", "md"):
+        mine = [k for rl, k in sizes[1:] if rl == role]
+        assert len(mine) >= 3 and mine[0] == 1 and all(k == 5 for k in mine[1:-1]) and 1 <= mine[-1] <= 5, \
+            (role, mine)
+    assert sum(k for _, k in sizes) == n
 
 
 async def test_a_final_handoff_round_md_refuses_is_redriven(deploy, monkeypatch):
