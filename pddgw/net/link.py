@@ -14,7 +14,7 @@ Link lifecycle (`LinkState`):
    order: a reply resolves its request; a request runs the handler in its own
    task and its return value is sent back (beyond `max_inflight_requests`
    running at once, a request is answered `Error(code="overloaded")` at
-   once); a message whose request_id has an open stream goes to that stream;
+   once, except a `Cancel`: it frees what the others hold); a message whose request_id has an open stream goes to that stream;
    anything else goes to the handler, one at a time, in arrival order.  A
    `TokenBatch` is split here: each of its items is routed as if it had come
    alone, in order (streams and handlers never see a batch).  Heartbeats run; silence beyond `dead_after_s`
@@ -655,7 +655,9 @@ class LinkBase(Link):
             return
         if corr:
             cap = self.cfg.max_inflight_requests
-            if self._serving >= cap:
+            # A Cancel is never refused: it frees what the others hold (refused, the request's
+            # KV and session would stay on this node until it restarts).
+            if self._serving >= cap and type(msg) is not m.Cancel:
                 # Refused without a task: a flood of requests costs a reply each, not a task each.
                 self._transmit_nowait(m.Error(getattr(msg, "request_id", ""), "overloaded",
                                               f"{self.local} serves at most {cap} requests at once "

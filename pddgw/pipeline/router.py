@@ -44,6 +44,12 @@ that finds its decoder full waits for room; it is not a lost node.  When
 no path is left the caller gets a RouterError that says why.
 A full decoder is not a failure: the request frees what it holds and waits
 in the room queue for KV room (admission.py; `overloaded` past its bounds).
+Nor is a busy node: a P runs at most three quarters of the requests it
+serves at once (`net.max_inflight_requests`; it refuses the rest) as
+prefills from this router, and when every P has that many a new request
+waits in the same queue, woken as prefills end; a decoder that refuses a
+Submit for that bound (`overloaded`) is full too (before, either refusal
+counted as the node lost and re-drove).
 A role with no healthy node (one restarting) is waited for, up to
 `server.node_wait_s`.
 A draining node (SIGTERM: its `pm.Draining`, or a Submit / Prefill it refused
@@ -61,7 +67,7 @@ import asyncio
 import contextlib
 import dataclasses
 import secrets
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +131,8 @@ class NodeHandle:
     # Prompt tokens this router has asked the node to prefill and not yet seen done
     # (beyond the node's prefix hits): the prefill queue a new request would wait behind.
     prefill_backlog: int = 0
+    # P: prefills this router runs there now, from the pick on (`Router._start_prefill`).
+    prefills: int = 0
     # RLD: sequences this router relays on it now, and their prompt tokens (its KV).
     relays: int = 0
     relay_tokens: int = 0
@@ -214,6 +222,8 @@ class _Flight:
     p_cached_tokens: int = 0
     # The RLD relaying this request (its slot and KV are counted there) while it does.
     relay: NodeHandle | None = None
+    # The P whose prefill slot it holds (counted in NodeHandle.prefills) until the prefill ends.
+    prefill_on: NodeHandle | None = None
     # Foreground WAN bytes this request has queued (counted in Router.wan_backlog).
     wan_queued: int = 0
     # A decoder opened it (holds KV for it): its release frees room others may wait for.
@@ -307,10 +317,31 @@ class Router:
             node.pongs_seen = stats.pongs
             self.wan.observe_rtt(stats.rtt_s * 1000.0)
 
-    def _pick(self, role: str, fl: _Flight) -> NodeHandle | None:
+    def _pick(self, role: str, fl: _Flight, skip: Set[str] = frozenset()) -> NodeHandle | None:
         choice = pick_instance([n.report() for n in self.nodes.values() if n.role == role],
-                               role, exclude=fl.excluded)  # type: ignore[arg-type]
+                               role, exclude=fl.excluded | skip if skip else fl.excluded)  # type: ignore[arg-type]
         return None if choice is None else self.nodes[choice.instance]
+
+    def _prefill_limit(self) -> int:
+        """Prefills this router runs on one P at once: three quarters of the requests P serves
+        at once (`net.max_inflight_requests`, the rest refused `overloaded`), a quarter kept
+        for the short control requests (prefix queries, pins, cancels)."""
+        cap = self.cfg.net.max_inflight_requests
+        return max(1, cap - cap // 4)
+
+    def _start_prefill(self, fl: _Flight, node: NodeHandle) -> None:
+        """The request's prefill slot on `node`, taken where P is picked (nothing awaited since
+        its room was seen), given back by `_end_prefill`."""
+        node.prefills += 1
+        fl.prefill_on = node
+
+    def _end_prefill(self, fl: _Flight) -> None:
+        """The prefill ended, or the request let go of P before it ran (idempotent)."""
+        if fl.prefill_on is not None:
+            fl.prefill_on.prefills -= 1
+            fl.prefill_on = None
+            if len(self.room):
+                self.room.wake()     # a request waiting for a P with room may go now
 
     def _relay_pressure(self, rld: NodeHandle, extra_tokens: int | None = None) -> float:
         """RLD's fill as a relay; with `extra_tokens`, if it took one more request of that size."""
@@ -390,6 +421,7 @@ class Router:
                 await node.link.request(m.Cancel(fl.rid, "request ended"), timeout=self.control_timeout)
 
         self._unqueue_wan(fl)
+        self._end_prefill(fl)
         await asyncio.gather(*(cancel(self.nodes[n]) for n in fl.involved if self.nodes[n].healthy))
         for n in fl.involved:
             self.nodes[n].inflight -= 1
@@ -441,17 +473,28 @@ class Router:
         others' pins are released at once.  Otherwise the least-loaded P.
         """
         pol = self.cfg.policy
-        cands = [n for n in self.nodes.values()
-                 if n.role == "prefill" and n.routable and n.name not in fl.excluded]
+        limit = self._prefill_limit()
+        routable = [n for n in self.nodes.values()
+                    if n.role == "prefill" and n.routable and n.name not in fl.excluded]
+        full = {n.name for n in routable if n.prefills >= limit}
+        if routable and len(full) == len(routable):
+            raise _NoRoom(f"every prefill node runs {limit} prefills for this router (three quarters of "
+                          f"net.max_inflight_requests = {self.cfg.net.max_inflight_requests})")
+        cands = [n for n in routable if n.name not in full]
         if not (pol.prefix_affinity and len(cands) > 1):
-            node = self._pick("prefill", fl)
+            node = self._pick("prefill", fl, full)
             if node is not None:
                 self._involve(fl, node)        # counted at once: concurrent picks spread out
+                self._start_prefill(fl, node)
             return node, 0
         for n in cands:
             self._involve(fl, n)           # each now holds a pin: released by _release if we fail here
         answers = await asyncio.gather(*(self._ask_prefix(n, fl) for n in cands))
-        asked = [(n, h) for n, h in zip(cands, answers) if h is not None]
+        # Others may have filled a P meanwhile.
+        asked = [(n, h) for n, h in zip(cands, answers) if h is not None and n.prefills < limit]
+        if not asked and any(h is not None for h in answers):
+            raise _NoRoom(f"every prefill node asked runs {limit} prefills for this router (three quarters "
+                          f"of net.max_inflight_requests = {self.cfg.net.max_inflight_requests})")
         roomy = [a for a in asked if a[0].report().load < pol.affinity_max_load] or asked
 
         def cost(a: tuple[NodeHandle, int]) -> tuple[float, float, str]:
@@ -459,6 +502,8 @@ class Router:
             return node.prefill_backlog + len(fl.prompt) - held * node.block_size, node.report().load, node.name
 
         choice = min(roomy, key=cost, default=None)
+        if choice is not None:
+            self._start_prefill(fl, choice[0])
         for n in cands:
             if choice is None or n is not choice[0]:
                 await self._cancel_on(n, fl.rid)     # frees its pin
@@ -661,7 +706,9 @@ class Router:
             _up(node)
             reply = await node.link.request(msg, timeout=self.control_timeout)
         except RemoteError as e:
-            if e.code == "capacity":
+            # No KV room, or the link already carries all the requests the node serves at
+            # once: a busy node, not a lost one.
+            if e.code in ("capacity", "overloaded"):
                 raise _NoRoom(f"{node.role} {node.name}: {e}") from None
             self._note_draining(node, e)
             raise _NodeLost(node, f"refused the request: {e}") from None
@@ -760,6 +807,7 @@ class Router:
                 events.put_nowait(NodeFailed(p, str(e)))
             finally:
                 self._unqueue_wan(fl)
+                self._end_prefill(fl)
                 p.prefill_backlog -= work
 
         tasks: list[asyncio.Task] = []

@@ -187,6 +187,10 @@ async def test_handler_failure_becomes_remote_error(make_pair):
     assert (ei.value.code, ei.value.message, ei.value.request_id) == ("ValueError", "bad prompt", "r9")
 
 
+async def _ack(msg):
+    return m.Ack(msg.request_id)
+
+
 async def test_requests_beyond_the_cap_are_refused_overloaded_without_a_task(make_pair):
     with pytest.raises(ValueError, match="max_inflight_requests must be >= 1"):
         cfg_for(max_inflight_requests=0)
@@ -208,6 +212,9 @@ async def test_requests_beyond_the_cap_are_refused_overloaded_without_a_task(mak
     assert ei.value.message == "srv serves at most 3 requests at once (net.max_inflight_requests)"
     assert started == ["r0", "r1", "r2"] and p.server._serving == 3
     assert sum(t.get_name().endswith(" request") for t in p.server._tasks) == 3
+    # A Cancel is served beyond the cap: it frees what the requests in flight hold.
+    p.speer.on_message = lambda link, msg: hold(link, msg) if isinstance(msg, m.Ready) else _ack(msg)
+    assert (await p.client.request(m.Cancel("r1", "gone"))).request_id == "r1"
     p.speer.on_message = None
     gate.set()
     assert [r.request_id for r in await asyncio.gather(*held)] == ["r0", "r1", "r2"]

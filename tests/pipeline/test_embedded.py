@@ -266,6 +266,33 @@ async def test_refusing_prefill_is_retried_on_another(deploy):
     assert any(st["reason"] == "P p1" for st in tl["states"] if st["state"] == "PREFILLING")
 
 
+async def test_a_full_prefill_link_queues_requests_instead_of_losing_p(deploy):
+    """net.max_inflight_requests = 4: the router runs at most three prefills at once on P (a
+    quarter of its link stays for control requests) and a decoder's `overloaded` refusal is a
+    full node, so no request sees a node lost (before, P's or MD's refusal re-drove); of twelve
+    requests arriving together, those beyond wait in the room queue until prefills end."""
+    cfg = make_cfg(pipeline="P-MD")
+    cfg = dataclasses.replace(cfg, net=dataclasses.replace(cfg.net, max_inflight_requests=4))
+    ws, side, client = await deploy(cfg)
+    sockets = [ws] + [await client.ws_connect("/v1/responses") for _ in range(2)]
+    prompts = {str(i): prompt_of(200, 40 + i) for i in range(12)}
+    for i, (sid, p) in enumerate(prompts.items()):
+        await create(sockets[i % 3], prompt_token_ids=p, max_output_tokens=4, temperature=0, stream_id=sid)
+    got = {}
+    for sock in sockets:
+        got.update(await collect(sock, 4))
+    for sid, p in prompts.items():
+        r = got[sid]
+        assert r.final["type"] == "response.completed", r.final
+        assert r.token_ids == reference(p, 4)
+        assert r.timeline["redrives"] == [], r.timeline["redrives"]
+    assert side.router.counts.redrives == 0
+    assert side.router.room.waited >= 1
+    assert {n.name: n.prefills for n in side.router.nodes.values()} == {"p0": 0, "rld0": 0, "md0": 0}
+    for sock in sockets[1:]:
+        await sock.close()
+
+
 async def test_router_balances_instances_of_a_role(deploy):
     """Two RLDs: a burst of concurrent requests is spread over both."""
     from dataclasses import replace
