@@ -104,6 +104,9 @@ def _exporter(data: Any) -> object | None:
     return data.obj if isinstance(data, memoryview) else None
 
 
+_NOT_SAMPLED = (None, None)
+
+
 class PagedEngine(TrackedEngine):
     _RETAINED = SeqStatus.RETAINED
     _EXTENDABLE = frozenset({SeqStatus.WAITING, SeqStatus.IMPORTING, SeqStatus.RUNNING})
@@ -427,12 +430,15 @@ class PagedEngine(TrackedEngine):
         if not chunks:
             return outputs
         sampled = self._forward(chunks)
+        bs = self.blocks.block_size
+        scoring = self._scoring
         for chunk in chunks:
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
-            self._publish(seq)
-            token, lp = sampled.get(seq.request_id, (None, None))
-            scored = self._scored(seq)
+            if seq.num_computed // bs > seq.num_published:
+                self._publish(seq)
+            token, lp = sampled.get(seq.request_id, _NOT_SAMPLED)
+            scored = self._scored(seq) if scoring else ()
             position = seq.num_outputs
             if token is not None:
                 seq.tokens.append(token)

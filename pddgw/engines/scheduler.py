@@ -64,18 +64,21 @@ class Scheduler:
         batch: dict[str, Chunk] = {}       # this step's running chunks, by request, in order
         preempted = False
         self._count_newcomers()
+        bs = self.blocks.block_size
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status != SeqStatus.RUNNING or seq.num_pending == 0:
+            pending = seq.num_pending
+            if seq.status != SeqStatus.RUNNING or pending == 0:
                 continue   # preempted in this loop, or on hold with nothing to compute
-            n = min(seq.num_pending, budget)
-            clean, refund = self._reserve(seq, seq.num_computed + n, batch)
-            budget += refund
-            if not clean:
-                preempted = True
-                if seq.status != SeqStatus.RUNNING:
-                    continue
+            n = pending if pending < budget else budget
+            if seq.num_computed + n > len(seq.block_ids) * bs:     # it needs a block (most steps do not)
+                clean, refund = self._reserve(seq, seq.num_computed + n, batch)
+                budget += refund
+                if not clean:
+                    preempted = True
+                    if seq.status != SeqStatus.RUNNING:
+                        continue
             batch[seq.request_id] = Chunk(seq, n)
             budget -= n
         chunks = list(batch.values())

@@ -153,9 +153,14 @@ class CostModelEngine(PagedEngine):
         work = [SeqWork(c.num_tokens, c.seq.num_computed) for c in chunks]
         self.last_cost = step_cost(self.profile, self.hardware, self.parallel, work)
         self.busy_s += self.last_cost.seconds
-        return {c.seq.request_id: (self.token_at(c.seq.sampling.seed, c.seq.num_outputs),
-                                   self._logprobs(c.seq.sampling.logprobs))
-                for c in chunks if self._to_sample(c)}
+        out: dict[str, Sampled] = {}
+        for c in chunks:
+            seq = c.seq
+            if seq.num_computed + c.num_tokens == len(seq.tokens) and not seq.hold:   # `_to_sample`
+                sp = seq.sampling
+                out[seq.request_id] = (self.token_at(sp.seed, seq.num_outputs),
+                                       None if sp.logprobs is None else self._logprobs(sp.logprobs))
+        return out
 
     def _logprobs(self, k: int | None) -> TokenLogprobs | None:
         """The uniform distribution's logprobs (module docstring); None when not asked for."""
