@@ -52,7 +52,9 @@ class Probe:
     window: report.Window | None         # None: not simulated (the roofline pruned the rate)
     achieved_rps: float | None           # requests served per second over the run
     attainment_bound: float              # the roofline's bound on its attainment (plan_bounds)
-    decided: bool = False                # settled early (`run.run_probe`): attainment and window are bounds
+    # Stopped once settled (`run.run_probe`): out of reach (attainment and window are bounds)
+    # or every window request ended (exact).
+    decided: bool = False
 
     @property
     def simulated(self) -> bool:

@@ -91,47 +91,77 @@ def window_goodput(requests: Sequence[RequestResult], slo: SloSpec, start_s: flo
 
 
 class WindowVerdict:
-    """Settles a goodput probe as soon as its window can no longer reach `target` (a `cluster.Watch`).
+    """Settles a goodput probe as soon as its window's outcome is known (a `cluster.Watch`).
 
-    `most` bounds the requests that can arrive in [start_s, end_s) (every turn of every
-    conversation that starts before end_s).  A window request has missed once it ended outside
-    the SLO, or once a later arrival finds it past its TTFT deadline without a first token.  With
-    `missed` such requests the window's attainment is at most (most - missed) / most, whatever
-    the rest do (more arrivals only add to both counts), so once that is below `target` the probe
-    fails exactly as the whole run would: `cluster.Decided`.  `window()` then reports that bound
-    (requests = most, met = most - missed); a probe never decided is judged by `window_goodput`.
+    Two ways, each raising `cluster.Decided` (the run stops there, nothing after it counts):
+
+    * **Out of reach.**  `most` bounds the requests that can arrive in [start_s, end_s) (every
+      turn of every conversation that starts before end_s).  A window request has missed once
+      it ended outside the SLO, or once a later arrival finds it past its TTFT deadline without
+      a first token.  With `missed` such requests the window's attainment is at most
+      (most - missed) / most, whatever the rest do (more arrivals only add to both counts), so
+      once that is below `target` the probe fails exactly as the whole run would.  `window()`
+      then reports that bound (requests = most, met = most - missed).
+    * **Complete.**  Once a request arrives at or after end_s no more window requests can come,
+      and once every window request has ended the window is what the whole run would measure:
+      the rest of the run (the conversations' later turns) only happens after them.  `window()`
+      is then exact, request for request `window_goodput` of the whole run.
+    A probe never decided is judged by `window_goodput`.
     """
 
     def __init__(self, slo: SloSpec, target: float, start_s: float, end_s: float, most: int):
         self.slo, self.target, self.start_s, self.end_s, self.most = slo, target, start_s, end_s, most
         self.missed = 0
+        self.arrivals = 0                                 # window requests arrived
+        self.met = 0                                      # of them, ended within the SLO
+        self._open = 0                                    # of them, not ended yet
+        self._past_end = False                            # a request arrived at or after end_s
+        self.complete = False
         self._waiting: deque[RequestResult] = deque()     # window requests by arrival, no verdict yet
         self._late: set[str] = set()                      # counted at their TTFT deadline
 
     def arrived(self, res: RequestResult) -> None:
+        inside = self.start_s <= res.arrival_s < self.end_s
+        if inside:
+            self.arrivals += 1
+            self._open += 1
         ttft, waiting = self.slo.ttft_s, self._waiting
-        if not ttft:                # no TTFT deadline: a request misses only when it ends
-            return
-        while waiting and res.arrival_s - waiting[0].arrival_s > ttft:
-            r = waiting.popleft()
-            if r.ttft_s is None and r.e2e_s is None and r.error is None:
-                self._late.add(r.rid)
-                self._miss()
-        if self.start_s <= res.arrival_s < self.end_s:
-            waiting.append(res)
+        if ttft:                    # without a TTFT deadline a request misses only when it ends
+            while waiting and res.arrival_s - waiting[0].arrival_s > ttft:
+                r = waiting.popleft()
+                if r.ttft_s is None and r.e2e_s is None and r.error is None:
+                    self._late.add(r.rid)
+                    self._miss()
+            if inside:
+                waiting.append(res)
+        if res.arrival_s >= self.end_s:
+            self._past_end = True
+            self._check_complete()
 
     def finished(self, res: RequestResult) -> None:
-        inside = self.start_s <= res.arrival_s < self.end_s
-        if inside and res.rid not in self._late and not meets_slo(res, self.slo):
+        if not self.start_s <= res.arrival_s < self.end_s:
+            return
+        self._open -= 1
+        if meets_slo(res, self.slo):
+            self.met += 1
+        elif res.rid not in self._late:
             self._miss()
+        self._check_complete()
 
     def window(self) -> Window:
+        if self.complete:
+            return Window(self.arrivals, self.met, self.end_s - self.start_s)
         return Window(self.most, self.most - self.missed, self.end_s - self.start_s)
 
     def _miss(self) -> None:
         self.missed += 1
         if (self.most - self.missed) / max(1, self.most) < self.target:
             raise Decided(f"{self.missed} of at most {self.most} window requests missed the SLO")
+
+    def _check_complete(self) -> None:
+        if self._past_end and not self._open:
+            self.complete = True
+            raise Decided(f"all {self.arrivals} window requests have ended")
 
 
 def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:

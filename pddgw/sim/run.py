@@ -117,8 +117,10 @@ def probe_workload(sc: Scenario, rate: float) -> ProbeWorkload:
 
 def run_probe(sc: Scenario, cfg: Config, rate: float) -> tuple[report.Window, RunResult]:
     """One probe (`probe_workload`) simulated on deployment `cfg`: its window and the run.  A probe
-    whose window can no longer reach the SLO's attainment stops there (`report.WindowVerdict`: the
-    same pass or fail as the whole run, the window its bound, `RunResult.decided`)."""
+    stops once its window is settled (`report.WindowVerdict`, `RunResult.decided`): when it can no
+    longer reach the SLO's attainment (the same fail as the whole run, the window its bound), or
+    when every window request has ended (the whole run's window exactly; the conversations'
+    later turns are not simulated)."""
     pw = probe_workload(sc, rate)
     most = sum(len(c.turns) for c in pw.conversations if c.start_s < pw.end_s)
     verdict = report.WindowVerdict(sc.slo, sc.slo.attainment, pw.start_s, pw.end_s, most)

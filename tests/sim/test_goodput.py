@@ -70,15 +70,26 @@ def test_a_probe_measures_the_window_after_the_warm_up_on_the_virtual_clock():
     sc = _tiny(seconds=3.0, warmup_s=1.0, rate_min=0.5, rate_max=4.0, probes=2)
     w, run = goodput_probe(sc, Job("goodput", "same-dc", None), 3.5)
     convs = agentic(dataclasses.replace(sc.workload.agentic, rate=3.5), sc.seed, horizon_s=4.0)
-    # Every conversation started before the horizon plays all its turns; first turns arrive
-    # exactly at their conversation's start, whatever the deployment's speed (open loop).
-    assert len(run.requests) == sum(len(c.turns) for c in convs)
-    firsts = {r.conversation: r.arrival_s for r in run.requests if r.turn == 0}
+    pw = probe_workload(sc, 3.5)
+    assert [c.cid for c in pw.conversations] == [c.cid for c in convs]
+    # The whole run: every conversation started before the horizon plays all its turns; first
+    # turns arrive exactly at their conversation's start, whatever the deployment's speed.
+    cfg = deployment_config(sc, sc.deployment("same-dc"), None)
+    whole = run_virtual(run_deployment(cfg, list(pw.conversations), pw.prefix))
+    assert len(whole.requests) == sum(len(c.turns) for c in convs)
+    firsts = {r.conversation: r.arrival_s for r in whole.requests if r.turn == 0}
     assert firsts == pytest.approx({c.cid: c.start_s for c in convs}, abs=1e-6)
-    inside = [r for r in run.requests if 1.0 <= r.arrival_s < 4.0]
+    inside = [r for r in whole.requests if 1.0 <= r.arrival_s < 4.0]
     assert (w.requests, w.seconds) == (len(inside), 3.0)
     assert w.met == sum(report.meets_slo(r, sc.slo) for r in inside)
     assert w.slo_rps == w.met / 3.0
+    # The probe stopped once a request arrived past the window and every window request had
+    # ended: its requests are the whole run's that ended by then, event for event.
+    assert run.decided and len(run.requests) < len(whole.requests)
+    assert all(r.arrival_s < 4.0 for r in run.requests) and {r.rid for r in inside} <= {r.rid for r in run.requests}
+    same = {r.rid: (r.arrival_s, r.ttft_s, r.e2e_s, r.output_digest) for r in whole.requests}
+    assert [(r.arrival_s, r.ttft_s, r.e2e_s, r.output_digest) for r in run.requests] == [
+        same[r.rid] for r in run.requests]
 
 
 def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch):
@@ -131,6 +142,24 @@ def test_a_window_verdict_settles_exactly_when_the_target_is_out_of_reach():
     assert v.window().attainment == 0.7
 
 
+def test_a_window_verdict_settles_exactly_when_every_window_request_has_ended():
+    slo = SloSpec(ttft_s=1.0, tpot_ms=50.0, attainment=0.5)
+    v = report.WindowVerdict(slo, 0.5, 10.0, 20.0, most=10)
+    early, a, b = _req(0, 9.5, None), _req(1, 10.0, None), _req(2, 19.0, None)
+    for r in (early, a, b):
+        v.arrived(r)
+    a.ttft_s = 0.1
+    v.finished(a)                                           # met
+    v.arrived(_req(3, 20.0, None))                          # past the window; `b` is still open
+    assert not v.complete
+    early.ttft_s = 0.1
+    v.finished(early)                                       # before the window: not counted
+    b.ttft_s, b.tpot_s = 0.2, 0.06
+    with pytest.raises(Decided, match="all 2 window requests have ended"):
+        v.finished(b)                                       # TPOT 60 ms: missed; the window is complete
+    assert v.complete and v.window() == report.Window(2, 1, 10.0)
+
+
 def test_an_overloaded_probe_stops_once_settled_with_the_whole_runs_verdict():
     # 40 req/s into one tiny deployment with a 20 ms TTFT SLO: most of the window misses.
     sc = dataclasses.replace(_tiny(seconds=2.0, warmup_s=1.0, rate_min=1.0, rate_max=40.0, probes=2),
@@ -144,12 +173,14 @@ def test_an_overloaded_probe_stops_once_settled_with_the_whole_runs_verdict():
     assert full.attainment <= w.attainment < 0.9             # the bound, and the same fail
     assert w.requests == sum(len(c.turns) for c in pw.conversations if c.start_s < pw.end_s) >= full.requests
     assert len(run.requests) < len(whole.requests)
-    # A probe that passes (the tiny scenario's own 1 s TTFT SLO) is the whole run, event for event.
+    # A probe that passes (the tiny scenario's own 1 s TTFT SLO) measures the whole run's window
+    # exactly, and stops when its last window request ends: those before are the whole run's.
     sc = dataclasses.replace(sc, slo=load_scenario(TINY).slo)
     w1, run1 = run_probe(sc, cfg, 1.0)
     pw1 = probe_workload(sc, 1.0)
     whole1 = run_virtual(run_deployment(cfg, list(pw1.conversations), pw1.prefix))
-    assert not run1.decided and w1 == report.window_goodput(whole1.requests, sc.slo, pw1.start_s, pw1.end_s)
-    assert w1.attainment == 1.0
-    assert [(r.rid, r.ttft_s, r.e2e_s, r.output_digest) for r in run1.requests] == [
-        (r.rid, r.ttft_s, r.e2e_s, r.output_digest) for r in whole1.requests]
+    assert w1 == report.window_goodput(whole1.requests, sc.slo, pw1.start_s, pw1.end_s)
+    assert w1.attainment == 1.0 and w1.requests > 0
+    same = {r.rid: (r.ttft_s, r.e2e_s, r.output_digest) for r in whole1.requests}
+    assert [(r.ttft_s, r.e2e_s, r.output_digest) for r in run1.requests] == [same[r.rid] for r in run1.requests]
+    assert run1.decided == (len(run1.requests) < len(whole1.requests))

@@ -384,7 +384,8 @@ def test_the_json_report_names_the_winner_and_each_kinds_table(searched):
             rep["winner"]["goodput_offered_rps"]) == ("same-dc", "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.5, 16.0)
     assert rep["winner"]["probes"][1] == {"rate": 16.0, "attainment": 1.0, "simulated": True, "attainment_bound": 1.0,
                                           "arrival_rps": 16.5, "slo_rps": 16.5,
-                                          "achieved_rps": round(memo[best, 16.0][1], 4), "decided_early": False}
+                                          "achieved_rps": round(memo[best, 16.0][1], 4),
+                                          "decided_early": True}     # stopped once its window ended
     assert rep["winner"]["gpus_by_cluster"] == {"A": 3} and rep["winner"]["price_per_hour"] == 9.0
     naive = rep["kinds"]["naive-cross-dc"]
     assert (naive["candidates"], naive["pruned_probes"], len(naive["ranked"])) == (4, 8, 2)
