@@ -10,7 +10,8 @@ a new object, checked afresh by the process that decoded it (nothing checked
 elsewhere is taken on trust).
 
 The memo holds the tuples it keys (an id is unique only while its object
-lives): the last `KEEP` of them.  Short tuples (a decode step's tokens) are
+lives): the last `KEEP` of them, at most `KEEP_TOKENS` ids together (a held
+64K-token prompt is ~2 MB with its int objects).  Short tuples (a decode step's tokens) are
 checked directly and not kept.  Thread-safe (an engine may run on its own
 thread).
 """
@@ -22,11 +23,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 KEEP = 256
+KEEP_TOKENS = 1 << 21
 SHORT = 1024            # shorter sequences are checked directly: cheaper than the lookup's upkeep
 
 Facts = tuple[bool, int, int]        # (every value an int and not a bool, smallest, largest)
 
 _memo: OrderedDict[int, tuple[tuple[int, ...], Facts]] = OrderedDict()
+_tokens = 0                          # ids held by the memo's tuples
 _lock = threading.Lock()
 
 
@@ -48,11 +51,16 @@ def id_facts(values: Sequence[int]) -> Facts:
             _memo.move_to_end(key)
             return hit[1]
     facts = _facts(values)
+    global _tokens
     with _lock:
+        old = _memo.pop(key, None)
+        if old is not None:
+            _tokens -= len(old[0])
         _memo[key] = (values, facts)
-        _memo.move_to_end(key)
-        while len(_memo) > KEEP:
-            _memo.popitem(last=False)
+        _tokens += len(values)
+        while len(_memo) > 1 and (len(_memo) > KEEP or _tokens > KEEP_TOKENS):
+            _, (gone, _) = _memo.popitem(last=False)
+            _tokens -= len(gone)
     return facts
 
 

@@ -14,7 +14,8 @@ Link lifecycle (`LinkState`):
    order: a reply resolves its request; a request runs the handler in its own
    task and its return value is sent back (beyond `max_inflight_requests`
    running at once, a request is answered `Error(code="overloaded")` at
-   once, except a `Cancel`: it frees what the others hold); a message whose request_id has an open stream goes to that stream;
+   once, except a `Cancel`: it frees what the others hold); a message
+   whose request_id has an open stream goes to that stream;
    anything else goes to the handler, one at a time, in arrival order.  A
    `TokenBatch` is split here: each of its items is routed as if it had come
    alone, in order (streams and handlers never see a batch).  Heartbeats run; silence beyond `dead_after_s`

@@ -381,6 +381,7 @@ class Router:
             raise
         finally:
             self.live -= 1
+            self._end_prefill(fl)             # (already given back, unless P was picked and never asked)
             record = fl.tracker.record()
             self.metrics.ended(record, fl.queue_s)
             if fl.background is None:

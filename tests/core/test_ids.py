@@ -39,9 +39,14 @@ def test_a_long_tuple_is_checked_once_and_an_equal_new_one_afresh(monkeypatch):
     assert seen == [ids.SHORT, ids.SHORT, ids.SHORT - 1, ids.SHORT - 1]   # not kept
 
 
-def test_the_memo_keeps_the_last_keep_tuples():
+def test_the_memo_keeps_the_last_keep_tuples_within_keep_tokens(monkeypatch):
     kept = [tuple(range(i, i + ids.SHORT)) for i in range(ids.KEEP + 5)]
     for t in kept:
         ids.in_range(t, 1 << 20)
-    assert len(ids._memo) == ids.KEEP
+    assert len(ids._memo) == ids.KEEP and ids._tokens == ids.KEEP * ids.SHORT
     assert all(ids._memo[id(t)][0] is t for t in kept[5:])
+    monkeypatch.setattr(ids, "KEEP_TOKENS", 3 * ids.SHORT)
+    big = tuple(range(2 * ids.SHORT))
+    ids.in_range(big, 1 << 20)
+    assert list(ids._memo.values())[-1][0] is big and len(ids._memo) == 2      # big and one before it
+    assert ids._tokens == 3 * ids.SHORT
