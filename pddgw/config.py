@@ -168,10 +168,15 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= self.max_num_seqs,
                "max_num_batched_tokens must be >= max_num_seqs")
         _check(self.cpu_threads >= 0, "cpu_threads must be >= 0")
-        _check(1 <= self.stream_interval <= 1024, "stream_interval must be in 1..1024")
+        check_stream_interval(self.stream_interval)
         _check(not self.cuda_graphs or self.device.startswith("cuda"),
                f"cuda_graphs = true needs a CUDA device, not device = {self.device!r} "
                "(set cuda_graphs = false, or device = \"cuda\")")
+
+
+def check_stream_interval(n: int) -> None:
+    """ConfigError unless `n` is a stream interval (engine.stream_interval) in 1..1024."""
+    _check(1 <= n <= 1024, "stream_interval must be in 1..1024")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Back-pressure: requests wait, in order, for KV room on a full decoder (or a P with room).
 
 A decoder refuses to open an import it cannot hold (`capacity`): that is a
-full node, not a lost one (so is a P whose link is full: router.py).  The router then frees what the request holds and
+full node, not a lost one (so is a P running the most prefills the router
+gives it: router.py).  The router then frees what the request holds and
 queues it here; the queue is FIFO and bounded (`server.max_queued_requests`,
 `server.max_queue_wait_s`), and only a request past a bound is refused, with
 an `overloaded` error that names the bound.

@@ -329,6 +329,10 @@ class Router:
         cap = self.cfg.net.max_inflight_requests
         return max(1, cap - cap // 4)
 
+    def _prefills_full(self, limit: int) -> _NoRoom:
+        return _NoRoom(f"every prefill node runs {limit} prefills for this router (three quarters of "
+                       f"net.max_inflight_requests = {self.cfg.net.max_inflight_requests})")
+
     def _start_prefill(self, fl: _Flight, node: NodeHandle) -> None:
         """The request's prefill slot on `node`, taken where P is picked (nothing awaited since
         its room was seen), given back by `_end_prefill`."""
@@ -479,8 +483,7 @@ class Router:
                     if n.role == "prefill" and n.routable and n.name not in fl.excluded]
         full = {n.name for n in routable if n.prefills >= limit}
         if routable and len(full) == len(routable):
-            raise _NoRoom(f"every prefill node runs {limit} prefills for this router (three quarters of "
-                          f"net.max_inflight_requests = {self.cfg.net.max_inflight_requests})")
+            raise self._prefills_full(limit)
         cands = [n for n in routable if n.name not in full]
         if not (pol.prefix_affinity and len(cands) > 1):
             node = self._pick("prefill", fl, full)
@@ -494,8 +497,7 @@ class Router:
         # Others may have filled a P meanwhile.
         asked = [(n, h) for n, h in zip(cands, answers) if h is not None and n.prefills < limit]
         if not asked and any(h is not None for h in answers):
-            raise _NoRoom(f"every prefill node asked runs {limit} prefills for this router (three quarters "
-                          f"of net.max_inflight_requests = {self.cfg.net.max_inflight_requests})")
+            raise self._prefills_full(limit)
         roomy = [a for a in asked if a[0].report().load < pol.affinity_max_load] or asked
 
         def cost(a: tuple[NodeHandle, int]) -> tuple[float, float, str]:

@@ -89,6 +89,11 @@ class RunResult:
     decided: bool = False
 
 
+def served_rps(run: RunResult) -> float:
+    """Requests a run served without an error, per second of it."""
+    return sum(r.error is None for r in run.requests) / run.duration_s
+
+
 class Decided(Exception):
     """Raised by a `Watch` when what the run is for is settled: `run_deployment` stops it there."""
 

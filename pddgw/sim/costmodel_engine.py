@@ -155,11 +155,10 @@ class CostModelEngine(PagedEngine):
         self.busy_s += self.last_cost.seconds
         out: dict[str, Sampled] = {}
         for c in chunks:
-            seq = c.seq
-            if seq.num_computed + c.num_tokens == len(seq.tokens) and not seq.hold:   # `_to_sample`
-                sp = seq.sampling
-                out[seq.request_id] = (self.token_at(sp.seed, seq.num_outputs),
-                                       None if sp.logprobs is None else self._logprobs(sp.logprobs))
+            if self._to_sample(c):
+                seq = c.seq
+                out[seq.request_id] = (self.token_at(seq.sampling.seed, seq.num_outputs),
+                                       self._logprobs(seq.sampling.logprobs))
         return out
 
     def _logprobs(self, k: int | None) -> TokenLogprobs | None:

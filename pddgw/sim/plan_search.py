@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 from pddgw.sim import report
+from pddgw.sim.cluster import served_rps
 from pddgw.sim.plan_bounds import Bound, Demand, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
@@ -148,7 +149,7 @@ def simulate_probe(plan: Plan, cand: Candidate, rate: float) -> tuple[report.Win
     sc = plan.scenario
     cfg = deployment_config(sc, cand.deployment(plan.spec), plan.wan_gbps if cand.kind != "same-dc" else None)
     window, run = run_probe(sc, cfg, rate)
-    return window, sum(r.error is None for r in run.requests) / run.duration_s, run.decided
+    return window, served_rps(run), run.decided
 
 
 def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluation:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pddgw.sim.cluster import Decided, RequestResult, RunResult
+from pddgw.sim.cluster import Decided, RequestResult, RunResult, served_rps
 from pddgw.sim.scenario import SloSpec
 
 
@@ -185,7 +185,7 @@ def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:
         "itl_ms": _pcts(itl, 1000.0, 2),
         "e2e_s": _pcts([r.e2e_s for r in ok if r.e2e_s is not None]),
         "slo_attainment": round(attainment(reqs, slo), 4),
-        "throughput_rps": round(len(ok) / run.duration_s, 4),
+        "throughput_rps": round(served_rps(run), 4),
         # Requests per second that met every SLO, over the whole run (first arrival to last answer).
         "slo_rps": round(sum(meets_slo(r, slo) for r in reqs) / run.duration_s, 4),
         "output_tokens": rld + md,

@@ -24,7 +24,7 @@ from pddgw.config import Config, ConfigError
 from pddgw.logs import setup_logging
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
-from pddgw.sim.cluster import RunResult, run_deployment
+from pddgw.sim.cluster import RunResult, run_deployment, served_rps
 from pddgw.sim.profiles import model as model_profile
 from pddgw.sim.scenario import Scenario, deployment_config, deployment_price, load_scenario
 from pddgw.sim.workload import AgenticSpec, Conversation, agentic, load_trace, shared_prefix
@@ -148,7 +148,7 @@ def run_job(sc: Scenario, job: Job) -> dict[str, Any]:
             w, run = goodput_probe(sc, job, rate)
             walls.append(run.wall_s)
             total += len(run.requests)
-            windows[rate] = (w, sum(r.error is None for r in run.requests) / run.duration_s, run.decided)
+            windows[rate] = (w, served_rps(run), run.decided)
             return w.attainment
 
         offered, points = report.sla_goodput(probe, sc.slo.attainment, g.rate_min, g.rate_max, g.probes)

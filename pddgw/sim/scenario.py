@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Literal
 
 from pddgw.config import (Config, ConfigError, CostModelConfig, EngineConfig, LogConfig, ModelConfig, NetConfig,
-                          NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, load_config, load_toml)
+                          NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, check_stream_interval, load_config,
+                          load_toml)
 from pddgw.core.errors import check as _check
 from pddgw.sim.costmodel_engine import parallel
 from pddgw.sim.model_shape import ModelProfile
@@ -206,7 +207,7 @@ class Scenario:
                "bathtub needs deployment and baseline")
         _check(all(g > 0 for g in self.wan_gbps), "wan_gbps must be > 0")
         _check(self.kv_frame_mb > 0, "kv_frame_mb must be > 0")
-        _check(1 <= self.stream_interval <= 1024, "stream_interval must be in 1..1024")
+        check_stream_interval(self.stream_interval)
 
     @property
     def baseline_name(self) -> str:
