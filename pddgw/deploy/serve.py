@@ -155,6 +155,8 @@ class RouterSide:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        # A drain (graceful shutdown) has let them finish; otherwise they end here, links still up.
+        await self.router.alignments.abandon()
 
 
 def _handle(n: NodeConfig, cfg: Config, link: Link) -> NodeHandle:

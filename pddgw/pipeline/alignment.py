@@ -31,7 +31,10 @@ prefix cache or the next turn misses it all.  For each such request
      at once: counted in `counts["failed"]`, logged (`md_alignment_failed`,
      naming the node), and its cleanup frees what the request holds on the
      nodes still reachable.  Nothing waits for the timeout to clean up.
-Each alignment runs as one task owned by the registry; `drain` waits for all.
+Each alignment runs as one task owned by the registry; `drain` waits for all
+(a graceful shutdown), `abandon` ends all while the links are still up (a
+router stopping without a drain, or a goodput probe settled early: the
+closing links would otherwise fail each one as a lost node).
 """
 
 from __future__ import annotations
@@ -148,6 +151,18 @@ class Alignments:
                 self.counts["superseded"] += 1
                 dropped.append(pend.rid)
         return tuple(dropped)
+
+    async def abandon(self) -> int:
+        """The router is stopping without a drain: end every pending alignment now (each one's
+        cleanup still runs, on links that are still up) instead of letting the links' closing
+        fail them one by one as lost nodes; -> how many were ended."""
+        pending = [p for p in self._pending.values() if not p.task.done()]
+        for pend in pending:
+            self._drop(pend)
+        await asyncio.gather(*(p.task for p in pending), return_exceptions=True)
+        if pending:
+            log.info("md_alignments_abandoned", count=len(pending))
+        return len(pending)
 
     async def drain(self) -> None:
         while self._pending:

@@ -38,6 +38,12 @@ class Job:
     wan_gbps: float | None
     hit: float | None = None      # bathtub point
 
+    @property
+    def label(self) -> str:
+        """How the job reads in progress lines and the wall-time table."""
+        return (f"{self.kind} {self.deployment}" + (f" @ {self.wan_gbps:g} Gbps" if self.wan_gbps else "")
+                + (f" hit {self.hit}" if self.hit is not None else ""))
+
 
 def _workload(sc: Scenario, rate: float | None = None, requests: int | None = None,
               hit: float | None = None, horizon_s: float | None = None
@@ -135,8 +141,10 @@ def goodput_probe(sc: Scenario, job: Job, rate: float) -> tuple[report.Window, R
     return run_probe(sc, deployment_config(sc, sc.deployment(job.deployment), job.wan_gbps), rate)
 
 
-def run_job(sc: Scenario, job: Job) -> dict[str, Any]:
-    """One job -> its JSON-able result (plus `_ttft`/`_wall_s`, kept out of the report)."""
+def run_job(sc: Scenario, job: Job, progress: bool = False) -> dict[str, Any]:
+    """One job -> its JSON-able result (plus `_ttft`/`_wall_s`, kept out of the report).  With
+    `progress`, each goodput probe prints one line to stderr as it ends (a search of the paper
+    scenario runs for minutes per deployment; the line says where that time goes)."""
     if job.kind == "goodput":
         g = sc.goodput
         walls: list[float] = []
@@ -149,6 +157,11 @@ def run_job(sc: Scenario, job: Job) -> dict[str, Any]:
             walls.append(run.wall_s)
             total += len(run.requests)
             windows[rate] = (w, served_rps(run), run.decided)
+            if progress:
+                print(f"pddgw sim: {job.label}: probe {len(walls)} of at most {g.probes} at {rate:.4g} req/s: "
+                      f"attainment {w.attainment:.3f} of {w.requests} window requests"
+                      f"{' (settled early)' if run.decided else ''}; {len(run.requests)} requests simulated "
+                      f"in {run.wall_s:.1f} s", file=sys.stderr, flush=True)
             return w.attainment
 
         offered, points = report.sla_goodput(probe, sc.slo.attainment, g.rate_min, g.rate_max, g.probes)
@@ -190,22 +203,23 @@ def init_worker() -> None:
 
 
 def simulate(sc: Scenario, jobs: int = 1, progress: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run every job of the scenario -> (report, private: wall-clock figures and TTFT samples)."""
+    """Run every job of the scenario -> (report, private: wall-clock figures and TTFT samples).
+    With `progress`, stderr gets a line per goodput probe and, on a terminal, a bar of jobs."""
     todo = _jobs(sc)
     wall0 = time.perf_counter()
     results: dict[Job, dict[str, Any]] = {}
     bar = None
-    if progress:
+    if progress and sys.stderr.isatty():
         from tqdm import tqdm
         bar = tqdm(total=len(todo), desc=f"pddgw sim {sc.name}", unit="job", file=sys.stderr)
     if jobs <= 1:
         for job in todo:
-            results[job] = run_job(sc, job)
+            results[job] = run_job(sc, job, progress)
             if bar is not None:
                 bar.update()
     else:
         with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
-            futures = {pool.submit(run_job, sc, job): job for job in todo}
+            futures = {pool.submit(run_job, sc, job, progress): job for job in todo}
             for fut in concurrent.futures.as_completed(futures):
                 results[futures[fut]] = fut.result()
                 if bar is not None:
@@ -214,9 +228,7 @@ def simulate(sc: Scenario, jobs: int = 1, progress: bool = False) -> tuple[dict[
         bar.close()
     wall = time.perf_counter() - wall0
     simulated = sum(r["_requests"] for r in results.values())
-    runs = [(f"{j.kind} {j.deployment}" + (f" @ {j.wan_gbps:g} Gbps" if j.wan_gbps else "")
-             + (f" hit {j.hit}" if j.hit is not None else ""), r.pop("_requests"), round(r.pop("_wall_s"), 1))
-            for j, r in results.items()]
+    runs = [(j.label, r.pop("_requests"), round(r.pop("_wall_s"), 1)) for j, r in results.items()]
     private = {"wall_s": round(wall, 2), "simulated_requests": simulated,
                "sim_requests_per_wall_s": round(simulated / max(wall, 1e-9), 1), "runs": runs, "ttft": {}}
     return _assemble(sc, results, private), private
@@ -382,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"pddgw sim: {e}", file=sys.stderr)
         return 2
-    rep, private = simulate(sc, max(1, args.jobs), progress=sys.stderr.isatty())
+    rep, private = simulate(sc, max(1, args.jobs), progress=True)
     print(f"pddgw sim: {private['simulated_requests']} requests simulated in {private['wall_s']} s of wall "
           f"time ({private['sim_requests_per_wall_s']} requests per wall-clock second)", file=sys.stderr)
     if args.plots:

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
@@ -92,7 +93,7 @@ def test_a_probe_measures_the_window_after_the_warm_up_on_the_virtual_clock():
         same[r.rid] for r in run.requests]
 
 
-def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch):
+def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch, capsys):
     # A stand-in deployment that meets the SLO for 95 % of requests up to 2 req/s offered and
     # for half of them above: the search offers 1, 4 (fails), 2 (passes); goodput = 2's window.
     sc = _tiny(seconds=10.0, warmup_s=5.0, rate_min=1.0, rate_max=4.0, probes=3)
@@ -111,7 +112,13 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
         return report.Window(n, met, 10.0), FakeRun(rate)
 
     monkeypatch.setattr(sim_run, "goodput_probe", fake_probe)
-    out = run_job(sc, Job("goodput", "same-dc", None))
+    out = run_job(sc, Job("goodput", "same-dc", None), progress=True)
+    # One line per probe as it ends, on stderr (the JSON report stays free of wall-clock figures).
+    assert capsys.readouterr().err.splitlines() == [
+        f"pddgw sim: goodput same-dc: probe {i} of at most 3 at {r:g} req/s: attainment {a} of {n} window "
+        f"requests{early}; {k} requests simulated in 0.0 s"
+        for i, r, a, n, early, k in ((1, 1, "1.000", 10, "", 15), (2, 4, "0.500", 40, " (settled early)", 60),
+                                     (3, 2, "0.950", 20, "", 30))]
     assert [p["rate"] for p in out["probes"]] == [1.0, 4.0, 2.0]
     assert [p["attainment"] for p in out["probes"]] == [1.0, 0.5, 0.95]
     # At 2 req/s offered, 20 arrivals in 10 s, 19 within SLO: 1.9 requests per second.
@@ -184,3 +191,18 @@ def test_an_overloaded_probe_stops_once_settled_with_the_whole_runs_verdict():
     same = {r.rid: (r.ttft_s, r.e2e_s, r.output_digest) for r in whole1.requests}
     assert [(r.ttft_s, r.e2e_s, r.output_digest) for r in run1.requests] == [same[r.rid] for r in run1.requests]
     assert run1.decided == (len(run1.requests) < len(whole1.requests))
+
+
+def test_a_probe_settled_early_ends_its_pending_alignments_without_failing_them():
+    # At 8 req/s the tiny PDD deployment's probe settles while MD alignments are still moving
+    # KV; the run stops there.  Its links were up: stopping ends those alignments (each one's
+    # cleanup run), instead of the closing links failing each as a lost node.
+    sc = _tiny(seconds=20.0, warmup_s=10.0, rate_min=0.5, rate_max=8.0, probes=2)
+    with capture_logs() as logs:
+        w, run = goodput_probe(sc, Job("goodput", "pdd", 1.0), 8.0)
+    assert run.decided and run.alignments["started"] > run.alignments["completed"]
+    events = [e["event"] for e in logs]
+    assert "md_alignment_failed" not in events and "node_lost" not in events
+    abandoned = [e["count"] for e in logs if e["event"] == "md_alignments_abandoned"]
+    assert abandoned == [run.alignments["started"] - run.alignments["completed"] - run.alignments["superseded"]
+                         - run.alignments["failed"] - run.alignments["shed"]]
