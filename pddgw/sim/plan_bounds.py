@@ -1,7 +1,7 @@
 """The roofline's verdict on a candidate at a rate: which side cannot keep up, without simulating.
 
 A probe offers the workload at a rate: `pddgw sim`'s goodput probe
-(`run.probe_workload`: open-loop conversations over warm-up + window, or a
+(`probe.probe_workload`: open-loop conversations over warm-up + window, or a
 trace's head scaled to the rate), whose attainment counts the requests
 that arrive in its window [W0, W1).  Its demand (`Demand`) is what each of
 its requests asks of a deployment, counted as low as it can be:
@@ -66,8 +66,8 @@ from pddgw.sim.costmodel_engine import parallel
 from pddgw.sim.plan_space import Candidate, Plan
 from pddgw.sim.profiles import ModelProfile, hardware
 from pddgw.sim.roofline import SeqWork, step_cost
-from pddgw.sim.scenario import NodeGroup, Scenario, group_fit
-from pddgw.sim.run import probe_workload
+from pddgw.sim.scenario import DeploymentSpec, NodeGroup, Scenario, group_fit
+from pddgw.sim.probe import probe_workload
 from pddgw.sim.workload import Conversation
 
 
@@ -160,7 +160,7 @@ def _turn_budget_s(sc: Scenario, out: int) -> float:
 
 
 def demand(sc: Scenario, rate: float) -> Demand:
-    """The demand of `pddgw sim`'s goodput probe at `rate` (`run.probe_workload`)."""
+    """The demand of `pddgw sim`'s goodput probe at `rate` (`probe.probe_workload`)."""
     pw = probe_workload(sc, rate)
     convs = list(pw.conversations)
     early: list[float] = []
@@ -230,8 +230,12 @@ def wan_bytes_per_s(sc: Scenario, wan_gbps: float | None, cand: Candidate) -> fl
     gbps = wan_gbps if wan_gbps is not None else (link.gbps or (max(g for _, g in link.trace) if link.trace else 0))
     if not gbps:
         return math.inf                     # unshaped: no WAN limit to bound by
-    pipes = 1 if link.shared else cand.group("prefill").count * cand.group("md").count
+    pipes = 1 if link.shared else _count(cand, "prefill") * _count(cand, "md")
     return gbps * 1e9 / 8 * pipes
+
+
+def _count(cand: Candidate, role: str) -> int:
+    return sum(g.count for g in cand.groups if g.role == role)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,8 +250,25 @@ class _Sides:
     latency: bool                        # no request with >= 2 output tokens meets the TPOT SLO
 
 
-def _sides(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> _Sides:
-    p = cand.group("prefill")
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """What a bound reads besides the candidate: the scenario (links, SLOs), the WAN the
+    candidate runs at (None: its links as configured) and each RLD instance's relay slots."""
+
+    scenario: Scenario
+    wan_gbps: float | None
+    rld_max_relays: int
+
+    @staticmethod
+    def of(plan: Plan, cand: Candidate) -> Setting:
+        return Setting(plan.scenario, plan.wan_gbps, cand.policy(plan.spec).rld_max_relays)
+
+
+def _sides(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> _Sides:
+    # A planner's candidate has one group per role; a scenario's deployment may have several
+    # (`deployment_bound`): each side sums its groups, and a relay lasts its fastest RLD's steps.
+    at = plan if isinstance(plan, Setting) else Setting.of(plan, cand)
+    prefills = [g for g in cand.groups if g.role == "prefill"]
     decoders = [g for g in cand.groups if g.role in ("md", "rld")]
     ctx = min(d.prompt)
     fastest = min(decode_step_s(prof, g, 1, ctx) for g in decoders)
@@ -255,14 +276,14 @@ def _sides(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> _Sides
     if cand.kind != "same-dc":
         missing = d.prompt if cand.kind == "naive-cross-dc" else d.uncached
         per_token = prof.kv_bytes_per_token
-        wan = (wan_bytes_per_s(plan.scenario, plan.wan_gbps, cand), [m * per_token for m in missing])
-        rld = cand.group("rld")
-        if rld is not None:
-            relay = (rld.count * cand.policy(plan.spec).rld_max_relays,
-                     (min(d.output) - 1) * decode_step_s(prof, rld, 1, ctx))
-    tpot = plan.scenario.slo.tpot_ms
+        wan = (wan_bytes_per_s(at.scenario, at.wan_gbps, cand), [m * per_token for m in missing])
+        rlds = [g for g in cand.groups if g.role == "rld"]
+        if rlds:
+            relay = (_count(cand, "rld") * at.rld_max_relays,
+                     (min(d.output) - 1) * min(decode_step_s(prof, g, 1, ctx) for g in rlds))
+    tpot = at.scenario.slo.tpot_ms
     return _Sides(
-        prefill=(p.count * prefill_tokens_per_s(prof, p), [float(x) for x in d.uncached]),
+        prefill=(sum(g.count * prefill_tokens_per_s(prof, g) for g in prefills), [float(x) for x in d.uncached]),
         decode=(sum(g.count * decode_tokens_per_s(prof, g, ctx) for g in decoders), [o - 1.0 for o in d.output]),
         kv=(sum(g.count * _kv_tokens(prof, g) for g in decoders),
             [c * (o - 1) * fastest for c, o in zip(d.prompt, d.output)]),
@@ -270,7 +291,7 @@ def _sides(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> _Sides
         latency=bool(tpot) and min(d.output) >= 2 and fastest * 1000.0 > tpot)
 
 
-def capacity(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> Bound:
+def capacity(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> Bound:
     """Requests per second each side of `cand` carries in the steady state for the workload of `d`."""
     s = _sides(plan, prof, cand, d)
 
@@ -298,17 +319,18 @@ def _fit(budget: float, uses: list[float]) -> int:
     return n
 
 
-def met_bound(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> int:
+def met_bound(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> int:
     """The most of the window's requests that can meet every SLO (module docstring)."""
     s = _sides(plan, prof, cand, d)
     if s.latency:
         return 0
-    slo = plan.scenario.slo
+    sc = plan.scenario
+    slo = sc.slo
     idx = d.maybe
     if not idx:
         return 0
     first = d.seconds + (slo.ttft_s or slo.e2e_s or math.inf)
-    whole = d.seconds + _turn_budget_s(plan.scenario, max(d.output[i] for i in idx))
+    whole = d.seconds + _turn_budget_s(sc, max(d.output[i] for i in idx))
 
     def fit(budget: float, uses: list[float]) -> int:
         return _fit(budget, [uses[i] for i in idx])
@@ -324,13 +346,38 @@ def met_bound(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> int
     return min(min(counts), len(idx))
 
 
-def attainment_bound(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
+def attainment_bound(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
     """An upper bound on the share of the window's requests that can meet every SLO: met_bound
     over the requests surely in the window (1.0 when none surely is: nothing to bound by)."""
     surely = d.surely
     return 1.0 if not surely else min(1.0, met_bound(plan, prof, cand, d) / surely)
 
 
-def slo_rps_bound(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
+def slo_rps_bound(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
     """An upper bound on the probe's requests per second within SLO (its goodput)."""
     return met_bound(plan, prof, cand, d) / d.seconds
+
+
+def deployment_bound(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None) -> Candidate | None:
+    """A scenario's deployment as a candidate the bounds can read (`pddgw sim` prunes its goodput
+    probes with them, as `pddgw plan` does); None where the bounds do not hold for it: a
+    deployment from a config file, roles beyond prefill/md/rld, or a forced pipeline other than
+    the one its kind runs (the bounds count P-MD for same-DC and naive, relays for PDD)."""
+    if dep.config or not dep.nodes or {g.role for g in dep.nodes} - {"prefill", "md", "rld"}:
+        return None
+    roles = {g.role for g in dep.nodes}
+    if "prefill" not in roles or "md" not in roles:
+        return None
+    pipeline = dep.policy.pipeline
+    if "rld" in roles:
+        kind = "pdd"
+        if pipeline != "auto" or not sc.uses_wan(dep):
+            return None
+    elif not sc.uses_wan(dep):
+        kind = "same-dc"
+    else:
+        # Naive counts every prompt's KV across; an MD with a prefix cache lacks only the uncached.
+        kind = "naive-cross-dc" if not any(g.prefix_cache for g in dep.nodes if g.role == "md") else "pdd"
+    if pipeline not in ("auto", "P-MD") or (kind == "pdd" and "rld" not in roles and pipeline != "P-MD"):
+        return None
+    return Candidate(kind, dep.nodes)

@@ -15,7 +15,7 @@ Lifecycle of one kind's search (`search_kind`):
      to the bound's is an upper bound on the goodput.
   3. Order the candidates by bound per USD, best first, and evaluate them
      in that order: the real bisection, each probe `pddgw sim`'s goodput
-     probe (`run.run_probe`: open-loop conversations, the window's
+     probe (`probe.run_probe`: open-loop conversations, the window's
      requests counted) simulated on the virtual clock (`pddgw sim`'s
      deployment, engines and control plane) unless the roofline prunes its
      rate.  The goodput is `pddgw sim`'s: the window's requests per second
@@ -42,7 +42,8 @@ from pddgw.sim.cluster import served_rps
 from pddgw.sim.plan_bounds import Bound, Demand, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
-from pddgw.sim.run import init_worker, run_probe
+from pddgw.sim.probe import run_probe
+from pddgw.sim.run import init_worker
 from pddgw.sim.scenario import deployment_config
 
 
@@ -53,7 +54,7 @@ class Probe:
     window: report.Window | None         # None: not simulated (the roofline pruned the rate)
     achieved_rps: float | None           # requests served per second over the run
     attainment_bound: float              # the roofline's bound on its attainment (plan_bounds)
-    # Stopped once settled (`run.run_probe`): out of reach (attainment and window are bounds)
+    # Stopped once settled (`probe.run_probe`): out of reach (attainment and window are bounds)
     # or every window request ended (exact).
     decided: bool = False
 

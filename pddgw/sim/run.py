@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import functools
 import sys
 import time
 from pathlib import Path
@@ -20,11 +19,13 @@ from typing import Any
 
 import orjson
 
-from pddgw.config import Config, ConfigError
+from pddgw.config import ConfigError
 from pddgw.logs import setup_logging
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import RunResult, run_deployment, served_rps
+from pddgw.sim.plan_bounds import Setting, attainment_bound, demand, deployment_bound
+from pddgw.sim.probe import run_probe
 from pddgw.sim.profiles import model as model_profile
 from pddgw.sim.scenario import Scenario, deployment_config, deployment_price, load_scenario
 from pddgw.sim.workload import AgenticSpec, Conversation, agentic, load_trace, shared_prefix
@@ -72,73 +73,55 @@ def _simulate(sc: Scenario, job: Job, rate: float | None = None, requests: int |
     return run_virtual(run_deployment(cfg, convs, prefix))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ProbeWorkload:
-    """One SLA-goodput probe: its conversations and the window [start_s, end_s) of arrivals it
-    measures.  The one definition of a probe: `pddgw sim`'s goodput search and `pddgw plan`'s
-    (simulated, and bounded by the roofline in plan_bounds) both take it from `probe_workload`."""
-
-    conversations: tuple[Conversation, ...]
-    prefix: tuple[int, ...]
-    start_s: float
-    end_s: float
-
-    @property
-    def seconds(self) -> float:
-        return self.end_s - self.start_s
-
-
-@functools.lru_cache(maxsize=16)
-def _trace_head(path: str, limit: int, output_cap: int, seed: int) -> tuple[Conversation, ...]:
-    # A search probes many rates of one trace: its records are read once per request count.
-    return tuple(load_trace(path, limit, output_cap=output_cap, seed=seed))
-
-
-def probe_workload(sc: Scenario, rate: float) -> ProbeWorkload:
-    """The workload of one goodput probe at `rate` offered requests per second.
-
-    Agentic: conversations arrive open-loop at rate / mean turns for warmup_s + seconds, every
-    one plays all its turns, and the window is the arrivals of the last `seconds`.  A trace:
-    its first rate x seconds requests (at least min_requests, at most the trace's `requests`
-    when set) with their timestamps scaled so that they arrive at `rate` on average; the
-    window holds every one of them: [0, n / rate), n / rate seconds for n requests."""
-    g = sc.goodput
-    wl = sc.workload
-    if wl.kind == "agentic":
-        spec = dataclasses.replace(wl.agentic, rate=rate)
-        convs = agentic(spec, sc.seed, g.warmup_s + g.seconds)
-        return ProbeWorkload(tuple(convs), shared_prefix(spec.shared_prefix_tokens, sc.seed),
-                             g.warmup_s, g.warmup_s + g.seconds)
-    t = wl.trace
-    n = g.requests(rate)
-    head = _trace_head(t.path, min(n, t.requests) if t.requests else n, t.output_cap, sc.seed)
-    if not head:
-        raise ValueError(f"trace {t.path}: no requests to probe")
-    span = head[-1].start_s - head[0].start_s
-    # seconds per unit of recorded time: the n - 1 gaps of the head take (n - 1) / rate seconds.
-    scale = (len(head) - 1) / rate / span if span > 0 else 0.0
-    convs = tuple(dataclasses.replace(c, start_s=(c.start_s - head[0].start_s) * scale) for c in head)
-    return ProbeWorkload(convs, (), 0.0, len(head) / rate)
-
-
-def run_probe(sc: Scenario, cfg: Config, rate: float) -> tuple[report.Window, RunResult]:
-    """One probe (`probe_workload`) simulated on deployment `cfg`: its window and the run.  A probe
-    stops once its window is settled (`report.WindowVerdict`, `RunResult.decided`): when it can no
-    longer reach the SLO's attainment (the same fail as the whole run, the window its bound), or
-    when every window request has ended (the whole run's window exactly; the conversations'
-    later turns are not simulated)."""
-    pw = probe_workload(sc, rate)
-    most = sum(len(c.turns) for c in pw.conversations if c.start_s < pw.end_s)
-    verdict = report.WindowVerdict(sc.slo, sc.slo.attainment, pw.start_s, pw.end_s, most)
-    run = run_virtual(run_deployment(cfg, list(pw.conversations), pw.prefix, watch=verdict))
-    if run.decided:
-        return verdict.window(), run
-    return report.window_goodput(run.requests, sc.slo, pw.start_s, pw.end_s), run
-
-
 def goodput_probe(sc: Scenario, job: Job, rate: float) -> tuple[report.Window, RunResult]:
     """One probe of the SLA-goodput search of a scenario's deployment (`run_probe`)."""
     return run_probe(sc, deployment_config(sc, sc.deployment(job.deployment), job.wan_gbps), rate)
+
+
+def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
+    """The SLA-goodput bisection of one deployment.  A probe the roofline proves out of reach
+    (`plan_bounds.attainment_bound` below the target, as `pddgw plan` prunes) is not simulated
+    and fails: the search takes the branch the simulation would, since a simulated probe's
+    attainment never exceeds that bound."""
+    g = sc.goodput
+    dep = sc.deployment(job.deployment)
+    cand = deployment_bound(sc, dep, job.wan_gbps)
+    at = Setting(sc, job.wan_gbps, dep.policy.rld_max_relays)
+    prof = model_profile(sc.model)
+    walls: list[float] = []
+    probes: dict[float, dict[str, Any]] = {}
+    total = 0
+
+    def say(rate: float, what: str) -> None:
+        if progress:
+            print(f"pddgw sim: {job.label}: probe {len(probes)} of at most {g.probes} at {rate:.4g} req/s: {what}",
+                  file=sys.stderr, flush=True)
+
+    def probe(rate: float) -> float:
+        nonlocal total
+        bound = attainment_bound(at, prof, cand, demand(sc, rate)) if cand is not None else 1.0
+        if bound < sc.slo.attainment:
+            probes[rate] = {"simulated": False, "attainment_bound": round(bound, 4)}
+            say(rate, f"not simulated: the roofline bounds its attainment at {bound:.3f}")
+            return 0.0
+        w, run = goodput_probe(sc, job, rate)
+        walls.append(run.wall_s)
+        total += len(run.requests)
+        probes[rate] = {"simulated": True, "attainment_bound": round(bound, 4),
+                        "arrival_rps": round(w.arrival_rps, 4), "slo_rps": round(w.slo_rps, 4),
+                        "achieved_rps": round(served_rps(run), 4), "decided_early": run.decided,
+                        "_slo_rps": w.slo_rps}
+        say(rate, f"attainment {w.attainment:.3f} of {w.requests} window requests"
+                  f"{' (settled early)' if run.decided else ''}; {len(run.requests)} requests simulated "
+                  f"in {run.wall_s:.1f} s")
+        return w.attainment
+
+    offered, points = report.sla_goodput(probe, sc.slo.attainment, g.rate_min, g.rate_max, g.probes)
+    best = probes[offered]["_slo_rps"] if offered else 0.0
+    return {"goodput_rps": round(best, 4), "goodput_offered_rps": round(offered, 4),
+            "probes": [{"rate": round(r, 4), "attainment": round(a, 4),
+                        **{k: v for k, v in probes[r].items() if not k.startswith("_")}} for r, a in points],
+            "_wall_s": sum(walls), "_requests": total}
 
 
 def run_job(sc: Scenario, job: Job, progress: bool = False) -> dict[str, Any]:
@@ -146,34 +129,7 @@ def run_job(sc: Scenario, job: Job, progress: bool = False) -> dict[str, Any]:
     `progress`, each goodput probe prints one line to stderr as it ends (a search of the paper
     scenario runs for minutes per deployment; the line says where that time goes)."""
     if job.kind == "goodput":
-        g = sc.goodput
-        walls: list[float] = []
-        windows: dict[float, tuple[report.Window, float]] = {}
-        total = 0
-
-        def probe(rate: float) -> float:
-            nonlocal total
-            w, run = goodput_probe(sc, job, rate)
-            walls.append(run.wall_s)
-            total += len(run.requests)
-            windows[rate] = (w, served_rps(run), run.decided)
-            if progress:
-                print(f"pddgw sim: {job.label}: probe {len(walls)} of at most {g.probes} at {rate:.4g} req/s: "
-                      f"attainment {w.attainment:.3f} of {w.requests} window requests"
-                      f"{' (settled early)' if run.decided else ''}; {len(run.requests)} requests simulated "
-                      f"in {run.wall_s:.1f} s", file=sys.stderr, flush=True)
-            return w.attainment
-
-        offered, points = report.sla_goodput(probe, sc.slo.attainment, g.rate_min, g.rate_max, g.probes)
-        best = windows.get(offered) if offered else None
-        return {"goodput_rps": round(best[0].slo_rps, 4) if best else 0.0,
-                "goodput_offered_rps": round(offered, 4),
-                "probes": [{"rate": round(r, 4), "attainment": round(a, 4),
-                            "arrival_rps": round(windows[r][0].arrival_rps, 4),
-                            "slo_rps": round(windows[r][0].slo_rps, 4),
-                            "achieved_rps": round(windows[r][1], 4), "decided_early": windows[r][2]}
-                           for r, a in points],
-                "_wall_s": sum(walls), "_requests": total}
+        return _goodput_job(sc, job, progress)
     if job.kind == "bathtub":
         run = _simulate(sc, job, sc.bathtub.rate, sc.bathtub.requests)
     else:

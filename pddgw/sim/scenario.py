@@ -124,7 +124,7 @@ class SloSpec:
 class GoodputSpec:
     """Search of SLA goodput per deployment: bisection over offered request rates.
 
-    One probe (pddgw.sim.run.probe_workload, the planner's too): agentic
+    One probe (pddgw.sim.probe.probe_workload, the planner's too): agentic
     conversations arrive open-loop at `rate / mean turns` for `warmup_s +
     seconds`, each plays all its turns closed-loop (think time after each
     answer), and the requests that arrive in the last `seconds` are measured;

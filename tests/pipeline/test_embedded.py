@@ -117,12 +117,16 @@ async def test_a_stream_interval_sends_tokens_in_runs_and_keeps_every_path_exact
     at = tl["handoff_position"]
     assert tl["pipeline"] == "P-RLD-MD" and 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
     sizes = [(d["pddgw"]["role"], len(d["pddgw"]["token_ids"])) for d in r.deltas]
-    # P's first token alone; then each decoder's first token alone, runs of five, and its last.
+    # P's first token alone; then each decoder's first token alone, runs of five, and what is
+    # left at its end (RLD: its freeze).  Where the handoff falls is the WAN's timing, so the
+    # pattern is pinned from each side's count; one side holds >= 101 of the 202 tokens.
     assert sizes[0] == ("rld", 1)
-    for role in ("rld", "md"):
-        mine = [k for rl, k in sizes[1:] if rl == role]
-        assert len(mine) >= 3 and mine[0] == 1 and all(k == 5 for k in mine[1:-1]) and 1 <= mine[-1] <= 5, \
-            (role, mine)
+    runs = {}
+    for role, count in (("rld", at - 1), ("md", n - at)):
+        runs[role] = [k for rl, k in sizes[1:] if rl == role]
+        assert runs[role] == [1] + [5] * ((count - 1) // 5) + ([(count - 1) % 5] if (count - 1) % 5 else []), \
+            (role, runs[role])
+    assert max(len(r) for r in runs.values()) >= 21
     assert sum(k for _, k in sizes) == n
 
 

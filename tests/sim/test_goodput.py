@@ -11,7 +11,10 @@ from structlog.testing import capture_logs
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import Decided, RequestResult, run_deployment
-from pddgw.sim.run import Job, goodput_probe, probe_workload, run_job, run_probe
+from pddgw.sim.probe import probe_workload, run_probe
+from pddgw.sim.run import Job, goodput_probe, run_job
+from pddgw.sim.plan_bounds import Setting, capacity, demand, deployment_bound, met_bound
+from pddgw.sim.profiles import model
 from pddgw.sim.scenario import GoodputSpec, SloSpec, deployment_config, load_scenario
 from pddgw.sim.workload import AgenticSpec, agentic
 
@@ -206,3 +209,47 @@ def test_a_probe_settled_early_ends_its_pending_alignments_without_failing_them(
     abandoned = [e["count"] for e in logs if e["event"] == "md_alignments_abandoned"]
     assert abandoned == [run.alignments["started"] - run.alignments["completed"] - run.alignments["superseded"]
                          - run.alignments["failed"] - run.alignments["shed"]]
+
+
+def test_the_roofline_prunes_a_probe_out_of_reach_and_the_search_ends_where_it_would(monkeypatch):
+    # Tiny PDD at 1 Gbps: at 512 req/s the WAN and RLD's relay slots bound the window's
+    # attainment at 0.689 (plan_bounds.met_bound: 0.689 of the window fits), under the 0.9 target, so the
+    # probe is not simulated; the search takes the branch the simulation takes, to the same goodput.
+    from pddgw.sim import run as sim_run
+    sc = _tiny(seconds=4.0, warmup_s=1.0, rate_min=0.5, rate_max=512.0, probes=3)
+    job = Job("goodput", "pdd", 1.0)
+    pruned = run_job(sc, job)
+    assert [(p["rate"], p["simulated"]) for p in pruned["probes"]] == [(0.5, True), (512.0, False), (16.0, True)]
+    assert pruned["probes"][1] == {"rate": 512.0, "attainment": 0.0, "simulated": False, "attainment_bound": 0.689}
+    monkeypatch.setattr(sim_run, "deployment_bound", lambda *a: None)      # every probe simulated
+    whole = run_job(sc, job)
+    # Simulated, it fails too (settled early: its attainment is then the verdict's bound).
+    assert whole["probes"][1]["simulated"] and whole["probes"][1]["attainment"] < 0.9
+    assert (whole["goodput_rps"], whole["goodput_offered_rps"]) == (pruned["goodput_rps"], pruned["goodput_offered_rps"])
+    for a, b in zip(pruned["probes"][::2], whole["probes"][::2]):
+        assert {**a, "attainment_bound": 1.0} == {**b, "attainment_bound": 1.0}
+    assert pruned["_requests"] < whole["_requests"]
+
+
+def test_a_scenario_deployment_is_bounded_as_its_kind_or_not_at_all():
+    sc = load_scenario(Path(__file__).parents[2] / "scenarios" / "paper.toml")
+    kinds = {d.name: getattr(deployment_bound(sc, d, 10.0), "kind", None) for d in sc.deployments}
+    assert kinds == {"same-dc-pd": "same-dc", "naive-cross-dc": "naive-cross-dc", "pdd": "pdd"}
+    # Groups of one role add up (naive's P is 27 + 16 GPUs of H100).
+    naive = deployment_bound(sc, sc.deployment("naive-cross-dc"), 10.0)
+    assert [g.data_parallel for g in naive.groups if g.role == "prefill"] == [27, 16]
+    # Two groups of one instance bound as one group of two, side by side.
+    tiny = load_scenario(TINY)
+    dep = tiny.deployment("pdd")
+    p, rld, md = dep.nodes
+    two = dataclasses.replace(dep, nodes=(dataclasses.replace(p, count=2), rld, md))
+    split = dataclasses.replace(dep, nodes=(p, rld, p, md))
+    at, prof, d = Setting(tiny, 1.0, dep.policy.rld_max_relays), model(tiny.model), demand(tiny, 64.0)
+    assert (capacity(at, prof, deployment_bound(tiny, split, 1.0), d).sides
+            == capacity(at, prof, deployment_bound(tiny, two, 1.0), d).sides)
+    assert (met_bound(at, prof, deployment_bound(tiny, split, 1.0), d)
+            == met_bound(at, prof, deployment_bound(tiny, two, 1.0), d))
+    pdd = sc.deployment("pdd")
+    for pipeline in ("P-RLD", "P-RLD-MD", "P-MD"):
+        forced = dataclasses.replace(pdd, policy=dataclasses.replace(pdd.policy, pipeline=pipeline))
+        assert deployment_bound(sc, forced, 10.0) is None

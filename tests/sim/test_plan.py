@@ -18,7 +18,8 @@ from pddgw.sim.plan_search import bisection_rates
 from pddgw.sim.plan_space import candidates, load_plan
 from pddgw.sim.plan_write import config_toml, serve_config
 from pddgw.sim.profiles import model
-from pddgw.sim.run import Job, goodput_probe, probe_workload
+from pddgw.sim.probe import probe_workload
+from pddgw.sim.run import Job, goodput_probe
 from pddgw.sim.scenario import NodeGroup, load_scenario
 
 HERE = Path(__file__).parent
