@@ -96,7 +96,8 @@ class WindowVerdict:
     Two ways, each raising `cluster.Decided` (the run stops there, nothing after it counts):
 
     * **Out of reach.**  `most` bounds the requests that can arrive in [start_s, end_s) (every
-      turn of every conversation that starts before end_s).  A window request has missed once
+      turn of every conversation that starts before end_s, less each one that has arrived
+      outside the window: the warm-up's, and those after it).  A window request has missed once
       it ended outside the SLO, or once a later arrival finds it past its TTFT deadline without
       a first token.  With `missed` such requests the window's attainment is at most
       (most - missed) / most, whatever the rest do (more arrivals only add to both counts), so
@@ -125,6 +126,10 @@ class WindowVerdict:
         if inside:
             self.arrivals += 1
             self._open += 1
+        else:
+            # One of `most` is now known to be outside the window: the bound tightens.
+            self.most -= 1
+            self._check_reach()
         ttft, waiting = self.slo.ttft_s, self._waiting
         if ttft:                    # without a TTFT deadline a request misses only when it ends
             while waiting and res.arrival_s - waiting[0].arrival_s > ttft:
@@ -155,7 +160,10 @@ class WindowVerdict:
 
     def _miss(self) -> None:
         self.missed += 1
-        if (self.most - self.missed) / max(1, self.most) < self.target:
+        self._check_reach()
+
+    def _check_reach(self) -> None:
+        if self.missed and (self.most - self.missed) / max(1, self.most) < self.target:
             raise Decided(f"{self.missed} of at most {self.most} window requests missed the SLO")
 
     def _check_complete(self) -> None:

@@ -132,24 +132,40 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
 
 
 def test_a_window_verdict_settles_exactly_when_the_target_is_out_of_reach():
-    # Window [10, 20), at most 10 requests, target 0.8: the third miss leaves at most 7 of 10.
-    slo = SloSpec(ttft_s=1.0, tpot_ms=50.0, attainment=0.8)
-    v = report.WindowVerdict(slo, 0.8, 10.0, 20.0, most=10)
+    # Window [10, 20), at most 10 requests, target 0.7.  `warm` arrives before the window: at
+    # most 9 can be in it, and the third miss leaves at most 6 of 9.
+    slo = SloSpec(ttft_s=1.0, tpot_ms=50.0, attainment=0.7)
+    v = report.WindowVerdict(slo, 0.7, 10.0, 20.0, most=10)
     warm, late, slow = _req(0, 9.0, None), _req(1, 10.0, None), _req(2, 10.5, 0.2, tpot=0.06)
     for r in (warm, late, slow):
         v.arrived(r)
+    assert v.most == 9
     v.finished(slow)                                       # TPOT 60 ms: the first miss
     v.arrived(_req(3, 11.0, None))                         # `late` is 1.0 s old, not past 1.0 s yet
     assert v.missed == 1
     v.arrived(_req(4, 11.5, None))                         # `warm` (before the window) is not counted
-    assert v.missed == 2 and v.window() == report.Window(10, 8, 10.0)
+    assert v.missed == 2 and v.window() == report.Window(9, 7, 10.0)
     late.ttft_s, late.e2e_s = 1.5, 2.0
     v.finished(late)                                       # counted once, at its deadline, not again
     assert v.missed == 2
     v.finished(_req(5, 12.0, 0.1))                         # met
-    with pytest.raises(Decided, match="3 of at most 10 window requests missed the SLO"):
+    with pytest.raises(Decided, match="3 of at most 9 window requests missed the SLO"):
         v.finished(_req(6, 12.5, None, error="node_lost: x"))
-    assert v.window().attainment == 0.7
+    assert v.window().attainment == 6 / 9
+
+
+def test_an_arrival_after_the_window_tightens_the_verdict_s_bound():
+    # At most 5 in [10, 20), target 0.8: one miss leaves 4 of 5 (0.8, still in reach); a request
+    # arriving at 20 s is not one of them, which leaves at most 3 of 4.
+    slo = SloSpec(ttft_s=1.0, tpot_ms=50.0, attainment=0.8)
+    v = report.WindowVerdict(slo, 0.8, 10.0, 20.0, most=5)
+    v.arrived(miss := _req(0, 10.0, 0.2, tpot=0.06))
+    v.arrived(_req(1, 15.0, None))
+    v.finished(miss)
+    assert (v.missed, v.most) == (1, 5)
+    with pytest.raises(Decided, match="1 of at most 4 window requests missed the SLO"):
+        v.arrived(_req(2, 20.0, None))
+    assert v.window() == report.Window(4, 3, 10.0)
 
 
 def test_a_window_verdict_settles_exactly_when_every_window_request_has_ended():
@@ -181,7 +197,8 @@ def test_an_overloaded_probe_stops_once_settled_with_the_whole_runs_verdict():
     full = report.window_goodput(whole.requests, sc.slo, pw.start_s, pw.end_s)
     assert run.decided and not whole.decided
     assert full.attainment <= w.attainment < 0.9             # the bound, and the same fail
-    assert w.requests == sum(len(c.turns) for c in pw.conversations if c.start_s < pw.end_s) >= full.requests
+    # Its bound on the window's requests: every turn, less those seen arriving outside it.
+    assert full.requests <= w.requests < sum(len(c.turns) for c in pw.conversations if c.start_s < pw.end_s)
     assert len(run.requests) < len(whole.requests)
     # A probe that passes (the tiny scenario's own 1 s TTFT SLO) measures the whole run's window
     # exactly, and stops when its last window request ends: those before are the whole run's.
