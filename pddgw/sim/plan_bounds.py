@@ -363,21 +363,17 @@ def deployment_bound(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None) 
     probes with them, as `pddgw plan` does); None where the bounds do not hold for it: a
     deployment from a config file, roles beyond prefill/md/rld, or a forced pipeline other than
     the one its kind runs (the bounds count P-MD for same-DC and naive, relays for PDD)."""
-    if dep.config or not dep.nodes or {g.role for g in dep.nodes} - {"prefill", "md", "rld"}:
-        return None
     roles = {g.role for g in dep.nodes}
-    if "prefill" not in roles or "md" not in roles:
+    if dep.config or not {"prefill", "md"} <= roles or roles - {"prefill", "md", "rld"}:
         return None
-    pipeline = dep.policy.pipeline
+    cross = sc.uses_wan(dep)
     if "rld" in roles:
-        kind = "pdd"
-        if pipeline != "auto" or not sc.uses_wan(dep):
-            return None
-    elif not sc.uses_wan(dep):
-        kind = "same-dc"
-    else:
-        # Naive counts every prompt's KV across; an MD with a prefix cache lacks only the uncached.
-        kind = "naive-cross-dc" if not any(g.prefix_cache for g in dep.nodes if g.role == "md") else "pdd"
-    if pipeline not in ("auto", "P-MD") or (kind == "pdd" and "rld" not in roles and pipeline != "P-MD"):
-        return None
-    return Candidate(kind, dep.nodes)
+        return Candidate("pdd", dep.nodes) if cross and dep.policy.pipeline == "auto" else None
+    if dep.policy.pipeline not in ("auto", "P-MD"):
+        return None                         # forced onto an RLD it does not have
+    if not cross:
+        return Candidate("same-dc", dep.nodes)
+    # P-MD across the WAN: naive counts every prompt's KV across; an MD with a prefix cache lacks
+    # only the uncached tokens (read as PDD without relays).
+    naive = not any(g.prefix_cache for g in dep.nodes if g.role == "md")
+    return Candidate("naive-cross-dc" if naive else "pdd", dep.nodes)

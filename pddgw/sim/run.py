@@ -89,7 +89,8 @@ def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
     at = Setting(sc, job.wan_gbps, dep.policy.rld_max_relays)
     prof = model_profile(sc.model)
     walls: list[float] = []
-    probes: dict[float, dict[str, Any]] = {}
+    probes: dict[float, dict[str, Any]] = {}       # per rate, its JSON record
+    windows: dict[float, report.Window] = {}          # per simulated rate
     total = 0
 
     def say(rate: float, what: str) -> None:
@@ -109,18 +110,17 @@ def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
         total += len(run.requests)
         probes[rate] = {"simulated": True, "attainment_bound": round(bound, 4),
                         "arrival_rps": round(w.arrival_rps, 4), "slo_rps": round(w.slo_rps, 4),
-                        "achieved_rps": round(served_rps(run), 4), "decided_early": run.decided,
-                        "_slo_rps": w.slo_rps}
+                        "achieved_rps": round(served_rps(run), 4), "decided_early": run.decided}
+        windows[rate] = w
         say(rate, f"attainment {w.attainment:.3f} of {w.requests} window requests"
                   f"{' (settled early)' if run.decided else ''}; {len(run.requests)} requests simulated "
                   f"in {run.wall_s:.1f} s")
         return w.attainment
 
     offered, points = report.sla_goodput(probe, sc.slo.attainment, g.rate_min, g.rate_max, g.probes)
-    best = probes[offered]["_slo_rps"] if offered else 0.0
-    return {"goodput_rps": round(best, 4), "goodput_offered_rps": round(offered, 4),
-            "probes": [{"rate": round(r, 4), "attainment": round(a, 4),
-                        **{k: v for k, v in probes[r].items() if not k.startswith("_")}} for r, a in points],
+    return {"goodput_rps": round(windows[offered].slo_rps, 4) if offered else 0.0,
+            "goodput_offered_rps": round(offered, 4),
+            "probes": [{"rate": round(r, 4), "attainment": round(a, 4), **probes[r]} for r, a in points],
             "_wall_s": sum(walls), "_requests": total}
 
 

@@ -266,6 +266,10 @@ def test_a_scenario_deployment_is_bounded_as_its_kind_or_not_at_all():
             == capacity(at, prof, deployment_bound(tiny, two, 1.0), d).sides)
     assert (met_bound(at, prof, deployment_bound(tiny, split, 1.0), d)
             == met_bound(at, prof, deployment_bound(tiny, two, 1.0), d))
+    naive_dep = sc.deployment("naive-cross-dc")
+    caching = dataclasses.replace(naive_dep, nodes=tuple(dataclasses.replace(g, prefix_cache=True)
+                                                         for g in naive_dep.nodes))
+    assert deployment_bound(sc, caching, 10.0).kind == "pdd"          # lacks only the uncached
     pdd = sc.deployment("pdd")
     for pipeline in ("P-RLD", "P-RLD-MD", "P-MD"):
         forced = dataclasses.replace(pdd, policy=dataclasses.replace(pdd.policy, pipeline=pipeline))
