@@ -56,11 +56,7 @@ def evaluation_json(e: Evaluation) -> dict[str, Any]:
             "goodput_rps": None if e.goodput_rps is None else round(e.goodput_rps, 4),
             "goodput_offered_rps": None if e.offered_rps is None else round(e.offered_rps, 4),
             "goodput_per_usd_hour": round(e.per_usd, 6),
-            "probes": [{"rate": round(p.rate, 4), "attainment": round(p.attainment, 4),
-                        "simulated": p.simulated, "attainment_bound": round(p.attainment_bound, 4)}
-                       | ({"arrival_rps": round(p.window.arrival_rps, 4), "slo_rps": round(p.window.slo_rps, 4),
-                           "achieved_rps": round(p.achieved_rps, 4), "decided_early": p.decided}
-                          if p.window is not None and p.achieved_rps is not None else {}) for p in e.probes],
+            "probes": [p.json() for p in e.probes],
             "groups": [{"role": g.role, "count": g.count, "cluster": g.cluster, "hardware": g.hardware,
                         "tensor_parallel": g.tensor_parallel, "data_parallel": g.data_parallel,
                         "expert_parallel": g.expert_parallel} for g in c.groups]}

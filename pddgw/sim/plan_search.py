@@ -39,28 +39,13 @@ from dataclasses import dataclass, field
 
 from pddgw.sim import report
 from pddgw.sim.cluster import served_rps
+from pddgw.sim.goodput import Probe, bisect
 from pddgw.sim.plan_bounds import Bound, Demand, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
 from pddgw.sim.probe import run_probe
 from pddgw.sim.run import init_worker
 from pddgw.sim.scenario import deployment_config
-
-
-@dataclass(frozen=True, slots=True)
-class Probe:
-    rate: float                          # offered requests per second
-    attainment: float                    # of the window's requests (0.0: not simulated)
-    window: report.Window | None         # None: not simulated (the roofline pruned the rate)
-    achieved_rps: float | None           # requests served per second over the run
-    attainment_bound: float              # the roofline's bound on its attainment (plan_bounds)
-    # Stopped once settled (`probe.run_probe`): out of reach (attainment and window are bounds)
-    # or every window request ended (exact).
-    decided: bool = False
-
-    @property
-    def simulated(self) -> bool:
-        return self.window is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,22 +143,11 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluatio
     prof = model(plan.scenario.model)
     work = _Workloads(plan)
     g = plan.goodput
-    probes: list[Probe] = []
     wall0 = time.perf_counter()
-
-    def probe(rate: float) -> float:
-        pruned, bound = _pruned(plan, prof, cand, work(rate))
-        if pruned and not exhaustive:
-            probes.append(Probe(rate, 0.0, None, None, bound))
-            return 0.0
-        window, achieved, decided = simulate_probe(plan, cand, rate)
-        probes.append(Probe(rate, window.attainment, window, achieved, bound, decided))
-        return window.attainment
-
-    offered, _ = report.sla_goodput(probe, plan.slo.attainment, g.rate_min, g.rate_max, g.probes)
-    best = next((p.window for p in probes if p.rate == offered and p.window is not None), None)
+    goodput, offered, probes = bisect(g, plan.slo.attainment, lambda r: simulate_probe(plan, cand, r),
+                                      lambda r: _pruned(plan, prof, cand, work(r))[1], exhaustive)
     return Evaluation(cand, capacity(plan, prof, cand, work(g.rate_min)), upper_bound(plan, prof, cand, work),
-                      best.slo_rps if best else 0.0, offered, tuple(probes), time.perf_counter() - wall0)
+                      goodput, offered, probes, time.perf_counter() - wall0)
 
 
 def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,

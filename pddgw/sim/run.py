@@ -24,6 +24,7 @@ from pddgw.logs import setup_logging
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import RunResult, run_deployment, served_rps
+from pddgw.sim.goodput import Probe, bisect
 from pddgw.sim.plan_bounds import Setting, attainment_bound, demand, deployment_bound
 from pddgw.sim.probe import run_probe
 from pddgw.sim.profiles import model as model_profile
@@ -79,49 +80,44 @@ def goodput_probe(sc: Scenario, job: Job, rate: float) -> tuple[report.Window, R
 
 
 def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
-    """The SLA-goodput bisection of one deployment.  A probe the roofline proves out of reach
-    (`plan_bounds.attainment_bound` below the target, as `pddgw plan` prunes) is not simulated
-    and fails: the search takes the branch the simulation would, since a simulated probe's
-    attainment never exceeds that bound."""
+    """The SLA-goodput bisection of one deployment (`goodput.bisect`), probes the roofline
+    proves out of reach not simulated, as `pddgw plan` prunes them (`plan_bounds.deployment_bound`;
+    a deployment the bounds cannot read has every probe simulated)."""
     g = sc.goodput
     dep = sc.deployment(job.deployment)
     cand = deployment_bound(sc, dep, job.wan_gbps)
     at = Setting(sc, job.wan_gbps, dep.policy.rld_max_relays)
     prof = model_profile(sc.model)
-    walls: list[float] = []
-    probes: dict[float, dict[str, Any]] = {}       # per rate, its JSON record
-    windows: dict[float, report.Window] = {}          # per simulated rate
-    total = 0
+    sims: list[tuple[int, float]] = []                # per simulated probe: (requests simulated, wall s)
 
-    def say(rate: float, what: str) -> None:
-        if progress:
-            print(f"pddgw sim: {job.label}: probe {len(probes)} of at most {g.probes} at {rate:.4g} req/s: {what}",
-                  file=sys.stderr, flush=True)
-
-    def probe(rate: float) -> float:
-        nonlocal total
-        bound = attainment_bound(at, prof, cand, demand(sc, rate)) if cand is not None else 1.0
-        if bound < sc.slo.attainment:
-            probes[rate] = {"simulated": False, "attainment_bound": round(bound, 4)}
-            say(rate, f"not simulated: the roofline bounds its attainment at {bound:.3f}")
-            return 0.0
+    def simulate(rate: float) -> tuple[report.Window, float, bool]:
         w, run = goodput_probe(sc, job, rate)
-        walls.append(run.wall_s)
-        total += len(run.requests)
-        probes[rate] = {"simulated": True, "attainment_bound": round(bound, 4),
-                        "arrival_rps": round(w.arrival_rps, 4), "slo_rps": round(w.slo_rps, 4),
-                        "achieved_rps": round(served_rps(run), 4), "decided_early": run.decided}
-        windows[rate] = w
-        say(rate, f"attainment {w.attainment:.3f} of {w.requests} window requests"
-                  f"{' (settled early)' if run.decided else ''}; {len(run.requests)} requests simulated "
-                  f"in {run.wall_s:.1f} s")
-        return w.attainment
+        sims.append((len(run.requests), run.wall_s))
+        return w, served_rps(run), run.decided
 
-    offered, points = report.sla_goodput(probe, sc.slo.attainment, g.rate_min, g.rate_max, g.probes)
-    return {"goodput_rps": round(windows[offered].slo_rps, 4) if offered else 0.0,
-            "goodput_offered_rps": round(offered, 4),
-            "probes": [{"rate": round(r, 4), "attainment": round(a, 4), **probes[r]} for r, a in points],
-            "_wall_s": sum(walls), "_requests": total}
+    def bound(rate: float) -> float:
+        return attainment_bound(at, prof, cand, demand(sc, rate)) if cand is not None else 1.0
+
+    seen = 0
+
+    def say(p: Probe) -> None:
+        nonlocal seen
+        seen += 1
+        if not progress:
+            return
+        if p.window is None:
+            what = f"not simulated: the roofline bounds its attainment at {p.attainment_bound:.3f}"
+        else:
+            what = (f"attainment {p.attainment:.3f} of {p.window.requests} window requests"
+                    f"{' (settled early)' if p.decided else ''}; {sims[-1][0]} requests simulated "
+                    f"in {sims[-1][1]:.1f} s")
+        print(f"pddgw sim: {job.label}: probe {seen} of at most {g.probes} at {p.rate:.4g} req/s: {what}",
+              file=sys.stderr, flush=True)
+
+    goodput, offered, probes = bisect(g, sc.slo.attainment, simulate, bound, on_probe=say)
+    return {"goodput_rps": round(goodput, 4), "goodput_offered_rps": round(offered, 4),
+            "probes": [p.json() for p in probes],
+            "_wall_s": sum(w for _, w in sims), "_requests": sum(n for n, _ in sims)}
 
 
 def run_job(sc: Scenario, job: Job, progress: bool = False) -> dict[str, Any]:
