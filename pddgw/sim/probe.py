@@ -15,7 +15,7 @@ from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import RunResult, run_deployment
 from pddgw.sim.scenario import Scenario
-from pddgw.sim.workload import Conversation, agentic, load_trace, shared_prefix
+from pddgw.sim.workload import Conversation, agentic, gather, load_trace, shared_prefix
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,7 +47,8 @@ def probe_workload(sc: Scenario, rate: float) -> ProbeWorkload:
     one plays all its turns, and the window is the arrivals of the last `seconds`.  A trace:
     its first rate x seconds requests (at least min_requests, at most the trace's `requests`
     when set) with their timestamps scaled so that they arrive at `rate` on average; the
-    window holds every one of them: [0, n / rate), n / rate seconds for n requests."""
+    window holds every one of them: [0, n / rate), n / rate seconds for n requests; a
+    `burst_s` gathers the scaled arrivals (`workload.gather`)."""
     g = sc.goodput
     wl = sc.workload
     if wl.kind == "agentic":
@@ -63,7 +64,8 @@ def probe_workload(sc: Scenario, rate: float) -> ProbeWorkload:
     span = head[-1].start_s - head[0].start_s
     # seconds per unit of recorded time: the n - 1 gaps of the head take (n - 1) / rate seconds.
     scale = (len(head) - 1) / rate / span if span > 0 else 0.0
-    convs = tuple(dataclasses.replace(c, start_s=(c.start_s - head[0].start_s) * scale) for c in head)
+    convs = tuple(dataclasses.replace(c, start_s=gather((c.start_s - head[0].start_s) * scale, t.burst_s))
+                  for c in head)
     return ProbeWorkload(convs, (), 0.0, len(head) / rate)
 
 

@@ -54,7 +54,7 @@ def _workload(sc: Scenario, rate: float | None = None, requests: int | None = No
     if wl.kind == "trace":
         t = wl.trace
         return load_trace(t.path, requests or t.requests, output_cap=t.output_cap, speed=t.speed,
-                          seed=sc.seed), ()
+                          burst_s=t.burst_s, seed=sc.seed), ()
     spec: AgenticSpec = wl.agentic
     if rate is not None:
         spec = dataclasses.replace(spec, rate=rate)
@@ -326,10 +326,14 @@ def sim_parser(prog: str, description: str, toml_flag: str, toml_help: str, trac
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """`pddgw sim`'s flags."""
     p = sim_parser("pddgw sim", "Run a scenario on a virtual clock with cost-model engines; deployments side "
                    "by side.", "--scenario", "scenario TOML (e.g. scenarios/paper.toml)",
                    "replay this Mooncake-format trace instead of the scenario's workload")
+    p.add_argument("--trace-speed", type=float, help="divide the trace's timestamps by this")
+    p.add_argument("--trace-burst-s", type=float,
+                   help="every trace request of each span of this many seconds arrives at its start")
     p.add_argument("--requests", type=int, help="override the workload's request count")
     p.add_argument("--seed", type=int, help="override the scenario's seed")
     p.add_argument("--rate", type=float, help="override the agentic workload's request rate (req/s)")
@@ -338,7 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-bathtub", action="store_true", help="skip the bathtub sweep")
     p.add_argument("--json-out", help="also write the JSON report to this file")
     p.add_argument("--plots", help="write PNG plots into this directory")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     setup_logging("warning")
     try:
         sc = load_scenario(args.scenario)
@@ -367,6 +375,10 @@ def _overrides(sc: Scenario, args: argparse.Namespace) -> Scenario:
     wl = sc.workload
     if args.trace:
         wl = dataclasses.replace(wl, kind="trace", trace=dataclasses.replace(wl.trace, path=args.trace))
+    if args.trace_speed is not None or args.trace_burst_s is not None:
+        wl = dataclasses.replace(wl, trace=dataclasses.replace(
+            wl.trace, speed=wl.trace.speed if args.trace_speed is None else args.trace_speed,
+            burst_s=wl.trace.burst_s if args.trace_burst_s is None else args.trace_burst_s))
     if args.requests:
         wl = dataclasses.replace(wl, agentic=dataclasses.replace(wl.agentic, requests=args.requests),
                                  trace=dataclasses.replace(wl.trace, requests=args.requests))

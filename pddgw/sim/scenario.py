@@ -96,6 +96,13 @@ class TraceSpec:
     requests: int = 0               # 0 = the whole trace
     speed: float = 1.0              # timestamps are divided by it
     output_cap: int = 0             # cap on output lengths (0 = as in the trace)
+    # > 0: every request of each burst_s-second span arrives at its start (after `speed`)
+    burst_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.requests >= 0 and self.output_cap >= 0, "requests and output_cap must be >= 0")
+        _check(self.speed > 0, "speed must be > 0")
+        _check(self.burst_s >= 0, "burst_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

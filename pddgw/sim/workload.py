@@ -209,12 +209,19 @@ def read_mooncake(path: str | Path, limit: int = 0) -> list[TraceRecord]:
     return out
 
 
+def gather(t_s: float, burst_s: float) -> float:
+    """An arrival at `t_s` moved to the start of its `burst_s`-second span (0: left alone)."""
+    return math.floor(t_s / burst_s) * burst_s if burst_s > 0 else t_s
+
+
 def load_trace(path: str | Path, limit: int = 0, *, output_cap: int = 0, speed: float = 1.0,
-               seed: int = 0) -> list[Conversation]:
+               burst_s: float = 0.0, seed: int = 0) -> list[Conversation]:
     """A Mooncake-format trace -> one-turn conversations at its timestamps (divided by `speed`).
 
     Each hash id becomes a fixed block of 512 token ids drawn from (seed, id),
-    so equal ids at the start of two prompts are a shared prefix.
+    so equal ids at the start of two prompts are a shared prefix.  `burst_s` > 0 gathers
+    arrivals: every request of each `burst_s`-second span (after `speed`) arrives at the span's
+    start, the same requests at the same mean rate, many of them together.
     """
     blocks: dict[int, list[int]] = {}
     convs: list[Conversation] = []
@@ -227,5 +234,5 @@ def load_trace(path: str | Path, limit: int = 0, *, output_cap: int = 0, speed: 
             prompt += blocks[h]
         prompt = prompt[: max(1, r.input_length)]
         out = max(1, min(r.output_length, output_cap) if output_cap else r.output_length)
-        convs.append(Conversation(len(convs), r.t_s / speed, r.line, (Turn(len(prompt), out, prompt=tuple(prompt)),)))
+        convs.append(Conversation(len(convs), gather(r.t_s / speed, burst_s), r.line, (Turn(len(prompt), out, prompt=tuple(prompt)),)))
     return convs

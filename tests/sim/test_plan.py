@@ -202,6 +202,10 @@ def test_the_demand_of_a_trace_counts_blocks_no_earlier_request_had(tmp_path):
     # all three, 3 / 2 = 1.5 s of them.
     pw = probe_workload(sc, 2.0)
     assert [c.start_s for c in pw.conversations] == [0.0, 0.5, 1.0] and (pw.start_s, pw.end_s) == (0.0, 1.5)
+    # A burst trace gathers the scaled arrivals: spans of 0.75 s start at 0 and 0.75.
+    burst = dataclasses.replace(sc, workload=dataclasses.replace(
+        sc.workload, trace=dataclasses.replace(sc.workload.trace, burst_s=0.75)))
+    assert [c.start_s for c in probe_workload(burst, 2.0).conversations] == [0.0, 0.0, 0.75]
     d = demand(sc, 2.0)
     # Second request: its first 1,024 tokens are the first request's two blocks.
     assert d.uncached == (1024, 1200 - 1024, 100) and d.prompt == (1024, 1200, 100) and d.output == (8, 8, 4)

@@ -19,8 +19,9 @@ from pddgw.net.inproc import InProcNetwork, wire_size
 from pddgw.sim import clock, report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import run_deployment, token_digest
-from pddgw.sim.run import simulate
-from pddgw.sim.scenario import deployment_config, deployment_price, load_scenario
+from pddgw.sim.run import _overrides, simulate
+from pddgw.sim.run import parser as sim_parser
+from pddgw.sim.scenario import TraceSpec, deployment_config, deployment_price, load_scenario
 from pddgw.sim.workload import agentic, load_trace, shared_prefix
 
 HERE = Path(__file__).parent
@@ -183,6 +184,24 @@ def test_mooncake_trace_blocks_share_prefixes():
     assert [c.start_s for c in convs] == [0.0, 0.0, 0.04]
     assert [len(c.turns[0].prompt) for c in convs] == [40160, 36640, 23769]
     assert [c.turns[0].max_tokens for c in convs] == [6, 4, 3]
+
+
+def test_a_burst_trace_gathers_each_span_at_its_start(tmp_path):
+    """`burst_s` moves every request of a span to the span's start (after `speed`); nothing else."""
+    trace = tmp_path / "t.jsonl"
+    stamps_ms = [0, 900, 1000, 2500, 3999, 4000]
+    trace.write_bytes(b"".join(orjson.dumps({"timestamp": t, "input_length": 600, "output_length": 2,
+                                            "hash_ids": [i, 99]}) + b"\n" for i, t in enumerate(stamps_ms)))
+    plain = load_trace(trace)
+    assert [c.start_s for c in plain] == [0.0, 0.9, 1.0, 2.5, 3.999, 4.0]
+    assert [c.start_s for c in load_trace(trace, burst_s=2.0)] == [0.0, 0.0, 0.0, 2.0, 2.0, 4.0]
+    assert [c.start_s for c in load_trace(trace, speed=2.0, burst_s=1.0)] == [0.0, 0.0, 0.0, 1.0, 1.0, 2.0]
+    assert [c.turns for c in load_trace(trace, burst_s=2.0)] == [c.turns for c in plain]
+    sc = _overrides(load_scenario(TINY), sim_parser().parse_args(
+        ["--scenario", str(TINY), "--trace", str(trace), "--trace-burst-s", "30", "--trace-speed", "4"]))
+    assert (sc.workload.kind, sc.workload.trace.burst_s, sc.workload.trace.speed) == ("trace", 30.0, 4.0)
+    with pytest.raises(ValueError, match="burst_s must be >= 0"):
+        TraceSpec(path="t", burst_s=-1.0)
 
 
 def test_scenario_errors_name_the_key(tmp_path):
