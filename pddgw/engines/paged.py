@@ -207,10 +207,13 @@ class PagedEngine(TrackedEngine):
         cached = self.blocks.match(seq.block_hashes(seq.num_prompt // bs, bs))
         need = self.scheduler.blocks_for(seq.num_prompt) - len(cached)
         self.blocks.acquire(cached)
-        if need > self.blocks.num_allocatable:
+        room = self.blocks.num_allocatable
+        if need > room:
             self.blocks.release(cached)
+            # The room it was refused for: with its cached prefix held (released, those blocks
+            # count as evictable again).
             raise CapacityError(f"request {seq.request_id!r}: import needs {need} KV blocks, "
-                                f"{self.blocks.num_allocatable} allocatable")
+                                f"{room} allocatable")
         seq.block_ids = cached + self.blocks.allocate(need)
         seq.num_computed = seq.num_cached_tokens = seq.last_reported = len(cached) * bs
         seq.num_published = len(cached)

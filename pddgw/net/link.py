@@ -127,7 +127,10 @@ class Link(ABC):
       sends nothing and returns False.
     * `send_all(msgs, priority=...)` sends many (KV chunks) as fast as the
       transport allows, striped over parallel connections where the link has
-      them; frames of one class arrive in the order of `msgs`.  Returns the
+      them; frames of one class arrive in the order of `msgs`.  `timeout` bounds
+      each frame's wait, not the whole batch: a batch takes as long as its bytes
+      need on a slow or shared wire, and fails only when a frame does not go out
+      within the timeout (the wire, not the batch's size, is what stalled).  Returns the
       seconds its frames were in service on the wire, excluding time queued
       behind other frames: on a shaped link the sum of their own
       serialization times (a preempted background frame counts only while it
@@ -440,11 +443,8 @@ class LinkBase(Link):
         t = self.cfg.send_timeout_s if timeout is None else timeout
         meter = ServiceMeter(self._loop)
 
-        async def run() -> None:
-            for msg in msgs:
-                await self._send_frame(msg, 0, 0, priority, meter)
-
-        await self._timed(run(), t, "send_all")
+        for msg in msgs:
+            await self._timed(self._send_frame(msg, 0, 0, priority, meter), t, "a send_all frame")
         return meter.seconds
 
     async def request(self, msg: m.Message, *, timeout: float | None = None) -> m.Message:

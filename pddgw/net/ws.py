@@ -230,15 +230,12 @@ class WsLink(LinkBase):
 
         async def writer(i: int) -> None:
             for msg in it:   # one shared iterator: each message is taken by exactly one writer
-                await self._send_frame(msg, 0, 0, priority, meter, stripe=i)
+                await self._timed(self._send_frame(msg, 0, 0, priority, meter, stripe=i), t, "a send_all frame")
 
-        async def run() -> None:
+        try:
             async with asyncio.TaskGroup() as tg:
                 for i in range(len(self._conns)):
                     tg.create_task(writer(i))
-
-        try:
-            await self._timed(run(), t, "send_all")
         except* LinkError as eg:
             raise eg.exceptions[0] from None
         return meter.seconds

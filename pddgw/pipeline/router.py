@@ -339,12 +339,13 @@ class Router:
         node.prefills += 1
         fl.prefill_on = node
 
-    def _end_prefill(self, fl: _Flight) -> None:
-        """The prefill ended, or the request let go of P before it ran (idempotent)."""
+    def _end_prefill(self, fl: _Flight, wake: bool = True) -> None:
+        """The prefill ended, or the request let go of P before it ran (idempotent); `wake`: see
+        `_release`."""
         if fl.prefill_on is not None:
             fl.prefill_on.prefills -= 1
             fl.prefill_on = None
-            if len(self.room):
+            if wake and len(self.room):
                 self.room.wake()     # a request waiting for a P with room may go now
 
     def _relay_pressure(self, rld: NodeHandle, extra_tokens: int | None = None) -> float:
@@ -418,15 +419,21 @@ class Router:
             out += piece.entries()
         return tuple(out)
 
-    async def _release(self, fl: _Flight) -> None:
-        """Cancel on every node involved and wait for each to confirm (it frees everything)."""
+    async def _release(self, fl: _Flight, wake: bool = True) -> None:
+        """Cancel on every node involved and wait for each to confirm (it frees everything).
+
+        `wake`: the room it frees wakes the head of the room queue.  Not for a request refused
+        for room: what it frees it took in that same attempt, when it was free to the others
+        already, and a woken head refused in turn would wake it back: two requests waking each
+        other without end while neither fits.
+        """
 
         async def cancel(node: NodeHandle) -> None:
             with contextlib.suppress(LinkError):
                 await node.link.request(m.Cancel(fl.rid, "request ended"), timeout=self.control_timeout)
 
         self._unqueue_wan(fl)
-        self._end_prefill(fl)
+        self._end_prefill(fl, wake)
         await asyncio.gather(*(cancel(self.nodes[n]) for n in fl.involved if self.nodes[n].healthy))
         for n in fl.involved:
             self.nodes[n].inflight -= 1
@@ -434,7 +441,8 @@ class Router:
         self._end_relay(fl)
         if fl.holds_room:
             fl.holds_room = False
-            self.room.wake()    # its blocks are free: a request waiting for room may fit now
+            if wake:
+                self.room.wake()    # its blocks are free: a request waiting for room may fit now
 
     @staticmethod
     def _involve(fl: _Flight, node: NodeHandle) -> None:
@@ -541,7 +549,7 @@ class Router:
                 return
             except _NoRoom as e:
                 # A full decoder, not a lost one: free what the request holds and wait in line.
-                await self._release(fl)
+                await self._release(fl, wake=False)
                 queued = await self._queue(fl, str(e), front=queued)
             except _NodeLost as e:
                 fl.excluded.add(e.node.name)

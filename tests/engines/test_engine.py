@@ -242,8 +242,9 @@ def test_bad_requests_are_rejected_without_side_effects(tiny64):
     big = make_engine(tiny64, num_blocks=8, block_size=16)
     big.add_request(req("hog", list(range(32, 132)), max_tokens=1, retain_kv=True))
     run_to_end(big)
-    with pytest.raises(CapacityError, match="import needs"):
+    with pytest.raises(CapacityError, match="import needs") as full:
         big.add_request(req("imp", list(range(40, 100)), kv_source="import"))
+    assert str(full.value) == "request 'imp': import needs 4 KV blocks, 1 allocatable"
     assert big.release("hog")
     for e in (engine, big):
         e.abort("ok")

@@ -12,6 +12,7 @@ import pytest
 
 from pddgw.config import NetConfig, ShapingConfig
 from pddgw.net import messages as m
+from pddgw.net.errors import LinkTimeout
 from pddgw.net.inproc import InProcNetwork, wire_size
 from pddgw.sim.clock import run_virtual
 
@@ -145,3 +146,40 @@ def test_live_kv_overtakes_a_background_transfer_at_the_chunk_boundary():
         [1, 2 + late, 3 + late, 4, 5, 6], abs=1e-3)
     assert live_service == pytest.approx(sum(wire_size(c) for c in live) * 8 / 2e6, rel=1e-9)
     assert bulk_service == pytest.approx(sum(wire_size(c) for c in bulk) * 8 / 2e6, rel=1e-9)
+
+
+def test_send_all_times_each_frame_so_a_batch_may_outlast_the_timeout():
+    """`send_timeout_s` bounds each frame's wait: 10 MB over 10 Mbps (8 s) with a 5 s timeout
+    arrives whole, 0.8 s a frame; a frame that cannot go out for 5 s fails the batch."""
+    def chunk(rid: str, i: int, last: bool) -> m.KVChunk:
+        return m.KVChunk(m.KVSpan(rid, 0, 1, i * 250, (i + 1) * 250, "float32", (1, 2, 250, 10, 50)),
+                         bytes(1_000_000), i, last)
+
+    async def main() -> tuple[float, str]:
+        net = InProcNetwork(_cfg(ShapingConfig(name="slow", gbps=0.01)))
+        loop = asyncio.get_running_loop()
+        got: list[int] = []
+
+        async def handle(link, msg):
+            if isinstance(msg, m.KVChunk):
+                got.append(msg.seq)
+
+        net.listen("srv", handle)
+        client = await net.connect("cli", "srv", shaping="slow")
+        t0 = loop.time()
+        await client.send_all([chunk("big", i, i == 9) for i in range(10)])
+        took = loop.time() - t0
+        assert got == list(range(10))
+        # A 7 MB frame takes 5.6 s on the wire: past the deadline, the batch fails.
+        huge = m.KVChunk(m.KVSpan("huge", 0, 1, 0, 1750, "float32", (1, 2, 1750, 10, 50)), bytes(7_000_000), 0, True)
+        try:
+            await client.send_all([chunk("huge0", 0, False), huge])
+            err = ""
+        except LinkTimeout as e:
+            err = str(e)
+        await net.close()
+        return took, err
+
+    took, err = run_virtual(main())
+    assert 8.0 < took < 8.01                                      # 10 x 1,000,194 wire bytes at 10 Mbps
+    assert err == "a send_all frame to srv: no completion within 5.0s"

@@ -176,3 +176,26 @@ def test_an_md_without_room_is_skipped_before_routing():
     assert (rec.pipeline, rec.final_state.name, rec.output_tokens, rec.redrives) == ("P-RLD-MD", "FINISHED", 16, ())
     assert [s for s, _, _ in rec.states][:2] == ["RECEIVED", "ROUTED"]
     assert redrives == 1 and leaked == 0
+
+
+def test_requests_refused_for_room_do_not_wake_each_other_without_end():
+    """Three P-RLD requests, an RLD pool of one: a fits, b and c wait.  A refused request lets go
+    of its P slot without waking the queue (it took that slot in the same attempt), so b and c
+    do not retry each other in turn while a decodes: each retries when a request ends or after
+    `retry_s`, and every one is served."""
+    cfg = pdd_config(PolicyConfig(pipeline="P-RLD"))
+    small = dataclasses.replace(cfg.engine_for(cfg.nodes[2]), num_blocks=200)     # 3,200 tokens
+    cfg = dataclasses.replace(cfg, nodes=tuple(dataclasses.replace(n, engine=small) if n.role == "rld" else n
+                                               for n in cfg.nodes))
+
+    async def main():
+        reqs = [(rid, prompt(1800, base), n) for rid, base, n in (("a", 1000, 400), ("b", 5000, 24), ("c", 9000, 24))]
+        out, router, emb, leaked = await serve(cfg, reqs)
+        return ({k: (v.record.pipeline, v.record.output_tokens) for k, v in out.items()},
+                router.room.waited, router.counts.redrives, leaked)
+
+    served, waits, redrives, leaked = run_virtual(main())
+    assert served == {"a": ("P-RLD", 400), "b": ("P-RLD", 24), "c": ("P-RLD", 24)}
+    # The head retries every retry_s (0.5 s) while a decodes its 400 tokens: 16 waits in all
+    # (b and c waking each other, as before, made 112).
+    assert (waits, redrives, leaked) == (16, 0, 0)
