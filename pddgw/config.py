@@ -513,7 +513,7 @@ class NetConfig:
     connect_timeout_s: float = 5.0
     auth_timeout_s: float = 5.0
     request_timeout_s: float = 30.0
-    send_timeout_s: float = 30.0
+    send_timeout_s: float = 30.0               # per frame (send_all: each KV frame, not the batch)
     heartbeat_s: float = 2.0                    # 0 = no heartbeats
     dead_after_s: float = 10.0                  # silence after which a peer counts as dead
     reconnect_max_s: float = 2.0                # cap of the reconnect back-off

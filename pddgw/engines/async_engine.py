@@ -6,8 +6,9 @@ a control call never races a step.  A background task steps while there is
 work and fans the outputs out to per-request streams.  An engine that only
 models time (`Engine.runs_inline`, the cost model) is called on the loop
 itself, and each step's outputs are released once the step's modeled
-duration has passed on the loop's clock: real seconds in a deployment,
-virtual ones in `pddgw sim`.
+duration has passed on the loop's clock since the step began: real seconds
+in a deployment (the step's own Python time inside them), virtual ones in
+`pddgw sim`.
 
 A request's output entry (its queue; `pending` counts them) has one owner,
 this class, and one lifecycle:
@@ -289,6 +290,7 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         eng = self.engine
+        loop = asyncio.get_running_loop()
         inline = eng.runs_inline
         try:
             while True:
@@ -297,10 +299,14 @@ class AsyncEngine:
                 if not (eng.has_work() if inline else await self._on_engine(eng.has_work)):
                     await self._wake.wait()
                     continue
+                began = loop.time()
                 outputs = eng.step() if inline else await self._on_engine(eng.step)
-                modeled = self.engine.step_seconds()
-                if modeled > 0:
-                    await asyncio.sleep(modeled)
+                # The modeled duration counts from the step's start: the host's own time for the
+                # step is part of it, as a GPU engine's scheduling overlaps its kernels (on the
+                # virtual clock that time is 0, so a simulated run is unchanged).
+                left = self.engine.step_seconds() - (loop.time() - began)
+                if left > 0:
+                    await asyncio.sleep(left)
                 self._hand_out(outputs)
                 if not outputs:
                     try:
