@@ -375,10 +375,9 @@ def _overrides(sc: Scenario, args: argparse.Namespace) -> Scenario:
     wl = sc.workload
     if args.trace:
         wl = dataclasses.replace(wl, kind="trace", trace=dataclasses.replace(wl.trace, path=args.trace))
-    if args.trace_speed is not None or args.trace_burst_s is not None:
-        wl = dataclasses.replace(wl, trace=dataclasses.replace(
-            wl.trace, speed=wl.trace.speed if args.trace_speed is None else args.trace_speed,
-            burst_s=wl.trace.burst_s if args.trace_burst_s is None else args.trace_burst_s))
+    shape = {k: v for k, v in (("speed", args.trace_speed), ("burst_s", args.trace_burst_s)) if v is not None}
+    if shape:
+        wl = dataclasses.replace(wl, trace=dataclasses.replace(wl.trace, **shape))
     if args.requests:
         wl = dataclasses.replace(wl, agentic=dataclasses.replace(wl.agentic, requests=args.requests),
                                  trace=dataclasses.replace(wl.trace, requests=args.requests))
