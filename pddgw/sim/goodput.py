@@ -38,7 +38,8 @@ class Probe:
                                "simulated": self.simulated, "attainment_bound": round(self.attainment_bound, 4)}
         if self.window is not None and self.achieved_rps is not None:
             out |= {"arrival_rps": round(self.window.arrival_rps, 4), "slo_rps": round(self.window.slo_rps, 4),
-                    "achieved_rps": round(self.achieved_rps, 4), "decided_early": self.decided}
+                    "achieved_rps": round(self.achieved_rps, 4), "decided_early": self.decided,
+                    "misses": self.window.misses.json()}
         return out
 
 
@@ -68,3 +69,10 @@ def bisect(spec: GoodputSpec, target: float, simulate: Simulate, bound: Callable
     offered, _ = report.sla_goodput(probe, target, spec.rate_min, spec.rate_max, spec.probes)
     best = next((p.window for p in probes if p.rate == offered and p.window is not None), None)
     return (best.slo_rps if best else 0.0), offered, tuple(probes)
+
+
+def first_fail(probes: tuple[Probe, ...], offered: float) -> Probe | None:
+    """The lowest simulated probe above the goodput's offer: the load at which the deployment
+    stopped holding its SLO, and its misses say which SLO gave out (None: none failed, or the
+    roofline pruned every failing rate)."""
+    return min((p for p in probes if p.simulated and p.rate > offered), key=lambda p: p.rate, default=None)

@@ -45,18 +45,45 @@ def _pcts(xs: Sequence[float], scale: float = 1.0, digits: int = 3) -> dict[str,
     return {"p50": r(percentile(xs, 50)), "p90": r(percentile(xs, 90)), "p99": r(percentile(xs, 99))}
 
 
-def meets_slo(r: RequestResult, slo: SloSpec) -> bool:
+def miss_cause(r: RequestResult, slo: SloSpec) -> str | None:
+    """The first SLO a request missed, in `Misses`' order ("failed": an error or no first
+    token), or None when it met every one."""
     if r.error is not None or r.ttft_s is None:
-        return False
+        return "failed"
     if slo.ttft_s and r.ttft_s > slo.ttft_s:
-        return False
+        return "ttft"
     if slo.tpot_ms and r.tpot_s is not None and r.tpot_s * 1000.0 > slo.tpot_ms:
-        return False
-    return not (slo.e2e_s and r.e2e_s is not None and r.e2e_s > slo.e2e_s)
+        return "tpot"
+    if slo.e2e_s and r.e2e_s is not None and r.e2e_s > slo.e2e_s:
+        return "e2e"
+    return None
+
+
+def meets_slo(r: RequestResult, slo: SloSpec) -> bool:
+    return miss_cause(r, slo) is None
 
 
 def attainment(requests: Sequence[RequestResult], slo: SloSpec) -> float:
     return sum(meets_slo(r, slo) for r in requests) / max(1, len(requests))
+
+
+@dataclass(frozen=True, slots=True)
+class Misses:
+    """A window's missed requests by the first SLO each missed (`miss_cause`): they partition the
+    misses, so a TTFT miss may have missed TPOT too, a TPOT miss met TTFT.  What bounds a
+    deployment at a rate: first tokens late (prefill, queues, the WAN) or decoding too slow."""
+
+    failed: int = 0
+    ttft: int = 0
+    tpot: int = 0
+    e2e: int = 0
+
+    @classmethod
+    def of(cls, causes: Counter[str]) -> Misses:
+        return cls(**{k: causes[k] for k in ("failed", "ttft", "tpot", "e2e")})
+
+    def json(self) -> dict[str, int]:
+        return {"failed": self.failed, "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +93,7 @@ class Window:
     requests: int          # requests that arrived in the window
     met: int               # of them, those that met every SLO
     seconds: float
+    misses: Misses = Misses()   # the requests - met others, by cause
 
     @property
     def arrival_rps(self) -> float:
@@ -87,7 +115,8 @@ def window_goodput(requests: Sequence[RequestResult], slo: SloSpec, start_s: flo
     if not end_s > start_s >= 0:
         raise ValueError(f"need 0 <= start_s < end_s, got [{start_s}, {end_s})")
     inside = [r for r in requests if start_s <= r.arrival_s < end_s]
-    return Window(len(inside), sum(meets_slo(r, slo) for r in inside), end_s - start_s)
+    causes = Counter(miss_cause(r, slo) for r in inside)
+    return Window(len(inside), causes.pop(None, 0), end_s - start_s, Misses.of(causes))
 
 
 class WindowVerdict:
@@ -102,7 +131,9 @@ class WindowVerdict:
       a first token.  With `missed` such requests the window's attainment is at most
       (most - missed) / most, whatever the rest do (more arrivals only add to both counts), so
       once that is below `target` the probe fails exactly as the whole run would.  `window()`
-      then reports that bound (requests = most, met = most - missed).
+      then reports that bound (requests = most, met = most - missed), its misses by cause as
+      far as seen (a request without a first token at its deadline counts as a TTFT miss until
+      it ends, then by `miss_cause`).
     * **Complete.**  Once a request arrives at or after end_s no more window requests can come,
       and once every window request has ended the window is what the whole run would measure:
       the rest of the run (the conversations' later turns) only happens after them.  `window()`
@@ -113,6 +144,7 @@ class WindowVerdict:
     def __init__(self, slo: SloSpec, target: float, start_s: float, end_s: float, most: int):
         self.slo, self.target, self.start_s, self.end_s, self.most = slo, target, start_s, end_s, most
         self.missed = 0
+        self._causes: Counter[str] = Counter()            # the missed by `miss_cause`
         self.arrivals = 0                                 # window requests arrived
         self.met = 0                                      # of them, ended within the SLO
         self._open = 0                                    # of them, not ended yet
@@ -136,7 +168,7 @@ class WindowVerdict:
                 r = waiting.popleft()
                 if r.ttft_s is None and r.e2e_s is None and r.error is None:
                     self._late.add(r.rid)
-                    self._miss()
+                    self._miss("ttft")
             if inside:
                 waiting.append(res)
         if res.arrival_s >= self.end_s:
@@ -147,19 +179,26 @@ class WindowVerdict:
         if not self.start_s <= res.arrival_s < self.end_s:
             return
         self._open -= 1
-        if meets_slo(res, self.slo):
+        cause = miss_cause(res, self.slo)
+        if res.rid in self._late:
+            if cause is not None:                         # counted at its deadline; now its cause
+                self._causes["ttft"] -= 1
+                self._causes[cause] += 1
+        elif cause is None:
             self.met += 1
-        elif res.rid not in self._late:
-            self._miss()
+        else:
+            self._miss(cause)
         self._check_complete()
 
     def window(self) -> Window:
+        misses = Misses.of(self._causes)
         if self.complete:
-            return Window(self.arrivals, self.met, self.end_s - self.start_s)
-        return Window(self.most, self.most - self.missed, self.end_s - self.start_s)
+            return Window(self.arrivals, self.met, self.end_s - self.start_s, misses)
+        return Window(self.most, self.most - self.missed, self.end_s - self.start_s, misses)
 
-    def _miss(self) -> None:
+    def _miss(self, cause: str) -> None:
         self.missed += 1
+        self._causes[cause] += 1
         self._check_reach()
 
     def _check_reach(self) -> None:

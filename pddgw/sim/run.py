@@ -24,7 +24,7 @@ from pddgw.logs import setup_logging
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import RunResult, run_deployment, served_rps
-from pddgw.sim.goodput import Probe, bisect
+from pddgw.sim.goodput import Probe, bisect, first_fail
 from pddgw.sim.plan_bounds import Setting, attainment_bound, demand, deployment_bound
 from pddgw.sim.probe import run_probe
 from pddgw.sim.profiles import model as model_profile
@@ -108,14 +108,20 @@ def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
         if p.window is None:
             what = f"not simulated: the roofline bounds its attainment at {p.attainment_bound:.3f}"
         else:
+            m = p.window.misses
             what = (f"attainment {p.attainment:.3f} of {p.window.requests} window requests"
-                    f"{' (settled early)' if p.decided else ''}; {sims[-1][0]} requests simulated "
+                    f"{' (settled early)' if p.decided else ''} (missed: {m.failed} failed, {m.ttft} TTFT, "
+                    f"{m.tpot} TPOT, {m.e2e} E2E); {sims[-1][0]} requests simulated "
                     f"in {sims[-1][1]:.1f} s")
         print(f"pddgw sim: {job.label}: probe {seen} of at most {g.probes} at {p.rate:.4g} req/s: {what}",
               file=sys.stderr, flush=True)
 
     goodput, offered, probes = bisect(g, sc.slo.attainment, simulate, bound, on_probe=say)
+    fail = first_fail(probes, offered)
     return {"goodput_rps": round(goodput, 4), "goodput_offered_rps": round(offered, 4),
+            "goodput_fail": None if fail is None or fail.window is None else
+            {"offered_rps": round(fail.rate, 4), "attainment": round(fail.attainment, 4),
+             "misses": fail.window.misses.json()},
             "probes": [p.json() for p in probes],
             "_wall_s": sum(w for _, w in sims), "_requests": sum(n for n, _ in sims)}
 
@@ -200,6 +206,7 @@ def _assemble(sc: Scenario, results: dict[Job, dict[str, Any]], private: dict[st
             if gp is not None:
                 entry["goodput_rps"] = gp["goodput_rps"]
                 entry["goodput_offered_rps"] = gp["goodput_offered_rps"]
+                entry["goodput_fail"] = gp["goodput_fail"]
                 entry["goodput_probes"] = gp["probes"]
             deps[d.name] = entry
         base = deps[sc.baseline_name]
@@ -266,6 +273,8 @@ def format_report(rep: dict[str, Any], private: dict[str, Any]) -> str:
                ("SLO attainment", "slo_attainment"), ("throughput (req/s)", "throughput_rps"),
                ("within SLO (req/s)", "slo_rps"),
                ("SLA goodput (req/s in SLO)", "goodput_rps"), ("  at offered (req/s)", "goodput_offered_rps"),
+               ("  fails at offered (req/s)", "goodput_fail.offered_rps"),
+               ("  misses there, by SLO", "goodput_fail.misses"),
                ("goodput vs baseline", "goodput_vs_baseline"),
                ("BCR vs baseline", "bcr_vs_baseline"),
                ("RLD token share", "rld_token_share"), ("pipelines", "pipeline_share"),

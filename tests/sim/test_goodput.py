@@ -35,9 +35,17 @@ def test_window_counts_the_arrivals_inside_it_and_those_within_slo():
             _req(3, 2.5, 0.3, tpot=0.06),          # in, TPOT 60 ms > 50
             _req(4, 3.0, None, error="node_lost: x"),   # in, failed
             _req(5, 3.5, 0.1),                     # in, meets
-            _req(6, 5.0, 0.1)]                     # at the window's end: out
-    w = report.window_goodput(reqs, slo, 1.0, 5.0)
+            _req(6, 5.0, 0.1),                     # at the window's end: out
+            _req(7, 4.0, 1.2, tpot=0.07)]          # in, TTFT and TPOT too slow: a TTFT miss
+    w = report.window_goodput(reqs[:-1], slo, 1.0, 5.0)
     assert (w.requests, w.met, w.seconds) == (5, 2, 4.0)
+    assert w.misses == report.Misses(failed=1, ttft=1, tpot=1, e2e=0)
+    assert report.window_goodput(reqs, slo, 1.0, 5.0).misses == report.Misses(failed=1, ttft=2, tpot=1)
+    e2e = dataclasses.replace(slo, e2e_s=2.0)
+    r8 = _req(8, 1.0, 0.5)
+    r8.e2e_s = 2.5                                 # met TTFT and TPOT, then took too long
+    assert [report.miss_cause(r, e2e) for r in (reqs[1], reqs[2], reqs[3], reqs[4], r8)] == [
+        None, "ttft", "tpot", "failed", "e2e"]
     assert (w.arrival_rps, w.slo_rps, w.attainment) == (1.25, 0.5, 0.4)
     empty = report.window_goodput(reqs, slo, 10.0, 12.0)
     assert (empty.requests, empty.met, empty.slo_rps, empty.attainment) == (0, 0, 0.0, 0.0)
@@ -112,16 +120,17 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
     def fake_probe(sc_, job, rate):
         n = int(rate * 10)                                   # arrivals in the 10 s window
         met = round(0.95 * n) if rate <= 2.0 else n // 2
-        return report.Window(n, met, 10.0), FakeRun(rate)
+        return report.Window(n, met, 10.0, report.Misses(ttft=1, tpot=n - met - 1)), FakeRun(rate)
 
     monkeypatch.setattr(sim_run, "goodput_probe", fake_probe)
     out = run_job(sc, Job("goodput", "same-dc", None), progress=True)
     # One line per probe as it ends, on stderr (the JSON report stays free of wall-clock figures).
     assert capsys.readouterr().err.splitlines() == [
         f"pddgw sim: goodput same-dc: probe {i} of at most 3 at {r:g} req/s: attainment {a} of {n} window "
-        f"requests{early}; {k} requests simulated in 0.0 s"
-        for i, r, a, n, early, k in ((1, 1, "1.000", 10, "", 15), (2, 4, "0.500", 40, " (settled early)", 60),
-                                     (3, 2, "0.950", 20, "", 30))]
+        f"requests{early} (missed: 0 failed, 1 TTFT, {tpot} TPOT, 0 E2E); {k} requests simulated in 0.0 s"
+        for i, r, a, n, early, tpot, k in ((1, 1, "1.000", 10, "", -1, 15),
+                                           (2, 4, "0.500", 40, " (settled early)", 19, 60),
+                                           (3, 2, "0.950", 20, "", 0, 30))]
     assert [p["rate"] for p in out["probes"]] == [1.0, 4.0, 2.0]
     assert [p["attainment"] for p in out["probes"]] == [1.0, 0.5, 0.95]
     # At 2 req/s offered, 20 arrivals in 10 s, 19 within SLO: 1.9 requests per second.
@@ -129,6 +138,9 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
     assert [p["slo_rps"] for p in out["probes"]] == [1.0, 2.0, 1.9]
     assert [p["achieved_rps"] for p in out["probes"]] == [0.75, 3.0, 1.5]     # served / 20 s
     assert [p["decided_early"] for p in out["probes"]] == [False, True, False]
+    # The lowest failing offer and what gave out there: the report's "fails at" rows.
+    assert out["goodput_fail"] == {"offered_rps": 4.0, "attainment": 0.5,
+                                   "misses": {"failed": 0, "ttft": 1, "tpot": 19, "e2e": 0}}
 
 
 def test_a_window_verdict_settles_exactly_when_the_target_is_out_of_reach():
@@ -144,7 +156,7 @@ def test_a_window_verdict_settles_exactly_when_the_target_is_out_of_reach():
     v.arrived(_req(3, 11.0, None))                         # `late` is 1.0 s old, not past 1.0 s yet
     assert v.missed == 1
     v.arrived(_req(4, 11.5, None))                         # `warm` (before the window) is not counted
-    assert v.missed == 2 and v.window() == report.Window(9, 7, 10.0)
+    assert v.missed == 2 and v.window() == report.Window(9, 7, 10.0, report.Misses(ttft=1, tpot=1))
     late.ttft_s, late.e2e_s = 1.5, 2.0
     v.finished(late)                                       # counted once, at its deadline, not again
     assert v.missed == 2
@@ -152,6 +164,28 @@ def test_a_window_verdict_settles_exactly_when_the_target_is_out_of_reach():
     with pytest.raises(Decided, match="3 of at most 9 window requests missed the SLO"):
         v.finished(_req(6, 12.5, None, error="node_lost: x"))
     assert v.window().attainment == 6 / 9
+    # `late` ended with its first token past the deadline: still a TTFT miss; the error a failure.
+    assert v.window().misses == report.Misses(failed=1, ttft=1, tpot=1)
+
+
+def test_a_request_counted_late_at_its_deadline_ends_as_its_own_cause():
+    # Counted as a TTFT miss once a later arrival finds it past 1 s without a first token; it
+    # then fails: the complete window says "failed", as window_goodput of the same requests.
+    slo = SloSpec(ttft_s=1.0, tpot_ms=50.0, attainment=0.1)
+    v = report.WindowVerdict(slo, 0.1, 10.0, 20.0, most=3)
+    late, ok = _req(0, 10.0, None), _req(1, 11.5, None)
+    v.arrived(late)
+    v.arrived(ok)
+    assert v.window().misses == report.Misses(ttft=1)
+    late.error = "node_lost: p0"
+    v.finished(late)
+    assert v.window().misses == report.Misses(failed=1) and v.missed == 1
+    ok.ttft_s = 0.2
+    v.finished(ok)
+    with pytest.raises(Decided, match="all 2 window requests have ended"):
+        v.arrived(_req(2, 20.0, None))
+    assert v.window() == report.window_goodput([late, ok], slo, 10.0, 20.0) == report.Window(
+        2, 1, 10.0, report.Misses(failed=1))
 
 
 def test_an_arrival_after_the_window_tightens_the_verdict_s_bound():
@@ -165,17 +199,18 @@ def test_an_arrival_after_the_window_tightens_the_verdict_s_bound():
     assert (v.missed, v.most) == (1, 5)
     with pytest.raises(Decided, match="1 of at most 4 window requests missed the SLO"):
         v.arrived(_req(2, 20.0, None))
-    assert v.window() == report.Window(4, 3, 10.0)
+    assert v.window() == report.Window(4, 3, 10.0, report.Misses(tpot=1))
 
 
 def test_a_window_verdict_settles_exactly_when_every_window_request_has_ended():
     slo = SloSpec(ttft_s=1.0, tpot_ms=50.0, attainment=0.5)
     v = report.WindowVerdict(slo, 0.5, 10.0, 20.0, most=10)
     early, a, b = _req(0, 9.5, None), _req(1, 10.0, None), _req(2, 19.0, None)
-    for r in (early, a, b):
+    for r in (early, a):
         v.arrived(r)
     a.ttft_s = 0.1
     v.finished(a)                                           # met
+    v.arrived(b)
     v.arrived(_req(3, 20.0, None))                          # past the window; `b` is still open
     assert not v.complete
     early.ttft_s = 0.1
@@ -183,7 +218,7 @@ def test_a_window_verdict_settles_exactly_when_every_window_request_has_ended():
     b.ttft_s, b.tpot_s = 0.2, 0.06
     with pytest.raises(Decided, match="all 2 window requests have ended"):
         v.finished(b)                                       # TPOT 60 ms: missed; the window is complete
-    assert v.complete and v.window() == report.Window(2, 1, 10.0)
+    assert v.complete and v.window() == report.Window(2, 1, 10.0, report.Misses(tpot=1))
 
 
 def test_an_overloaded_probe_stops_once_settled_with_the_whole_runs_verdict():

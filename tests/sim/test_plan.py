@@ -390,7 +390,8 @@ def test_the_json_report_names_the_winner_and_each_kinds_table(searched):
     assert rep["winner"]["probes"][1] == {"rate": 16.0, "attainment": 1.0, "simulated": True, "attainment_bound": 1.0,
                                           "arrival_rps": 16.5, "slo_rps": 16.5,
                                           "achieved_rps": round(memo[best, 16.0][1], 4),
-                                          "decided_early": True}     # stopped once its window ended
+                                          "decided_early": True,     # stopped once its window ended
+                                          "misses": {"failed": 0, "ttft": 0, "tpot": 0, "e2e": 0}}
     assert rep["winner"]["gpus_by_cluster"] == {"A": 3} and rep["winner"]["price_per_hour"] == 9.0
     naive = rep["kinds"]["naive-cross-dc"]
     assert (naive["candidates"], naive["pruned_probes"], len(naive["ranked"])) == (4, 8, 2)
