@@ -14,8 +14,9 @@ import concurrent.futures
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -31,6 +32,8 @@ from pddgw.sim.profiles import model as model_profile
 from pddgw.sim.scenario import Scenario, deployment_config, deployment_price, load_scenario
 from pddgw.sim.workload import AgenticSpec, Conversation, agentic, load_trace, shared_prefix
 from pddgw.tables import format_table
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -380,18 +383,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _flag(flag: str, value: Any, make: Callable[[], _T]) -> _T:
+    """make() with a bad value's error naming the flag that gave it (the specs check their own
+    numbers, and a spec's message names its field, not the command line's)."""
+    try:
+        return make()
+    except ValueError as e:
+        raise ValueError(f"{flag} {value}: {e}") from None
+
+
 def _overrides(sc: Scenario, args: argparse.Namespace) -> Scenario:
     wl = sc.workload
     if args.trace:
         wl = dataclasses.replace(wl, kind="trace", trace=dataclasses.replace(wl.trace, path=args.trace))
-    shape = {k: v for k, v in (("speed", args.trace_speed), ("burst_s", args.trace_burst_s)) if v is not None}
-    if shape:
-        wl = dataclasses.replace(wl, trace=dataclasses.replace(wl.trace, **shape))
+    for flag, key, value in (("--trace-speed", "speed", args.trace_speed),
+                             ("--trace-burst-s", "burst_s", args.trace_burst_s)):
+        if value is not None:
+            wl = _flag(flag, value, lambda: dataclasses.replace(wl, trace=dataclasses.replace(wl.trace, **{key: value})))
     if args.requests:
-        wl = dataclasses.replace(wl, agentic=dataclasses.replace(wl.agentic, requests=args.requests),
-                                 trace=dataclasses.replace(wl.trace, requests=args.requests))
+        wl = _flag("--requests", args.requests, lambda: dataclasses.replace(
+            wl, agentic=dataclasses.replace(wl.agentic, requests=args.requests),
+            trace=dataclasses.replace(wl.trace, requests=args.requests)))
     if args.rate:
-        wl = dataclasses.replace(wl, agentic=dataclasses.replace(wl.agentic, rate=args.rate))
+        wl = _flag("--rate", args.rate, lambda: dataclasses.replace(
+            wl, agentic=dataclasses.replace(wl.agentic, rate=args.rate)))
     sc = dataclasses.replace(sc, workload=wl, seed=sc.seed if args.seed is None else args.seed)
     if args.wan_gbps:
         sc = dataclasses.replace(sc, wan_gbps=tuple(args.wan_gbps))
