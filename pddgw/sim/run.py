@@ -113,8 +113,8 @@ def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
         else:
             m = p.window.misses
             what = (f"attainment {p.attainment:.3f} of {p.window.requests} window requests"
-                    f"{' (settled early)' if p.decided else ''} (missed: {m.failed} failed, {m.ttft} TTFT, "
-                    f"{m.tpot} TPOT, {m.e2e} E2E); {sims[-1][0]} requests simulated "
+                    f"{' (settled early)' if p.decided else ''}, missed: {m.failed} failed, {m.ttft} TTFT, "
+                    f"{m.tpot} TPOT, {m.e2e} E2E; {sims[-1][0]} requests simulated "
                     f"in {sims[-1][1]:.1f} s")
         print(f"pddgw sim: {job.label}: probe {seen} of at most {g.probes} at {p.rate:.4g} req/s: {what}",
               file=sys.stderr, flush=True)

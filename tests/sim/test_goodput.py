@@ -127,7 +127,7 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
     # One line per probe as it ends, on stderr (the JSON report stays free of wall-clock figures).
     assert capsys.readouterr().err.splitlines() == [
         f"pddgw sim: goodput same-dc: probe {i} of at most 3 at {r:g} req/s: attainment {a} of {n} window "
-        f"requests{early} (missed: 0 failed, 1 TTFT, {tpot} TPOT, 0 E2E); {k} requests simulated in 0.0 s"
+        f"requests{early}, missed: 0 failed, 1 TTFT, {tpot} TPOT, 0 E2E; {k} requests simulated in 0.0 s"
         for i, r, a, n, early, tpot, k in ((1, 1, "1.000", 10, "", -1, 15),
                                            (2, 4, "0.500", 40, " (settled early)", 19, 60),
                                            (3, 2, "0.950", 20, "", 0, 30))]
