@@ -71,8 +71,11 @@ def bisect(spec: GoodputSpec, target: float, simulate: Simulate, bound: Callable
     return (best.slo_rps if best else 0.0), offered, tuple(probes)
 
 
-def first_fail(probes: tuple[Probe, ...], offered: float) -> Probe | None:
-    """The lowest simulated probe above the goodput's offer: the load at which the deployment
-    stopped holding its SLO, and its misses say which SLO gave out (None: none failed, or the
-    roofline pruned every failing rate)."""
-    return min((p for p in probes if p.simulated and p.rate > offered), key=lambda p: p.rate, default=None)
+def first_fail(probes: tuple[Probe, ...], offered: float) -> dict[str, Any] | None:
+    """The lowest simulated probe above the goodput's offer, as JSON: the load at which the
+    deployment stopped holding its SLO, and its misses say which SLO gave out (None: none
+    failed, or the roofline pruned every failing rate)."""
+    p = min((p for p in probes if p.simulated and p.rate > offered), key=lambda p: p.rate, default=None)
+    if p is None or p.window is None:
+        return None
+    return {"offered_rps": round(p.rate, 4), "attainment": round(p.attainment, 4), "misses": p.window.misses.json()}

@@ -33,6 +33,7 @@ import orjson
 
 from pddgw.config import ConfigError
 from pddgw.logs import setup_logging
+from pddgw.sim.goodput import first_fail
 from pddgw.sim.plan_bounds import Bound, capacity
 from pddgw.sim.plan_search import Evaluation, KindResult, _Workloads, search, upper_bound, winner
 from pddgw.sim.plan_space import KINDS, Plan, candidates, load_plan
@@ -56,6 +57,7 @@ def evaluation_json(e: Evaluation) -> dict[str, Any]:
             "goodput_rps": None if e.goodput_rps is None else round(e.goodput_rps, 4),
             "goodput_offered_rps": None if e.offered_rps is None else round(e.offered_rps, 4),
             "goodput_per_usd_hour": round(e.per_usd, 6),
+            "goodput_fail": None if e.offered_rps is None else first_fail(e.probes, e.offered_rps),
             "probes": [p.json() for p in e.probes],
             "groups": [{"role": g.role, "count": g.count, "cluster": g.cluster, "hardware": g.hardware,
                         "tensor_parallel": g.tensor_parallel, "data_parallel": g.data_parallel,
@@ -79,12 +81,15 @@ def _row(rank: int, e: Evaluation) -> list[Any]:
     gp = "-" if e.goodput_rps is None else f"{e.goodput_rps:.3g}"
     offered = "-" if e.offered_rps is None else f"{e.offered_rps:.3g}"
     probes = f"{e.simulated_probes} / {len(e.probes) - e.simulated_probes}"
+    fail = None if e.offered_rps is None else first_fail(e.probes, e.offered_rps)
+    gave_out = "-" if fail is None else f"{fail['offered_rps']:.3g}: " + (
+        " ".join(f"{k} {n}" for k, n in fail["misses"].items() if n) or "none")
     return [rank, c.label(), c.gpus, f"{c.price:.2f}", f"{e.roofline.rate:.3g} ({e.roofline.side})", gp, offered,
-            f"{e.per_usd * 100:.3g}", probes]
+            gave_out, f"{e.per_usd * 100:.3g}", probes]
 
 
 HEADS = ["#", "deployment", "GPUs", "$/h", "roofline cap (req/s)", "SLA goodput (req/s in SLO)", "at offered",
-         "goodput per $100/h", "probes sim / pruned"]
+         "fails at: misses", "goodput per $100/h", "probes sim / pruned"]
 
 
 def format_report(plan: Plan, results: dict[str, KindResult]) -> str:

@@ -120,12 +120,8 @@ def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
               file=sys.stderr, flush=True)
 
     goodput, offered, probes = bisect(g, sc.slo.attainment, simulate, bound, on_probe=say)
-    fail = first_fail(probes, offered)
     return {"goodput_rps": round(goodput, 4), "goodput_offered_rps": round(offered, 4),
-            "goodput_fail": None if fail is None or fail.window is None else
-            {"offered_rps": round(fail.rate, 4), "attainment": round(fail.attainment, 4),
-             "misses": fail.window.misses.json()},
-            "probes": [p.json() for p in probes],
+            "goodput_fail": first_fail(probes, offered), "probes": [p.json() for p in probes],
             "_wall_s": sum(w for _, w in sims), "_requests": sum(n for n, _ in sims)}
 
 

@@ -379,7 +379,7 @@ def test_the_dry_run_prints_every_kind_without_simulating(capsys, monkeypatch):
 
 
 def test_the_json_report_names_the_winner_and_each_kinds_table(searched):
-    from pddgw.sim.plan import report_json
+    from pddgw.sim.plan import _row, report_json
 
     plan, _, pruned, memo, _ = searched
     best = plan_search.winner(pruned).candidate
@@ -396,3 +396,12 @@ def test_the_json_report_names_the_winner_and_each_kinds_table(searched):
     naive = rep["kinds"]["naive-cross-dc"]
     assert (naive["candidates"], naive["pruned_probes"], len(naive["ranked"])) == (4, 8, 2)
     assert naive["ranked"][0]["roofline"]["limit"] == "wan"
+    # Where naive's best gave out, by cause: at 2 req/s one window request has no first token past
+    # its TTFT deadline, so at most 7 of the window's 8 can meet the SLO (README).
+    top = naive["ranked"][0]
+    fail = top["goodput_fail"]
+    first = min((p for p in top["probes"] if p["simulated"] and p["rate"] > top["goodput_offered_rps"]),
+                key=lambda p: p["rate"])
+    assert fail == {"offered_rps": first["rate"], "attainment": first["attainment"], "misses": first["misses"]}
+    assert fail == {"offered_rps": 2.0, "attainment": 0.875, "misses": {"failed": 0, "ttft": 1, "tpot": 0, "e2e": 0}}
+    assert _row(1, plan_search.winner({"naive-cross-dc": pruned["naive-cross-dc"]}))[7] == "2: ttft 1"
