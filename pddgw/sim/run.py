@@ -395,12 +395,13 @@ def _overrides(sc: Scenario, args: argparse.Namespace) -> Scenario:
     for flag, key, value in (("--trace-speed", "speed", args.trace_speed),
                              ("--trace-burst-s", "burst_s", args.trace_burst_s)):
         if value is not None:
-            wl = _flag(flag, value, lambda: dataclasses.replace(wl, trace=dataclasses.replace(wl.trace, **{key: value})))
-    if args.requests:
+            wl = _flag(flag, value, lambda: dataclasses.replace(
+                wl, trace=dataclasses.replace(wl.trace, **{key: value})))
+    if args.requests is not None:
         wl = _flag("--requests", args.requests, lambda: dataclasses.replace(
             wl, agentic=dataclasses.replace(wl.agentic, requests=args.requests),
             trace=dataclasses.replace(wl.trace, requests=args.requests)))
-    if args.rate:
+    if args.rate is not None:
         wl = _flag("--rate", args.rate, lambda: dataclasses.replace(
             wl, agentic=dataclasses.replace(wl.agentic, rate=args.rate)))
     sc = dataclasses.replace(sc, workload=wl, seed=sc.seed if args.seed is None else args.seed)

@@ -206,7 +206,9 @@ def test_a_burst_trace_gathers_each_span_at_its_start(tmp_path):
     # A bad value from the command line names its flag as well as the field.
     for flags, message in ((["--trace-burst-s", "-3"], "--trace-burst-s -3.0: burst_s must be >= 0"),
                            (["--trace-speed", "0"], "--trace-speed 0.0: speed must be > 0"),
-                           (["--rate", "-2"], "--rate -2.0: requests must be >= 1 and rate > 0")):
+                           (["--rate", "-2"], "--rate -2.0: requests must be >= 1 and rate > 0"),
+                           (["--rate", "0"], "--rate 0.0: requests must be >= 1 and rate > 0"),
+                           (["--requests", "0"], "--requests 0: requests must be >= 1 and rate > 0")):
         with pytest.raises(ValueError, match=f"^{message}$"):
             _overrides(load_scenario(TINY), sim_parser().parse_args(["--scenario", str(TINY), *flags]))
 
