@@ -75,7 +75,7 @@ def first_fail(probes: tuple[Probe, ...], offered: float) -> dict[str, Any] | No
     """The lowest simulated probe above the goodput's offer, as JSON: the load at which the
     deployment stopped holding its SLO, and its misses say which SLO gave out (None: none
     failed, or the roofline pruned every failing rate)."""
-    p = min((p for p in probes if p.simulated and p.rate > offered), key=lambda p: p.rate, default=None)
+    p = min((p for p in probes if p.window is not None and p.rate > offered), key=lambda p: p.rate, default=None)
     if p is None or p.window is None:
         return None
     return {"offered_rps": round(p.rate, 4), "attainment": round(p.attainment, 4), "misses": p.window.misses.json()}

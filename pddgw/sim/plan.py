@@ -48,6 +48,10 @@ def _bound_json(b: Bound) -> dict[str, Any]:
             "sides_rps": {k: round(v, 4) for k, v in sorted(b.sides.items())}}
 
 
+def _fail(e: Evaluation) -> dict[str, Any] | None:
+    return None if e.offered_rps is None else first_fail(e.probes, e.offered_rps)
+
+
 def evaluation_json(e: Evaluation) -> dict[str, Any]:
     c = e.candidate
     return {"deployment": c.label(), "gpus": c.gpus, "gpus_by_cluster": {x: c.gpus_in(x) for x in
@@ -57,7 +61,7 @@ def evaluation_json(e: Evaluation) -> dict[str, Any]:
             "goodput_rps": None if e.goodput_rps is None else round(e.goodput_rps, 4),
             "goodput_offered_rps": None if e.offered_rps is None else round(e.offered_rps, 4),
             "goodput_per_usd_hour": round(e.per_usd, 6),
-            "goodput_fail": None if e.offered_rps is None else first_fail(e.probes, e.offered_rps),
+            "goodput_fail": _fail(e),
             "probes": [p.json() for p in e.probes],
             "groups": [{"role": g.role, "count": g.count, "cluster": g.cluster, "hardware": g.hardware,
                         "tensor_parallel": g.tensor_parallel, "data_parallel": g.data_parallel,
@@ -81,7 +85,7 @@ def _row(rank: int, e: Evaluation) -> list[Any]:
     gp = "-" if e.goodput_rps is None else f"{e.goodput_rps:.3g}"
     offered = "-" if e.offered_rps is None else f"{e.offered_rps:.3g}"
     probes = f"{e.simulated_probes} / {len(e.probes) - e.simulated_probes}"
-    fail = None if e.offered_rps is None else first_fail(e.probes, e.offered_rps)
+    fail = _fail(e)
     gave_out = "-" if fail is None else f"{fail['offered_rps']:.3g}: " + (
         " ".join(f"{k} {n}" for k, n in fail["misses"].items() if n) or "none")
     return [rank, c.label(), c.gpus, f"{c.price:.2f}", f"{e.roofline.rate:.3g} ({e.roofline.side})", gp, offered,

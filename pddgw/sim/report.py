@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from pddgw.sim.cluster import Decided, RequestResult, RunResult, served_rps
@@ -80,10 +80,10 @@ class Misses:
 
     @classmethod
     def of(cls, causes: Counter[str]) -> Misses:
-        return cls(**{k: causes[k] for k in ("failed", "ttft", "tpot", "e2e")})
+        return cls(**{f.name: causes[f.name] for f in fields(cls)})
 
     def json(self) -> dict[str, int]:
-        return {"failed": self.failed, "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
