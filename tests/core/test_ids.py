@@ -40,13 +40,15 @@ def test_a_long_tuple_is_checked_once_and_an_equal_new_one_afresh(monkeypatch):
 
 
 def test_the_memo_keeps_the_last_keep_tuples_within_keep_tokens(monkeypatch):
-    kept = [tuple(range(i, i + ids.SHORT)) for i in range(ids.KEEP + 5)]
+    ids.MEMO.clear()
+    keep = ids.MEMO.keep
+    kept = [tuple(range(i, i + ids.SHORT)) for i in range(keep + 5)]
     for t in kept:
         ids.in_range(t, 1 << 20)
-    assert len(ids._memo) == ids.KEEP and ids._tokens == ids.KEEP * ids.SHORT
-    assert all(ids._memo[id(t)][0] is t for t in kept[5:])
-    monkeypatch.setattr(ids, "KEEP_TOKENS", 3 * ids.SHORT)
+    assert len(ids.MEMO) == keep and ids.MEMO.items == keep * ids.SHORT
+    assert all(ids.MEMO.holds(t) for t in kept[5:]) and not any(ids.MEMO.holds(t) for t in kept[:5])
+    monkeypatch.setattr(ids.MEMO, "keep_items", 3 * ids.SHORT)
     big = tuple(range(2 * ids.SHORT))
     ids.in_range(big, 1 << 20)
-    assert list(ids._memo.values())[-1][0] is big and len(ids._memo) == 2      # big and one before it
-    assert ids._tokens == 3 * ids.SHORT
+    assert len(ids.MEMO) == 2 and ids.MEMO.holds(big) and ids.MEMO.holds(kept[-1])   # big and one before it
+    assert ids.MEMO.items == 3 * ids.SHORT

@@ -10,9 +10,9 @@ from pddgw.engines.block_manager import chain_hashes
 
 @pytest.fixture(autouse=True)
 def fresh():
-    ph.clear()
+    ph.MEMO.clear()
     yield
-    ph.clear()
+    ph.MEMO.clear()
 
 
 def test_the_hashes_are_chain_hashes_and_one_object_is_hashed_once():
@@ -32,10 +32,11 @@ def test_an_equal_prompt_of_another_object_is_hashed_afresh():
 
 
 def test_the_cache_is_bounded_by_prompts_and_tokens(monkeypatch):
-    monkeypatch.setattr(ph, "KEEP_PROMPTS", 3)
-    monkeypatch.setattr(ph, "KEEP_TOKENS", 250)
+    monkeypatch.setattr(ph.MEMO, "keep", 3)
+    monkeypatch.setattr(ph.MEMO, "keep_items", 250)
     prompts = [tuple(range(i, i + 100)) for i in range(4)]
     got = [ph.prompt_hashes(p, 16) for p in prompts]
-    assert len(ph._cache) == 2 and ph._tokens == 200            # the token bound: the two newest
+    assert len(ph.MEMO) == 2 and ph.MEMO.items == 200            # the token bound: the two newest
+    assert ph.MEMO.holds(prompts[2], 16) and ph.MEMO.holds(prompts[3], 16)
     assert ph.prompt_hashes(prompts[3], 16) is got[3]
     assert ph.prompt_hashes(prompts[0], 16) is not got[0]       # evicted: computed again
