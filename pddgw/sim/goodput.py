@@ -39,6 +39,7 @@ class Probe:
         if self.window is not None and self.achieved_rps is not None:
             out |= {"arrival_rps": round(self.window.arrival_rps, 4), "slo_rps": round(self.window.slo_rps, 4),
                     "achieved_rps": round(self.achieved_rps, 4), "decided_early": self.decided,
+                    "window_bound": self.window.bound,
                     "misses": self.window.misses.json()}
         return out
 

@@ -94,6 +94,9 @@ class Window:
     met: int               # of them, those that met every SLO
     seconds: float
     misses: Misses = Misses()   # the requests - met others, by cause
+    # requests and met are bounds, not counts: the most that could still arrive and meet the SLO
+    # when a probe stopped out of reach (`WindowVerdict`).
+    bound: bool = False
 
     @property
     def arrival_rps(self) -> float:
@@ -194,7 +197,7 @@ class WindowVerdict:
         misses = Misses.of(self._causes)
         if self.complete:
             return Window(self.arrivals, self.met, self.end_s - self.start_s, misses)
-        return Window(self.most, self.most - self.missed, self.end_s - self.start_s, misses)
+        return Window(self.most, self.most - self.missed, self.end_s - self.start_s, misses, bound=True)
 
     def _miss(self, cause: str) -> None:
         self.missed += 1

@@ -112,8 +112,13 @@ def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
             what = f"not simulated: the roofline bounds its attainment at {p.attainment_bound:.3f}"
         else:
             m = p.window.misses
-            what = (f"attainment {p.attainment:.3f} of {p.window.requests} window requests"
-                    f"{' (settled early)' if p.decided else ''}, missed: {m.failed} failed, {m.ttft} TTFT, "
+            if p.window.bound:
+                what = (f"attainment at most {p.attainment:.3f} of at most {p.window.requests} window requests "
+                        "(settled early, out of reach)")
+            else:
+                what = (f"attainment {p.attainment:.3f} of {p.window.requests} window requests"
+                        f"{' (settled early, window complete)' if p.decided else ''}")
+            what += (f", missed: {m.failed} failed, {m.ttft} TTFT, "
                     f"{m.tpot} TPOT, {m.e2e} E2E; {sims[-1][0]} requests simulated "
                     f"in {sims[-1][1]:.1f} s")
         print(f"pddgw sim: {job.label}: probe {seen} of at most {g.probes} at {p.rate:.4g} req/s: {what}",

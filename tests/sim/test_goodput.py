@@ -120,17 +120,20 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
     def fake_probe(sc_, job, rate):
         n = int(rate * 10)                                   # arrivals in the 10 s window
         met = round(0.95 * n) if rate <= 2.0 else n // 2
-        return report.Window(n, met, 10.0, report.Misses(ttft=1, tpot=n - met - 1)), FakeRun(rate)
+        # Settled out of reach above 2 req/s: the window's counts are then the verdict's bounds.
+        return (report.Window(n, met, 10.0, report.Misses(ttft=1, tpot=n - met - 1), bound=rate > 2.0),
+                FakeRun(rate))
 
     monkeypatch.setattr(sim_run, "goodput_probe", fake_probe)
     out = run_job(sc, Job("goodput", "same-dc", None), progress=True)
     # One line per probe as it ends, on stderr (the JSON report stays free of wall-clock figures).
     assert capsys.readouterr().err.splitlines() == [
-        f"pddgw sim: goodput same-dc: probe {i} of at most 3 at {r:g} req/s: attainment {a} of {n} window "
-        f"requests{early}, missed: 0 failed, 1 TTFT, {tpot} TPOT, 0 E2E; {k} requests simulated in 0.0 s"
-        for i, r, a, n, early, tpot, k in ((1, 1, "1.000", 10, "", -1, 15),
-                                           (2, 4, "0.500", 40, " (settled early)", 19, 60),
-                                           (3, 2, "0.950", 20, "", 0, 30))]
+        f"pddgw sim: goodput same-dc: probe {i} of at most 3 at {r:g} req/s: {what}, missed: 0 failed, 1 TTFT, "
+        f"{tpot} TPOT, 0 E2E; {k} requests simulated in 0.0 s"
+        for i, r, what, tpot, k in (
+            (1, 1, "attainment 1.000 of 10 window requests", -1, 15),
+            (2, 4, "attainment at most 0.500 of at most 40 window requests (settled early, out of reach)", 19, 60),
+            (3, 2, "attainment 0.950 of 20 window requests", 0, 30))]
     assert [p["rate"] for p in out["probes"]] == [1.0, 4.0, 2.0]
     assert [p["attainment"] for p in out["probes"]] == [1.0, 0.5, 0.95]
     # At 2 req/s offered, 20 arrivals in 10 s, 19 within SLO: 1.9 requests per second.
@@ -138,6 +141,7 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
     assert [p["slo_rps"] for p in out["probes"]] == [1.0, 2.0, 1.9]
     assert [p["achieved_rps"] for p in out["probes"]] == [0.75, 3.0, 1.5]     # served / 20 s
     assert [p["decided_early"] for p in out["probes"]] == [False, True, False]
+    assert [p["window_bound"] for p in out["probes"]] == [False, True, False]
     # The lowest failing offer and what gave out there: the report's "fails at" rows.
     assert out["goodput_fail"] == {"offered_rps": 4.0, "attainment": 0.5,
                                    "misses": {"failed": 0, "ttft": 1, "tpot": 19, "e2e": 0}}
@@ -156,7 +160,7 @@ def test_a_window_verdict_settles_exactly_when_the_target_is_out_of_reach():
     v.arrived(_req(3, 11.0, None))                         # `late` is 1.0 s old, not past 1.0 s yet
     assert v.missed == 1
     v.arrived(_req(4, 11.5, None))                         # `warm` (before the window) is not counted
-    assert v.missed == 2 and v.window() == report.Window(9, 7, 10.0, report.Misses(ttft=1, tpot=1))
+    assert v.missed == 2 and v.window() == report.Window(9, 7, 10.0, report.Misses(ttft=1, tpot=1), bound=True)
     late.ttft_s, late.e2e_s = 1.5, 2.0
     v.finished(late)                                       # counted once, at its deadline, not again
     assert v.missed == 2
@@ -199,7 +203,7 @@ def test_an_arrival_after_the_window_tightens_the_verdict_s_bound():
     assert (v.missed, v.most) == (1, 5)
     with pytest.raises(Decided, match="1 of at most 4 window requests missed the SLO"):
         v.arrived(_req(2, 20.0, None))
-    assert v.window() == report.Window(4, 3, 10.0, report.Misses(tpot=1))
+    assert v.window() == report.Window(4, 3, 10.0, report.Misses(tpot=1), bound=True)
 
 
 def test_a_window_verdict_settles_exactly_when_every_window_request_has_ended():
@@ -230,7 +234,7 @@ def test_an_overloaded_probe_stops_once_settled_with_the_whole_runs_verdict():
     pw = probe_workload(sc, 40.0)
     whole = run_virtual(run_deployment(cfg, list(pw.conversations), pw.prefix))
     full = report.window_goodput(whole.requests, sc.slo, pw.start_s, pw.end_s)
-    assert run.decided and not whole.decided
+    assert run.decided and not whole.decided and w.bound and not full.bound
     assert full.attainment <= w.attainment < 0.9             # the bound, and the same fail
     # Its bound on the window's requests: every turn, less those seen arriving outside it.
     assert full.requests <= w.requests < sum(len(c.turns) for c in pw.conversations if c.start_s < pw.end_s)
@@ -242,7 +246,7 @@ def test_an_overloaded_probe_stops_once_settled_with_the_whole_runs_verdict():
     pw1 = probe_workload(sc, 1.0)
     whole1 = run_virtual(run_deployment(cfg, list(pw1.conversations), pw1.prefix))
     assert w1 == report.window_goodput(whole1.requests, sc.slo, pw1.start_s, pw1.end_s)
-    assert w1.attainment == 1.0 and w1.requests > 0
+    assert w1.attainment == 1.0 and w1.requests > 0 and not w1.bound
     same = {r.rid: (r.ttft_s, r.e2e_s, r.output_digest) for r in whole1.requests}
     assert [(r.ttft_s, r.e2e_s, r.output_digest) for r in run1.requests] == [same[r.rid] for r in run1.requests]
     assert run1.decided == (len(run1.requests) < len(whole1.requests))
