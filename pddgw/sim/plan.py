@@ -34,7 +34,7 @@ import orjson
 from pddgw.config import ConfigError
 from pddgw.logs import setup_logging
 from pddgw.sim.goodput import first_fail
-from pddgw.sim.plan_bounds import Bound, capacity
+from pddgw.sim.plan_bounds import Bound, Setting, capacity
 from pddgw.sim.plan_search import Evaluation, KindResult, _Workloads, search, upper_bound, winner
 from pddgw.sim.plan_space import KINDS, Plan, candidates, load_plan
 from pddgw.sim.plan_write import config_toml, deployments_toml, serve_comment, serve_config
@@ -126,7 +126,7 @@ def format_dry_run(plan: Plan) -> str:
     for kind in plan.spec.kinds:
         rows = []
         for c in candidates(plan, prof, kind):
-            b = capacity(plan, prof, c, d)
+            b = capacity(Setting.of(plan, c), prof, c, d)
             ub = upper_bound(plan, prof, c, work)
             sides = " ".join(f"{k}={v:.3g}" for k, v in sorted(b.sides.items()))
             rows.append([c.label(), c.gpus, f"{c.price:.2f}", sides, f"{ub:.3g}", f"{ub / c.price * 100:.3g}"])

@@ -264,10 +264,9 @@ class Setting:
         return Setting(plan.scenario, plan.wan_gbps, cand.policy(plan.spec).rld_max_relays)
 
 
-def _sides(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> _Sides:
+def _sides(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> _Sides:
     # A planner's candidate has one group per role; a scenario's deployment may have several
     # (`deployment_bound`): each side sums its groups, and a relay lasts its fastest RLD's steps.
-    at = plan if isinstance(plan, Setting) else Setting.of(plan, cand)
     prefills = [g for g in cand.groups if g.role == "prefill"]
     decoders = [g for g in cand.groups if g.role in ("md", "rld")]
     ctx = min(d.prompt)
@@ -291,9 +290,9 @@ def _sides(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand)
         latency=bool(tpot) and min(d.output) >= 2 and fastest * 1000.0 > tpot)
 
 
-def capacity(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> Bound:
+def capacity(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> Bound:
     """Requests per second each side of `cand` carries in the steady state for the workload of `d`."""
-    s = _sides(plan, prof, cand, d)
+    s = _sides(at, prof, cand, d)
 
     def rate(side: tuple[float, list[float]]) -> float:
         per = sum(side[1]) / len(side[1])
@@ -319,12 +318,12 @@ def _fit(budget: float, uses: list[float]) -> int:
     return n
 
 
-def met_bound(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> int:
+def met_bound(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> int:
     """The most of the window's requests that can meet every SLO (module docstring)."""
-    s = _sides(plan, prof, cand, d)
+    s = _sides(at, prof, cand, d)
     if s.latency:
         return 0
-    sc = plan.scenario
+    sc = at.scenario
     slo = sc.slo
     idx = d.maybe
     if not idx:
@@ -346,16 +345,16 @@ def met_bound(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Dema
     return min(min(counts), len(idx))
 
 
-def attainment_bound(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
+def attainment_bound(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
     """An upper bound on the share of the window's requests that can meet every SLO: met_bound
     over the requests surely in the window (1.0 when none surely is: nothing to bound by)."""
     surely = d.surely
-    return 1.0 if not surely else min(1.0, met_bound(plan, prof, cand, d) / surely)
+    return 1.0 if not surely else min(1.0, met_bound(at, prof, cand, d) / surely)
 
 
-def slo_rps_bound(plan: Plan | Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
+def slo_rps_bound(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> float:
     """An upper bound on the probe's requests per second within SLO (its goodput)."""
-    return met_bound(plan, prof, cand, d) / d.seconds
+    return met_bound(at, prof, cand, d) / d.seconds
 
 
 def deployment_bound(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None) -> Candidate | None:

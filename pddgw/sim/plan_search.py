@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pddgw.sim import report
 from pddgw.sim.cluster import served_rps
 from pddgw.sim.goodput import Probe, bisect
-from pddgw.sim.plan_bounds import Bound, Demand, attainment_bound, capacity, demand, slo_rps_bound
+from pddgw.sim.plan_bounds import Bound, Demand, Setting, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
 from pddgw.sim.probe import run_probe
@@ -115,7 +115,7 @@ def bisection_rates(lo: float, hi: float, probes: int) -> list[float]:
 
 def _pruned(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> tuple[bool, float]:
     """(whether the probe is not simulated, the roofline's bound on its attainment)."""
-    bound = attainment_bound(plan, prof, cand, d)
+    bound = attainment_bound(Setting.of(plan, cand), prof, cand, d)
     return bound < plan.slo.attainment, bound
 
 
@@ -126,7 +126,8 @@ def upper_bound(plan: Plan, prof: ModelProfile, cand: Candidate, work: _Workload
                                 plan.slo.attainment, g.rate_min, g.rate_max, g.probes)
     rates = [r for r in bisection_rates(g.rate_min, g.rate_max, g.probes)
              if r <= top and not _pruned(plan, prof, cand, work(r))[0]]
-    return max((slo_rps_bound(plan, prof, cand, work(r)) for r in rates), default=0.0)
+    at = Setting.of(plan, cand)
+    return max((slo_rps_bound(at, prof, cand, work(r)) for r in rates), default=0.0)
 
 
 def simulate_probe(plan: Plan, cand: Candidate, rate: float) -> tuple[report.Window, float, bool]:
@@ -146,7 +147,8 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluatio
     wall0 = time.perf_counter()
     goodput, offered, probes = bisect(g, plan.slo.attainment, lambda r: simulate_probe(plan, cand, r),
                                       lambda r: _pruned(plan, prof, cand, work(r))[1], exhaustive)
-    return Evaluation(cand, capacity(plan, prof, cand, work(g.rate_min)), upper_bound(plan, prof, cand, work),
+    return Evaluation(cand, capacity(Setting.of(plan, cand), prof, cand, work(g.rate_min)),
+                      upper_bound(plan, prof, cand, work),
                       goodput, offered, probes, time.perf_counter() - wall0)
 
 
@@ -157,7 +159,7 @@ def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
     work = _Workloads(plan)
     cands = candidates(plan, prof, kind)
     g = plan.goodput
-    bounded = [Evaluation(c, capacity(plan, prof, c, work(g.rate_min)), upper_bound(plan, prof, c, work))
+    bounded = [Evaluation(c, capacity(Setting.of(plan, c), prof, c, work(g.rate_min)), upper_bound(plan, prof, c, work))
                for c in cands]
     bounded.sort(key=Evaluation.key)
     top = plan.spec.search.top

@@ -12,7 +12,7 @@ from pddgw.config import ConfigError, load_config
 from pddgw.sim import plan_search, report
 from pddgw.sim.plan import main as plan_main
 from pddgw.sim.plan import write_outputs
-from pddgw.sim.plan_bounds import (Demand, _fit, _kv_tokens, attainment_bound, capacity, decode_step_s,
+from pddgw.sim.plan_bounds import (Demand, Setting, _fit, _kv_tokens, attainment_bound, capacity, decode_step_s,
                                    decode_tokens_per_s, demand, met_bound, prefill_tokens_per_s, slo_rps_bound)
 from pddgw.sim.plan_search import bisection_rates
 from pddgw.sim.plan_space import candidates, load_plan
@@ -132,25 +132,27 @@ def test_the_smallest_requests_fit_first():
 def test_the_attainment_bound_by_hand():
     plan = load_plan(TINY)
     cand = candidates(plan, LLAMA8B, "naive-cross-dc")[0]        # P 1 x H100 | MD 1 x H200, no MD cache
+    at = Setting.of(plan, cand)
     # Four requests of 4,096 prompt tokens, 1,000 of them uncached, 2 output tokens, all arriving
     # in the window [0, 1 s).  Naive P-MD: each prompt's whole KV (4,096 x 131,072 B = 537 MB)
     # reaches MD before its first token, within window + TTFT = 1 + 1.5 s: 10 Gbps carries
     # 1.25e9 x 2.5 = 3.125 GB, all four (2.15 GB).  At 1 s + 0.1 s TTFT only 1.375 GB: two.
-    at = (0.0, 0.25, 0.5, 0.75)
-    d = Demand(uncached=(1000,) * 4, prompt=(4096,) * 4, output=(2,) * 4, earliest=at, latest=at,
+    times = (0.0, 0.25, 0.5, 0.75)
+    d = Demand(uncached=(1000,) * 4, prompt=(4096,) * 4, output=(2,) * 4, earliest=times, latest=times,
                start_s=0.0, end_s=1.0)
-    assert attainment_bound(plan, LLAMA8B, cand, d) == 1.0
-    tight = dataclasses.replace(plan, scenario=dataclasses.replace(
-        plan.scenario, slo=dataclasses.replace(plan.scenario.slo, ttft_s=0.1)))
+    assert attainment_bound(at, LLAMA8B, cand, d) == 1.0
+    tight = dataclasses.replace(at, scenario=dataclasses.replace(
+        at.scenario, slo=dataclasses.replace(at.scenario.slo, ttft_s=0.1)))
     assert attainment_bound(tight, LLAMA8B, cand, d) == 0.5
     # In the steady state the WAN carries 1.25e9 / 536,870,912 = 2.33 requests/s of it.
-    assert capacity(plan, LLAMA8B, cand, d).sides["wan"] == pytest.approx(1.25e9 / (4096 * 131_072), rel=1e-12)
-    assert capacity(plan, LLAMA8B, cand, d).side == "wan"
+    assert capacity(at, LLAMA8B, cand, d).sides["wan"] == pytest.approx(1.25e9 / (4096 * 131_072), rel=1e-12)
+    assert capacity(at, LLAMA8B, cand, d).side == "wan"
 
 
 def test_the_attainment_bound_counts_the_window_only():
     plan = load_plan(TINY)
     cand = candidates(plan, LLAMA8B, "naive-cross-dc")[0]
+    at = Setting.of(plan, cand)
     # The window [1.0, 1.5): request 0 arrived before it, request 4 after; 1 and 2 arrive in it
     # whenever they can; 3 may (between 1.3 and 1.7 s).  So 3 may meet their SLOs and 2 surely count.
     d = Demand(uncached=(1000,) * 5, prompt=(4096,) * 5, output=(2,) * 5, earliest=(0.2, 1.0, 1.2, 1.3, 1.6),
@@ -158,11 +160,11 @@ def test_the_attainment_bound_counts_the_window_only():
     assert (d.maybe, d.surely, d.seconds) == ((1, 2, 3), 2, 0.5)
     # Within window + TTFT = 0.5 + 1.5 s the WAN carries 2.5 GB: the three that may (1.61 GB),
     # met 3 of at least 2 arrivals bounds nothing; 3 in SLO over the 0.5 s window: 6 req/s.
-    assert (met_bound(plan, LLAMA8B, cand, d), attainment_bound(plan, LLAMA8B, cand, d)) == (3, 1.0)
-    assert slo_rps_bound(plan, LLAMA8B, cand, d) == 6.0
+    assert (met_bound(at, LLAMA8B, cand, d), attainment_bound(at, LLAMA8B, cand, d)) == (3, 1.0)
+    assert slo_rps_bound(at, LLAMA8B, cand, d) == 6.0
     # TTFT 0.1 s: 0.6 s x 1.25 GB/s = 0.75 GB, one prompt's KV: at most 1 of the 2 sure arrivals.
-    tight = dataclasses.replace(plan, scenario=dataclasses.replace(
-        plan.scenario, slo=dataclasses.replace(plan.scenario.slo, ttft_s=0.1)))
+    tight = dataclasses.replace(at, scenario=dataclasses.replace(
+        at.scenario, slo=dataclasses.replace(at.scenario.slo, ttft_s=0.1)))
     assert (met_bound(tight, LLAMA8B, cand, d), attainment_bound(tight, LLAMA8B, cand, d)) == (1, 0.5)
     assert slo_rps_bound(tight, LLAMA8B, cand, d) == 2.0
     with pytest.raises(ValueError, match="one entry per request"):
@@ -319,7 +321,7 @@ def test_the_roofline_never_prunes_a_probe_that_would_pass(searched):
             for probe in e.probes:
                 assert probe.rate in grid
                 # (A probe settled early reports the most its window could still meet, not what it met.)
-                assert probe.decided or probe.window.met <= met_bound(plan, prof, e.candidate,
+                assert probe.decided or probe.window.met <= met_bound(Setting.of(plan, e.candidate), prof, e.candidate,
                                                                       demand(plan.scenario, probe.rate))
 
 
