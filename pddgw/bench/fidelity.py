@@ -63,9 +63,9 @@ class DeploymentSpec:
     wan_gbps: float = option(10.0)
     wan_latency_ms: float = option(15.0)     # one way
     p_md_max_transfer_ms: float = 200.0
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: int = option(16)
+    max_num_seqs: int = option(64)
+    max_num_batched_tokens: int = option(2048, "tokens per engine step (the prefill chunk)")
     # Large frames: a virtual KV chunk carries no bytes, but each frame is a message through Python.
     kv_frame_bytes: int = 64 << 20
 
