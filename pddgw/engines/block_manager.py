@@ -3,7 +3,7 @@
 The BlockManager is the only code that touches these.  A block is in exactly
 one of three states:
 
-  free    ref 0, no hash, in the free list
+  free    ref 0, no hash, never allocated yet or in the free list
   cached  ref 0, hashed, in the LRU of evictable blocks (still findable by hash)
   used    ref > 0 (held by requests and/or pins), hashed or not
 
