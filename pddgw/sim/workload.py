@@ -47,6 +47,14 @@ import orjson
 TRACE_BLOCK_TOKENS = 512
 # Token ids drawn for prompts: clear of the byte range and of special ids.
 _TOKEN_LOW, _TOKEN_HIGH = 1000, 30000
+# One int object per drawn id, shared by every prompt: a 64K-token prompt's fresh ids were 64K
+# new ints (~1.8 MB), a third of a paper-scenario probe's memory.
+_INTERNED = np.array(range(_TOKEN_LOW, _TOKEN_HIGH), dtype=object)
+
+
+def _draw(rng: np.random.Generator, n: int) -> list[int]:
+    """n token ids uniform over [_TOKEN_LOW, _TOKEN_HIGH), as the shared int objects."""
+    return _INTERNED[rng.integers(_TOKEN_LOW, _TOKEN_HIGH, size=n) - _TOKEN_LOW].tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +170,7 @@ class PromptBuilder:
         self._seen: list[int] = []          # the previous turn's prompt + answer
 
     def _fresh(self, n: int) -> list[int]:
-        return self._rng.integers(_TOKEN_LOW, _TOKEN_HIGH, size=max(0, n)).tolist() if n > 0 else []
+        return _draw(self._rng, n) if n > 0 else []
 
     def prompt(self, k: int) -> tuple[int, ...]:
         turn = self.conv.turns[k]
@@ -179,7 +187,7 @@ class PromptBuilder:
 
 
 def shared_prefix(n: int, seed: int) -> tuple[int, ...]:
-    return tuple(np.random.default_rng([seed, 7]).integers(_TOKEN_LOW, _TOKEN_HIGH, size=n).tolist())
+    return tuple(_draw(np.random.default_rng([seed, 7]), n))
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +237,7 @@ def load_trace(path: str | Path, limit: int = 0, *, output_cap: int = 0, speed: 
         prompt: list[int] = []
         for h in r.hash_ids:
             if h not in blocks:
-                blocks[h] = np.random.default_rng([seed, h]).integers(
-                    _TOKEN_LOW, _TOKEN_HIGH, size=TRACE_BLOCK_TOKENS).tolist()
+                blocks[h] = _draw(np.random.default_rng([seed, h]), TRACE_BLOCK_TOKENS)
             prompt += blocks[h]
         prompt = prompt[: max(1, r.input_length)]
         out = max(1, min(r.output_length, output_cap) if output_cap else r.output_length)
