@@ -91,7 +91,7 @@ class BlockManager:
 
     @property
     def num_allocatable(self) -> int:
-        return len(self._free) + self.num_blocks - self._fresh + len(self._lru)
+        return self.num_free + len(self._lru)
 
     @property
     def num_pins(self) -> int:
