@@ -108,7 +108,10 @@ async def test_a_stream_interval_sends_tokens_in_runs_and_keeps_every_path_exact
                    catchup_max_rounds=2)
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, stream_interval=5))
     ws, side, _ = await deploy(cfg)
-    p, n = prompt_of(120), 203
+    # 403 tokens: the KV reaches MD ~90 tokens in and each catch-up round lasts ~57 more, so the
+    # handoff ends near token 230 on this machine; with 203 RLD sometimes finished first
+    # (handoff_position None, about one run in six).
+    p, n = prompt_of(120), 403
     r = await chat(ws, prompt_token_ids=p, max_output_tokens=n, temperature=0.8, seed=77)
     assert r.final["type"] == "response.completed", r.final
     assert r.token_ids == reference(p, n, temperature=0.8, seed=77)
@@ -119,14 +122,14 @@ async def test_a_stream_interval_sends_tokens_in_runs_and_keeps_every_path_exact
     sizes = [(d["pddgw"]["role"], len(d["pddgw"]["token_ids"])) for d in r.deltas]
     # P's first token alone; then each decoder's first token alone, runs of five, and what is
     # left at its end (RLD: its freeze).  Where the handoff falls is the WAN's timing, so the
-    # pattern is pinned from each side's count; one side holds >= 101 of the 202 tokens.
+    # pattern is pinned from each side's count; one side holds >= 201 of the 402 tokens.
     assert sizes[0] == ("rld", 1)
     runs = {}
     for role, count in (("rld", at - 1), ("md", n - at)):
         runs[role] = [k for rl, k in sizes[1:] if rl == role]
         assert runs[role] == [1] + [5] * ((count - 1) // 5) + ([(count - 1) % 5] if (count - 1) % 5 else []), \
             (role, runs[role])
-    assert max(len(r) for r in runs.values()) >= 21
+    assert max(len(r) for r in runs.values()) >= 41
     assert sum(k for _, k in sizes) == n
 
 
