@@ -113,20 +113,20 @@ def bisection_rates(lo: float, hi: float, probes: int) -> list[float]:
     return sorted({lo, hi, *mids(lo, hi, probes - 2)})
 
 
-def _pruned(plan: Plan, prof: ModelProfile, cand: Candidate, d: Demand) -> tuple[bool, float]:
+def _pruned(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> tuple[bool, float]:
     """(whether the probe is not simulated, the roofline's bound on its attainment)."""
-    bound = attainment_bound(Setting.of(plan, cand), prof, cand, d)
-    return bound < plan.slo.attainment, bound
+    bound = attainment_bound(at, prof, cand, d)
+    return bound < at.scenario.slo.attainment, bound
 
 
 def upper_bound(plan: Plan, prof: ModelProfile, cand: Candidate, work: _Workloads) -> float:
     """A bound on the goodput the real bisection finds (lifecycle step 2): requests per second."""
     g = plan.goodput
-    top, _ = report.sla_goodput(lambda r: 0.0 if _pruned(plan, prof, cand, work(r))[0] else 1.0,
+    at = Setting.of(plan, cand)
+    top, _ = report.sla_goodput(lambda r: 0.0 if _pruned(at, prof, cand, work(r))[0] else 1.0,
                                 plan.slo.attainment, g.rate_min, g.rate_max, g.probes)
     rates = [r for r in bisection_rates(g.rate_min, g.rate_max, g.probes)
-             if r <= top and not _pruned(plan, prof, cand, work(r))[0]]
-    at = Setting.of(plan, cand)
+             if r <= top and not _pruned(at, prof, cand, work(r))[0]]
     return max((slo_rps_bound(at, prof, cand, work(r)) for r in rates), default=0.0)
 
 
@@ -144,11 +144,11 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluatio
     prof = model(plan.scenario.model)
     work = _Workloads(plan)
     g = plan.goodput
+    at = Setting.of(plan, cand)
     wall0 = time.perf_counter()
     goodput, offered, probes = bisect(g, plan.slo.attainment, lambda r: simulate_probe(plan, cand, r),
-                                      lambda r: _pruned(plan, prof, cand, work(r))[1], exhaustive)
-    return Evaluation(cand, capacity(Setting.of(plan, cand), prof, cand, work(g.rate_min)),
-                      upper_bound(plan, prof, cand, work),
+                                      lambda r: _pruned(at, prof, cand, work(r))[1], exhaustive)
+    return Evaluation(cand, capacity(at, prof, cand, work(g.rate_min)), upper_bound(plan, prof, cand, work),
                       goodput, offered, probes, time.perf_counter() - wall0)
 
 
@@ -159,8 +159,8 @@ def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
     work = _Workloads(plan)
     cands = candidates(plan, prof, kind)
     g = plan.goodput
-    bounded = [Evaluation(c, capacity(Setting.of(plan, c), prof, c, work(g.rate_min)), upper_bound(plan, prof, c, work))
-               for c in cands]
+    bounded = [Evaluation(c, capacity(Setting.of(plan, c), prof, c, work(g.rate_min)),
+                          upper_bound(plan, prof, c, work)) for c in cands]
     bounded.sort(key=Evaluation.key)
     top = plan.spec.search.top
     done: list[Evaluation] = []
