@@ -132,7 +132,6 @@ class RecordView(Protocol):
     states: tuple[tuple[str, float, str], ...]        # (state name, t_ms, reason)
     handoff_mode: str | None                          # "one-shot" | "catch-up" (state.HandoffMode)
     handoff_stall_ms: float | None
-    wan_kv_bytes: int
 
 
 class _Collector:
@@ -193,7 +192,7 @@ class RouterMetrics:
         self.handoff_stall = _histogram(reg, "handoff_stall_seconds",
                                         "Longest gap the client saw across a request's final handoff round.",
                                         STALL_BUCKETS, ["mode"])
-        self.wan_kv_bytes = _counter(reg, "wan_kv_bytes", "KV bytes P sent across the WAN for requests.")
+        self.wan_kv_bytes = _counter(reg, "wan_kv_bytes", "KV bytes P sent across the WAN for requests (reported after a response ended too).")
         self.front_door = FrontDoorMetrics(reg)
         # Children looked up once: `labels()` takes a lock and a dict lookup per call.
         self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ("rld", "md")}
@@ -249,8 +248,6 @@ class RouterMetrics:
             self.handoffs.labels(rec.handoff_mode).inc()
             if rec.handoff_stall_ms is not None:
                 self.handoff_stall.labels(rec.handoff_mode).observe(rec.handoff_stall_ms / 1000.0)
-        if rec.wan_kv_bytes:
-            self.wan_kv_bytes.inc(rec.wan_kv_bytes)
 
     # ---- scrape --------------------------------------------------------------------------
     def include(self, source: MetricsSource) -> None:

@@ -984,6 +984,7 @@ class Router:
         async def next_event() -> Event:
             ev = await events.get()
             if isinstance(ev, PrefillFinished):
+                self._on_prefill_done(fl, ev.done, p, list(starts))
                 err = dict(zip(starts, ev.done.errors)).get(md.name)
                 if err:
                     return NodeFailed(md, f"KV transfer failed: {err}")
@@ -1019,6 +1020,7 @@ class Router:
         for name, sent, secs in zip(targets, ev.sent_bytes, seconds):
             if self._crosses_wan(p, name):
                 fl.tracker.add_wan_kv_bytes(sent)
+                self.metrics.wan_kv_bytes.inc(sent)
                 self.wan.observe_transfer(sent, secs)
 
     def _reader(self, node: NodeHandle, fl: _Flight, role: Role) -> StreamReader:

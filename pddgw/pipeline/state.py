@@ -203,6 +203,8 @@ class RequestRecord:
     handoff_position: int | None
     ttft_ms: float | None
     total_ms: float
+    # KV bytes P reported sent over the WAN before the request ended.  When RLD finishes
+    # first, P's report may come later: it counts in the router's wan_kv_bytes metric only.
     wan_kv_bytes: int
     handoff_stall_ms: float | None
     # Largest gap between two emissions (after the first token) and the first position after it.

@@ -197,6 +197,20 @@ async def test_p_rld_md_counts_the_handoff_and_both_links(deploy, mode):
                  node="p0", peer="rld0", priority="foreground") == 1
 
 
+async def test_wan_bytes_reported_after_the_response_count(deploy):
+    """RLD answers 3 tokens long before P's KV reaches MD over a 1 Mbps WAN (~1 s for 120
+    tokens): the response's timeline closes without P's report, the counter still gets it."""
+    ws, side, scrape = await deploy(make_cfg(gbps=0.001, pipeline="P-RLD-MD"))
+    before, _ = await scrape()
+    p = prompt_of(120)
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=3, temperature=0)
+    assert r.final["type"] == "response.completed", r.final
+    assert r.timeline["tokens_by_role"] == {"rld": 3} and r.timeline["wan_kv_bytes"] == 0
+    await side.router.drain()                    # MD's alignment: P's KV is in
+    after, _ = await scrape()
+    assert delta(before, after, "pddgw:wan_kv_bytes_total") == 120 * BYTES_PER_TOKEN
+
+
 async def test_a_worker_serves_its_own_node_metrics_without_auth():
     """run_worker's /metrics: that node's series only, no Authorization needed."""
     port = free_port()
