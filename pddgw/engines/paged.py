@@ -109,7 +109,7 @@ _NOT_SAMPLED = (None, None)
 
 class PagedEngine(TrackedEngine):
     _RETAINED = SeqStatus.RETAINED
-    _EXTENDABLE = frozenset({SeqStatus.WAITING, SeqStatus.IMPORTING, SeqStatus.RUNNING})
+    _EXTENDABLE = frozenset({SeqStatus.WAITING, SeqStatus.IMPORTING, SeqStatus.READY, SeqStatus.RUNNING})
     # Whether `_forward` computes prompt logprobs (fills `_scoring` for `_prompt_rows`).
     scores_prompts = False
 
@@ -261,9 +261,7 @@ class PagedEngine(TrackedEngine):
             self._finish(seq, reason)
 
     def has_work(self) -> bool:
-        if self._events or self.scheduler.waiting:
-            return True
-        return any(s.num_pending > 0 for s in self.scheduler.running)
+        return bool(self._events) or self.scheduler.has_work()
 
     # ---- contract: prefix cache -----------------------------------------------
     def match_prefix(self, block_hashes: Seq[int], pin_key: str | None = None) -> int:
@@ -394,8 +392,8 @@ class PagedEngine(TrackedEngine):
                 raise RequestError(f"request {request_id!r}: KV of prompt token {missing} never arrived")
             seq.num_computed = seq.num_prompt
             seq.imported = None
-            seq.status = SeqStatus.RUNNING
-        self.scheduler.running.append(seq)
+            seq.status = SeqStatus.READY
+        self.scheduler.ready.append(seq)
         self._publish(seq)
 
     # ---- leases: the network thread's side ends here ------------------------------------
@@ -508,7 +506,8 @@ class PagedEngine(TrackedEngine):
         return EngineStats(
             num_blocks=self.blocks.num_blocks, free_blocks=self.blocks.num_free,
             cached_blocks=self.blocks.num_cached, used_blocks=self.blocks.num_used,
-            running=statuses.count(SeqStatus.RUNNING), waiting=statuses.count(SeqStatus.WAITING),
+            running=statuses.count(SeqStatus.RUNNING),
+            waiting=statuses.count(SeqStatus.WAITING) + statuses.count(SeqStatus.READY),
             importing=statuses.count(SeqStatus.IMPORTING), retained=statuses.count(SeqStatus.RETAINED),
             pins=self.blocks.num_pins, prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
             prefix_query_tokens=self.scheduler.prefix_query_tokens,

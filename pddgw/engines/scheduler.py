@@ -1,6 +1,10 @@
 """Continuous batching: which tokens of which sequences the next forward computes.
 
-Each step has a token budget (max_num_batched_tokens).  Running sequences
+Each step has a token budget (max_num_batched_tokens) and a batch bound
+(max_num_seqs running sequences).  Imported sequences whose KV is in (READY)
+join the running set first, in the order their imports finished, while it
+has room; one on hold with nothing to compute (MD waiting for its handoff)
+stays out of it, holding its KV but no place in the batch.  Running sequences
 come first, in admission order: a decode costs one token, an extend
 (handed-off output tokens) or a prefill chunk as many as the budget allows.
 Then waiting sequences are admitted in arrival order, each starting from its
@@ -48,6 +52,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
+        self.ready: deque[Sequence] = deque()      # READY: imported, waiting for a place in the batch
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Times each live sequence was preempted, counted from the most preempted live one's
@@ -59,10 +64,35 @@ class Scheduler:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.blocks.block_size)
 
+    def has_work(self) -> bool:
+        """Whether a step would compute anything (or admit a waiting sequence, or try to)."""
+        if any(s.num_pending > 0 for s in self.running):
+            return True
+        room = len(self.running) < self.max_num_seqs
+        return room and (bool(self.waiting) or any(s.num_pending > 0 for s in self.ready))
+
+    def _run_ready(self) -> None:
+        """READY sequences with something to compute join the running set while it has room."""
+        room = self.max_num_seqs - len(self.running)
+        if room <= 0 or not self.ready:
+            return
+        kept: deque[Sequence] = deque()           # on hold with nothing to compute, in order
+        while self.ready and room > 0:
+            seq = self.ready.popleft()
+            if seq.num_pending > 0:
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                room -= 1
+            else:
+                kept.append(seq)
+        kept.extend(self.ready)
+        self.ready = kept
+
     def schedule(self) -> list[Chunk]:
         budget = self.max_num_batched_tokens
         batch: dict[str, Chunk] = {}       # this step's running chunks, by request, in order
         preempted = False
+        self._run_ready()
         self._count_newcomers()
         bs = self.blocks.block_size
         for seq in list(self.running):
@@ -181,7 +211,9 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         self.preempted.pop(seq.request_id, None)
-        if seq in self.running:
+        if seq.status == SeqStatus.READY:
+            self.ready.remove(seq)
+        elif seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)

@@ -5,11 +5,14 @@ Lifecycle (SeqStatus, ordered):
                 which recompute from their tokens).
   2. IMPORTING  "import" requests: every prompt block allocated at add time,
                 KV arriving through import_kv until finish_import.
-  3. RUNNING    holds blocks; each step computes some of its pending tokens
+  3. READY      imported: holds its KV, waits for a place in the running batch
+                (max_num_seqs bounds the batch, imported requests included,
+                as vLLM's scheduler does for KV received through a connector).
+  4. RUNNING    holds blocks; each step computes some of its pending tokens
                 (prefill chunk, extend or decode) and, once all are computed
                 and it is not on hold, samples the next token.
-  4. RETAINED   finished, blocks kept for export until release (P nodes).
-  5. FINISHED   blocks released; only the final RequestOutput remains.
+  5. RETAINED   finished, blocks kept for export until release (P nodes).
+  6. FINISHED   blocks released; only the final RequestOutput remains.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from pddgw.engines.types import EngineRequest, FinishReason, KVSource
 class SeqStatus(IntEnum):
     WAITING = 1
     IMPORTING = 2
-    RUNNING = 3
-    RETAINED = 4
-    FINISHED = 5
+    READY = 3
+    RUNNING = 4
+    RETAINED = 5
+    FINISHED = 6
 
 
 class Sequence:

@@ -20,6 +20,7 @@ from pddgw.core.tokens import TokenRun
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.kv_pool import KVPool
 from pddgw.engines.paged import LeaseState
+from pddgw.engines.sequence import SeqStatus
 from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, SamplingParams
 from pddgw.pipeline.decode import DecodeWorker
 
@@ -479,3 +480,46 @@ def test_chunks_that_arrive_during_a_step_commit_together_right_after_it(tiny64)
             await d.aeng.stop()
 
     asyncio.run(main())
+
+
+def test_imported_requests_wait_ready_for_a_place_in_the_batch(tiny64):
+    """max_num_seqs = 2 bounds the batch, imported requests included: a third whose KV is in
+    waits READY (counted as waiting) and runs when one ends; one on hold with nothing to
+    compute (MD waiting for its handoff) takes no place.  Every output is the one-node one."""
+    prompts = {f"r{i}": [(7 * i + 5 * j + 3) % 300 + 20 for j in range(40 + 8 * i)] for i in range(4)}
+    lengths = {"r0": 3, "r1": 6, "r2": 4, "r3": 2}
+    d = make_engine(tiny64, max_num_seqs=2)
+    want, first = {}, {}
+    for rid, prompt in prompts.items():
+        expected = make_engine(tiny64)
+        expected.add_request(req(rid, prompt, lengths[rid]))
+        want[rid] = run_to_end(expected)[rid]
+        p = make_engine(tiny64)
+        p.add_request(EngineRequest(rid, tuple(prompt), SamplingParams(max_tokens=1), retain_kv=True))
+        first[rid] = run_to_end(p)[rid][0]
+        d.add_request(EngineRequest(rid, tuple(prompt), SamplingParams(max_tokens=lengths[rid]),
+                                    kv_source="import", hold=True))
+        d.import_kv(p.export_kv(rid, 0, len(prompt)))
+    for rid in ("r3", "r0", "r1", "r2"):            # r3's import finishes first, but it stays on hold
+        d.finish_import(rid)
+    for rid in ("r0", "r1", "r2"):
+        d.append_tokens(rid, (first[rid],), final=True)
+    st = d.stats()
+    assert (st.running, st.waiting, st.importing) == (0, 4, 0)
+    got = {rid: [first[rid]] for rid in ("r0", "r1", "r2")}
+    batches = []
+    while d.has_work():
+        stepped = [o for o in d.step() if o.ids]
+        batches.append({o.request_id for o in stepped})
+        for o in stepped:
+            got[o.request_id] += o.ids
+        if len(batches) == 1:
+            st = d.stats()
+            assert (st.running, st.waiting) == (2, 2)
+    assert batches[0] == {"r0", "r1"}               # r3 on hold took no place; r2 waits
+    assert max(len(b) for b in batches) == 2 and "r2" in batches[2]     # r0 ended in step 2
+    assert got == {rid: want[rid] for rid in ("r0", "r1", "r2")}
+    assert d.seqs["r3"].status == SeqStatus.READY and not d.has_work()
+    d.append_tokens("r3", (first["r3"],), final=True)
+    assert [first["r3"]] + run_to_end(d)["r3"] == want["r3"]
+    d.check_integrity()
