@@ -192,7 +192,8 @@ class RouterMetrics:
         self.handoff_stall = _histogram(reg, "handoff_stall_seconds",
                                         "Longest gap the client saw across a request's final handoff round.",
                                         STALL_BUCKETS, ["mode"])
-        self.wan_kv_bytes = _counter(reg, "wan_kv_bytes", "KV bytes P sent across the WAN for requests (reported after a response ended too).")
+        self.wan_kv_bytes = _counter(reg, "wan_kv_bytes",
+                                     "KV bytes P sent across the WAN for requests (reports after a response ended too).")
         self.front_door = FrontDoorMetrics(reg)
         # Children looked up once: `labels()` takes a lock and a dict lookup per call.
         self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ("rld", "md")}
