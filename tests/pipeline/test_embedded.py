@@ -339,3 +339,25 @@ async def test_serves_a_hugging_face_checkpoint_on_every_role(deploy, tmp_path):
     r = await chat(ws, prompt_token_ids=p, max_output_tokens=40, temperature=0)
     assert r.final["response"]["model"] == "ckpt"
     assert r.token_ids == reference(p, 40)
+
+
+@pytest.mark.parametrize("pipeline", ["P-MD", "P-RLD-MD"])
+async def test_a_full_md_batch_makes_imported_requests_wait_their_turn(deploy, pipeline):
+    """max_num_seqs = 1 on every node: three requests at once, so RLD's and MD's imported
+    requests wait (READY) for the one place in the batch, for ~80-200 steps in all here
+    (test_kv_import pins the bound itself).  The pipeline lives with it: every request
+    completes with the one-node tokens, on its planned path, nothing leaks."""
+    cfg = make_cfg(pipeline=pipeline, handoff_mode="catch-up", catchup_threshold=2,
+                   catchup_threshold_md_loaded=2, catchup_max_rounds=2)
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, max_num_seqs=1))
+    ws, side, _ = await deploy(cfg)
+    prompts = {sid: prompt_of(90 + 10 * i, 40 + i) for i, sid in enumerate("abc")}
+    for sid, p in prompts.items():
+        await create(ws, stream_id=sid, prompt_token_ids=p, max_output_tokens=60, temperature=0.8, seed=3)
+    got = await collect(ws, 3)
+    for sid, p in prompts.items():
+        r = got[sid]
+        assert r.final["type"] == "response.completed", r.final
+        assert r.token_ids == reference(p, 60, temperature=0.8, seed=3)
+        r.assert_positions_once_in_order()
+        assert r.timeline["pipeline"] == pipeline
