@@ -126,8 +126,9 @@ def format_dry_run(plan: Plan) -> str:
     for kind in plan.spec.kinds:
         rows = []
         for c in candidates(plan, prof, kind):
-            b = capacity(Setting.of(plan, c), prof, c, d)
-            ub = upper_bound(plan, prof, c, work)
+            at = Setting.of(plan, c)
+            b = capacity(at, prof, c, d)
+            ub = upper_bound(at, prof, c, work)
             sides = " ".join(f"{k}={v:.3g}" for k, v in sorted(b.sides.items()))
             rows.append([c.label(), c.gpus, f"{c.price:.2f}", sides, f"{ub:.3g}", f"{ub / c.price * 100:.3g}"])
         rows.sort(key=lambda r: -float(r[5]))

@@ -119,12 +119,11 @@ def _pruned(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> tupl
     return bound < at.scenario.slo.attainment, bound
 
 
-def upper_bound(plan: Plan, prof: ModelProfile, cand: Candidate, work: _Workloads) -> float:
+def upper_bound(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads) -> float:
     """A bound on the goodput the real bisection finds (lifecycle step 2): requests per second."""
-    g = plan.goodput
-    at = Setting.of(plan, cand)
+    g = at.scenario.goodput
     top, _ = report.sla_goodput(lambda r: 0.0 if _pruned(at, prof, cand, work(r))[0] else 1.0,
-                                plan.slo.attainment, g.rate_min, g.rate_max, g.probes)
+                                at.scenario.slo.attainment, g.rate_min, g.rate_max, g.probes)
     rates = [r for r in bisection_rates(g.rate_min, g.rate_max, g.probes)
              if r <= top and not _pruned(at, prof, cand, work(r))[0]]
     return max((slo_rps_bound(at, prof, cand, work(r)) for r in rates), default=0.0)
@@ -148,7 +147,7 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluatio
     wall0 = time.perf_counter()
     goodput, offered, probes = bisect(g, plan.slo.attainment, lambda r: simulate_probe(plan, cand, r),
                                       lambda r: _pruned(at, prof, cand, work(r))[1], exhaustive)
-    return Evaluation(cand, capacity(at, prof, cand, work(g.rate_min)), upper_bound(plan, prof, cand, work),
+    return Evaluation(cand, capacity(at, prof, cand, work(g.rate_min)), upper_bound(at, prof, cand, work),
                       goodput, offered, probes, time.perf_counter() - wall0)
 
 
@@ -159,8 +158,10 @@ def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
     work = _Workloads(plan)
     cands = candidates(plan, prof, kind)
     g = plan.goodput
-    bounded = [Evaluation(c, capacity(Setting.of(plan, c), prof, c, work(g.rate_min)),
-                          upper_bound(plan, prof, c, work)) for c in cands]
+    bounded = []
+    for c in cands:
+        at = Setting.of(plan, c)
+        bounded.append(Evaluation(c, capacity(at, prof, c, work(g.rate_min)), upper_bound(at, prof, c, work)))
     bounded.sort(key=Evaluation.key)
     top = plan.spec.search.top
     done: list[Evaluation] = []
