@@ -221,6 +221,12 @@ class PolicyConfig:
     # false = the least-loaded instance, whatever it caches.
     prefix_affinity: bool = True
     affinity_max_load: float = 0.9
+    # An MD's remembered prefix counts only when it covers at least this share of the prompt
+    # (SGLang's router: --cache-threshold, 0.3 by default); below it the least-loaded MD.
+    # Every conversation's first turn shares the system prompt alone: without the threshold,
+    # all new conversations go to the first MD that served one until it is
+    # affinity_max_load full, and the others idle.
+    affinity_min_match: float = 0.3
     # Handoff mode: "auto" = by load (loaded RLD -> one-shot, loaded MD -> catch-up).
     handoff_mode: Literal["auto", "one-shot", "catch-up"] = "auto"
     # Loads at or above which a role counts as loaded for the handoff choice.
@@ -257,6 +263,7 @@ class PolicyConfig:
         _check(self.rld_max_relays >= 1, "rld_max_relays must be >= 1")
         _check(0.0 < self.rld_max_kv_share <= 1.0, "rld_max_kv_share must be in (0, 1]")
         _check(self.affinity_max_load > 0, "affinity_max_load must be > 0")
+        _check(0.0 <= self.affinity_min_match <= 1.0, "affinity_min_match must be in [0, 1]")
         _check(self.singular_min_uncached_tokens >= 1, "singular_min_uncached_tokens must be >= 1")
         _check(self.singular_max_output_tokens >= 0, "singular_max_output_tokens must be >= 0")
         _check(0.0 <= self.singular_max_share <= 1.0, "singular_max_share must be in [0, 1]")

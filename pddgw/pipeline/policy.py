@@ -21,6 +21,13 @@ Pipeline choice (`choose_pipeline`), first matching rule wins:
 6. the transfer fits but MD is busy -> "P-RLD-MD" (md_busy).
 7. otherwise -> "P-RLD-MD" (transfer_over_budget).
 
+MD choice with prefix affinity (`pick_cached`): among the MDs below
+`affinity_max_load` (all of them when none is), the one the router remembers
+holding the longest prefix of the prompt, if that prefix covers at least
+`affinity_min_match` of it; otherwise the least loaded (`pick_instance`).  A
+conversation's later turns stay where their KV is; first turns, which share
+only the system prompt, spread by load.
+
 Handoff mode (`choose_handoff_mode`): a loaded RLD prefers one-shot (it is
 released soonest), a loaded MD prefers catch-up with the smaller
 `catchup_threshold_md_loaded` (small extends keep MD's batches smooth); both
@@ -36,7 +43,7 @@ tokens RLD makes during one round (its measured tokens per round trip).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,7 +52,7 @@ from pddgw.core.roles import Role
 from pddgw.pipeline.state import HandoffMode, Pipeline
 
 __all__ = [
-    "PolicyConfig", "InstanceLoad", "InstanceChoice", "NoInstanceError", "pick_instance",
+    "PolicyConfig", "InstanceLoad", "InstanceChoice", "NoInstanceError", "pick_instance", "pick_cached",
     "PipelineInputs", "PipelineDecision", "relay_pressure", "estimate_transfer_ms", "is_singular_candidate",
     "choose_pipeline", "SingularLimiter", "decide_pipeline",
     "HandoffInputs", "HandoffModeDecision", "choose_handoff_mode",
@@ -131,6 +138,18 @@ def pick_instance(reports: Iterable[InstanceLoad], role: Role,
     best = min(eligible, key=lambda r: (r.load, r.running + r.waiting, r.instance))
     return InstanceChoice(best.instance, role, best.load,
                           tuple((r.instance, r.load) for r in eligible), tuple(sorted(excluded)))
+
+
+def pick_cached(reports: Sequence[InstanceLoad], held: Mapping[str, int], prompt_tokens: int,
+                cfg: PolicyConfig) -> str | None:
+    """The instance to open on for its cached prefix (module doc), or None when no roomy one
+    holds `affinity_min_match` of the prompt (the caller takes the least loaded).  `held`:
+    prompt tokens each instance is remembered to hold.  Ties: the less loaded, then the name."""
+    roomy = [r for r in reports if r.load < cfg.affinity_max_load] or list(reports)
+    best = min(roomy, key=lambda r: (-held.get(r.instance, 0), r.load, r.instance), default=None)
+    if best is None or held.get(best.instance, 0) < cfg.affinity_min_match * prompt_tokens:
+        return None
+    return best.instance
 
 
 # --------------------------------------------------------------------------

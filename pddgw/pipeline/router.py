@@ -93,7 +93,8 @@ from pddgw.pipeline.handoff import drive_handoff
 from pddgw.pipeline.ordering import StreamMerger
 from pddgw.pipeline.recovery import Paths, Recovery, Who
 from pddgw.pipeline.policy import (InstanceLoad, NoInstanceError, PipelineDecision, PipelineInputs,
-                                   SingularLimiter, decide_pipeline, pick_instance, relay_pressure)
+                                   SingularLimiter, decide_pipeline, pick_cached, pick_instance,
+                                   relay_pressure)
 from pddgw.pipeline.state import RequestRecord, RequestState, RequestTracker, Role
 
 log = structlog.get_logger(__name__)
@@ -523,15 +524,15 @@ class Router:
         return choice if choice is not None else (None, 0)
 
     def _pick_md(self, fl: _Flight) -> NodeHandle | None:
-        """The MD to open on: with `prefix_affinity`, the longest prefix the router
-        remembers there among those below `affinity_max_load`; else the least loaded."""
+        """The MD to open on: with `prefix_affinity`, the one holding the longest prefix the
+        router remembers (`policy.pick_cached`); else the least loaded."""
         pol = self.cfg.policy
         cands = [n for n in self.nodes.values() if n.role == "md" and n.routable and n.name not in fl.excluded]
         if not (pol.prefix_affinity and len(cands) > 1):
             return self._pick("md", fl)
-        roomy = [n for n in cands if n.report().load < pol.affinity_max_load] or cands
-        return min(roomy, key=lambda n: (-self.md_index.match(n.name, fl.block_hashes(n.block_size)),
-                                         n.report().load, n.name))
+        held = {n.name: self.md_index.match(n.name, fl.block_hashes(n.block_size)) * n.block_size for n in cands}
+        name = pick_cached([n.report() for n in cands], held, len(fl.prompt), pol)
+        return self._pick("md", fl) if name is None else self.nodes[name]
 
     async def _drive(self, fl: _Flight) -> None:
         attempt = 0

@@ -19,6 +19,7 @@ from pddgw.pipeline.policy import (
     decide_pipeline,
     estimate_transfer_ms,
     is_singular_candidate,
+    pick_cached,
     pick_instance,
     plan_handoff_round,
     relay_pressure,
@@ -104,6 +105,29 @@ def test_pick_instance():
     tie = [rep("b", running=2, used=20), rep("a", running=1, used=20), rep("c", running=1, used=20)]
     assert pick_instance(tie, "md").instance == "a"
     assert pick_instance(tie, "md").as_log()["instance"] == "a"
+
+
+def test_pick_cached_keeps_long_prefixes_and_spreads_short_ones():
+    cfg = PolicyConfig()                          # affinity_max_load 0.9, affinity_min_match 0.3
+    reports = [rep("md-a", running=6), rep("md-b", running=1), rep("md-c", running=9)]
+    # A later turn: md-a holds 75 % of it, busier than md-b: it stays.
+    assert pick_cached(reports, {"md-a": 750, "md-b": 100}, 1000, cfg) == "md-a"
+    # A first turn sharing only the system prompt (12.5 %) everywhere: None, the least loaded.
+    assert pick_cached(reports, {"md-a": 125, "md-b": 125}, 1000, cfg) is None
+    assert pick_cached(reports, {"md-a": 299}, 1000, cfg) is None
+    assert pick_cached(reports, {"md-a": 300}, 1000, cfg) == "md-a"
+    # md-c (0.9 loaded) counts only when every instance is.
+    assert pick_cached(reports, {"md-c": 900, "md-a": 400}, 1000, cfg) == "md-a"
+    full = [rep("md-a", running=9), rep("md-c", running=10)]
+    assert pick_cached(full, {"md-c": 900, "md-a": 400}, 1000, cfg) == "md-c"
+    # Equal prefixes: the less loaded, then the name.
+    assert pick_cached(reports, {"md-a": 500, "md-b": 500}, 1000, cfg) == "md-b"
+    assert pick_cached([rep("md-b"), rep("md-a")], {"md-a": 500, "md-b": 500}, 1000, cfg) == "md-a"
+    # Threshold 0: any remembered block counts (the rule before the threshold).
+    assert pick_cached(reports, {"md-a": 16}, 1000, dataclasses.replace(cfg, affinity_min_match=0.0)) == "md-a"
+    assert pick_cached([], {}, 1000, cfg) is None
+    with pytest.raises(ValueError, match="affinity_min_match must be in"):
+        PolicyConfig(affinity_min_match=1.5)
 
 
 # ---------------------------------------------------------------- pipeline choice
