@@ -138,8 +138,12 @@ class EngineConfig:
     # KV blocks per layer in the pool; 0 = what the modeled GPUs' memory holds
     # after the weights (cost-model engine only).
     num_blocks: int = 512
+    # Running sequences, and tokens computed in one forward step (prefill chunks + extends +
+    # decodes), per attention-DP rank (`dp_ranks`), as vLLM's --max-num-seqs and
+    # --max-num-batched-tokens with --data-parallel-size (each rank its own scheduler): an
+    # instance of dp ranks runs dp x as many, and one sequence's chunk is at most
+    # max_num_batched_tokens (it lives on one rank).
     max_num_seqs: int = 64
-    # Tokens computed in one forward step (prefill chunks + extends + decodes).
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     # A decoding request's tokens go to the router every this many (vLLM's and SGLang's
@@ -159,6 +163,12 @@ class EngineConfig:
     cpu_threads: int = 1
     costmodel: CostModelConfig = field(default_factory=CostModelConfig)
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
+
+    @property
+    def dp_ranks(self) -> int:
+        """Attention-DP ranks of one instance: the cost-model engine's data_parallel; the
+        torch and vLLM engines run one."""
+        return self.costmodel.data_parallel if self.implementation == "costmodel" else 1
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,

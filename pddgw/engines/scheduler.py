@@ -1,7 +1,9 @@
 """Continuous batching: which tokens of which sequences the next forward computes.
 
 Each step has a token budget (max_num_batched_tokens) and a batch bound
-(max_num_seqs running sequences).  Imported sequences whose KV is in (READY)
+(max_num_seqs running sequences), and one sequence computes at most
+max_chunk_tokens of it (an instance of several attention-DP ranks: the
+budget and the bound are its ranks' together, a sequence lives on one).  Imported sequences whose KV is in (READY)
 join the running set first, in the order their imports finished, while it
 has room; one on hold with nothing to compute (MD waiting for its handoff)
 stays out of it, holding its KV but no place in the batch.  Running sequences
@@ -47,10 +49,12 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_chunk_tokens: int = 0):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.ready: deque[Sequence] = deque()      # READY: imported, waiting for a place in the batch
         self.running: list[Sequence] = []
@@ -101,7 +105,7 @@ class Scheduler:
             pending = seq.num_pending
             if seq.status != SeqStatus.RUNNING or pending == 0:
                 continue   # preempted in this loop, or on hold with nothing to compute
-            n = pending if pending < budget else budget
+            n = min(pending, budget, self.max_chunk_tokens)
             if seq.num_computed + n > len(seq.block_ids) * bs:     # it needs a block (most steps do not)
                 clean, refund = self._reserve(seq, seq.num_computed + n, batch)
                 budget += refund
@@ -192,7 +196,7 @@ class Scheduler:
         cached = self.blocks.match(hashes) if seq.sampling.prompt_logprobs is None else []
         self.blocks.acquire(cached)
         n_cached = len(cached) * bs
-        n = min(len(seq.tokens) - n_cached - (1 if seq.hold else 0), budget)
+        n = min(len(seq.tokens) - n_cached - (1 if seq.hold else 0), budget, self.max_chunk_tokens)
         # A retained sequence (P) streams its KV out while it is computed: preempting it
         # would invalidate what its senders export.  It gets blocks for all its tokens at
         # admission, so it never needs more, or waits until they are free.

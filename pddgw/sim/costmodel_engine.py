@@ -113,7 +113,7 @@ class CostModelEngine(PagedEngine):
         if not num_blocks:
             try:
                 num_blocks = max_kv_tokens(profile, hardware, self.parallel, cm.gpu_memory_utilization,
-                                           cfg.max_num_seqs) // cfg.block_size
+                                           cfg.max_num_seqs * cfg.dp_ranks) // cfg.block_size
             except ValueError as e:
                 raise ConfigError(f"engine.costmodel: {e}") from None
             if num_blocks < 1:

@@ -24,10 +24,11 @@ A candidate's capacity is counted as high as it can be, from the same step
 roofline the engines run on (`pddgw.sim.roofline.step_cost`):
 
   prefill  P instances x B / step(B tokens with no context), B =
-           max_num_batched_tokens: the fastest a P turns prompt tokens into KV
+           max_num_batched_tokens x its DP ranks: the fastest a P turns prompt
+           tokens into KV
   decode   the decoders (MD, and RLD for PDD) x n / step(n decodes at the
-           shortest context), n = as many sequences as max_num_seqs and
-           their KV pool allow: the most output tokens per second
+           shortest context), n = as many sequences as max_num_seqs (per DP
+           rank) and their KV pool allow: the most output tokens per second
   kv       the pools' tokens; a request holds at least its prompt's KV for
            its output tokens but the first x the fastest decode step
   wan      cross-DC kinds: bytes per second of the WAN (one pipe when it
@@ -206,7 +207,7 @@ def _kv_tokens(prof: ModelProfile, g: NodeGroup) -> int:
 def prefill_tokens_per_s(prof: ModelProfile, g: NodeGroup) -> float:
     """The most prompt tokens per second one instance computes: full chunks of
     max_num_batched_tokens tokens with no context (the least attention any prefill does)."""
-    b = g.max_num_batched_tokens
+    b = g.max_num_batched_tokens * g.data_parallel
     return b / step_cost(prof, hardware(g.hardware), parallel(g.costmodel()), [SeqWork(1, 0)] * b).seconds
 
 
@@ -219,7 +220,7 @@ def decode_tokens_per_s(prof: ModelProfile, g: NodeGroup, context: int) -> float
     """The most output tokens per second one instance decodes at `context` tokens a sequence:
     the largest batch its max_num_seqs and its KV pool allow (tokens per step grow faster than
     the step with the batch)."""
-    n = max(1, min(g.max_num_seqs, _kv_tokens(prof, g) // max(1, context + 1)))
+    n = max(1, min(g.seqs_per_instance, _kv_tokens(prof, g) // max(1, context + 1)))
     return n / decode_step_s(prof, g, n, context)
 
 

@@ -103,7 +103,8 @@ class Shape:
 
 @dataclass(frozen=True, slots=True)
 class RoleSpace:
-    """Counts and shapes one role may take; every count from count_min to count_max."""
+    """Counts and shapes one role may take; every count from count_min to count_max;
+    max_num_seqs and max_num_batched_tokens per DP rank (`scenario.NodeGroup`)."""
 
     count_min: int = 1
     count_max: int = 1

@@ -32,7 +32,8 @@ from pddgw.sim.workload import AgenticSpec
 class NodeGroup:
     """`count` identical instances of one role, each `tensor_parallel` x `data_parallel` GPUs
     (DP-attention ranks of TP GPUs; a MoE's experts over `expert_parallel` of them, 0 = all;
-    an instance of more than `gpus_per_node` GPUs spans nodes)."""
+    an instance of more than `gpus_per_node` GPUs spans nodes).  `max_num_seqs` and
+    `max_num_batched_tokens` are per DP rank, as in vLLM (`config.EngineConfig`)."""
 
     role: Literal["prefill", "rld", "md"]
     count: int = 1
@@ -61,6 +62,11 @@ class NodeGroup:
         return CostModelConfig(hardware=self.hardware, tensor_parallel=self.tensor_parallel,
                                data_parallel=self.data_parallel, expert_parallel=self.expert_parallel,
                                gpus_per_node=self.gpus_per_node)
+
+    @property
+    def seqs_per_instance(self) -> int:
+        """The batch bound of one instance: max_num_seqs on each of its DP ranks."""
+        return self.max_num_seqs * self.data_parallel
 
     @property
     def gpus_per_instance(self) -> int:
@@ -297,7 +303,7 @@ def deployment_config(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None 
 def group_fit(prof: ModelProfile, g: NodeGroup) -> Fit:
     """How one instance of the group divides its memory (`roofline.memory_fit` of its shape)."""
     cm = g.costmodel()
-    return memory_fit(prof, hardware(g.hardware), parallel(cm), cm.gpu_memory_utilization, g.max_num_seqs)
+    return memory_fit(prof, hardware(g.hardware), parallel(cm), cm.gpu_memory_utilization, g.seqs_per_instance)
 
 
 def check_fit(sc: Scenario, dep: DeploymentSpec, g: NodeGroup) -> None:
@@ -317,7 +323,7 @@ def check_fit(sc: Scenario, dep: DeploymentSpec, g: NodeGroup) -> None:
             f"deployment {dep.name!r}, {g.role} group {shape}: {prof.name} does not fit: weights "
             f"{prof.weight_bytes / 1e9:.1f} GB, {fit.weights_gb:.1f} GB per GPU, of {hw.hbm_gb:g} GB HBM x "
             f"{cm.gpu_memory_utilization:g} = {fit.usable_gb:.1f} GB usable, leaves {fit.kv_gb:.1f} GB per GPU "
-            f"for KV ({fit.kv_tokens} tokens for {g.max_num_seqs} sequences); use more GPUs per instance")
+            f"for KV ({fit.kv_tokens} tokens for {g.max_num_seqs} sequences per rank); use more GPUs per instance")
 
 
 def deployment_price(sc: Scenario, dep: DeploymentSpec) -> tuple[float, int]:

@@ -14,7 +14,7 @@ from pddgw.engines.sampler import position_uniform
 from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, SamplingParams
 from pddgw.sim import profiles
 from pddgw.sim.clock import run_virtual
-from pddgw.sim.roofline import SeqWork, max_kv_tokens, step_cost
+from pddgw.sim.roofline import Parallel, SeqWork, max_kv_tokens, step_cost
 
 L70 = profiles.model("llama3.1-70b")
 H100 = profiles.hardware("H100-SXM")
@@ -63,6 +63,31 @@ def test_batched_decodes_share_one_step():
     assert eng.step_seconds() == step_cost(L70, H100, 8, [SeqWork(16, 0), SeqWork(40, 0)]).seconds
     eng.step()
     assert eng.step_seconds() == step_cost(L70, H100, 8, [SeqWork(1, 16), SeqWork(1, 40)]).seconds
+
+
+def test_batch_limits_are_per_dp_rank_and_a_sequence_chunks_on_its_own_rank():
+    """tp 2 x dp 4 with max_num_seqs 2 and max_num_batched_tokens 64, as vLLM reads them with
+    --data-parallel-size 4: the instance runs 8 sequences and 256 tokens a step, one
+    sequence's chunk at most 64 tokens."""
+    eng = CostModelEngine(L70, H100, EngineConfig(
+        implementation="costmodel", block_size=16, num_blocks=256, max_num_batched_tokens=64, max_num_seqs=2,
+        costmodel=CostModelConfig(hardware="H100-SXM", tensor_parallel=2, data_parallel=4)))
+    for i, n in enumerate((150, 40, 100, 30, 20, 10, 10, 10, 10)):
+        eng.add_request(EngineRequest(f"r{i}", tuple(range(3000 + 200 * i, 3000 + 200 * i + n)),
+                                      SamplingParams(max_tokens=2, seed=i)))
+    eng.step()
+    # 64 + 40 + 64 + 30 + 20 + 10 + 10 + 10 = 248 <= 256 tokens; r8 waits: 8 sequences run.
+    done = {r: s.num_computed for r, s in eng.seqs.items()}
+    assert done == {"r0": 64, "r1": 40, "r2": 64, "r3": 30, "r4": 20, "r5": 10, "r6": 10, "r7": 10, "r8": 0}
+    work = [SeqWork(64, 0), SeqWork(40, 0), SeqWork(64, 0), SeqWork(30, 0), SeqWork(20, 0)] + [SeqWork(10, 0)] * 3
+    par = Parallel(tp=2, dp=4)
+    assert eng.step_seconds() == step_cost(L70, H100, par, work).seconds
+    eng.step()
+    assert eng.seqs["r0"].num_computed == 128 and eng.seqs["r2"].num_computed == 100
+    assert eng.seqs["r8"].num_computed == 0          # the batch is still full
+    while eng.has_work():
+        eng.step()
+    eng.check_integrity()
 
 
 def test_tokens_depend_on_seed_and_position_only_and_never_end_early():

@@ -216,12 +216,15 @@ def test_engine_on_v4_pool_and_virtual_chunk_bytes():
                        max_num_batched_tokens=4096,
                        costmodel=CostModelConfig(hardware="H200-SXM", tensor_parallel=1, data_parallel=8))
     eng = CostModelEngine(PRO, H200, cfg)
-    # 8 ranks of one GPU: each keeps 4 sequences' windows, the rest at 5511.4375 B a token.
+    # 8 ranks of one GPU, max_num_seqs per rank as in vLLM: each keeps 32 sequences' windows,
+    # the rest at 5511.4375 B a token.
     attn = PRO.attention_weight_bytes
     weights = attn + (PRO.dense_weight_bytes - attn + 61 * 384 * PRO.expert_bytes) / 8
-    per_rank = 141e9 * 0.9 - weights - 4 * PRO.kv_window_bytes
+    per_rank = 141e9 * 0.9 - weights - 32 * PRO.kv_window_bytes
     assert eng.blocks.num_blocks == int(per_rank // PRO.kv_bytes_per_token) * 8 // 64
     assert eng.parallel == Parallel(tp=1, dp=8)
+    sched = eng.scheduler
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_chunk_tokens) == (256, 32768, 4096)
     # A virtual chunk of 100 tokens is charged 100 x 5512 bytes (the wire layout: 1 x 1378 BF16 pairs).
     from pddgw.engines.types import EngineRequest, SamplingParams
     eng.add_request(EngineRequest("r", tuple(range(100)), SamplingParams(max_tokens=1), retain_kv=True))

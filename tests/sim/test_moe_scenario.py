@@ -70,8 +70,10 @@ def test_instances_span_nodes_and_are_priced_by_their_gpus(tmp_path):
     assert (p.tensor_parallel, p.data_parallel, p.gpus) == (1, 16, 16)
     eng, _ = CostModelEngine.from_config(cfg, cfg.engine_for(cfg.nodes[1]))
     assert eng.parallel == Parallel(tp=1, dp=16) and eng.parallel.nodes == 2
+    # max_num_seqs 256 on each of the 16 ranks: 4,096 sequences' windows kept.
     assert eng.blocks.num_blocks == memory_fit(profiles.model("deepseek-v4-pro"), profiles.hardware("H100-SXM"),
-                                               Parallel(tp=1, dp=16), 0.9, 256).kv_tokens // 64
+                                               Parallel(tp=1, dp=16), 0.9, 4096).kv_tokens // 64
+    assert (eng.scheduler.max_num_seqs, eng.scheduler.max_num_batched_tokens) == (4096, 16 * 8192)
 
 
 def test_a_deployment_that_cannot_hold_the_model_is_refused_with_its_numbers(tmp_path):
