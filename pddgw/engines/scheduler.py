@@ -3,10 +3,11 @@
 Each step has a token budget (max_num_batched_tokens) and a batch bound
 (max_num_seqs running sequences), and one sequence computes at most
 max_chunk_tokens of it (an instance of several attention-DP ranks: the
-budget and the bound are its ranks' together, a sequence lives on one).  Imported sequences whose KV is in (READY)
-join the running set first, in the order their imports finished, while it
-has room; one on hold with nothing to compute (MD waiting for its handoff)
-stays out of it, holding its KV but no place in the batch.  Running sequences
+budget and the bound are its ranks' together, a sequence lives on one).
+Imported sequences whose KV is in (READY) join the running set first, in
+the order their imports finished, while it has room; one on hold with
+nothing to compute (MD waiting for its handoff) stays out of it, holding
+its KV but no place in the batch.  Running sequences
 come first, in admission order: a decode costs one token, an extend
 (handed-off output tokens) or a prefill chunk as many as the budget allows.
 Then waiting sequences are admitted in arrival order, each starting from its

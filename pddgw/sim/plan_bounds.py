@@ -205,8 +205,9 @@ def _kv_tokens(prof: ModelProfile, g: NodeGroup) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def prefill_tokens_per_s(prof: ModelProfile, g: NodeGroup) -> float:
-    """The most prompt tokens per second one instance computes: full chunks of
-    max_num_batched_tokens tokens with no context (the least attention any prefill does)."""
+    """The most prompt tokens per second one instance computes: full steps of
+    max_num_batched_tokens tokens on each DP rank, with no context (the least attention any
+    prefill does)."""
     b = g.max_num_batched_tokens * g.data_parallel
     return b / step_cost(prof, hardware(g.hardware), parallel(g.costmodel()), [SeqWork(1, 0)] * b).seconds
 
