@@ -41,7 +41,15 @@ A dense model served as today is Parallel(tp): dp = 1, no experts.
   per GPU
     compute_s = FLOPs / gpus / (peak * compute_efficiency), peak the FP8
                 tensor-core one when the weights are FP8 or FP4 (FP4 runs as
-                FP8 on Hopper) and the part has one, else BF16
+                FP8 on Hopper) and the part has one, else BF16.  With dp > 1
+                a sequence lives on one attention rank, and the step waits
+                for its busiest: when the attention side (projections +
+                attention) of the step's largest chunk exceeds an even share
+                of the step's (its total / dp), that rank's excess over the
+                share is added, over its tp GPUs.  A lone 8K-token chunk on a
+                DP16 instance thus costs its attention on one rank, not a
+                sixteenth of it; steps whose chunks spread over the ranks,
+                and decode-only steps, are priced evenly.
     memory_s  = bytes per GPU / (hbm_tb_s * 1e12 * bandwidth_efficiency)
     comm_s    TP all-reduces inside an attention rank (tp > 1): one after
               attention per layer, one after the MLP per dense layer (and per
@@ -183,6 +191,12 @@ def _per_model(model: ModelProfile) -> tuple[float, float, float, float, bool]:
 
 
 @_per_profile
+def _attention_linear(model: ModelProfile) -> float:
+    """Attention projection FLOPs per token (every layer): the rank-local linear part."""
+    return 2.0 * model.num_layers * model._attention_params
+
+
+@_per_profile
 def _v4_consts(model: ModelProfile) -> tuple[int, ...]:
     """DeepSeek-V4's per-step constants: (layers, window, entry bytes, index bytes, CSA layers,
     HCA layers, top-k, FLOPs per attended entry, indexer FLOPs per scored entry)."""
@@ -310,6 +324,10 @@ def _step_consts(model: ModelProfile, hw: HardwareProfile, par: Parallel) -> _St
     return c
 
 
+def _new_tokens(w: SeqWork) -> int:
+    return w.new_tokens
+
+
 def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, batch: Sequence[SeqWork]) -> StepCost:
     """The modeled duration of one forward step of `batch` on one instance of `hw` GPUs split
     as `tp` (a TP degree or a `Parallel`; formulas: module doc)."""
@@ -326,6 +344,13 @@ def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, batc
     per_gpu_bytes = c.attn_per_tp + (other_bytes + kv * c.kv_copies) / c.gpus
 
     compute_s = flops / c.gpus / c.compute_rate
+    if par.dp > 1 and new > len(work):            # a chunk of more than one token: module doc
+        big = max(work, key=_new_tokens)
+        attn_linear = _attention_linear(model)
+        own = attn_linear * big.new_tokens + _attention(model, (big,))[0]
+        share = (attn_linear * new + attn_flops) / par.dp
+        if own > share:
+            compute_s += (own - share) / par.tp / c.compute_rate
     memory_s = per_gpu_bytes / c.memory_rate
     return StepCost(
         seconds=max(compute_s, memory_s) + comm_s + c.overhead_s,

@@ -187,10 +187,33 @@ def test_v4_pro_across_two_nodes_dp_attention():
 
 
 def test_fp8_weights_on_a100_run_at_the_bf16_peak():
-    c = step_cost(V3, A100, Parallel(tp=8, dp=2), [SeqWork(4096, 0)])
+    c = step_cost(V3, A100, Parallel(tp=8, dp=2), [SeqWork(4096, 0)] * 2)    # one chunk per rank
     assert c.compute_s == pytest.approx(c.flops / 16 / (312e12 * A100.compute_efficiency), rel=1e-9)
     assert A100.peak_flops(True) == A100.peak_flops(False) == 312e12
     assert H100.peak_flops(True) == 1979e12 and H100.peak_flops(False) == 989.5e12
+
+
+def test_a_lone_chunk_waits_for_its_own_rank():
+    """DP16: a sequence's attention side (projections + attention) runs on its rank alone, the
+    experts and the rest over all 16 GPUs; chunks spread over the ranks price evenly."""
+    par = Parallel(tp=1, dp=16)
+    rate = 1979e12 * H100.compute_efficiency
+    proj = 2 * 61 * PRO._attention_params                     # attention projection FLOPs a token
+    lone = step_cost(PRO, H100, par, [SeqWork(8192, 4096)])
+    own = proj * 8192 + PRO.attention_flops(4096, 8192)
+    rest = 2 * PRO.active_params_per_token * 8192 - proj * 8192
+    assert lone.flops == pytest.approx(proj * 8192 + rest + PRO.attention_flops(4096, 8192), rel=1e-12)
+    assert lone.compute_s == pytest.approx((own + rest / 16) / rate, rel=1e-9)
+    # 16 equal chunks: each rank one, the even share; 4 of them: the busiest rank still holds one.
+    even = step_cost(PRO, H100, par, [SeqWork(8192, 4096)] * 16)
+    assert even.compute_s == pytest.approx(even.flops / 16 / rate, rel=1e-9)
+    four = step_cost(PRO, H100, par, [SeqWork(8192, 4096)] * 4)
+    assert four.compute_s == pytest.approx((own + 4 * rest / 16) / rate, rel=1e-9)
+    # Decode-only steps and dp = 1 are priced evenly, as before.
+    dec = step_cost(PRO, H100, par, [SeqWork(1, 60000)] * 3)
+    assert dec.compute_s == pytest.approx(dec.flops / 16 / rate, rel=1e-9)
+    one = step_cost(PRO, H100, Parallel(tp=16), [SeqWork(8192, 4096)])
+    assert one.compute_s == pytest.approx(one.flops / 16 / rate, rel=1e-9)
 
 
 def test_parallel_validates():
