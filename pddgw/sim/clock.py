@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import heapq
 import selectors
 from asyncio import base_events
@@ -167,7 +168,22 @@ class VirtualClockLoop(ReferenceVirtualLoop):
                 h._run()
 
 
+# Collector thresholds during a simulated run (the default is (700, 10, 10)).  A paper-scenario
+# run holds thousands of 64K-token prompt tuples: millions of live objects, which the default
+# thresholds rescan in full collections every few engine steps.  Measured on the same-DC goodput
+# probe at 8 req/s (4,297 requests, two runs side by side on 2 cores): 92.7 / 95.6 s of wall time
+# with the defaults, 77.8 s with these (1.22x), 75.7 s with the collector off; again later, 121.2 s
+# against 107.1 s (1.13x).  Identical results: it changes only when garbage cycles are freed,
+# never the virtual clock.
+_SIM_GC_THRESHOLDS = (100_000, 50, 100)
+
+
 def run_virtual(coro: Coroutine[Any, Any, T], loop_factory: type[asyncio.AbstractEventLoop] = VirtualClockLoop) -> T:
-    """`asyncio.run` on a virtual clock."""
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(coro)
+    """`asyncio.run` on a virtual clock, with the collector's thresholds raised for the run."""
+    saved = gc.get_threshold()
+    gc.set_threshold(*_SIM_GC_THRESHOLDS)
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(coro)
+    finally:
+        gc.set_threshold(*saved)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import threading
 
 from pddgw.config import PolicyConfig
@@ -114,3 +115,25 @@ def test_a_registered_socket_is_polled_before_the_clock_jumps():
             b.close()
 
     assert clock.run_virtual(main()) == (b"x", 0.0)
+
+
+def test_run_virtual_raises_the_collector_thresholds_for_the_run_only():
+    before = gc.get_threshold()
+
+    async def inside() -> tuple[int, int, int]:
+        await asyncio.sleep(5.0)
+        return gc.get_threshold()
+
+    assert clock.run_virtual(inside()) == (100_000, 50, 100)
+    assert gc.get_threshold() == before
+
+    async def fails() -> None:
+        raise KeyError("boom")
+
+    try:
+        clock.run_virtual(fails())
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("run_virtual swallowed the run's error")
+    assert gc.get_threshold() == before
