@@ -169,12 +169,11 @@ class VirtualClockLoop(ReferenceVirtualLoop):
 
 
 # Collector thresholds during a simulated run (the default is (700, 10, 10)).  A paper-scenario
-# run holds thousands of 64K-token prompt tuples: millions of live objects, which the default
-# thresholds rescan in full collections every few engine steps.  Measured on the same-DC goodput
-# probe at 8 req/s (4,297 requests, two runs side by side on 2 cores): 92.7 / 95.6 s of wall time
-# with the defaults, 77.8 s with these (1.22x), 75.7 s with the collector off; again later, 121.2 s
-# against 107.1 s (1.13x).  Identical results: it changes only when garbage cycles are freed,
-# never the virtual clock.
+# run holds thousands of 64K-token prompt tuples, millions of live objects, which the default
+# thresholds keep rescanning.  Measured on the same-DC goodput probe at 8 req/s (4,297 requests,
+# old and new side by side on 2 cores): 92.7 / 95.6 s of wall time with the defaults against
+# 77.8 s (1.22x); again later 121.2 s against 107.1 s (1.13x).  Identical results: it changes
+# only when garbage cycles are freed, never the virtual clock.
 _SIM_GC_THRESHOLDS = (100_000, 50, 100)
 
 
