@@ -308,7 +308,7 @@ class AsyncEngine:
                 if left > 0:
                     await asyncio.sleep(left)
                 self._hand_out(outputs)
-                if not outputs:
+                if not outputs and not eng.held_last_step():
                     try:
                         await asyncio.wait_for(self._wake.wait(), _IDLE_POLL_S)
                     except TimeoutError:

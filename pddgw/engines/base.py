@@ -67,6 +67,12 @@ class Engine(ABC):
         """Modeled duration of the last `step` (0 for an engine whose steps take real time)."""
         return 0.0
 
+    def held_last_step(self) -> bool:
+        """Whether the last `step` sampled tokens it holds back for a later output
+        (`EngineRequest.output_interval`): a step that returned nothing still advanced, and the
+        next one is due at once.  False for an engine that hands out every token."""
+        return False
+
     @property
     @abstractmethod
     def kv_layout(self) -> KVLayout:
@@ -83,7 +89,8 @@ class Engine(ABC):
 
     @abstractmethod
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return what changed, finished requests included."""
+        """Run one scheduling step; return what changed, finished requests included (sampled
+        tokens held back for a run, `EngineRequest.output_interval`, go out with it)."""
 
     @abstractmethod
     def has_work(self) -> bool:
@@ -307,6 +314,8 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int) -
     if n_out >= request.sampling.max_tokens:
         raise RequestError(f"request {rid!r}: {n_out} output tokens given, max_tokens is "
                            f"{request.sampling.max_tokens}")
+    if not 1 <= request.output_interval <= 1024:
+        raise RequestError(f"request {rid!r}: output_interval {request.output_interval} outside 1..1024")
     if not (in_range(request.prompt_token_ids, vocab_size) and in_range(request.output_token_ids, vocab_size)):
         bad = next(t for t in (*request.prompt_token_ids, *request.output_token_ids)
                    if type(t) is not int or not 0 <= t < vocab_size)

@@ -131,6 +131,7 @@ class PagedEngine(TrackedEngine):
         self._events: list[RequestOutput] = []   # outputs produced outside step (aborts)
         # Prompt logprobs being computed (module docstring): slot i scores prompt token i + 1.
         self._scoring: dict[str, list[TokenLogprobs | None]] = {}
+        self._held = False          # the last step held sampled tokens back (output_interval)
         # Receiving KV in place (module docstring): the lock guards leases, IMPORTING status and
         # `Sequence.imported` against the network thread; it is never held across a step.
         self._import_lock = threading.Lock()
@@ -426,9 +427,13 @@ class PagedEngine(TrackedEngine):
             self.blocks.release(blocks)
 
     # ---- contract: step ---------------------------------------------------------
+    def held_last_step(self) -> bool:
+        return self._held
+
     def step(self) -> list[RequestOutput]:
         self._reclaim()
         outputs, self._events = self._events, []
+        self._held = False
         chunks = self.scheduler.schedule()
         if not chunks:
             return outputs
@@ -443,17 +448,39 @@ class PagedEngine(TrackedEngine):
             token, lp = sampled.get(seq.request_id, _NOT_SAMPLED)
             scored = self._scored(seq) if scoring else ()
             position = seq.num_outputs
-            if token is not None:
+            if token is None:
+                if seq.num_computed == seq.last_reported:
+                    continue
+                ids: tuple[int, ...] = ()
+                lps: tuple[TokenLogprobs, ...] = ()
+                reason = None
+            else:
                 seq.tokens.append(token)
-            reason = self._finish_reason(seq, token)
-            if token is None and seq.num_computed == seq.last_reported:
-                continue
+                reason = self._finish_reason(seq, token)
+                if seq.out_every == 1:
+                    ids, lps = (token,), () if lp is None else (lp,)
+                else:
+                    mark = seq.out_mark
+                    if reason is None and mark >= 0 and position + 1 - mark < seq.out_every:
+                        if lp is not None:
+                            seq.out_logprobs.append(lp)
+                        self._held = True
+                        continue              # held: it goes out with the run (output_interval)
+                    if mark >= 0:
+                        ids = tuple(seq.tokens[seq.num_prompt + mark :])
+                        position = mark
+                    else:
+                        ids = (token,)
+                    if lp is not None:
+                        seq.out_logprobs.append(lp)
+                    lps = tuple(seq.out_logprobs)
+                    seq.out_logprobs.clear()
+                    seq.out_mark = seq.num_outputs
             seq.last_reported = seq.num_computed
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(RequestOutput(seq.request_id, () if token is None else (token,),
-                                         position, seq.num_computed, reason is not None, reason,
-                                         () if lp is None else (lp,), scored))
+            outputs.append(RequestOutput(seq.request_id, ids, position, seq.num_computed, reason is not None,
+                                         reason, lps, scored))
         return outputs
 
     def _prompt_rows(self, chunk: Chunk) -> range:

@@ -36,7 +36,8 @@ class SeqStatus(IntEnum):
 class Sequence:
     __slots__ = ("request_id", "sampling", "tokens", "num_prompt", "block_ids", "num_computed",
                  "num_cached_tokens", "kv_source", "hold", "retain", "status", "finish_reason",
-                 "_hashes", "num_published", "imported", "last_reported", "leases", "constraint")
+                 "_hashes", "num_published", "imported", "last_reported", "leases", "constraint",
+                 "out_every", "out_mark", "out_logprobs")
 
     def __init__(self, req: EngineRequest):
         self.request_id = req.request_id
@@ -58,6 +59,11 @@ class Sequence:
         self.leases: dict = {}         # IMPORTING: block index -> pool lease (PagedEngine.import_buffer)
         # The grammar's matcher (engines/grammar.py), fed the output tokens lazily before each draw.
         self.constraint = None
+        # Sampled tokens go out `out_every` at a time (EngineRequest.output_interval): num_outputs
+        # when the last of them went out (-1: none sampled yet), and the held ones' logprobs.
+        self.out_every = req.output_interval
+        self.out_mark = -1
+        self.out_logprobs: list = []
 
     @property
     def num_outputs(self) -> int:

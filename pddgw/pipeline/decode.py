@@ -53,7 +53,13 @@ time to the first decoded token nor the handoff's stall waits for a run to
 fill.  The engine still steps once per token and every decision here (the
 handoff's rounds, its step time) reads the tokens as they are made; only the
 runs to the router, and the work per run on the way to the client, are
-fewer.
+fewer.  On MD (`engine_runs`), where nothing reads a decoding request's
+tokens before its run goes out (MD decodes only after the handoff, and hands
+nothing on), the engine hands them out in the same runs
+(`EngineRequest.output_interval`): its first sampled token at once, then the
+interval's worth in the output of the step that completes a run.  Every run
+leaves at the same step as when the engine hands out each token, without an
+engine output, a hand-out and a record here per token.
 """
 
 from __future__ import annotations
@@ -136,10 +142,12 @@ class _Session:
 
 class DecodeWorker:
     def __init__(self, aeng: AsyncEngine, emit: Emit, emit_many: EmitMany | None = None,
-                 emit_now: EmitNow | None = None, stream_interval: int = 1):
+                 emit_now: EmitNow | None = None, stream_interval: int = 1, engine_runs: bool = False):
         self.aeng = aeng
-        # Tokens a decoding request gathers before they go out (module docstring).
+        # Tokens a decoding request gathers before they go out (module docstring), and how many
+        # the engine may hold back before it hands them out (1 unless `engine_runs`: MD).
         self.stream_interval = stream_interval
+        self.engine_interval = stream_interval if engine_runs else 1
         self.engine = aeng.engine
         self._emit = emit
         self._emit_many = emit_many or self._each
@@ -169,7 +177,8 @@ class DecodeWorker:
         """Prepare to import the prompt KV; returns how many prompt tokens are cached here."""
         if rid in self.sessions:
             raise RequestError(f"request {rid!r} already open here")
-        req = EngineRequest(rid, prompt, sampling, kv_source="import", hold=True)
+        req = EngineRequest(rid, prompt, sampling, kv_source="import", hold=True,
+                            output_interval=self.engine_interval)
         res = await self.aeng.add(req)
         self.sessions[rid] = _Session(rid, len(prompt), self.aeng.stream(rid), sampling.logprobs is not None)
         return res.num_cached_tokens
@@ -319,7 +328,7 @@ class DecodeWorker:
         """Compute the prompt here (a re-drive); with hold, wait for the emitted tokens (`extend`)."""
         if rid in self.sessions:
             raise RequestError(f"request {rid!r} already open here")
-        await self.aeng.add(EngineRequest(rid, prompt, sampling, hold=hold))
+        await self.aeng.add(EngineRequest(rid, prompt, sampling, hold=hold, output_interval=self.engine_interval))
         s = self.sessions[rid] = _Session(rid, len(prompt), self.aeng.stream(rid), sampling.logprobs is not None)
         s.state = DecodeState.HOLDING if hold else DecodeState.DECODING
         if not hold:

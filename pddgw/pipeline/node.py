@@ -92,8 +92,8 @@ class WorkerNode:
         self._connect = connect
         self.metrics = NodeMetrics(name, role, lambda: self.aeng.call(self.engine.stats), self.kv_sent)
         self.prefill = PrefillWorker(self.aeng, kv_chunk_bytes, self.metrics.transfer) if role == "prefill" else None
-        self.decode = (DecodeWorker(self.aeng, self._emit, self._emit_many, self._emit_now, stream_interval)
-                       if role in ("rld", "md") else None)
+        self.decode = (DecodeWorker(self.aeng, self._emit, self._emit_many, self._emit_now, stream_interval,
+                                    engine_runs=role == "md") if role in ("rld", "md") else None)
         self._open: dict[str, _Open] = {}
         self._pins: dict[str, Link] = {}          # prefix pins, by request, with the asking link
         self._watched: dict[Link, asyncio.Task[None]] = {}

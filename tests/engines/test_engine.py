@@ -362,3 +362,50 @@ def test_retained_prefills_get_all_their_blocks_at_admission_and_are_never_preem
         eng.step()
     assert eng.export_kv("b", 0, 100).num_tokens == 100 and eng.stats().preemptions == 0
     eng.check_integrity()
+
+
+def test_output_interval_hands_sampled_tokens_out_in_runs(tiny64):
+    """output_interval = 4 (vLLM's --stream-interval in the engine): the first sampled token in its
+    own step's output, then runs of four (each in the output of the step that sampled its last
+    token, the steps between returning nothing and saying they held tokens back), the rest with
+    the finish; the same tokens and logprobs as one output per token."""
+    prompt = list(range(60, 90))
+    sampling = SamplingParams(max_tokens=15, temperature=0.8, seed=3, logprobs=2)
+
+    def outputs(interval: int):
+        engine = make_engine(tiny64)
+        engine.add_request(EngineRequest("a", tuple(prompt), sampling, output_token_ids=(7,),
+                                         output_interval=interval))
+        got = []
+        while engine.has_work():
+            step = engine.step()
+            got += [(len(o.ids), o.ids, o.position, o.done, len(o.logprobs)) for o in step if o.ids]
+            if not step:
+                assert engine.held_last_step()
+        engine.check_integrity()
+        return got, engine
+
+    one, _ = outputs(1)
+    runs, engine = outputs(4)
+    # Position 0 is the handed-off token: 14 sampled, at positions 1..14.
+    assert [(n, pos, done, lps) for n, _, pos, done, lps in runs] == [
+        (1, 1, False, 1), (4, 2, False, 4), (4, 6, False, 4), (4, 10, False, 4), (1, 14, True, 1)]
+    assert [t for _, ids, *_ in runs for t in ids] == [t for _, ids, *_ in one for t in ids]
+    assert engine.held_last_step() is False
+    with pytest.raises(RequestError, match="output_interval 0 outside 1..1024"):
+        make_engine(tiny64).add_request(EngineRequest("b", tuple(prompt), sampling, output_interval=0))
+
+
+def test_output_interval_logprobs_match_one_output_per_token(tiny64):
+    prompt = list(range(40, 75))
+    sampling = SamplingParams(max_tokens=11, temperature=0.7, seed=9, logprobs=3)
+
+    def logprobs(interval: int) -> list:
+        engine = make_engine(tiny64)
+        engine.add_request(EngineRequest("a", tuple(prompt), sampling, output_interval=interval))
+        out = []
+        while engine.has_work():
+            out += [lp for o in engine.step() for lp in o.logprobs]
+        return out
+
+    assert logprobs(5) == logprobs(1) and len(logprobs(1)) == 11
