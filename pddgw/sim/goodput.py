@@ -5,7 +5,7 @@ on each candidate.
 probe's attainment (`plan_bounds.attainment_bound`, passed in) is asked first, and a probe it
 puts below the target is not simulated and fails (a simulated probe never beats that bound, so
 the walk is the one the simulation takes).  The searches differ only in what they simulate and
-bound, so both pass those in; the records (`Probe`) and their JSON are the same.
+bound, so both pass those in (`Prober`); the records (`Probe`) and their JSON are the same.
 """
 
 from __future__ import annotations
@@ -48,28 +48,63 @@ class Probe:
 Simulate = Callable[[float], tuple[report.Window, float, bool]]
 
 
-def bisect(spec: GoodputSpec, target: float, simulate: Simulate, bound: Callable[[float], float],
-           exhaustive: bool = False, on_probe: Callable[[Probe], None] | None = None
-           ) -> tuple[float, float, tuple[Probe, ...]]:
-    """-> (the goodput: requests per second within SLO at the highest passing offer, that offered
-    rate, every probe in order).  `exhaustive` simulates the probes the bound would prune too."""
-    probes: list[Probe] = []
+class Prober:
+    """One deployment's goodput probes, each rate simulated (or pruned by the roofline's bound on
+    its attainment, `bound`) at most once, in the order asked (`probes`).
 
-    def probe(rate: float) -> float:
-        b = bound(rate)
-        if b < target and not exhaustive:
+    `passes` answers from what is known where the bisection's own premise decides it (attainment
+    falls as the offered rate rises): a rate at or below a passing one passes, at or above a
+    failing one fails, without a simulation.  A search that probes a rate off the bisection's
+    path first (`pddgw plan`'s refuting probe) thus spends no simulation on what that probe
+    settled; a plain bisection never asks a rate its own probes decide, so for it every rate
+    is simulated (or pruned), as before."""
+
+    def __init__(self, target: float, simulate: Simulate, bound: Callable[[float], float],
+                 exhaustive: bool = False, on_probe: Callable[[Probe], None] | None = None):
+        self.target = target
+        self._simulate = simulate
+        self._bound = bound
+        self.exhaustive = exhaustive             # simulate the probes the bound would prune too
+        self._on_probe = on_probe
+        self.probes: list[Probe] = []
+
+    def probe(self, rate: float) -> Probe:
+        """The probe at `rate`: run now unless it ran already."""
+        for p in self.probes:
+            if p.rate == rate:
+                return p
+        b = self._bound(rate)
+        if b < self.target and not self.exhaustive:
             p = Probe(rate, 0.0, None, None, b)
         else:
-            window, achieved, decided = simulate(rate)
+            window, achieved, decided = self._simulate(rate)
             p = Probe(rate, window.attainment, window, achieved, b, decided)
-        probes.append(p)
-        if on_probe is not None:
-            on_probe(p)
-        return p.attainment
+        self.probes.append(p)
+        if self._on_probe is not None:
+            self._on_probe(p)
+        return p
 
-    offered, _ = report.sla_goodput(probe, target, spec.rate_min, spec.rate_max, spec.probes)
-    best = next((p.window for p in probes if p.rate == offered and p.window is not None), None)
-    return (best.slo_rps if best else 0.0), offered, tuple(probes)
+    def passes(self, rate: float) -> bool:
+        """Whether the deployment holds the SLO's attainment at `rate` (class docstring)."""
+        for p in self.probes:
+            if p.rate == rate:
+                return p.attainment >= self.target
+        if any(p.rate > rate and p.attainment >= self.target for p in self.probes):
+            return True
+        if any(p.rate < rate and p.attainment < self.target for p in self.probes):
+            return False
+        return self.probe(rate).attainment >= self.target
+
+
+def bisect(spec: GoodputSpec, prober: Prober) -> tuple[float, float, tuple[Probe, ...]]:
+    """-> (the goodput: requests per second within SLO at the highest passing offer, that offered
+    rate, every probe in the order run).  The highest passing offer is always simulated: its
+    window's requests within SLO are the goodput (if the premise failed there and it misses,
+    its numbers are still what is reported)."""
+    offered, _ = report.sla_goodput(lambda r: 1.0 if prober.passes(r) else 0.0, prober.target,
+                                    spec.rate_min, spec.rate_max, spec.probes)
+    best = prober.probe(offered).window if offered else None
+    return (best.slo_rps if best else 0.0), offered, tuple(prober.probes)
 
 
 def first_fail(probes: tuple[Probe, ...], offered: float) -> dict[str, Any] | None:

@@ -62,6 +62,7 @@ def evaluation_json(e: Evaluation) -> dict[str, Any]:
             "goodput_offered_rps": None if e.offered_rps is None else round(e.offered_rps, 4),
             "goodput_per_usd_hour": round(e.per_usd, 6),
             "goodput_fail": _fail(e),
+            "refuted_at_rps": None if e.refuted_at is None else round(e.refuted_at, 4),
             "probes": [p.json() for p in e.probes],
             "groups": [{"role": g.role, "count": g.count, "cluster": g.cluster, "hardware": g.hardware,
                         "tensor_parallel": g.tensor_parallel, "data_parallel": g.data_parallel,
@@ -74,15 +75,25 @@ def report_json(plan: Plan, results: dict[str, KindResult]) -> dict[str, Any]:
             "wan_gbps": plan.wan_gbps, "slo": {"ttft_s": plan.slo.ttft_s, "tpot_ms": plan.slo.tpot_ms,
                                                "e2e_s": plan.slo.e2e_s, "attainment": plan.slo.attainment},
             "winner": {"kind": best.candidate.kind, **evaluation_json(best)},
-            "kinds": {k: {"candidates": r.candidates, "evaluated": r.evaluated, "pruned_by_roofline": r.pruned,
-                          "bounded_out": r.bounded_out, "simulated_probes": r.simulated_probes,
-                          "pruned_probes": r.pruned_probes, "ranked": [evaluation_json(e) for e in r.ranked]}
+            "kinds": {k: {"candidates": r.candidates, "evaluated": r.evaluated, "refuted": r.refuted,
+                          "pruned_by_roofline": r.pruned, "bounded_out": r.bounded_out,
+                          "simulated_probes": r.simulated_probes, "pruned_probes": r.pruned_probes,
+                          "ranked": [evaluation_json(e) for e in r.ranked],
+                          "also_evaluated": [evaluation_json(e) for e in _rest(r)]}
                       for k, r in results.items()}}
+
+
+def _rest(r: KindResult) -> list[Evaluation]:
+    """The evaluated candidates below the table, best first: refuted, or ranked out."""
+    return [e for e in sorted(r.all_evaluations, key=Evaluation.key) if e not in r.ranked]
 
 
 def _row(rank: int, e: Evaluation) -> list[Any]:
     c = e.candidate
-    gp = "-" if e.goodput_rps is None else f"{e.goodput_rps:.3g}"
+    if e.refuted_at is not None:
+        gp = f"< {e.upper_rps:.3g} (fails {e.refuted_at:.3g})"
+    else:
+        gp = "-" if e.goodput_rps is None else f"{e.goodput_rps:.3g}"
     offered = "-" if e.offered_rps is None else f"{e.offered_rps:.3g}"
     probes = f"{e.simulated_probes} / {len(e.probes) - e.simulated_probes}"
     fail = _fail(e)
@@ -102,10 +113,14 @@ def format_report(plan: Plan, results: dict[str, KindResult]) -> str:
     lines = [f"pddgw plan {plan.spec.name}: scenario {sc.name}, model {sc.model}, {wan}; SLO ttft <= "
              f"{plan.slo.ttft_s} s, tpot <= {plan.slo.tpot_ms} ms, >= {plan.slo.attainment:.0%} of requests"]
     for kind, r in results.items():
-        lines += ["", f"== {kind}: {r.candidates} candidates, {r.evaluated} evaluated ({r.pruned} pruned by the "
-                      f"roofline at every rate), {r.bounded_out} bounded out; {r.simulated_probes} probes "
-                      f"simulated, {r.pruned_probes} pruned ==",
+        lines += ["", f"== {kind}: {r.candidates} candidates, {r.evaluated} evaluated ({r.refuted} refuted by one "
+                      f"probe), {r.pruned} pruned by the roofline at every rate, {r.bounded_out} bounded out; "
+                      f"{r.simulated_probes} probes simulated, {r.pruned_probes} pruned ==",
                   format_table(HEADS, [_row(i + 1, e) for i, e in enumerate(r.ranked)])]
+        rest = _rest(r)
+        if rest:
+            lines += [f"-- also evaluated, below the table (goodput per $100/h: the bound of those refuted) --",
+                      format_table(HEADS, [_row(len(r.ranked) + i + 1, e) for i, e in enumerate(rest)])]
     best = winner(results)
     gp = best.goodput_rps or 0.0
     lines += ["", f"winner: {best.candidate.kind}, {best.candidate.label()}: {gp:.3g} req/s within SLO for "

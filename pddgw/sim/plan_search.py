@@ -13,16 +13,29 @@ Lifecycle of one kind's search (`search_kind`):
      (`bisection_rates`) that the roofline does not prune, so the most
      requests per second within SLO the roofline allows at any such rate up
      to the bound's is an upper bound on the goodput.
-  3. Order the candidates by bound per USD, best first, and evaluate them
-     in that order: the real bisection, each probe `pddgw sim`'s goodput
+  3. Order the candidates by the steady-state roofline's rate (its
+     slowest side, `plan_bounds.capacity`) per USD, best first (the most
+     promising first: the sooner the table holds strong results, the more
+     the next steps cut), and evaluate them in that order: the real bisection, each probe `pddgw sim`'s goodput
      probe (`probe.run_probe`: open-loop conversations, the window's
      requests counted) simulated on the virtual clock (`pddgw sim`'s
      deployment, engines and control plane) unless the roofline prunes its
      rate.  The goodput is `pddgw sim`'s: the window's requests per second
      within SLO at the highest offered rate whose attainment holds.
-  4. Stop once `top` candidates are evaluated and the next one's bound per
-     USD ranks below the top-th real result: no candidate left can enter
-     the table (branch and bound).
+  4. Once `top` candidates are evaluated, drop every candidate left whose
+     bound per USD ranks below the top-th real result (it cannot enter the
+     table: branch and bound); stop when none is left.
+  5. Once `top` are evaluated, a candidate still left is first offered one
+     refuting probe: the highest rate of the bisection's grid at which a
+     fail would cap its goodput per USD below the top-th real result (its
+     goodput would then be a passing probe's at a lower grid rate, at most
+     the roofline's bound on requests per second within SLO there).  If it
+     fails there, it cannot enter the table and is not evaluated further
+     (`refuted`); if it passes, its bisection runs, without simulating
+     again what that pass settles (`goodput.Prober`: attainment falls as
+     the offered rate rises, the bisection's own premise).  An overloaded
+     probe settles early (`probe.run_probe`), so most refutations are
+     cheap: the paper's space is searched in a few full bisections.
 
 `exhaustive = True` is the brute force the tests compare against: every
 candidate, every probe simulated, no pruning and no bound.  Ranking key:
@@ -39,7 +52,7 @@ from dataclasses import dataclass, field
 
 from pddgw.sim import report
 from pddgw.sim.cluster import served_rps
-from pddgw.sim.goodput import Probe, bisect
+from pddgw.sim.goodput import Probe, Prober, bisect
 from pddgw.sim.plan_bounds import Bound, Demand, Setting, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
@@ -52,11 +65,12 @@ from pddgw.sim.scenario import deployment_config
 class Evaluation:
     candidate: Candidate
     roofline: Bound                      # the steady-state roofline at the smallest probe's workload
-    upper_rps: float                     # the bound on the goodput (lifecycle step 2)
+    upper_rps: float                     # the bound on the goodput (lifecycle steps 2 and 5)
     goodput_rps: float | None = None     # within SLO at the highest passing probe; None: not evaluated
     offered_rps: float | None = None     # that probe's offered rate
     probes: tuple[Probe, ...] = ()
     wall_s: float = 0.0
+    refuted_at: float | None = None      # the rate of the refuting probe it failed (step 5)
 
     @property
     def per_usd(self) -> float:
@@ -77,7 +91,7 @@ class KindResult:
     kind: Kind
     ranked: tuple[Evaluation, ...]       # the table: best first, at most `top`
     candidates: int
-    evaluated: int
+    evaluated: int                       # simulated: every evaluated candidate, refuted ones included
     pruned: int                          # candidates the roofline prunes at every probe rate
     bounded_out: int                     # candidates never evaluated: their bound ranks below the table
     simulated_probes: int
@@ -87,6 +101,10 @@ class KindResult:
     @property
     def winner(self) -> Evaluation:
         return self.ranked[0]
+
+    @property
+    def refuted(self) -> int:
+        return sum(e.refuted_at is not None for e in self.all_evaluations)
 
 
 class _Workloads:
@@ -124,9 +142,32 @@ def upper_bound(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloa
     g = at.scenario.goodput
     top, _ = report.sla_goodput(lambda r: 0.0 if _pruned(at, prof, cand, work(r))[0] else 1.0,
                                 at.scenario.slo.attainment, g.rate_min, g.rate_max, g.probes)
+    return _below(at, prof, cand, work, top, inclusive=True)
+
+
+def _below(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads, rate: float,
+           inclusive: bool = False) -> float:
+    """The most requests per second within SLO the roofline allows at any grid rate it does not
+    prune below `rate` (at or below, `inclusive`): a bound on the goodput of a bisection whose
+    highest passing offer lies there."""
+    g = at.scenario.goodput
     rates = [r for r in bisection_rates(g.rate_min, g.rate_max, g.probes)
-             if r <= top and not _pruned(at, prof, cand, work(r))[0]]
+             if (r <= rate if inclusive else r < rate) and not _pruned(at, prof, cand, work(r))[0]]
     return max((slo_rps_bound(at, prof, cand, work(r)) for r in rates), default=0.0)
+
+
+def refuting_rate(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads,
+                  per_usd: float) -> float | None:
+    """The highest grid rate at which a failing probe caps the candidate's goodput per USD below
+    `per_usd` (lifecycle step 5); None when even the lowest does not (its fail caps nothing)."""
+    g = at.scenario.goodput
+    best = None
+    for r in bisection_rates(g.rate_min, g.rate_max, g.probes):
+        if _below(at, prof, cand, work, r) / cand.price < per_usd:
+            best = r
+        else:
+            break
+    return best
 
 
 def simulate_probe(plan: Plan, cand: Candidate, rate: float) -> tuple[report.Window, float, bool]:
@@ -138,17 +179,24 @@ def simulate_probe(plan: Plan, cand: Candidate, rate: float) -> tuple[report.Win
     return window, served_rps(run), run.decided
 
 
-def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False) -> Evaluation:
-    """The candidate's SLA goodput: the bisection, each probe simulated unless pruned."""
+def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float | None = None) -> Evaluation:
+    """The candidate's SLA goodput: the bisection, each probe simulated unless pruned; with `beat`
+    (goodput per USD to rank above), a refuting probe first (lifecycle step 5)."""
     prof = model(plan.scenario.model)
     work = _Workloads(plan)
     g = plan.goodput
     at = Setting.of(plan, cand)
     wall0 = time.perf_counter()
-    goodput, offered, probes = bisect(g, plan.slo.attainment, lambda r: simulate_probe(plan, cand, r),
-                                      lambda r: _pruned(at, prof, cand, work(r))[1], exhaustive)
-    return Evaluation(cand, capacity(at, prof, cand, work(g.rate_min)), upper_bound(at, prof, cand, work),
-                      goodput, offered, probes, time.perf_counter() - wall0)
+    prober = Prober(plan.slo.attainment, lambda r: simulate_probe(plan, cand, r),
+                    lambda r: _pruned(at, prof, cand, work(r))[1], exhaustive)
+    roof = capacity(at, prof, cand, work(g.rate_min))
+    upper = upper_bound(at, prof, cand, work)
+    at_rate = None if beat is None or exhaustive else refuting_rate(at, prof, cand, work, beat)
+    if at_rate is not None and not prober.passes(at_rate):
+        return Evaluation(cand, roof, min(upper, _below(at, prof, cand, work, at_rate)), None, None,
+                          tuple(prober.probes), time.perf_counter() - wall0, at_rate)
+    goodput, offered, probes = bisect(g, prober)
+    return Evaluation(cand, roof, upper, goodput, offered, probes, time.perf_counter() - wall0)
 
 
 def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
@@ -162,22 +210,24 @@ def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
     for c in cands:
         at = Setting.of(plan, c)
         bounded.append(Evaluation(c, capacity(at, prof, c, work(g.rate_min)), upper_bound(at, prof, c, work)))
-    bounded.sort(key=Evaluation.key)
+    bounded.sort(key=lambda e: (-e.roofline.rate / e.candidate.price, e.candidate.price, e.candidate.label()))
     top = plan.spec.search.top
     done: list[Evaluation] = []
     left = list(bounded)
     while left:
+        beat = None
         if not exhaustive and len(done) >= top:
             kth = sorted(done, key=Evaluation.key)[top - 1]
             left = [e for e in left if e.key() <= kth.key()]
             if not left:
                 break
+            beat = kth.per_usd
         batch, left = left[:max(1, jobs)], left[max(1, jobs):]
         if pool is None or len(batch) == 1:
-            done += [evaluate(plan, e.candidate, exhaustive) for e in batch]
+            done += [evaluate(plan, e.candidate, exhaustive, beat) for e in batch]
         else:
             done += list(pool.map(evaluate, [plan] * len(batch), [e.candidate for e in batch],
-                                  [exhaustive] * len(batch)))
+                                  [exhaustive] * len(batch), [beat] * len(batch)))
     done.sort(key=Evaluation.key)
     probes = [p for e in done for p in e.probes]
     return KindResult(kind, tuple(done[:top]), len(cands), len(done),

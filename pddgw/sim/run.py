@@ -25,7 +25,7 @@ from pddgw.logs import setup_logging
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import RunResult, run_deployment, served_rps
-from pddgw.sim.goodput import Probe, bisect, first_fail
+from pddgw.sim.goodput import Probe, Prober, bisect, first_fail
 from pddgw.sim.plan_bounds import Setting, attainment_bound, demand, deployment_bound
 from pddgw.sim.probe import run_probe
 from pddgw.sim.profiles import model as model_profile
@@ -124,7 +124,7 @@ def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
         print(f"pddgw sim: {job.label}: probe {seen} of at most {g.probes} at {p.rate:.4g} req/s: {what}",
               file=sys.stderr, flush=True)
 
-    goodput, offered, probes = bisect(g, sc.slo.attainment, simulate, bound, on_probe=say)
+    goodput, offered, probes = bisect(g, Prober(sc.slo.attainment, simulate, bound, on_probe=say))
     return {"goodput_rps": round(goodput, 4), "goodput_offered_rps": round(offered, 4),
             "goodput_fail": first_fail(probes, offered), "probes": [p.json() for p in probes],
             "_wall_s": sum(w for _, w in sims), "_requests": sum(n for n, _ in sims)}

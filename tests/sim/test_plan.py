@@ -309,7 +309,8 @@ def test_the_roofline_never_prunes_a_probe_that_would_pass(searched):
                     assert window.attainment < target and probe.attainment_bound < target
                     checked += 1
             # The bound the branch and bound orders by is never below the real goodput.
-            assert e.upper_rps >= e.goodput_rps
+            if e.refuted_at is None:
+                assert e.upper_rps >= e.goodput_rps
     assert checked == sum(r.pruned_probes for r in pruned.values()) > 0
     # Nor for any candidate, those it bounded out included (brute force evaluated every one),
     # and no simulated probe met more of its window than the roofline allows.
@@ -323,6 +324,26 @@ def test_the_roofline_never_prunes_a_probe_that_would_pass(searched):
                 # (A probe settled early reports the most its window could still meet, not what it met.)
                 assert probe.decided or probe.window.met <= met_bound(Setting.of(plan, e.candidate), prof, e.candidate,
                                                                       demand(plan.scenario, probe.rate))
+
+
+def test_a_refuting_probe_is_one_failing_probe_that_caps_the_goodput_below_the_table(searched):
+    """Lifecycle step 5: once the table is full, a candidate is offered the highest grid rate at
+    which a fail caps its goodput per USD below the table's last row; failing there it is not
+    evaluated further.  Brute force evaluated each one whole: every refuted candidate's goodput
+    is within the cap, and its failing probe is the one brute force ran at that rate."""
+    plan, brute, pruned, memo, calls = searched
+    refuted = [(kind, e) for kind, r in pruned.items() for e in r.all_evaluations if e.refuted_at is not None]
+    assert refuted and sum(r.refuted for r in pruned.values()) == len(refuted)
+    for kind, e in refuted:
+        full = next(b for b in brute[kind].all_evaluations if b.candidate == e.candidate)
+        assert full.goodput_rps <= e.upper_rps
+        assert e.per_usd < pruned[kind].ranked[-1].per_usd and full.per_usd < pruned[kind].ranked[-1].per_usd
+        (probe,) = [p for p in e.probes if p.rate == e.refuted_at]
+        assert probe.attainment < plan.slo.attainment and e.goodput_rps is None
+        if probe.simulated:
+            assert memo[e.candidate, probe.rate][0] == probe.window
+    # Refuting took fewer probes than evaluating: each refuted candidate ran one.
+    assert all(len(e.probes) == 1 for _, e in refuted)
 
 
 def test_the_planners_probe_is_pddgw_sims_goodput_probe(searched):
@@ -397,7 +418,7 @@ def test_the_json_report_names_the_winner_and_each_kinds_table(searched):
                                           "misses": {"failed": 0, "ttft": 0, "tpot": 0, "e2e": 0}}
     assert rep["winner"]["gpus_by_cluster"] == {"A": 3} and rep["winner"]["price_per_hour"] == 9.0
     naive = rep["kinds"]["naive-cross-dc"]
-    assert (naive["candidates"], naive["pruned_probes"], len(naive["ranked"])) == (4, 8, 2)
+    assert (naive["candidates"], naive["pruned_probes"], len(naive["ranked"])) == (4, 6, 2)
     assert naive["ranked"][0]["roofline"]["limit"] == "wan"
     # Where naive's best gave out, by cause: at 2 req/s one window request has no first token past
     # its TTFT deadline, so at most 7 of the window's 8 can meet the SLO (README).
