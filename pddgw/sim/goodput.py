@@ -107,6 +107,20 @@ def bisect(spec: GoodputSpec, prober: Prober) -> tuple[float, float, tuple[Probe
     return (best.slo_rps if best else 0.0), offered, tuple(prober.probes)
 
 
+def describe(p: Probe) -> str:
+    """A probe's verdict as its progress line says it (`pddgw sim`, `pddgw plan`)."""
+    if p.window is None:
+        return f"not simulated: the roofline bounds its attainment at {p.attainment_bound:.3f}"
+    m = p.window.misses
+    if p.window.bound:
+        what = (f"attainment at most {p.attainment:.3f} of at most {p.window.requests} window requests "
+                "(settled early, out of reach)")
+    else:
+        what = (f"attainment {p.attainment:.3f} of {p.window.requests} window requests"
+                f"{' (settled early, window complete)' if p.decided else ''}")
+    return what + f", missed: {m.failed} failed, {m.ttft} TTFT, {m.tpot} TPOT, {m.e2e} E2E"
+
+
 def first_fail(probes: tuple[Probe, ...], offered: float) -> dict[str, Any] | None:
     """The lowest simulated probe above the goodput's offer, as JSON: the load at which the
     deployment stopped holding its SLO, and its misses say which SLO gave out (None: none

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pddgw plan: error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     wall0 = time.perf_counter()
-    results = search(plan, exhaustive=args.exhaustive, jobs=max(1, args.jobs))
+    results = search(plan, exhaustive=args.exhaustive, jobs=max(1, args.jobs), progress=True)
     probes = sum(r.simulated_probes for r in results.values())
     print(f"pddgw plan: {probes} probes simulated in {time.perf_counter() - wall0:.1f} s of wall time",
           file=sys.stderr)

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
 from pddgw.sim import report
 from pddgw.sim.cluster import served_rps
-from pddgw.sim.goodput import Probe, Prober, bisect
+from pddgw.sim.goodput import Probe, Prober, bisect, describe
 from pddgw.sim.plan_bounds import Bound, Demand, Setting, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
@@ -179,28 +180,39 @@ def simulate_probe(plan: Plan, cand: Candidate, rate: float) -> tuple[report.Win
     return window, served_rps(run), run.decided
 
 
-def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float | None = None) -> Evaluation:
+def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float | None = None,
+             progress: bool = False) -> Evaluation:
     """The candidate's SLA goodput: the bisection, each probe simulated unless pruned; with `beat`
-    (goodput per USD to rank above), a refuting probe first (lifecycle step 5)."""
+    (goodput per USD to rank above), a refuting probe first (lifecycle step 5).  `progress`: a
+    line on stderr per probe and per candidate (a paper-sized probe runs for minutes)."""
     prof = model(plan.scenario.model)
     work = _Workloads(plan)
     g = plan.goodput
     at = Setting.of(plan, cand)
     wall0 = time.perf_counter()
+    name = f"{cand.kind} {cand.label()}"
+
+    def say(what: str) -> None:
+        if progress:
+            print(f"pddgw plan: {name}: {what} ({time.perf_counter() - wall0:.0f} s)", file=sys.stderr, flush=True)
+
     prober = Prober(plan.slo.attainment, lambda r: simulate_probe(plan, cand, r),
-                    lambda r: _pruned(at, prof, cand, work(r))[1], exhaustive)
+                    lambda r: _pruned(at, prof, cand, work(r))[1], exhaustive,
+                    lambda p: say(f"probe at {p.rate:.4g} req/s: {describe(p)}"))
     roof = capacity(at, prof, cand, work(g.rate_min))
     upper = upper_bound(at, prof, cand, work)
     at_rate = None if beat is None or exhaustive else refuting_rate(at, prof, cand, work, beat)
     if at_rate is not None and not prober.passes(at_rate):
-        return Evaluation(cand, roof, min(upper, _below(at, prof, cand, work, at_rate)), None, None,
-                          tuple(prober.probes), time.perf_counter() - wall0, at_rate)
+        cap = min(upper, _below(at, prof, cand, work, at_rate))
+        say(f"refuted: fails {at_rate:.4g} req/s, so its goodput is at most {cap:.3g} req/s")
+        return Evaluation(cand, roof, cap, None, None, tuple(prober.probes), time.perf_counter() - wall0, at_rate)
     goodput, offered, probes = bisect(g, prober)
+    say(f"SLA goodput {goodput:.3g} req/s at {offered:.4g} offered, {goodput / cand.price * 100:.3g} per $100/h")
     return Evaluation(cand, roof, upper, goodput, offered, probes, time.perf_counter() - wall0)
 
 
 def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
-                pool: concurrent.futures.Executor | None = None) -> KindResult:
+                pool: concurrent.futures.Executor | None = None, progress: bool = False) -> KindResult:
     """Lifecycle steps 1-4 of the module docstring for one deployment kind."""
     prof = model(plan.scenario.model)
     work = _Workloads(plan)
@@ -224,10 +236,11 @@ def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
             beat = kth.per_usd
         batch, left = left[:max(1, jobs)], left[max(1, jobs):]
         if pool is None or len(batch) == 1:
-            done += [evaluate(plan, e.candidate, exhaustive, beat) for e in batch]
+            done += [evaluate(plan, e.candidate, exhaustive, beat, progress) for e in batch]
         else:
-            done += list(pool.map(evaluate, [plan] * len(batch), [e.candidate for e in batch],
-                                  [exhaustive] * len(batch), [beat] * len(batch)))
+            n = len(batch)
+            done += list(pool.map(evaluate, [plan] * n, [e.candidate for e in batch], [exhaustive] * n,
+                                  [beat] * n, [progress] * n))
     done.sort(key=Evaluation.key)
     probes = [p for e in done for p in e.probes]
     return KindResult(kind, tuple(done[:top]), len(cands), len(done),
@@ -235,12 +248,12 @@ def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
                       sum(p.simulated for p in probes), sum(not p.simulated for p in probes), tuple(done))
 
 
-def search(plan: Plan, exhaustive: bool = False, jobs: int = 1) -> dict[Kind, KindResult]:
+def search(plan: Plan, exhaustive: bool = False, jobs: int = 1, progress: bool = False) -> dict[Kind, KindResult]:
     """Every kind of the plan, with `jobs` processes evaluating candidates side by side."""
     if jobs <= 1:
-        return {k: search_kind(plan, k, exhaustive) for k in plan.spec.kinds}
+        return {k: search_kind(plan, k, exhaustive, progress=progress) for k in plan.spec.kinds}
     with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
-        return {k: search_kind(plan, k, exhaustive, jobs, pool) for k in plan.spec.kinds}
+        return {k: search_kind(plan, k, exhaustive, jobs, pool, progress) for k in plan.spec.kinds}
 
 
 def winner(results: dict[Kind, KindResult]) -> Evaluation:

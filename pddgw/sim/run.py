@@ -25,7 +25,7 @@ from pddgw.logs import setup_logging
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import RunResult, run_deployment, served_rps
-from pddgw.sim.goodput import Probe, Prober, bisect, first_fail
+from pddgw.sim.goodput import Probe, Prober, bisect, describe, first_fail
 from pddgw.sim.plan_bounds import Setting, attainment_bound, demand, deployment_bound
 from pddgw.sim.probe import run_probe
 from pddgw.sim.profiles import model as model_profile
@@ -108,19 +108,9 @@ def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
         seen += 1
         if not progress:
             return
-        if p.window is None:
-            what = f"not simulated: the roofline bounds its attainment at {p.attainment_bound:.3f}"
-        else:
-            m = p.window.misses
-            if p.window.bound:
-                what = (f"attainment at most {p.attainment:.3f} of at most {p.window.requests} window requests "
-                        "(settled early, out of reach)")
-            else:
-                what = (f"attainment {p.attainment:.3f} of {p.window.requests} window requests"
-                        f"{' (settled early, window complete)' if p.decided else ''}")
-            what += (f", missed: {m.failed} failed, {m.ttft} TTFT, "
-                    f"{m.tpot} TPOT, {m.e2e} E2E; {sims[-1][0]} requests simulated "
-                    f"in {sims[-1][1]:.1f} s")
+        what = describe(p)
+        if p.window is not None:
+            what += f"; {sims[-1][0]} requests simulated in {sims[-1][1]:.1f} s"
         print(f"pddgw sim: {job.label}: probe {seen} of at most {g.probes} at {p.rate:.4g} req/s: {what}",
               file=sys.stderr, flush=True)
 
