@@ -48,6 +48,15 @@ class IdentityMemo(Generic[V]):
                 self._entries.move_to_end(key)
                 return hit[1]
         value = compute(obj)
+        self._store(key, obj, value)
+        return value
+
+    def put(self, obj: tuple[Any, ...], value: V, tag: Hashable = None) -> None:
+        """Keep `value` for (obj, tag) as if computed here: for a value obj's builder in this
+        process knows already (it built obj from a tuple whose value it kept)."""
+        self._store((id(obj), tag), obj, value)
+
+    def _store(self, key: tuple[int, Hashable], obj: tuple[Any, ...], value: V) -> None:
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
@@ -57,7 +66,6 @@ class IdentityMemo(Generic[V]):
             while len(self._entries) > 1 and (len(self._entries) > self.keep or self.items > self.keep_items):
                 _, (gone, _) = self._entries.popitem(last=False)
                 self.items -= len(gone)
-        return value
 
     def holds(self, obj: tuple[Any, ...], tag: Hashable = None) -> bool:
         with self._lock:

@@ -16,7 +16,9 @@ from pddgw.core.identity_memo import IdentityMemo
 
 SHORT = 1024            # shorter sequences are checked directly: cheaper than the lookup's upkeep
 
-Facts = tuple[bool, int, int]        # (every value an int and not a bool, smallest, largest)
+# (every value an int and not a bool, smallest, largest); for a tuple its builder noted
+# (`note_bounds`), a lower and an upper bound the builder vouches for.
+Facts = tuple[bool, int, int]
 
 # The last 256 long tuples, at most 2M ids together.
 MEMO: IdentityMemo[Facts] = IdentityMemo(keep=256, keep_items=1 << 21)
@@ -41,4 +43,17 @@ def in_range(values: Sequence[int], limit: int) -> bool:
     if not values:
         return True
     ints, lo, hi = id_facts(values)
+    if ints and lo >= 0 and hi < limit:
+        return True
+    if ints:       # noted bounds may be looser than the values (note_bounds): decide exactly
+        ints, lo, hi = _facts(values)
     return ints and lo >= 0 and hi < limit
+
+
+def note_bounds(values: tuple[int, ...], lo: int, hi: int) -> None:
+    """Vouch that every value of `values` is an exact int in [lo, hi]: its builder in this process
+    knows where each id came from (the simulator's prompts: drawn ids and earlier answers), so a
+    64K-token prompt skips its three scans.  `in_range` then answers from the bounds; a bound
+    outside the limit is checked exactly."""
+    if len(values) >= SHORT:
+        MEMO.put(values, (True, lo, hi))

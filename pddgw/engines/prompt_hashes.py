@@ -24,3 +24,9 @@ def prompt_hashes(prompt: Sequence[int], block_size: int) -> tuple[int, ...]:
     if type(prompt) is not tuple:
         return tuple(chain_hashes(prompt, block_size))
     return MEMO.get(prompt, lambda p: tuple(chain_hashes(p, block_size)), tag=block_size)
+
+
+def note(prompt: tuple[int, ...], block_size: int, hashes: tuple[int, ...]) -> None:
+    """Keep `hashes` as `prompt`'s chained block hashes: for its builder, which chained them from
+    an earlier prompt's it kept (the simulator's next turn keeps most of the previous one)."""
+    MEMO.put(prompt, hashes, tag=block_size)

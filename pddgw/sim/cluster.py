@@ -163,13 +163,14 @@ Serve = Callable[[RequestResult, tuple[int, ...], Turn, int], Awaitable[tuple[in
 
 
 async def play_conversation(conv: Conversation, shared_prefix: tuple[int, ...], t0: float, serve: Serve,
-                            done: Callable[[RequestResult], None]) -> None:
+                            done: Callable[[RequestResult], None], block_size: int = 0) -> None:
     """One user: wait for the conversation's start (t0 + start_s on the loop's clock), then
     per turn think, build the prompt from the last answer, ask `serve`, report the result;
-    an error ends the conversation (the user gives up)."""
+    an error ends the conversation (the user gives up).  `block_size`: the deployment runs in
+    this process with blocks of that size (`PromptBuilder` notes each prompt's hashes)."""
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, t0 + conv.start_s - loop.time()))
-    prompts = PromptBuilder(conv, shared_prefix)
+    prompts = PromptBuilder(conv, shared_prefix, block_size)
     for k, turn in enumerate(conv.turns):
         if turn.think_s:
             await asyncio.sleep(turn.think_s)
@@ -208,7 +209,8 @@ async def run_deployment(cfg: Config, conversations: list[Conversation], shared_
             watch.arrived(res)
         return await _one(router, res.rid, prompt, turn, seed, res)
 
-    users = [asyncio.ensure_future(play_conversation(c, shared_prefix, t0, serve, done)) for c in conversations]
+    bs = cfg.engine.block_size
+    users = [asyncio.ensure_future(play_conversation(c, shared_prefix, t0, serve, done, bs)) for c in conversations]
     try:
         decided = False
         try:

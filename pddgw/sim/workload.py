@@ -44,6 +44,11 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from pddgw.core.ids import id_facts, note_bounds
+from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
+from pddgw.engines.prompt_hashes import note as note_hashes
+from pddgw.engines.prompt_hashes import prompt_hashes
+
 TRACE_BLOCK_TOKENS = 512
 # Token ids drawn for prompts: clear of the byte range and of special ids.
 _TOKEN_LOW, _TOKEN_HIGH = 1000, 30000
@@ -161,13 +166,23 @@ def agentic(spec: AgenticSpec, seed: int, horizon_s: float | None = None) -> lis
 
 
 class PromptBuilder:
-    """Token ids of each turn of one conversation (see the module docstring)."""
+    """Token ids of each turn of one conversation (see the module docstring).
 
-    def __init__(self, conv: Conversation, shared_prefix: tuple[int, ...]):
+    With `block_size` (the simulator, whose nodes hash and range-check each prompt in this
+    process), a prompt comes with its chained block hashes and id bounds noted
+    (`engines.prompt_hashes.note`, `core.ids.note_bounds`): a turn keeps most of the previous
+    prompt, whose hashes the builder kept, so only the blocks past the kept part are hashed,
+    and every id is a drawn one or an earlier answer's, so none is scanned.  A 64K-token
+    follow-up cost ~5 ms of hashing and scanning; the values are the ones computed afresh."""
+
+    def __init__(self, conv: Conversation, shared_prefix: tuple[int, ...], block_size: int = 0):
         self.conv = conv
         self.shared = shared_prefix
         self._rng = np.random.default_rng(conv.seed)
         self._seen: list[int] = []          # the previous turn's prompt + answer
+        self.block_size = block_size
+        self._hashes: tuple[int, ...] = ()  # the previous prompt's chained block hashes (block_size)
+        self._lo, self._hi = _TOKEN_LOW, _TOKEN_HIGH - 1     # bounds of every id seen so far
 
     def _fresh(self, n: int) -> list[int]:
         return _draw(self._rng, n) if n > 0 else []
@@ -180,10 +195,29 @@ class PromptBuilder:
             head = list(self.shared[: turn.context])
         else:
             head = self._seen[: math.floor(turn.hit * turn.context)]
-        return tuple(head + self._fresh(turn.context - len(head)))
+        prompt = tuple(head + self._fresh(turn.context - len(head)))
+        if self.block_size:
+            self._note(prompt, k, len(head))
+        return prompt
+
+    def _note(self, prompt: tuple[int, ...], k: int, kept: int) -> None:
+        bs = self.block_size
+        # Turn k > 0 begins with the first `kept` ids of the previous prompt + answer, whose
+        # prompt's full blocks were hashed; turn 0 with the shared prefix.
+        known = prompt_hashes(self.shared, bs) if k == 0 else self._hashes
+        known = known[: kept // bs]
+        rest = chain_hashes(prompt, bs, known[-1] if known else ROOT_HASH, len(known))
+        self._hashes = (*known, *rest)
+        note_hashes(prompt, bs, self._hashes)
+        note_bounds(prompt, self._lo, self._hi)
 
     def answered(self, prompt: tuple[int, ...], output: tuple[int, ...]) -> None:
         self._seen = [*prompt, *output]
+        if self.block_size and output:
+            ints, lo, hi = id_facts(output)
+            if not ints:               # (never: a router's answers are token ids) noting stops
+                self.block_size = 0
+            self._lo, self._hi = min(self._lo, lo), max(self._hi, hi)
 
 
 def shared_prefix(n: int, seed: int) -> tuple[int, ...]:

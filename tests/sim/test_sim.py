@@ -176,6 +176,34 @@ def test_agentic_prompts_keep_the_drawn_share_of_the_previous_turn():
     assert len(p1) == 2048 and p1[:keep] == (p0 + answer)[:keep] and p1[keep] != (p0 + answer)[keep]
 
 
+def test_a_simulated_prompt_comes_with_its_hashes_and_id_bounds(monkeypatch):
+    """With a block size the builder notes each prompt's chained hashes (those kept of the
+    previous turn's, then the rest chained on) and bounds its ids: exactly what hashing and
+    scanning the prompt afresh give, without either."""
+    from pddgw.core import ids
+    from pddgw.engines import prompt_hashes as ph
+    from pddgw.engines.block_manager import chain_hashes
+    from pddgw.sim.workload import PromptBuilder
+
+    sc = load_scenario(TINY)
+    conv = agentic(sc.workload.agentic, 1)[0]
+    pb = PromptBuilder(conv, shared_prefix(512, 1), block_size=16)
+    answer = tuple(range(40000, 40030))
+    for k in range(len(conv.turns)):
+        p = pb.prompt(k)
+        assert ph.MEMO.holds(p, tag=16) and ids.MEMO.holds(p)
+        assert ph.prompt_hashes(p, 16) == tuple(chain_hashes(p, 16))
+        ok, lo, hi = ids.id_facts(p)
+        assert ok and lo <= min(p) and hi >= max(p) and hi <= 40029
+        pb.answered(p, answer)
+    assert len(conv.turns) >= 2
+    # A noted bound looser than a limit is decided on the values themselves.
+    assert ids.in_range(p, 40000) is (max(p) < 40000)
+    # Without a block size (a client over WebSocket: its prompts are hashed where they land) nothing is noted.
+    plain = PromptBuilder(conv, shared_prefix(512, 1)).prompt(0)
+    assert not ph.MEMO.holds(plain, tag=16) and not ids.MEMO.holds(plain)
+
+
 def test_mooncake_trace_blocks_share_prefixes():
     trace = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
     if not trace.exists():
