@@ -179,6 +179,9 @@ class PagedEngine(TrackedEngine):
         self._check_new(request)
         rid = request.request_id
         seq = Sequence(request)
+        sampling = request.sampling
+        seq.stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos)
+        seq.out_limit = min(sampling.max_tokens, self._max_model_len - seq.num_prompt)
         if self.blocks.enable_prefix_caching:
             # The prompt's full blocks hashed once per process (prompt_hashes.py): the router and
             # the other in-process nodes hashed this very tuple already.  Sequence grows its
@@ -447,7 +450,7 @@ class PagedEngine(TrackedEngine):
                 self._publish(seq)
             token, lp = sampled.get(seq.request_id, _NOT_SAMPLED)
             scored = self._scored(seq) if scoring else ()
-            position = seq.num_outputs
+            position = len(seq.tokens) - seq.num_prompt
             if token is None:
                 if seq.num_computed == seq.last_reported:
                     continue
@@ -456,7 +459,9 @@ class PagedEngine(TrackedEngine):
                 reason = None
             else:
                 seq.tokens.append(token)
-                reason = self._finish_reason(seq, token)
+                # `_finish_reason` only where it can say something (Sequence.stops, out_limit).
+                reason = (None if position + 1 < seq.out_limit and token not in seq.stops
+                          else self._finish_reason(seq, token))
                 if seq.out_every == 1:
                     ids, lps = (token,), () if lp is None else (lp,)
                 else:

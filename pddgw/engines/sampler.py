@@ -133,8 +133,21 @@ def _mix64(z: int) -> int:
 
 def position_uniform(seed: int, position: int) -> float:
     """A uniform draw in [0, 1) that depends only on (seed, position); see the module docstring."""
-    z = _mix64((_mix64(seed & _MASK64) + (position + 1) * _GOLDEN) & _MASK64)
-    return (z >> 11) / float(1 << 53)
+    return keyed_uniform(seed_key(seed), position)
+
+
+def seed_key(seed: int) -> int:
+    """The seed's share of each of its draws, mixed once (`keyed_uniform`)."""
+    return _mix64(seed & _MASK64)
+
+
+def keyed_uniform(key: int, position: int) -> float:
+    """`position_uniform(seed, position)` for key = seed_key(seed), in one call: the cost-model
+    engine draws one per decoded token, a request's key kept."""
+    z = (key + (position + 1) * _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _M1) & _MASK64
+    z = ((z ^ (z >> 27)) * _M2) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) / 9007199254740992.0      # 2 ** 53
 
 
 def _srl(z: torch.Tensor, s: int) -> torch.Tensor:

@@ -63,6 +63,7 @@ class Scheduler:
         # Times each live sequence was preempted, counted from the most preempted live one's
         # count when it first ran (the first key of `_protection`; module docstring).
         self.preempted: dict[str, int] = {}
+        self._newcomers: list[Sequence] = []       # joined `running` since the last count
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -87,6 +88,7 @@ class Scheduler:
             if seq.num_pending > 0:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+                self._newcomers.append(seq)
                 room -= 1
             else:
                 kept.append(seq)
@@ -100,13 +102,14 @@ class Scheduler:
         self._run_ready()
         self._count_newcomers()
         bs = self.blocks.block_size
+        running, most = SeqStatus.RUNNING, self.max_chunk_tokens
         for seq in list(self.running):
             if budget == 0:
                 break
-            pending = seq.num_pending
-            if seq.status != SeqStatus.RUNNING or pending == 0:
+            pending = len(seq.tokens) - seq.num_computed - (1 if seq.hold else 0)     # `num_pending`
+            if seq.status != running or pending == 0:
                 continue   # preempted in this loop, or on hold with nothing to compute
-            n = min(pending, budget, self.max_chunk_tokens)
+            n = pending if pending <= budget and pending <= most else min(pending, budget, most)
             if seq.num_computed + n > len(seq.block_ids) * bs:     # it needs a block (most steps do not)
                 clean, refund = self._reserve(seq, seq.num_computed + n, batch)
                 budget += refund
@@ -125,6 +128,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self._newcomers.append(seq)
             if n:
                 chunks.append(Chunk(seq, n))
                 budget -= n
@@ -156,11 +160,13 @@ class Scheduler:
         the last step) the most preempted live sequence's count: `_victim` only ever picks
         among `running`, so every candidate is counted before it is compared."""
         floor = -1
-        for seq in self.running:
-            if seq.request_id not in self.preempted:
+        for seq in self._newcomers:
+            # (One that left `running` since is not counted: a preempted one is, a finished one goes.)
+            if seq.status == SeqStatus.RUNNING and seq.request_id not in self.preempted:
                 if floor < 0:
                     floor = max(self.preempted.values(), default=0)
                 self.preempted[seq.request_id] = floor
+        self._newcomers.clear()
 
     def _protection(self, seq: Sequence, admitted: int) -> tuple[int, int, int]:
         """Higher = kept longer under preemption (module docstring); `admitted`: its index in

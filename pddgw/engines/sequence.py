@@ -37,7 +37,7 @@ class Sequence:
     __slots__ = ("request_id", "sampling", "tokens", "num_prompt", "block_ids", "num_computed",
                  "num_cached_tokens", "kv_source", "hold", "retain", "status", "finish_reason",
                  "_hashes", "num_published", "imported", "last_reported", "leases", "constraint",
-                 "out_every", "out_mark", "out_logprobs")
+                 "out_every", "out_mark", "out_logprobs", "stops", "out_limit")
 
     def __init__(self, req: EngineRequest):
         self.request_id = req.request_id
@@ -64,6 +64,10 @@ class Sequence:
         self.out_every = req.output_interval
         self.out_mark = -1
         self.out_logprobs: list = []
+        # Set by the engine (`PagedEngine.add_request`): the tokens that may stop it and the most
+        # outputs it may have, so that a step rules out a finish without `finish_reason`.
+        self.stops: frozenset[int] = frozenset()
+        self.out_limit = 0
 
     @property
     def num_outputs(self) -> int:

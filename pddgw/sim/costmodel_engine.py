@@ -51,7 +51,7 @@ from pddgw.config import Config, ConfigError, CostModelConfig, EngineConfig, Mod
 from pddgw.engines.base import register_engine
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.paged import PagedEngine, Sampled
-from pddgw.engines.sampler import position_uniform
+from pddgw.engines.sampler import keyed_uniform, seed_key
 from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.tokenizer import ByteTokenizer
@@ -121,6 +121,8 @@ class CostModelEngine(PagedEngine):
                                   "leaves no memory for KV blocks")
         super().__init__(profile.to_spec(), cfg, kv_dtype(profile), num_blocks, max_model_len)
         self._eos_sorted = sorted(t for t in set(self.spec.eos_token_ids) if 0 <= t < self.spec.vocab_size)
+        self._non_eos = self.spec.vocab_size - len(self._eos_sorted)
+        self._keys: dict[int, int] = {}      # sampling seed -> sampler.seed_key(seed)
         # The token distribution is uniform over the non-EOS ids: its log-probabilities.
         eos = set(self._eos_sorted)
         self._uniform_logprob = -math.log(self.spec.vocab_size - len(eos))
@@ -149,16 +151,25 @@ class CostModelEngine(PagedEngine):
         return self.last_cost.seconds if self.last_cost is not None else 0.0
 
     def _forward(self, chunks: list[Chunk]) -> dict[str, Sampled]:
-        # Context before this step's tokens: what attention reads besides them.
-        work = [SeqWork(c.num_tokens, c.seq.num_computed) for c in chunks]
+        work = []
+        out: dict[str, Sampled] = {}
+        keys = self._keys
+        for c in chunks:
+            seq = c.seq
+            computed = seq.num_computed
+            # Context before this step's tokens: what attention reads besides them.
+            work.append(SeqWork(c.num_tokens, computed))
+            if computed + c.num_tokens == len(seq.tokens) and not seq.hold:      # `_to_sample`
+                sampling = seq.sampling
+                key = keys.get(sampling.seed)
+                if key is None:
+                    if len(keys) >= 1 << 16:
+                        keys.clear()
+                    key = keys[sampling.seed] = seed_key(sampling.seed)
+                out[seq.request_id] = (self._token(key, len(seq.tokens) - seq.num_prompt),
+                                       None if sampling.logprobs is None else self._logprobs(sampling.logprobs))
         self.last_cost = step_cost(self.profile, self.hardware, self.parallel, work)
         self.busy_s += self.last_cost.seconds
-        out: dict[str, Sampled] = {}
-        for c in chunks:
-            if self._to_sample(c):
-                seq = c.seq
-                out[seq.request_id] = (self.token_at(seq.sampling.seed, seq.num_outputs),
-                                       self._logprobs(seq.sampling.logprobs))
         return out
 
     def _logprobs(self, k: int | None) -> TokenLogprobs | None:
@@ -170,7 +181,11 @@ class CostModelEngine(PagedEngine):
 
     def token_at(self, seed: int, position: int) -> int:
         """The token of output position `position`: uniform over the non-EOS ids, from (seed, position)."""
-        k = int(position_uniform(seed, position) * (self.spec.vocab_size - len(self._eos_sorted)))
+        return self._token(seed_key(seed), position)
+
+    def _token(self, key: int, position: int) -> int:
+        """`token_at` for key = sampler.seed_key(seed)."""
+        k = int(keyed_uniform(key, position) * self._non_eos)
         # The k-th id that is not an EOS id (EOS ids are few and sorted).
         for e in self._eos_sorted:
             if k >= e:
