@@ -161,7 +161,7 @@ class RouterSide:
 
 def _handle(n: NodeConfig, cfg: Config, link: Link) -> NodeHandle:
     ecfg = cfg.engine_for(n)
-    return NodeHandle(n, link, ecfg.block_size, ecfg.max_num_seqs * ecfg.dp_ranks)
+    return NodeHandle(n, link, ecfg.block_size, ecfg.max_num_seqs * ecfg.dp_ranks, dp_ranks=ecfg.dp_ranks)
 
 
 def _make_worker(cfg: Config, n: NodeConfig, connect) -> WorkerNode:

@@ -94,7 +94,7 @@ from pddgw.pipeline.ordering import StreamMerger
 from pddgw.pipeline.recovery import Paths, Recovery, Who
 from pddgw.pipeline.policy import (InstanceLoad, NoInstanceError, PipelineDecision, PipelineInputs,
                                    SingularLimiter, decide_pipeline, pick_cached, pick_instance,
-                                   relay_pressure)
+                                   prefill_wait_tokens, relay_pressure)
 from pddgw.pipeline.state import RequestRecord, RequestState, RequestTracker, Role
 
 log = structlog.get_logger(__name__)
@@ -126,6 +126,7 @@ class NodeHandle:
     block_size: int
     max_num_seqs: int
     load: m.LoadReport | None = None
+    dp_ranks: int = 1                  # its engine's attention-DP ranks (EngineConfig.dp_ranks)
     # Requests this router has on the node now: counts at once, where polled
     # load reports lag (a burst would otherwise all go to one instance).
     inflight: int = 0
@@ -480,11 +481,12 @@ class Router:
 
         With `policy.prefix_affinity` and several P instances, each is asked
         (in parallel, over the local fabric) and, among those below
-        `affinity_max_load`, the one that would compute the fewest tokens
-        before this request's first token is chosen: its prefill backlog plus
-        the prompt past its hit (a shared system prompt must not send every
-        request to one P); ties go to the least loaded, then the name.  The
-        others' pins are released at once.  Otherwise the least-loaded P.
+        `affinity_max_load`, the one that would keep this request's first
+        token waiting least is chosen (`policy.prefill_wait_tokens`: its
+        prefill backlog over its DP ranks, plus the prompt past its hit; a
+        shared system prompt must not send every request to one P); ties go
+        to the least loaded, then the name.  The others' pins are released
+        at once.  Otherwise the least-loaded P.
         """
         pol = self.cfg.policy
         limit = self._prefill_limit()
@@ -511,7 +513,8 @@ class Router:
 
         def cost(a: tuple[NodeHandle, int]) -> tuple[float, float, str]:
             node, held = a
-            return node.prefill_backlog + len(fl.prompt) - held * node.block_size, node.report().load, node.name
+            wait = prefill_wait_tokens(node.prefill_backlog, node.dp_ranks, len(fl.prompt) - held * node.block_size)
+            return wait, node.report().load, node.name
 
         choice = min(roomy, key=cost, default=None)
         if choice is not None:

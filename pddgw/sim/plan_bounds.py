@@ -83,11 +83,16 @@ class Demand:
     latest: tuple[float, ...]        # the latest, every earlier turn of its conversation within SLO
     start_s: float                   # the probe's window of measured arrivals [start_s, end_s)
     end_s: float
+    # The think time before its conversation's next turn (0: none follows): how long P's cache
+    # must keep its prompt beyond its answer for that turn to hit it (`capacity`'s p_kv side).
+    think_next: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.prompt)
         if not (len(self.uncached) == len(self.output) == len(self.earliest) == len(self.latest) == n):
             raise ValueError("Demand: one entry per request in every field")
+        if self.think_next and len(self.think_next) != n:
+            raise ValueError("Demand: one think_next per request")
         if not self.end_s > self.start_s:
             raise ValueError(f"Demand: empty window [{self.start_s}, {self.end_s})")
 
@@ -169,6 +174,7 @@ def demand(sc: Scenario, rate: float) -> Demand:
     ctx: list[int] = []
     miss: list[int] = []
     outs: list[int] = []
+    think_next: list[float] = []
     if sc.workload.kind == "trace":
         miss = _trace_misses(convs, sc.block_size)
         for c in convs:
@@ -190,8 +196,9 @@ def demand(sc: Scenario, rate: float) -> Demand:
                 outs.append(turn.max_tokens)
                 kept = min(len(pw.prefix), turn.context) if k == 0 else math.floor(turn.hit * turn.context)
                 miss.append(turn.context - kept)
+                think_next.append(c.turns[k + 1].think_s if k + 1 < len(c.turns) else 0.0)
     return Demand(uncached=tuple(miss), prompt=tuple(ctx), output=tuple(outs), earliest=tuple(early),
-                  latest=tuple(late), start_s=pw.start_s, end_s=pw.end_s)
+                  latest=tuple(late), start_s=pw.start_s, end_s=pw.end_s, think_next=tuple(think_next))
 
 
 # ---- the candidate's capacity ----------------------------------------------------------------------
@@ -293,7 +300,16 @@ def _sides(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> _Side
 
 
 def capacity(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> Bound:
-    """Requests per second each side of `cand` carries in the steady state for the workload of `d`."""
+    """Requests per second each side of `cand` carries in the steady state for the workload of `d`.
+
+    Besides the sides the bounds read (module docstring), an estimate the bounds leave out
+    (they count every cache as infinite): `p_kv`, the rate at which P's pools keep each
+    prompt from its prefill until its conversation's next turn (its answer at the fastest
+    decode step, then the think time), so that the next turn's prefill hits it.  Above it
+    P recomputes what the prefill side counts as cached: a DP16 H100 instance of V4-Pro
+    keeps 17 contexts of 64K, and four of them served ~3 req/s of the paper's workload with
+    ~8 s first tokens, against ~41 req/s on the prefill side.  `pddgw plan` orders its
+    candidates by the slowest side, this one included, and prints it."""
     s = _sides(at, prof, cand, d)
 
     def rate(side: tuple[float, list[float]]) -> float:
@@ -301,6 +317,12 @@ def capacity(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> Bou
         return side[0] / per if per > 0 else math.inf
 
     sides = {"prefill": rate(s.prefill), "decode": rate(s.decode), "kv": rate(s.kv)}
+    if d.think_next:
+        prefills = [g for g in cand.groups if g.role == "prefill"]
+        decoders = [g for g in cand.groups if g.role in ("md", "rld")]
+        fastest = min(decode_step_s(prof, g, 1, min(d.prompt)) for g in decoders)
+        sides["p_kv"] = rate((sum(g.count * _kv_tokens(prof, g) for g in prefills),
+                              [c * ((o - 1) * fastest + t) for c, o, t in zip(d.prompt, d.output, d.think_next)]))
     if s.wan is not None:
         relays = s.relay[0] / s.relay[1] if s.relay and s.relay[1] > 0 else (math.inf if s.relay else 0.0)
         sides["wan"] = rate(s.wan) + relays

@@ -22,6 +22,7 @@ from pddgw.pipeline.policy import (
     pick_cached,
     pick_instance,
     plan_handoff_round,
+    prefill_wait_tokens,
     relay_pressure,
 )
 
@@ -105,6 +106,16 @@ def test_pick_instance():
     tie = [rep("b", running=2, used=20), rep("a", running=1, used=20), rep("c", running=1, used=20)]
     assert pick_instance(tie, "md").instance == "a"
     assert pick_instance(tie, "md").as_log()["instance"] == "a"
+
+
+def test_prefill_wait_spreads_the_backlog_over_the_dp_ranks():
+    """A DP16 P holding a follow-up's 62K-token prefix behind one 64K first turn: the first turn
+    chunks on its own rank, so the follow-up waits ~4K rank-tokens and its own 3.4K, far less
+    than recomputing 56K on an idle P; on one rank (dp 1) the backlog counts whole."""
+    assert prefill_wait_tokens(65536, 16, 3400) == 4096 + 3400
+    assert prefill_wait_tokens(65536, 16, 3400) < prefill_wait_tokens(0, 16, 65536 - 8192)
+    assert prefill_wait_tokens(65536, 1, 3400) == 68936 > prefill_wait_tokens(0, 1, 65536 - 8192)
+    assert prefill_wait_tokens(1000, 0, 10) == 1010            # no ranks reported: one
 
 
 def test_pick_cached_keeps_long_prefixes_and_spreads_short_ones():

@@ -189,6 +189,25 @@ def test_the_demand_of_a_conversation_by_hand():
     # SLO budget too (1.5 s TTFT + 10 x 50 ms): in [1, 4) s, the window after the 1 s warm-up.
     assert d.earliest == (0.0, 1.0) and d.latest == pytest.approx((0.0, 1.5 + 10 * 0.05 + 1.0), rel=1e-12)
     assert (d.start_s, d.end_s, d.maybe, d.surely) == (1.0, 4.0, (1,), 1)
+    # P's cache keeps turn 0's prompt through its answer and turn 1's think time.
+    assert d.think_next == (1.0, 0.0)
+
+
+def test_the_p_cache_side_is_ps_pools_over_the_prompts_kept_until_the_next_turn():
+    """capacity's p_kv estimate: P's KV tokens over each prompt x (its answer at the fastest
+    decode step + the think time before its conversation's next turn)."""
+    plan = load_plan(TINY)
+    cand = candidates(plan, LLAMA8B, "same-dc")[0]          # P 1 x H100 | MD 1 x H100
+    at = Setting.of(plan, cand)
+    (p,) = [g for g in cand.groups if g.role == "prefill"]
+    (md,) = [g for g in cand.groups if g.role == "md"]
+    d = Demand(uncached=(1000, 500), prompt=(4096, 4096), output=(11, 11), earliest=(0.0, 1.0),
+               latest=(0.0, 1.0), start_s=0.0, end_s=2.0, think_next=(2.0, 0.0))
+    step = decode_step_s(LLAMA8B, md, 1, 4096)
+    held = (4096 * (10 * step + 2.0) + 4096 * (10 * step + 0.0)) / 2
+    assert capacity(at, LLAMA8B, cand, d).sides["p_kv"] == pytest.approx(_kv_tokens(LLAMA8B, p) / held, rel=1e-12)
+    # A trace's requests have no next turn to keep a prompt for: no such side.
+    assert "p_kv" not in capacity(at, LLAMA8B, cand, dataclasses.replace(d, think_next=())).sides
 
 
 def test_the_demand_of_a_trace_counts_blocks_no_earlier_request_had(tmp_path):

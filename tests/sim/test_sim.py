@@ -294,6 +294,28 @@ def test_plots_are_png_files(tmp_path):
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_router_knows_each_nodes_dp_ranks():
+    """The P choice spreads a P's backlog over its DP ranks (policy.prefill_wait_tokens): the
+    router's handle of each node carries its engine's ranks."""
+    sc = load_scenario(TINY)
+    dep = sc.deployment("same-dc")
+    nodes = tuple(dataclasses.replace(g, count=2, data_parallel=4 if g.role == "prefill" else 2)
+                  for g in dep.nodes)
+    cfg = deployment_config(sc, dataclasses.replace(dep, nodes=nodes))
+    got: dict[str, int] = {}
+
+    async def main() -> None:
+        from pddgw.deploy.serve import Embedded
+
+        emb = Embedded(cfg)
+        side = await emb.start()
+        got.update({n.role + "/" + name: n.dp_ranks for name, n in side.router.nodes.items()})
+        await emb.stop()
+
+    run_virtual(main())
+    assert sorted(got.values()) == [2, 2, 4, 4] and all(v == 4 for k, v in got.items() if k.startswith("prefill"))
+
+
 def test_prefix_queries_leave_no_pins_behind_while_requests_decode():
     """Two Ps and two MDs asked per request: losers are released at once, the chosen P after its prefill."""
     sc = load_scenario(TINY)
