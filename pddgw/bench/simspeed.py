@@ -2,10 +2,13 @@
 
 `python -m pddgw.bench.simspeed [--json] [--requests N] [--repeat R] [--against DIR] [--cases a,b] [--calls]`
 
-Cases (fixed, small, deterministic), each the PDD deployment at 10 Gbps: `paper` (a few
+Cases (fixed, deterministic), the PDD deployment at 10 Gbps unless named: `paper` (a few
 conversations: per-step costs weigh most), `paper-batched` (two-turn conversations all arriving at
-once, as in the goodput search's probes: per-token costs weigh most) and `dense70b` (long KV
-transfers over the shaped WAN).  Variants, each case once per variant per repeat, interleaved, every
+once: per-token costs weigh most), `dense70b` (long KV transfers over the shaped WAN) and
+`paper-probe` (same-DC PD with conversations arriving at 19 req/s, 30 x the requests: a goodput
+probe's load, hundreds of 64K-token contexts in flight, where per-prompt costs and the collector
+weigh too).  Each run goes through `sim.clock.run_virtual` where the tree has it, as `pddgw sim`
+runs (its collector settings included).  Variants, each case once per variant per repeat, interleaved, every
 run in a fresh process: `lean loop` (this tree on `VirtualClockLoop`, what `pddgw sim` runs),
 `stock loop` (this tree on `ReferenceVirtualLoop`, asyncio's own iteration) and, with
 `--against DIR`, the `pddgw` package under DIR on its own default loop.
@@ -36,7 +39,7 @@ WAN_GBPS = 10.0
 # version (load_scenario, deployment_config, the workload builder, run_deployment), so an
 # older tree given by --against runs it too.  Prints one JSON line.
 _ONE = r"""
-import asyncio, cProfile, dataclasses, hashlib, json, sys, time
+import asyncio, cProfile, dataclasses, hashlib, inspect, json, sys, time
 args = json.loads(sys.argv[1])
 sys.path.insert(0, args["tree"])      # ahead of the working directory and any installed pddgw
 from pddgw.logs import setup_logging
@@ -59,8 +62,12 @@ prof = cProfile.Profile() if args["calls"] else None
 if prof is not None:
     prof.enable()
 t0, c0 = time.perf_counter(), time.process_time()
-with asyncio.Runner(loop_factory=factory) as runner:
-    res = runner.run(run_deployment(cfg, convs, prefix))
+rv = getattr(clock, "run_virtual", None)
+if rv is not None and "loop_factory" in inspect.signature(rv).parameters:
+    res = rv(run_deployment(cfg, convs, prefix), factory)
+else:
+    with asyncio.Runner(loop_factory=factory) as runner:
+        res = runner.run(run_deployment(cfg, convs, prefix))
 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
 if prof is not None:
     prof.disable()
@@ -109,6 +116,7 @@ class Case:
     # the request count (every conversation arrives within about as many seconds).
     agentic: dict[str, float] = dataclasses.field(default_factory=dict)
     cells: list[Cell] = dataclasses.field(default_factory=list)
+    scale: int = 1          # requests a run: --requests x this
 
 
 CASES = (
@@ -117,6 +125,7 @@ CASES = (
     # two turns that all arrive within ~2 s, so an engine step carries many requests' tokens.
     Case("paper-batched", "scenarios/paper.toml", "pdd", {"turns_min": 2, "turns_max": 2, "rate_per_request": 0.5}),
     Case("dense70b", "scenarios/dense70b.toml", "pdd"),
+    Case("paper-probe", "scenarios/paper.toml", "same-dc-pd", {"rate": 19.0}, scale=30),
 )
 
 
@@ -131,7 +140,7 @@ class Report:
 def run_one(case: Case, variant: Variant, requests: int, root: Path, calls: bool = False) -> dict:
     """One simulated run in a fresh interpreter -> {wall_s, cpu_s, requests, digest, calls, package};
     `calls`: profiled, counting Python function calls (then its times are the profiler's)."""
-    arg = json.dumps({"tree": variant.tree, "loop": variant.loop, "calls": calls, "requests": requests,
+    arg = json.dumps({"tree": variant.tree, "loop": variant.loop, "calls": calls, "requests": requests * case.scale,
                       "scenario": case.scenario, "deployment": case.deployment, "wan_gbps": WAN_GBPS,
                       "agentic": case.agentic})
     out = subprocess.run([sys.executable, "-c", _ONE, arg], cwd=root, capture_output=True, text=True, check=False)
@@ -177,7 +186,8 @@ def table(rep: Report) -> str:
              cell.requests_per_cpu_s, "-" if cell.speedup is None else f"{cell.speedup:.2f}x",
              cell.same_results, cell.calls, cell.calls_ratio]
             for c in rep.cases for cell in c.cells]
-    head = (f"pddgw sim speed: {rep.requests} requests a case, best of {rep.repeat}; "
+    scaled = "".join(f", {c.case} x{c.scale}" for c in rep.cases if c.scale > 1)
+    head = (f"pddgw sim speed: {rep.requests} requests a case{scaled}, best of {rep.repeat}; "
             f"speed-up and identity against '{rep.baseline}'")
     return head + "\n" + format_table(["case", "variant", "requests", "wall s", "req / wall s", "CPU s",
                                        "req / CPU s", "speed-up", "same results", "calls", "calls ratio"], rows)
