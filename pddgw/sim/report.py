@@ -273,8 +273,14 @@ def sla_goodput(probe: Callable[[float], float], target: float, lo: float, hi: f
                 probes: int) -> tuple[float, list[tuple[float, float]]]:
     """Highest rate in [lo, hi] whose attainment (probe(rate)) is >= target.
 
-    Geometric bisection (rates span orders of magnitude); -> (goodput, the
-    (rate, attainment) points probed, in order).  0.0 when even `lo` fails.
+    Geometric bisection (rates span orders of magnitude) of `probes` probes: lo,
+    hi and probes - 2 midpoints; -> (goodput, the (rate, attainment) points
+    probed, in order).  0.0 when even `lo` fails.  `hi` is meant to fail (the
+    top of the range, above every goodput), so it is probed last, and only when
+    every midpoint passed: a probe above the goodput runs its whole warm-up
+    before its window can fail it, the dearest probe of a search, and the
+    midpoints are the ones a failing `hi` leads to.  The answer is that of
+    probing `hi` second.
     """
     points: list[tuple[float, float]] = []
 
@@ -285,14 +291,15 @@ def sla_goodput(probe: Callable[[float], float], target: float, lo: float, hi: f
 
     if not ok(lo):
         return 0.0, points
-    if ok(hi):
-        return hi, points
+    top = hi
     for _ in range(max(0, probes - 2)):
-        mid = math.sqrt(lo * hi)
+        mid = math.sqrt(lo * top)
         if ok(mid):
             lo = mid
         else:
-            hi = mid
+            top = mid
+    if top == hi and ok(hi):
+        return hi, points
     return lo, points
 
 
