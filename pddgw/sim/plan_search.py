@@ -16,11 +16,11 @@ Lifecycle of one kind's search (`search_kind`):
   3. Order the candidates by the steady-state roofline's rate (its
      slowest side, `plan_bounds.capacity`) per USD, best first (the most
      promising first: the sooner the table holds strong results, the more
-     the next steps cut), and evaluate them in that order: the real bisection, each probe `pddgw sim`'s goodput
-     probe (`probe.run_probe`: open-loop conversations, the window's
-     requests counted) simulated on the virtual clock (`pddgw sim`'s
-     deployment, engines and control plane) unless the roofline prunes its
-     rate.  The goodput is `pddgw sim`'s: the window's requests per second
+     the next steps cut), and evaluate them in that order: the real
+     bisection, each probe `pddgw sim`'s goodput probe (`probe.run_probe`:
+     open-loop conversations, the window's requests counted) simulated on
+     the virtual clock (`pddgw sim`'s deployment, engines and control
+     plane) unless the roofline prunes its rate.  The goodput is `pddgw sim`'s: the window's requests per second
      within SLO at the highest offered rate whose attainment holds.
   4. Once `top` candidates are evaluated, drop every candidate left whose
      bound per USD ranks below the top-th real result (it cannot enter the
@@ -34,8 +34,8 @@ Lifecycle of one kind's search (`search_kind`):
      (`refuted`); if it passes, its bisection runs, without simulating
      again what that pass settles (`goodput.Prober`: attainment falls as
      the offered rate rises, the bisection's own premise).  An overloaded
-     probe settles early (`probe.run_probe`), so most refutations are
-     cheap: the paper's space is searched in a few full bisections.
+     probe settles early (`probe.run_probe`), so a refutation costs less
+     than a bisection.
 
 `exhaustive = True` is the brute force the tests compare against: every
 candidate, every probe simulated, no pruning and no bound.  Ranking key:
