@@ -33,9 +33,12 @@ Lifecycle of one kind's search (`search_kind`):
      fails there, it cannot enter the table and is not evaluated further
      (`refuted`); if it passes, its bisection runs, without simulating
      again what that pass settles (`goodput.Prober`: attainment falls as
-     the offered rate rises, the bisection's own premise).  An overloaded
-     probe settles early (`probe.run_probe`), so a refutation costs less
-     than a bisection.
+     the offered rate rises, the bisection's own premise), and stops as
+     soon as a probe fails where the cap, now counting each simulated
+     lower rate's own requests per second within SLO instead of the
+     roofline's bound (`_cap`), ranks below the table.  An overloaded probe
+     settles early (`probe.run_probe`), so a refutation costs less than a
+     bisection.
 
 `exhaustive = True` is the brute force the tests compare against: every
 candidate, every probe simulated, no pruning and no bound.  Ranking key:
@@ -157,6 +160,24 @@ def _below(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads, r
     return max((slo_rps_bound(at, prof, cand, work(r)) for r in rates), default=0.0)
 
 
+def _cap(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads, probes: list[Probe],
+         rate: float) -> float:
+    """A bound on the goodput once `rate` fails (lifecycle step 5): the most requests per second
+    within SLO at any grid rate below it the roofline does not prune, a simulated probe's own
+    where there is one (a window settled early counts its bound), else the roofline's."""
+    g = at.scenario.goodput
+    seen = {p.rate: p.window.slo_rps for p in probes if p.window is not None}
+    return max((seen[r] if r in seen else slo_rps_bound(at, prof, cand, work(r))
+                for r in bisection_rates(g.rate_min, g.rate_max, g.probes)
+                if r < rate and not _pruned(at, prof, cand, work(r))[0]), default=0.0)
+
+
+class _Refuted(Exception):
+    def __init__(self, rate: float):
+        super().__init__(rate)
+        self.rate = rate
+
+
 def refuting_rate(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads,
                   per_usd: float) -> float | None:
     """The highest grid rate at which a failing probe caps the candidate's goodput per USD below
@@ -196,17 +217,25 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
         if progress:
             print(f"pddgw plan: {name}: {what} ({time.perf_counter() - wall0:.0f} s)", file=sys.stderr, flush=True)
 
+    def seen(p: Probe) -> None:
+        say(f"probe at {p.rate:.4g} req/s: {describe(p)}")
+        if beat is not None and not exhaustive and p.attainment < plan.slo.attainment \
+                and _cap(at, prof, cand, work, prober.probes, p.rate) / cand.price < beat:
+            raise _Refuted(p.rate)
+
     prober = Prober(plan.slo.attainment, lambda r: simulate_probe(plan, cand, r),
-                    lambda r: _pruned(at, prof, cand, work(r))[1], exhaustive,
-                    lambda p: say(f"probe at {p.rate:.4g} req/s: {describe(p)}"))
+                    lambda r: _pruned(at, prof, cand, work(r))[1], exhaustive, seen)
     roof = capacity(at, prof, cand, work(g.rate_min))
     upper = upper_bound(at, prof, cand, work)
     at_rate = None if beat is None or exhaustive else refuting_rate(at, prof, cand, work, beat)
-    if at_rate is not None and not prober.passes(at_rate):
-        cap = min(upper, _below(at, prof, cand, work, at_rate))
-        say(f"refuted: fails {at_rate:.4g} req/s, so its goodput is at most {cap:.3g} req/s")
-        return Evaluation(cand, roof, cap, None, None, tuple(prober.probes), time.perf_counter() - wall0, at_rate)
-    goodput, offered, probes = bisect(g, prober)
+    try:
+        if at_rate is not None:
+            prober.passes(at_rate)
+        goodput, offered, probes = bisect(g, prober)
+    except _Refuted as e:
+        cap = min(upper, _cap(at, prof, cand, work, prober.probes, e.rate))
+        say(f"refuted: fails {e.rate:.4g} req/s, so its goodput is at most {cap:.3g} req/s")
+        return Evaluation(cand, roof, cap, None, None, tuple(prober.probes), time.perf_counter() - wall0, e.rate)
     say(f"SLA goodput {goodput:.3g} req/s at {offered:.4g} offered, {goodput / cand.price * 100:.3g} per $100/h")
     return Evaluation(cand, roof, upper, goodput, offered, probes, time.perf_counter() - wall0)
 
