@@ -292,10 +292,11 @@ def test_a_scenario_deployment_is_bounded_as_its_kind_or_not_at_all():
     sc = load_scenario(Path(__file__).parents[2] / "scenarios" / "paper.toml")
     kinds = {d.name: getattr(deployment_bound(sc, d, 10.0), "kind", None) for d in sc.deployments}
     assert kinds == {"same-dc-pd": "same-dc", "naive-cross-dc": "naive-cross-dc", "pdd": "pdd"}
-    # Groups of one role add up (naive's P is 27 + 16 GPUs of H100).
+    # The bound reads the deployment's own groups (naive's P: one DP24 H100 instance).
     naive = deployment_bound(sc, sc.deployment("naive-cross-dc"), 10.0)
-    assert [g.data_parallel for g in naive.groups if g.role == "prefill"] == [27, 16]
-    # Two groups of one instance bound as one group of two, side by side.
+    assert naive.groups == sc.deployment("naive-cross-dc").nodes
+    assert [(g.count, g.data_parallel) for g in naive.groups if g.role == "prefill"] == [(1, 24)]
+    # Groups of one role add up: two groups of one instance bound as one group of two, side by side.
     tiny = load_scenario(TINY)
     dep = tiny.deployment("pdd")
     p, rld, md = dep.nodes
