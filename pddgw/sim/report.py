@@ -275,12 +275,14 @@ def sla_goodput(probe: Callable[[float], float], target: float, lo: float, hi: f
 
     Geometric bisection (rates span orders of magnitude) of `probes` probes: lo,
     hi and probes - 2 midpoints; -> (goodput, the (rate, attainment) points
-    probed, in order).  0.0 when even `lo` fails.  `hi` is meant to fail (the
-    top of the range, above every goodput), so it is probed last, and only when
-    every midpoint passed: a probe above the goodput runs its whole warm-up
-    before its window can fail it, the dearest probe of a search, and the
-    midpoints are the ones a failing `hi` leads to.  The answer is that of
-    probing `hi` second.
+    probed, in order).  0.0 when even `lo` fails.  The midpoints come first:
+    the bracket's ends are probed only when the midpoints leave them in doubt.
+    `hi` is meant to fail (the top of the range, above every goodput), so it is
+    probed only when every midpoint passed: a probe above the goodput runs its
+    whole warm-up before its window can fail it, the dearest probe of a
+    search.  `lo` is meant to pass, so it is probed only when every midpoint
+    failed.  With attainment monotone in the rate, the answer is that of
+    probing `lo` first and `hi` second.
     """
     points: list[tuple[float, float]] = []
 
@@ -289,18 +291,18 @@ def sla_goodput(probe: Callable[[float], float], target: float, lo: float, hi: f
         points.append((rate, a))
         return a >= target
 
-    if not ok(lo):
-        return 0.0, points
-    top = hi
+    bottom, top = lo, hi
     for _ in range(max(0, probes - 2)):
-        mid = math.sqrt(lo * top)
+        mid = math.sqrt(bottom * top)
         if ok(mid):
-            lo = mid
+            bottom = mid
         else:
             top = mid
     if top == hi and ok(hi):
         return hi, points
-    return lo, points
+    if bottom == lo and not ok(lo):
+        return 0.0, points
+    return bottom, points
 
 
 def bcr(goodput: float, price: float, base_goodput: float, base_price: float) -> float | None:

@@ -106,7 +106,8 @@ def test_a_probe_measures_the_window_after_the_warm_up_on_the_virtual_clock():
 
 def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch, capsys):
     # A stand-in deployment that meets the SLO for 95 % of requests up to 2 req/s offered and
-    # for half of them above: the search offers 1, 2 (passes), then 4 (fails); goodput = 2's window.
+    # for half of them above: the search offers the midpoint 2 (passes), then 4 (fails); 1, below a
+    # passing midpoint, is never offered (report.sla_goodput); goodput = 2's window.
     sc = _tiny(seconds=10.0, warmup_s=5.0, rate_min=1.0, rate_max=4.0, probes=3)
     from pddgw.sim import run as sim_run
 
@@ -131,17 +132,16 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
         f"pddgw sim: goodput same-dc: probe {i} of at most 3 at {r:g} req/s: {what}, missed: 0 failed, 1 TTFT, "
         f"{tpot} TPOT, 0 E2E; {k} requests simulated in 0.0 s"
         for i, r, what, tpot, k in (
-            (1, 1, "attainment 1.000 of 10 window requests", -1, 15),
-            (2, 2, "attainment 0.950 of 20 window requests", 0, 30),
-            (3, 4, "attainment at most 0.500 of at most 40 window requests (settled early, out of reach)", 19, 60))]
-    assert [p["rate"] for p in out["probes"]] == [1.0, 2.0, 4.0]
-    assert [p["attainment"] for p in out["probes"]] == [1.0, 0.95, 0.5]
+            (1, 2, "attainment 0.950 of 20 window requests", 0, 30),
+            (2, 4, "attainment at most 0.500 of at most 40 window requests (settled early, out of reach)", 19, 60))]
+    assert [p["rate"] for p in out["probes"]] == [2.0, 4.0]
+    assert [p["attainment"] for p in out["probes"]] == [0.95, 0.5]
     # At 2 req/s offered, 20 arrivals in 10 s, 19 within SLO: 1.9 requests per second.
     assert (out["goodput_offered_rps"], out["goodput_rps"]) == (2.0, 1.9)
-    assert [p["slo_rps"] for p in out["probes"]] == [1.0, 1.9, 2.0]
-    assert [p["achieved_rps"] for p in out["probes"]] == [0.75, 1.5, 3.0]     # served / 20 s
-    assert [p["decided_early"] for p in out["probes"]] == [False, False, True]
-    assert [p["window_bound"] for p in out["probes"]] == [False, False, True]
+    assert [p["slo_rps"] for p in out["probes"]] == [1.9, 2.0]
+    assert [p["achieved_rps"] for p in out["probes"]] == [1.5, 3.0]     # served / 20 s
+    assert [p["decided_early"] for p in out["probes"]] == [False, True]
+    assert [p["window_bound"] for p in out["probes"]] == [False, True]
     # The lowest failing offer and what gave out there: the report's "fails at" rows.
     assert out["goodput_fail"] == {"offered_rps": 4.0, "attainment": 0.5,
                                    "misses": {"failed": 0, "ttft": 1, "tpot": 19, "e2e": 0}}
@@ -275,15 +275,15 @@ def test_the_roofline_prunes_a_probe_out_of_reach_and_the_search_ends_where_it_w
     sc = _tiny(seconds=4.0, warmup_s=1.0, rate_min=0.5, rate_max=512.0, probes=3)
     job = Job("goodput", "pdd", 1.0)
     pruned = run_job(sc, job)
-    # rate_max last (report.sla_goodput), once the midpoint passed.
-    assert [(p["rate"], p["simulated"]) for p in pruned["probes"]] == [(0.5, True), (16.0, True), (512.0, False)]
-    assert pruned["probes"][2] == {"rate": 512.0, "attainment": 0.0, "simulated": False, "attainment_bound": 0.689}
+    # The midpoint, then rate_max (report.sla_goodput), once the midpoint passed; rate_min never.
+    assert [(p["rate"], p["simulated"]) for p in pruned["probes"]] == [(16.0, True), (512.0, False)]
+    assert pruned["probes"][1] == {"rate": 512.0, "attainment": 0.0, "simulated": False, "attainment_bound": 0.689}
     monkeypatch.setattr(sim_run, "deployment_bound", lambda *a: None)      # every probe simulated
     whole = run_job(sc, job)
     # Simulated, it fails too (settled early: its attainment is then the verdict's bound).
-    assert whole["probes"][2]["simulated"] and whole["probes"][2]["attainment"] < 0.9
+    assert whole["probes"][1]["simulated"] and whole["probes"][1]["attainment"] < 0.9
     assert (whole["goodput_rps"], whole["goodput_offered_rps"]) == (pruned["goodput_rps"], pruned["goodput_offered_rps"])
-    for a, b in zip(pruned["probes"][:2], whole["probes"][:2]):
+    for a, b in zip(pruned["probes"][:1], whole["probes"][:1]):
         assert {**a, "attainment_bound": 1.0} == {**b, "attainment_bound": 1.0}
     assert pruned["_requests"] < whole["_requests"]
 

@@ -148,13 +148,17 @@ def test_goodput_bisection_finds_the_highest_passing_rate():
         return 1.0 if rate <= 3.0 else 0.5
 
     goodput, points = report.sla_goodput(probe, 0.9, 1.0, 16.0, 6)
-    # lo=1 passes, then 4 geometric bisections of [1, 16]: 4 (fail), 2 (pass), 2.83 (pass), 3.36
-    # (fail); hi=16 is never probed, a midpoint having failed (the answer of probing it second).
-    assert [round(r, 4) for r in probed] == [1.0, 4.0, 2.0, 2.8284, 3.3636]
-    assert round(goodput, 4) == 2.8284 and len(points) == 5
-    assert report.sla_goodput(lambda r: 0.0, 0.9, 1.0, 16.0, 6) == (0.0, [(1.0, 0.0)])
+    # 4 geometric bisections of [1, 16]: 4 (fail), 2 (pass), 2.83 (pass), 3.36 (fail); neither end
+    # is probed, a midpoint having passed and one failed (the answer of probing lo first, hi second).
+    assert [round(r, 4) for r in probed] == [4.0, 2.0, 2.8284, 3.3636]
+    assert round(goodput, 4) == 2.8284 and len(points) == 4
+    # Every midpoint fails: lo last, and 0.0 when it fails too.
+    assert [round(r, 4) for r, _ in report.sla_goodput(lambda r: 0.0, 0.9, 1.0, 16.0, 6)[1]] == [
+        4.0, 2.0, 1.4142, 1.1892, 1.0]
+    assert report.sla_goodput(lambda r: 0.0, 0.9, 1.0, 16.0, 6)[0] == 0.0
+    assert report.sla_goodput(lambda r: float(r < 1.1), 0.9, 1.0, 16.0, 6)[0] == 1.0
     # Every midpoint passes: hi last, and it is the answer when it passes too.
-    assert [r for r, _ in report.sla_goodput(lambda r: 1.0, 0.9, 1.0, 16.0, 4)[1]] == [1.0, 4.0, 8.0, 16.0]
+    assert [r for r, _ in report.sla_goodput(lambda r: 1.0, 0.9, 1.0, 16.0, 4)[1]] == [4.0, 8.0, 16.0]
     assert report.sla_goodput(lambda r: 1.0, 0.9, 1.0, 16.0, 4)[0] == 16.0
     assert report.sla_goodput(lambda r: float(r < 10), 0.9, 1.0, 16.0, 4)[0] == 8.0
     assert report.bcr(11.5, 95.5, 9.0, 100.0) == pytest.approx((11.5 / 95.5) / (9.0 / 100.0))
@@ -363,9 +367,9 @@ def test_goodput_search_and_one_run_per_same_dc_deployment():
     assert v1["same-dc"] == v100["same-dc"]
     for d in (v1["same-dc"], v1["pdd"], v100["pdd"]):
         probes = d["goodput_probes"]
-        # rate_min, the midpoint, then rate_max only if the midpoint passed (report.sla_goodput).
+        # The midpoint, then rate_max if it passed, else rate_min (report.sla_goodput).
         rates = [p["rate"] for p in probes]
-        assert rates[:2] == [0.5, 1.4142] and rates[2:] in ([], [4.0])
+        assert rates[:1] == [1.4142] and rates[1:] in ([0.5], [4.0])
         assert all(p["achieved_rps"] > 0 for p in probes)
         # Each probe's window is the 4 s of arrivals after a 1 s warm-up; within SLO <= arrived.
         assert all(p["slo_rps"] <= p["arrival_rps"] and p["slo_rps"] == pytest.approx(
