@@ -26,7 +26,7 @@ from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import RunResult, run_deployment, served_rps
 from pddgw.sim.goodput import Probe, Prober, bisect, describe, first_fail
-from pddgw.sim.plan_bounds import Setting, attainment_bound, demand, deployment_bound
+from pddgw.sim.plan_bounds import Setting, attainment_bound, capacity, demand, deployment_bound
 from pddgw.sim.probe import run_probe
 from pddgw.sim.profiles import model as model_profile
 from pddgw.sim.scenario import Scenario, deployment_config, deployment_price, load_scenario
@@ -149,6 +149,22 @@ def _jobs(sc: Scenario) -> list[Job]:
     return jobs
 
 
+def _longest_first(sc: Scenario, job: Job) -> tuple[bool, float, int]:
+    """A sort key that puts the longest jobs first: the goodput searches, each several probes
+    in a row, the longest by far; among them the highest rate the roofline lets the deployment
+    carry (its probes simulate about that many requests per second), then the most nodes
+    (each request crosses more of them)."""
+    if job.kind != "goodput":
+        return True, 0.0, 0
+    dep = sc.deployment(job.deployment)
+    cand = deployment_bound(sc, dep, job.wan_gbps)
+    g = sc.goodput
+    rate = g.rate_max if cand is None else min(g.rate_max, capacity(
+        Setting(sc, job.wan_gbps, dep.policy.rld_max_relays), model_profile(sc.model), cand,
+        demand(sc, g.rate_min)).rate)
+    return False, -rate, -sum(n.count for n in dep.nodes)
+
+
 def init_worker() -> None:
     """A simulation worker process: warnings only (a run logs per request at info)."""
     setup_logging("warning")
@@ -171,9 +187,9 @@ def simulate(sc: Scenario, jobs: int = 1, progress: bool = False) -> tuple[dict[
                 bar.update()
     else:
         with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
-            # The goodput searches first: each runs several probes in a row, the longest jobs by far,
-            # and a long job started last sets the wall time alone (the report is the same in any order).
-            order = sorted(todo, key=lambda j: j.kind != "goodput")
+            # Longest first, so that no long job starts last and sets the wall time alone (the
+            # report is the same in any order).
+            order = sorted(todo, key=lambda j: _longest_first(sc, j))
             futures = {pool.submit(run_job, sc, job, progress): job for job in order}
             for fut in concurrent.futures.as_completed(futures):
                 results[futures[fut]] = fut.result()

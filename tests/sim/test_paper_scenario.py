@@ -10,7 +10,7 @@ import pytest
 from pddgw.sim import profiles
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import run_deployment
-from pddgw.sim.run import simulate
+from pddgw.sim.run import _jobs, _longest_first, simulate
 from pddgw.sim.scenario import deployment_config, deployment_price, load_scenario
 from pddgw.sim.workload import agentic, shared_prefix
 
@@ -72,3 +72,16 @@ def test_the_paper_deployments_serve_v4_pro_on_the_virtual_clock():
     run = run_virtual(run_deployment(cfg, convs, shared_prefix(1024, sc.seed)))
     assert len(run.requests) == 4 and all(r.error is None and r.output_tokens == 6 for r in run.requests)
     assert run.leaked_blocks == 0 and run.leaked_pins == 0 and run.wan_kv_bytes > 0
+
+
+def test_the_workers_take_the_longest_goodput_searches_first():
+    # Each search's length follows the rate the roofline lets it carry (its probes simulate about
+    # that many requests per second), then its nodes: PDD's and same-DC's prefill-bound 27.2 req/s
+    # first, PDD's four nodes before same-DC's three, naive at 100 Gbps (its P: 13.6), naive at
+    # 10 Gbps (its WAN: 3.5) last, then the single runs.
+    sc = load_scenario(PAPER)
+    order = sorted(_jobs(sc), key=lambda j: _longest_first(sc, j))
+    assert [j.label for j in order[:6]] == [
+        "goodput pdd @ 10 Gbps", "goodput pdd @ 100 Gbps", "goodput same-dc-pd",
+        "goodput naive-cross-dc @ 100 Gbps", "goodput naive-cross-dc @ 10 Gbps", "main same-dc-pd"]
+    assert [round(-_longest_first(sc, j)[1], 2) for j in order[:5]] == [27.16, 27.16, 27.16, 13.58, 3.46]
