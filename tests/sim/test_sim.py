@@ -19,6 +19,7 @@ from pddgw.net.inproc import InProcNetwork, wire_size
 from pddgw.sim import clock, report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import run_deployment, token_digest
+from pddgw.sim.plan_search import bisection_rates
 from pddgw.sim.run import _overrides, simulate
 from pddgw.sim.run import parser as sim_parser
 from pddgw.sim.scenario import TraceSpec, deployment_config, deployment_price, load_scenario
@@ -161,6 +162,11 @@ def test_goodput_bisection_finds_the_highest_passing_rate():
     assert [r for r, _ in report.sla_goodput(lambda r: 1.0, 0.9, 1.0, 16.0, 4)[1]] == [4.0, 8.0, 16.0]
     assert report.sla_goodput(lambda r: 1.0, 0.9, 1.0, 16.0, 4)[0] == 16.0
     assert report.sla_goodput(lambda r: float(r < 10), 0.9, 1.0, 16.0, 4)[0] == 8.0
+    # Whatever the order, a monotone attainment's answer is the highest passing rate of the grid.
+    grid = bisection_rates(1.0, 16.0, 6)
+    for passing in [0.5, *grid, *(r * 1.01 for r in grid), 99.0]:
+        assert report.sla_goodput(lambda r: float(r <= passing), 0.9, 1.0, 16.0, 6)[0] == max(
+            (r for r in grid if r <= passing), default=0.0)
     assert report.bcr(11.5, 95.5, 9.0, 100.0) == pytest.approx((11.5 / 95.5) / (9.0 / 100.0))
 
 
