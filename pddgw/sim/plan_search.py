@@ -36,7 +36,7 @@ Lifecycle of one kind's search (`search_kind`):
      the offered rate rises, the bisection's own premise), and stops as
      soon as a probe fails where the cap, now counting each simulated
      lower rate's own requests per second within SLO instead of the
-     roofline's bound (`_cap`), ranks below the table.  An overloaded probe
+     roofline's bound (`_below`), ranks below the table.  An overloaded probe
      settles early (`probe.run_probe`), so a refutation costs less than a
      bisection.
 
@@ -52,6 +52,7 @@ import concurrent.futures
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pddgw.sim import report
@@ -150,26 +151,16 @@ def upper_bound(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloa
 
 
 def _below(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads, rate: float,
-           inclusive: bool = False) -> float:
+           inclusive: bool = False, probes: Sequence[Probe] = ()) -> float:
     """The most requests per second within SLO the roofline allows at any grid rate it does not
     prune below `rate` (at or below, `inclusive`): a bound on the goodput of a bisection whose
-    highest passing offer lies there."""
-    g = at.scenario.goodput
-    rates = [r for r in bisection_rates(g.rate_min, g.rate_max, g.probes)
-             if (r <= rate if inclusive else r < rate) and not _pruned(at, prof, cand, work(r))[0]]
-    return max((slo_rps_bound(at, prof, cand, work(r)) for r in rates), default=0.0)
-
-
-def _cap(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads, probes: list[Probe],
-         rate: float) -> float:
-    """A bound on the goodput once `rate` fails (lifecycle step 5): the most requests per second
-    within SLO at any grid rate below it the roofline does not prune, a simulated probe's own
-    where there is one (a window settled early counts its bound), else the roofline's."""
+    highest passing offer lies there.  A rate simulated among `probes` counts its window's own
+    (a window settled early, its bound) instead: the cap once `rate` fails (lifecycle step 5)."""
     g = at.scenario.goodput
     seen = {p.rate: p.window.slo_rps for p in probes if p.window is not None}
-    return max((seen[r] if r in seen else slo_rps_bound(at, prof, cand, work(r))
-                for r in bisection_rates(g.rate_min, g.rate_max, g.probes)
-                if r < rate and not _pruned(at, prof, cand, work(r))[0]), default=0.0)
+    rates = [r for r in bisection_rates(g.rate_min, g.rate_max, g.probes)
+             if (r <= rate if inclusive else r < rate) and not _pruned(at, prof, cand, work(r))[0]]
+    return max((seen[r] if r in seen else slo_rps_bound(at, prof, cand, work(r)) for r in rates), default=0.0)
 
 
 class _Refuted(Exception):
@@ -220,7 +211,7 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
     def seen(p: Probe) -> None:
         say(f"probe at {p.rate:.4g} req/s: {describe(p)}")
         if beat is not None and not exhaustive and p.attainment < plan.slo.attainment \
-                and _cap(at, prof, cand, work, prober.probes, p.rate) / cand.price < beat:
+                and _below(at, prof, cand, work, p.rate, probes=prober.probes) / cand.price < beat:
             raise _Refuted(p.rate)
 
     prober = Prober(plan.slo.attainment, lambda r: simulate_probe(plan, cand, r),
@@ -233,7 +224,7 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
             prober.passes(at_rate)
         goodput, offered, probes = bisect(g, prober)
     except _Refuted as e:
-        cap = min(upper, _cap(at, prof, cand, work, prober.probes, e.rate))
+        cap = min(upper, _below(at, prof, cand, work, e.rate, probes=prober.probes))
         say(f"refuted: fails {e.rate:.4g} req/s, so its goodput is at most {cap:.3g} req/s")
         return Evaluation(cand, roof, cap, None, None, tuple(prober.probes), time.perf_counter() - wall0, e.rate)
     say(f"SLA goodput {goodput:.3g} req/s at {offered:.4g} offered, {goodput / cand.price * 100:.3g} per $100/h")

@@ -27,6 +27,7 @@ from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import RunResult, run_deployment, served_rps
 from pddgw.sim.goodput import Probe, Prober, bisect, describe, first_fail
 from pddgw.sim.plan_bounds import Setting, attainment_bound, capacity, demand, deployment_bound
+from pddgw.sim.plan_space import Candidate
 from pddgw.sim.probe import run_probe
 from pddgw.sim.profiles import model as model_profile
 from pddgw.sim.scenario import Scenario, deployment_config, deployment_price, load_scenario
@@ -82,14 +83,19 @@ def goodput_probe(sc: Scenario, job: Job, rate: float) -> tuple[report.Window, R
     return run_probe(sc, deployment_config(sc, sc.deployment(job.deployment), job.wan_gbps), rate)
 
 
+def _bounds(sc: Scenario, job: Job) -> tuple[Candidate | None, Setting]:
+    """What the roofline's bounds read of a job's deployment: it as a candidate (None where the
+    bounds do not hold for it, `plan_bounds.deployment_bound`) and its setting."""
+    dep = sc.deployment(job.deployment)
+    return deployment_bound(sc, dep, job.wan_gbps), Setting(sc, job.wan_gbps, dep.policy.rld_max_relays)
+
+
 def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
     """The SLA-goodput bisection of one deployment (`goodput.bisect`), probes the roofline
     proves out of reach not simulated, as `pddgw plan` prunes them (`plan_bounds.deployment_bound`;
     a deployment the bounds cannot read has every probe simulated)."""
     g = sc.goodput
-    dep = sc.deployment(job.deployment)
-    cand = deployment_bound(sc, dep, job.wan_gbps)
-    at = Setting(sc, job.wan_gbps, dep.policy.rld_max_relays)
+    cand, at = _bounds(sc, job)
     prof = model_profile(sc.model)
     sims: list[tuple[int, float]] = []                # per simulated probe: (requests simulated, wall s)
 
@@ -156,13 +162,11 @@ def _longest_first(sc: Scenario, job: Job) -> tuple[bool, float, int]:
     (each request crosses more of them)."""
     if job.kind != "goodput":
         return True, 0.0, 0
-    dep = sc.deployment(job.deployment)
-    cand = deployment_bound(sc, dep, job.wan_gbps)
+    cand, at = _bounds(sc, job)
     g = sc.goodput
-    rate = g.rate_max if cand is None else min(g.rate_max, capacity(
-        Setting(sc, job.wan_gbps, dep.policy.rld_max_relays), model_profile(sc.model), cand,
-        demand(sc, g.rate_min)).rate)
-    return False, -rate, -sum(n.count for n in dep.nodes)
+    rate = g.rate_max if cand is None else min(
+        g.rate_max, capacity(at, model_profile(sc.model), cand, demand(sc, g.rate_min)).rate)
+    return False, -rate, -sum(n.count for n in sc.deployment(job.deployment).nodes)
 
 
 def init_worker() -> None:
