@@ -96,15 +96,42 @@ class Prober:
         return self.probe(rate).attainment >= self.target
 
 
-def bisect(spec: GoodputSpec, prober: Prober) -> tuple[float, float, tuple[Probe, ...]]:
+def bisect(spec: GoodputSpec, prober: Prober, start: float | None = None) -> tuple[float, float, tuple[Probe, ...]]:
     """-> (the goodput: requests per second within SLO at the highest passing offer, that offered
     rate, every probe in the order run).  The highest passing offer is always simulated: its
     window's requests within SLO are the goodput (if the premise failed there and it misses,
-    its numbers are still what is reported)."""
+    its numbers are still what is reported).
+
+    `start`, a rate of the bisection's grid (`report.bisection_rates`; `start_rate`), is
+    probed first, then its neighbour on the grid on the side its verdict leaves open (above a
+    pass, below a fail); the bisection then runs as without them, not simulating what they
+    settled (`Prober.passes`).  When the two bracket the goodput, that is every rate it asks:
+    two probes instead of the bisection's five or so, and none of the low rates it begins
+    with.  With attainment monotone in the rate, the answer is the same either way (the
+    grid's highest passing rate); a start off the mark costs at most two probes more."""
+    if start is not None:
+        grid = report.bisection_rates(spec.rate_min, spec.rate_max, spec.probes)
+        i = grid.index(start)
+        j = i + 1 if prober.passes(start) else i - 1
+        if 0 <= j < len(grid):
+            prober.passes(grid[j])
     offered, _ = report.sla_goodput(lambda r: 1.0 if prober.passes(r) else 0.0, prober.target,
                                     spec.rate_min, spec.rate_max, spec.probes)
     best = prober.probe(offered).window if offered else None
     return (best.slo_rps if best else 0.0), offered, tuple(prober.probes)
+
+
+def start_rate(spec: GoodputSpec, capacity: Callable[[float], float]) -> float | None:
+    """Where a bisection should start (`bisect`): the highest rate of its grid that the
+    roofline's steady-state capacity at that rate (`plan_bounds.capacity`: requests per second
+    its slowest side carries, `capacity(rate)`) reaches.  A deployment's goodput lies at or
+    below its capacity, most often within a step or two of the grid (16^(1/16) = 1.19 x each
+    on the paper scenario).  None where that says nothing: the capacity reaches `rate_max`
+    (the top is meant to fail), or not even `rate_min`."""
+    grid = report.bisection_rates(spec.rate_min, spec.rate_max, spec.probes)
+    if capacity(grid[-1]) >= grid[-1]:
+        return None
+    return next((r for r in reversed(grid[:-1]) if capacity(r) >= r), None)
 
 
 def describe(p: Probe) -> str:

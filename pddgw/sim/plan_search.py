@@ -10,7 +10,7 @@ Lifecycle of one kind's search (`search_kind`):
      same rates until the first rate the simulation fails and the roofline
      passes, after which the real one stays below that rate and the bound
      at or above it.  The real one ends on a rate of the bisection's grid
-     (`bisection_rates`) that the roofline does not prune, so the most
+     (`report.bisection_rates`) that the roofline does not prune, so the most
      requests per second within SLO the roofline allows at any such rate up
      to the bound's is an upper bound on the goodput.
   3. Order the candidates by the steady-state roofline's rate (its
@@ -125,17 +125,6 @@ class _Workloads:
         return self._cache[rate]
 
 
-def bisection_rates(lo: float, hi: float, probes: int) -> list[float]:
-    """Every rate `report.sla_goodput(.., lo, hi, probes)` can probe, computed as it does."""
-    def mids(a: float, b: float, depth: int) -> list[float]:
-        if depth <= 0:
-            return []
-        m = math.sqrt(a * b)
-        return [m, *mids(a, m, depth - 1), *mids(m, b, depth - 1)]
-
-    return sorted({lo, hi, *mids(lo, hi, probes - 2)})
-
-
 def _pruned(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> tuple[bool, float]:
     """(whether the probe is not simulated, the roofline's bound on its attainment)."""
     bound = attainment_bound(at, prof, cand, d)
@@ -158,7 +147,7 @@ def _below(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads, r
     (a window settled early, its bound) instead: the cap once `rate` fails (lifecycle step 5)."""
     g = at.scenario.goodput
     seen = {p.rate: p.window.slo_rps for p in probes if p.window is not None}
-    rates = [r for r in bisection_rates(g.rate_min, g.rate_max, g.probes)
+    rates = [r for r in report.bisection_rates(g.rate_min, g.rate_max, g.probes)
              if (r <= rate if inclusive else r < rate) and not _pruned(at, prof, cand, work(r))[0]]
     return max((seen[r] if r in seen else slo_rps_bound(at, prof, cand, work(r)) for r in rates), default=0.0)
 
@@ -175,7 +164,7 @@ def refuting_rate(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workl
     `per_usd` (lifecycle step 5); None when even the lowest does not (its fail caps nothing)."""
     g = at.scenario.goodput
     best = None
-    for r in bisection_rates(g.rate_min, g.rate_max, g.probes):
+    for r in report.bisection_rates(g.rate_min, g.rate_max, g.probes):
         if _below(at, prof, cand, work, r) / cand.price < per_usd:
             best = r
         else:

@@ -305,6 +305,18 @@ def sla_goodput(probe: Callable[[float], float], target: float, lo: float, hi: f
     return bottom, points
 
 
+def bisection_rates(lo: float, hi: float, probes: int) -> list[float]:
+    """Every rate `sla_goodput(.., lo, hi, probes)` can probe (its grid), computed as it does,
+    ascending."""
+    def mids(a: float, b: float, depth: int) -> list[float]:
+        if depth <= 0:
+            return []
+        m = math.sqrt(a * b)
+        return [m, *mids(a, m, depth - 1), *mids(m, b, depth - 1)]
+
+    return sorted({lo, hi, *mids(lo, hi, probes - 2)})
+
+
 def bcr(goodput: float, price: float, base_goodput: float, base_price: float) -> float | None:
     """Goodput per cost relative to the baseline's (1.0 = as cost-effective)."""
     if not (goodput and price and base_goodput and base_price):

@@ -25,7 +25,7 @@ from pddgw.logs import setup_logging
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import RunResult, run_deployment, served_rps
-from pddgw.sim.goodput import Probe, Prober, bisect, describe, first_fail
+from pddgw.sim.goodput import Probe, Prober, bisect, describe, first_fail, start_rate
 from pddgw.sim.plan_bounds import Setting, attainment_bound, capacity, demand, deployment_bound
 from pddgw.sim.plan_space import Candidate
 from pddgw.sim.probe import run_probe
@@ -91,13 +91,17 @@ def _bounds(sc: Scenario, job: Job) -> tuple[Candidate | None, Setting]:
 
 
 def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
-    """The SLA-goodput bisection of one deployment (`goodput.bisect`), probes the roofline
-    proves out of reach not simulated, as `pddgw plan` prunes them (`plan_bounds.deployment_bound`;
-    a deployment the bounds cannot read has every probe simulated)."""
+    """The SLA-goodput bisection of one deployment (`goodput.bisect`), started where the
+    roofline's capacity puts the goodput (`goodput.start_rate`), probes the roofline proves out
+    of reach not simulated, as `pddgw plan` prunes them (`plan_bounds.deployment_bound`; a
+    deployment the bounds cannot read starts at the grid's midpoint and has every probe
+    simulated)."""
     g = sc.goodput
     cand, at = _bounds(sc, job)
     prof = model_profile(sc.model)
     sims: list[tuple[int, float]] = []                # per simulated probe: (requests simulated, wall s)
+    start = None if cand is None else start_rate(g, lambda r: capacity(at, prof, cand, demand(sc, r)).rate)
+    most = g.probes + (2 if start is not None else 0)   # the start and its neighbour: 2 more
 
     def simulate(rate: float) -> tuple[report.Window, float, bool]:
         w, run = goodput_probe(sc, job, rate)
@@ -117,10 +121,10 @@ def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
         what = describe(p)
         if p.window is not None:
             what += f"; {sims[-1][0]} requests simulated in {sims[-1][1]:.1f} s"
-        print(f"pddgw sim: {job.label}: probe {seen} of at most {g.probes} at {p.rate:.4g} req/s: {what}",
+        print(f"pddgw sim: {job.label}: probe {seen} of at most {most} at {p.rate:.4g} req/s: {what}",
               file=sys.stderr, flush=True)
 
-    goodput, offered, probes = bisect(g, Prober(sc.slo.attainment, simulate, bound, on_probe=say))
+    goodput, offered, probes = bisect(g, Prober(sc.slo.attainment, simulate, bound, on_probe=say), start)
     return {"goodput_rps": round(goodput, 4), "goodput_offered_rps": round(offered, 4),
             "goodput_fail": first_fail(probes, offered), "probes": [p.json() for p in probes],
             "_wall_s": sum(w for _, w in sims), "_requests": sum(n for n, _ in sims)}

@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 from pddgw.sim import report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import Decided, RequestResult, run_deployment
+from pddgw.sim.goodput import Prober, bisect, start_rate
 from pddgw.sim.probe import probe_workload, run_probe
 from pddgw.sim.run import Job, goodput_probe, run_job
 from pddgw.sim.plan_bounds import Setting, capacity, demand, deployment_bound, met_bound
@@ -315,3 +316,67 @@ def test_a_scenario_deployment_is_bounded_as_its_kind_or_not_at_all():
     for pipeline in ("P-RLD", "P-RLD-MD", "P-MD"):
         forced = dataclasses.replace(pdd, policy=dataclasses.replace(pdd.policy, pipeline=pipeline))
         assert deployment_bound(sc, forced, 10.0) is None
+
+
+def _search(passing: float, start: float | None, spec: GoodputSpec) -> tuple[float, list[float]]:
+    """`goodput.bisect` on a stand-in deployment that passes up to `passing` req/s offered ->
+    (the offered goodput, the rates simulated in order)."""
+    def simulate(rate: float) -> tuple[report.Window, float, bool]:
+        return report.Window(100, 100 if rate <= passing else 50, 10.0), rate, False
+
+    _, offered, probes = bisect(spec, Prober(0.9, simulate, lambda r: 1.0), start)
+    return round(offered, 4), [round(p.rate, 4) for p in probes]
+
+
+def test_a_search_started_where_the_goodput_lies_simulates_two_probes():
+    spec = GoodputSpec(seconds=10.0, warmup_s=1.0, rate_min=1.0, rate_max=16.0, probes=6)
+    grid = report.bisection_rates(1.0, 16.0, 6)       # 1 x 16^(i/16), i = 0..16
+    # Without a start: the midpoints 4, 8 (fails), 5.66, 6.73 (passes); with the start at the
+    # answer, only it and the rate above it, which fails; every midpoint is then settled.
+    assert _search(7.0, None, spec) == (6.7272, [4.0, 8.0, 5.6569, 6.7272])
+    assert _search(7.0, grid[11], spec) == (6.7272, [6.7272, 8.0])
+    # A start below the answer: it passes, the rate above passes too, and the bisection takes
+    # over above them (4 is settled by the start's pass; 8 fails); a start above: it fails,
+    # the rate below fails too, and the bisection goes on below them.
+    assert _search(7.0, grid[10], spec) == (6.7272, [5.6569, 6.7272, 8.0])
+    assert _search(7.0, grid[13], spec) == (6.7272, [9.5137, 8.0, 4.0, 5.6569, 6.7272])
+    # The ends: a start at the grid's top passes and there is nothing above; at the bottom it
+    # fails and the goodput is 0.
+    assert _search(99.0, grid[-1], spec) == (16.0, [16.0])
+    assert _search(0.5, grid[0], spec) == (0.0, [1.0])
+    # Whatever the start, a monotone attainment's answer is the grid's highest passing rate, and
+    # a start costs at most two probes more than the bisection.
+    for passing in [0.5, *grid, *(r * 1.01 for r in grid), 99.0]:
+        plain, probed = _search(passing, None, spec)
+        assert plain == round(max((r for r in grid if r <= passing), default=0.0), 4)
+        for start in grid:
+            offered, with_start = _search(passing, start, spec)
+            assert offered == plain and len(with_start) <= len(probed) + 2
+
+
+def test_the_search_starts_at_the_highest_grid_rate_the_roofline_capacity_reaches():
+    spec = GoodputSpec(seconds=10.0, warmup_s=1.0, rate_min=1.0, rate_max=16.0, probes=6)
+    grid = report.bisection_rates(1.0, 16.0, 6)
+    assert start_rate(spec, lambda r: 7.0) == grid[11] and round(grid[11], 4) == 6.7272      # 16^(11/16)
+    # At the capacity itself, or the rate below it when the capacity falls short by a hair.
+    assert start_rate(spec, lambda r: grid[11]) == grid[11]
+    assert start_rate(spec, lambda r: grid[11] * 0.999) == grid[10]
+    # The capacity read at each rate (it shifts with the rate's workload): 8 > 7.9.
+    assert start_rate(spec, lambda r: 8.5 - r / 16) == 8.0
+    # Nothing to say: the capacity reaches the top (meant to fail), or not even the bottom.
+    assert start_rate(spec, lambda r: 16.0) is None
+    assert start_rate(spec, lambda r: 0.9) is None
+    assert start_rate(spec, lambda r: 1.0) == 1.0
+    # The paper scenario: PDD and same-DC are prefill-bound at 26.6-27.2 req/s (two DP24 H100 P),
+    # naive at 100 Gbps at 13.3-13.6 (its one DP24 P), at 10 Gbps at its WAN's 3.46.
+    sc = load_scenario(Path(__file__).parents[2] / "scenarios" / "paper.toml")
+    prof = model(sc.model)
+    starts = {}
+    for dep in sc.deployments:
+        for wan in (10.0, 100.0):
+            cand = deployment_bound(sc, dep, wan if sc.uses_wan(dep) else None)
+            at = Setting(sc, wan if sc.uses_wan(dep) else None, dep.policy.rld_max_relays)
+            starts[dep.name, wan] = round(start_rate(sc.goodput, lambda r: capacity(at, prof, cand, demand(sc, r)).rate), 4)
+    assert starts == {("same-dc-pd", 10.0): 22.6274, ("same-dc-pd", 100.0): 22.6274,
+                      ("naive-cross-dc", 10.0): 3.3636, ("naive-cross-dc", 100.0): 11.3137,
+                      ("pdd", 10.0): 22.6274, ("pdd", 100.0): 22.6274}

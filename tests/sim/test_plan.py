@@ -14,7 +14,7 @@ from pddgw.sim.plan import main as plan_main
 from pddgw.sim.plan import write_outputs
 from pddgw.sim.plan_bounds import (Demand, Setting, _fit, _kv_tokens, attainment_bound, capacity, decode_step_s,
                                    decode_tokens_per_s, demand, met_bound, prefill_tokens_per_s, slo_rps_bound)
-from pddgw.sim.plan_search import bisection_rates
+from pddgw.sim.report import bisection_rates
 from pddgw.sim.plan_space import candidates, load_plan
 from pddgw.sim.plan_write import config_toml, serve_config
 from pddgw.sim.profiles import model

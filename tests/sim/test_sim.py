@@ -19,7 +19,7 @@ from pddgw.net.inproc import InProcNetwork, wire_size
 from pddgw.sim import clock, report
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.cluster import run_deployment, token_digest
-from pddgw.sim.plan_search import bisection_rates
+from pddgw.sim.report import bisection_rates
 from pddgw.sim.run import _overrides, simulate
 from pddgw.sim.run import parser as sim_parser
 from pddgw.sim.scenario import TraceSpec, deployment_config, deployment_price, load_scenario
