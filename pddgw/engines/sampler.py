@@ -150,6 +150,13 @@ def keyed_uniform(key: int, position: int) -> float:
     return ((z ^ (z >> 31)) >> 11) / 9007199254740992.0      # 2 ** 53
 
 
+def keyed_uniforms(key: int, start: int, n: int) -> torch.Tensor:
+    """`keyed_uniform(key, p)` for the positions p in [start, start + n): float64 [n], bit-identical
+    (the cost-model engine draws a request's answer in one call, not one call per token)."""
+    z = torch.arange(start + 1, start + n + 1, dtype=torch.int64) * _signed(_GOLDEN) + _signed(key)
+    return _srl(_mix64_t(z), 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
 def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 bits (torch's >> is arithmetic)."""
     return (z >> s) & ((1 << (64 - s)) - 1)

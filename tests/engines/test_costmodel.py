@@ -102,6 +102,26 @@ def test_tokens_depend_on_seed_and_position_only_and_never_end_early():
     assert outs["x"] == outs["y"] == expected_tokens(9, 40)
     assert 128001 not in outs["x"]
     assert engine().token_at(9, 3) == expected_tokens(9, 4)[3]
+    # The answer is drawn in one go up to max_tokens, and its entry goes with its last token.
+    assert a._drawn == b._drawn == {}
+
+
+def test_tokens_drawn_in_one_go_are_those_of_each_position():
+    # Past an EOS id (128001 for Llama-3.1) and across a redraw: an answer longer than one draw.
+    e = engine(num_blocks=512)
+    e.add_request(EngineRequest("z", tuple(range(5000, 5030)), SamplingParams(max_tokens=5000, seed=3)))
+    got: list[int] = []
+    while e.has_work():
+        for o in e.step():
+            got += o.ids
+    assert got == expected_tokens(3, 5000) and any(t > 128001 for t in got)
+    assert e._drawn == {}
+    # Requests sharing a seed, a step apart, each draw their own run once.
+    e.add_request(EngineRequest("p", tuple(range(5000, 5030)), SamplingParams(max_tokens=40, seed=3)))
+    e.step()
+    e.add_request(EngineRequest("q", tuple(range(6000, 6030)), SamplingParams(max_tokens=40, seed=3)))
+    e.step()
+    assert {rid: (start, len(toks)) for rid, (start, toks) in e._drawn.items()} == {"p": (0, 40), "q": (0, 40)}
 
 
 def test_kv_is_virtual_its_size_real_and_imports_fill_the_cached_gap():

@@ -9,8 +9,8 @@ from torch.overrides import TorchFunctionMode
 import pddgw.engines.sampler as sampler_mod
 from pddgw.engines.sampler import (_blocked_probs, _first_floor, _prefix_candidates, _prefix_draw, _probs, _Rows,
                                    _sample_rows, _sample_speculative, _second_floor, first_argmax, logprobs,
-                                   position_uniform,
-                                   position_uniforms, sample, sample_ids, sample_one)
+                                   keyed_uniforms, position_uniform, position_uniforms, sample, sample_ids,
+                                   sample_one, seed_key)
 from pddgw.engines.types import RequestError, SamplingParams
 
 M64 = (1 << 64) - 1
@@ -49,6 +49,15 @@ def test_device_hash_is_bit_identical_to_the_python_reference():
     assert batched.tolist() == ref                                   # exact float equality, every pair
     assert [position_uniform(s, p) for s, p in pairs] == ref         # the scalar agrees bit for bit
     assert all(0.0 <= u < 1.0 for u in ref) and len(set(ref)) == len(ref)
+
+
+def test_a_run_of_positions_draws_bit_identically_to_one_position_at_a_time():
+    # keyed_uniforms: the cost-model engine's draw of a request's answer in one call.
+    for seed in (0, 7, 2**63 - 1, 2**63 + 5, 2**64 - 1):
+        key = seed_key(seed)
+        for start in (0, 1000, 2**32 + 5):
+            assert keyed_uniforms(key, start, 300).tolist() == [position_uniform(seed, p)
+                                                                for p in range(start, start + 300)]
 
 
 def test_pinned_draws():
