@@ -6,18 +6,22 @@ Lifecycle of one kind's search (`search_kind`):
   2. Bound each one without simulating: run the goodput bisection of
      `report.sla_goodput` with a probe that passes wherever the roofline
      does not prune the rate (`plan_bounds`).  The offered rate it ends at
-     is at or above the one the real bisection ends at: the two walk the
-     same rates until the first rate the simulation fails and the roofline
-     passes, after which the real one stays below that rate and the bound
-     at or above it.  The real one ends on a rate of the bisection's grid
-     (`report.bisection_rates`) that the roofline does not prune, so the most
-     requests per second within SLO the roofline allows at any such rate up
-     to the bound's is an upper bound on the goodput.
+     is at or above the one the real search ends at.  The real search, from
+     whatever start (step 3), ends at the grid's highest passing rate, since
+     attainment falls as the rate rises (the bisection's premise); every
+     grid rate up to it passes, so the roofline prunes none of them, and a
+     bisection that goes up at every rate not pruned never leaves a bracket
+     holding that rate but to go above it.  The real one ends on a rate of
+     the bisection's grid (`report.bisection_rates`) that the roofline does
+     not prune, so the most requests per second within SLO the roofline
+     allows at any such rate up to the bound's is an upper bound on the
+     goodput.
   3. Order the candidates by the steady-state roofline's rate (its
      slowest side, `plan_bounds.capacity`) per USD, best first (the most
      promising first: the sooner the table holds strong results, the more
      the next steps cut), and evaluate them in that order: the real
-     bisection, each probe `pddgw sim`'s goodput probe (`probe.run_probe`:
+     bisection, started where the roofline's capacity puts the goodput
+     (`goodput.start_rate`, as `pddgw sim` starts), each probe `pddgw sim`'s goodput probe (`probe.run_probe`:
      open-loop conversations, the window's requests counted) simulated on
      the virtual clock (`pddgw sim`'s deployment, engines and control
      plane) unless the roofline prunes its rate.  The goodput is `pddgw sim`'s: the window's requests per second
@@ -41,7 +45,8 @@ Lifecycle of one kind's search (`search_kind`):
      bisection.
 
 `exhaustive = True` is the brute force the tests compare against: every
-candidate, every probe simulated, no pruning and no bound.  Ranking key:
+candidate, every probe simulated, no pruning, no bound and no start (the plain
+bisection).  Ranking key:
 goodput per USD per hour, then the lower price, then the label, so ties
 resolve the same way in every mode and at any `jobs`.
 """
@@ -57,7 +62,7 @@ from dataclasses import dataclass, field
 
 from pddgw.sim import report
 from pddgw.sim.cluster import served_rps
-from pddgw.sim.goodput import Probe, Prober, bisect, describe
+from pddgw.sim.goodput import Probe, Prober, bisect, describe, start_rate
 from pddgw.sim.plan_bounds import Bound, Demand, Setting, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
@@ -208,10 +213,11 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
     roof = capacity(at, prof, cand, work(g.rate_min))
     upper = upper_bound(at, prof, cand, work)
     at_rate = None if beat is None or exhaustive else refuting_rate(at, prof, cand, work, beat)
+    start = None if exhaustive else start_rate(g, lambda r: capacity(at, prof, cand, work(r)).rate)
     try:
         if at_rate is not None:
             prober.passes(at_rate)
-        goodput, offered, probes = bisect(g, prober)
+        goodput, offered, probes = bisect(g, prober, start)
     except _Refuted as e:
         cap = min(upper, _below(at, prof, cand, work, e.rate, probes=prober.probes))
         say(f"refuted: fails {e.rate:.4g} req/s, so its goodput is at most {cap:.3g} req/s")
