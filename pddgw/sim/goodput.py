@@ -1,7 +1,8 @@
 """The SLA-goodput bisection both searches run: `pddgw sim` on a scenario's deployment, `pddgw plan`
 on each candidate.
 
-`bisect` walks `report.sla_goodput` over the rates; at each one the roofline's bound on the
+`bisect` walks `report.sla_goodput` over the rates, after a start and its neighbour where the
+roofline's capacity puts the goodput (`start_rate`); at each one the roofline's bound on the
 probe's attainment (`plan_bounds.attainment_bound`, passed in) is asked first, and a probe it
 puts below the target is not simulated and fails (a simulated probe never beats that bound, so
 the walk is the one the simulation takes).  The searches differ only in what they simulate and
@@ -106,7 +107,7 @@ def bisect(spec: GoodputSpec, prober: Prober, start: float | None = None) -> tup
     probed first, then its neighbour on the grid on the side its verdict leaves open (above a
     pass, below a fail); the bisection then runs as without them, not simulating what they
     settled (`Prober.passes`).  When the two bracket the goodput, that is every rate it asks:
-    two probes instead of the bisection's five or so, and none of the low rates it begins
+    two probes instead of the bisection's four or five, and none of the low rates it begins
     with.  With attainment monotone in the rate, the answer is the same either way (the
     grid's highest passing rate); a start off the mark costs at most two probes more."""
     if start is not None:

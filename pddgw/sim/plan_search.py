@@ -21,10 +21,11 @@ Lifecycle of one kind's search (`search_kind`):
      promising first: the sooner the table holds strong results, the more
      the next steps cut), and evaluate them in that order: the real
      bisection, started where the roofline's capacity puts the goodput
-     (`goodput.start_rate`, as `pddgw sim` starts), each probe `pddgw sim`'s goodput probe (`probe.run_probe`:
-     open-loop conversations, the window's requests counted) simulated on
-     the virtual clock (`pddgw sim`'s deployment, engines and control
-     plane) unless the roofline prunes its rate.  The goodput is `pddgw sim`'s: the window's requests per second
+     (`goodput.start_rate`, as `pddgw sim` starts), each probe `pddgw
+     sim`'s goodput probe (`probe.run_probe`: open-loop conversations, the
+     window's requests counted) simulated on the virtual clock (`pddgw
+     sim`'s deployment, engines and control plane) unless the roofline
+     prunes its rate.  The goodput is `pddgw sim`'s: the window's requests per second
      within SLO at the highest offered rate whose attainment holds.
   4. Once `top` candidates are evaluated, drop every candidate left whose
      bound per USD ranks below the top-th real result (it cannot enter the
@@ -54,7 +55,6 @@ resolve the same way in every mode and at any `jobs`.
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import sys
 import time
 from collections.abc import Sequence
