@@ -53,7 +53,7 @@ from pddgw.config import Config, ConfigError, CostModelConfig, EngineConfig, Mod
 from pddgw.engines.base import register_engine
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.paged import PagedEngine, Sampled
-from pddgw.engines.sampler import keyed_uniform, keyed_uniforms, seed_key
+from pddgw.engines.sampler import keyed_uniforms, seed_key
 from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.tokenizer import ByteTokenizer
@@ -195,28 +195,22 @@ class CostModelEngine(PagedEngine):
 
     def token_at(self, seed: int, position: int) -> int:
         """The token of output position `position`: uniform over the non-EOS ids, from (seed, position)."""
-        return self._token(seed_key(seed), position)
+        return self._tokens(seed, position, 1)[0]
 
     def _draws(self, rid: str, seed: int, position: int, limit: int) -> tuple[int, list[int]]:
-        """Draw the tokens of output positions [position, limit) (`token_at`; at most _DRAW_MAX)
-        in one go, and keep them: -> (position, the tokens)."""
+        """Draw the tokens of output positions [position, limit) (at most _DRAW_MAX) in one go,
+        and keep them: -> (position, the tokens)."""
         if len(self._drawn) >= _DRAWN_MAX:
             self._drawn.clear()
-        n = max(1, min(limit - position, _DRAW_MAX))
-        k = (keyed_uniforms(seed_key(seed), position, n) * self._non_eos).to(torch.int64)   # [n]
-        for e in self._eos_sorted:           # the k-th id that is not an EOS id, as `_token`
-            k += k >= e
-        got = self._drawn[rid] = (position, k.tolist())
+        got = self._drawn[rid] = (position, self._tokens(seed, position, max(1, min(limit - position, _DRAW_MAX))))
         return got
 
-    def _token(self, key: int, position: int) -> int:
-        """`token_at` for key = sampler.seed_key(seed)."""
-        k = int(keyed_uniform(key, position) * self._non_eos)
-        # The k-th id that is not an EOS id (EOS ids are few and sorted).
-        for e in self._eos_sorted:
-            if k >= e:
-                k += 1
-        return k
+    def _tokens(self, seed: int, position: int, n: int) -> list[int]:
+        """`token_at` of the positions [position, position + n), in one vector call."""
+        k = (keyed_uniforms(seed_key(seed), position, n) * self._non_eos).to(torch.int64)   # [n]
+        for e in self._eos_sorted:           # the k-th id that is not an EOS id (EOS ids are few, sorted)
+            k += k >= e
+        return k.tolist()
 
     # ---- KV: sized, never stored ---------------------------------------------------------
     def _export(self, seq: Sequence, token_start: int, token_end: int, layer_start: int,

@@ -97,13 +97,18 @@ class Prober:
         return self.probe(rate).attainment >= self.target
 
 
+def grid(spec: GoodputSpec) -> list[float]:
+    """The rates a search of `spec` can probe, ascending (`report.bisection_rates`)."""
+    return report.bisection_rates(spec.rate_min, spec.rate_max, spec.probes)
+
+
 def bisect(spec: GoodputSpec, prober: Prober, start: float | None = None) -> tuple[float, float, tuple[Probe, ...]]:
     """-> (the goodput: requests per second within SLO at the highest passing offer, that offered
     rate, every probe in the order run).  The highest passing offer is always simulated: its
     window's requests within SLO are the goodput (if the premise failed there and it misses,
     its numbers are still what is reported).
 
-    `start`, a rate of the bisection's grid (`report.bisection_rates`; `start_rate`), is
+    `start`, a rate of the bisection's grid (`grid`; `start_rate`), is
     probed first, then its neighbour on the grid on the side its verdict leaves open (above a
     pass, below a fail); the bisection then runs as without them, not simulating what they
     settled (`Prober.passes`).  When the two bracket the goodput, that is every rate it asks:
@@ -111,11 +116,11 @@ def bisect(spec: GoodputSpec, prober: Prober, start: float | None = None) -> tup
     with.  With attainment monotone in the rate, the answer is the same either way (the
     grid's highest passing rate); a start off the mark costs at most two probes more."""
     if start is not None:
-        grid = report.bisection_rates(spec.rate_min, spec.rate_max, spec.probes)
-        i = grid.index(start)
+        rates = grid(spec)
+        i = rates.index(start)
         j = i + 1 if prober.passes(start) else i - 1
-        if 0 <= j < len(grid):
-            prober.passes(grid[j])
+        if 0 <= j < len(rates):
+            prober.passes(rates[j])
     offered, _ = report.sla_goodput(lambda r: 1.0 if prober.passes(r) else 0.0, prober.target,
                                     spec.rate_min, spec.rate_max, spec.probes)
     best = prober.probe(offered).window if offered else None
@@ -129,10 +134,10 @@ def start_rate(spec: GoodputSpec, capacity: Callable[[float], float]) -> float |
     below its capacity, most often within a step or two of the grid (16^(1/16) = 1.19 x each
     on the paper scenario).  None where that says nothing: the capacity reaches `rate_max`
     (the top is meant to fail), or not even `rate_min`."""
-    grid = report.bisection_rates(spec.rate_min, spec.rate_max, spec.probes)
-    if capacity(grid[-1]) >= grid[-1]:
+    rates = grid(spec)
+    if capacity(rates[-1]) >= rates[-1]:
         return None
-    return next((r for r in reversed(grid[:-1]) if capacity(r) >= r), None)
+    return next((r for r in reversed(rates[:-1]) if capacity(r) >= r), None)
 
 
 def describe(p: Probe) -> str:

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 from pddgw.sim import report
 from pddgw.sim.cluster import served_rps
-from pddgw.sim.goodput import Probe, Prober, bisect, describe, start_rate
+from pddgw.sim.goodput import Probe, Prober, bisect, describe, grid, start_rate
 from pddgw.sim.plan_bounds import Bound, Demand, Setting, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
@@ -152,7 +152,7 @@ def _below(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads, r
     (a window settled early, its bound) instead: the cap once `rate` fails (lifecycle step 5)."""
     g = at.scenario.goodput
     seen = {p.rate: p.window.slo_rps for p in probes if p.window is not None}
-    rates = [r for r in report.bisection_rates(g.rate_min, g.rate_max, g.probes)
+    rates = [r for r in grid(g)
              if (r <= rate if inclusive else r < rate) and not _pruned(at, prof, cand, work(r))[0]]
     return max((seen[r] if r in seen else slo_rps_bound(at, prof, cand, work(r)) for r in rates), default=0.0)
 
@@ -169,7 +169,7 @@ def refuting_rate(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workl
     `per_usd` (lifecycle step 5); None when even the lowest does not (its fail caps nothing)."""
     g = at.scenario.goodput
     best = None
-    for r in report.bisection_rates(g.rate_min, g.rate_max, g.probes):
+    for r in grid(g):
         if _below(at, prof, cand, work, r) / cand.price < per_usd:
             best = r
         else:
