@@ -1,6 +1,6 @@
 """The planner's search: SLA goodput per dollar-hour of every candidate worth simulating.
 
-Lifecycle of one kind's search (`search_kind`):
+Lifecycle of one kind's search (`_KindSearch`):
 
   1. Enumerate the candidates within the budgets (`plan_space.candidates`).
   2. Bound each one without simulating: run the goodput bisection of
@@ -29,7 +29,9 @@ Lifecycle of one kind's search (`search_kind`):
      within SLO at the highest offered rate whose attainment holds.
   4. Once `top` candidates are evaluated, drop every candidate left whose
      bound per USD ranks below the top-th real result (it cannot enter the
-     table: branch and bound); stop when none is left.
+     table: branch and bound); stop when none is left.  With `jobs` workers
+     the m-th candidate reads the results of the first m - jobs only, so the
+     search is the same whichever evaluation ends first (`_KindSearch`).
   5. Once `top` are evaluated, a candidate still left is first offered one
      refuting probe: the highest rate of the bisection's grid at which a
      fail would cap its goodput per USD below the top-th real result (its
@@ -43,7 +45,11 @@ Lifecycle of one kind's search (`search_kind`):
      lower rate's own requests per second within SLO instead of the
      roofline's bound (`_below`), ranks below the table.  An overloaded probe
      settles early (`probe.run_probe`), so a refutation costs less than a
-     bisection.
+     bisection.  Where the bisection's start lies above the refuting rate,
+     the start goes first: a pass there settles the refuting rate, and a
+     contender passes its start anyway, so a refuting probe below it would
+     be one passing probe more; a fail there is followed by the refuting
+     probe.
 
 `exhaustive = True` is the brute force the tests compare against: every
 candidate, every probe simulated, no pruning, no bound and no start (the plain
@@ -215,7 +221,10 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
     at_rate = None if beat is None or exhaustive else refuting_rate(at, prof, cand, work, beat)
     start = None if exhaustive else start_rate(g, lambda r: capacity(at, prof, cand, work(r)).rate)
     try:
-        if at_rate is not None:
+        # A start above the refuting rate goes first: its pass settles the refuting rate as
+        # passed (the premise), and a contender passes its start in the bisection anyway, while
+        # a passing refuting probe below it is one probe more (lifecycle step 5).
+        if at_rate is not None and not (start is not None and start > at_rate and prober.passes(start)):
             prober.passes(at_rate)
         goodput, offered, probes = bisect(g, prober, start)
     except _Refuted as e:
@@ -226,49 +235,94 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
     return Evaluation(cand, roof, upper, goodput, offered, probes, time.perf_counter() - wall0)
 
 
-def search_kind(plan: Plan, kind: Kind, exhaustive: bool = False, jobs: int = 1,
-                pool: concurrent.futures.Executor | None = None, progress: bool = False) -> KindResult:
-    """Lifecycle steps 1-4 of the module docstring for one deployment kind."""
-    prof = model(plan.scenario.model)
-    work = _Workloads(plan)
-    cands = candidates(plan, prof, kind)
-    g = plan.goodput
-    bounded = []
-    for c in cands:
-        at = Setting.of(plan, c)
-        bounded.append(Evaluation(c, capacity(at, prof, c, work(g.rate_min)), upper_bound(at, prof, c, work)))
-    bounded.sort(key=lambda e: (-e.roofline.rate / e.candidate.price, e.candidate.price, e.candidate.label()))
-    top = plan.spec.search.top
-    done: list[Evaluation] = []
-    left = list(bounded)
-    while left:
+class _KindSearch:
+    """One kind's search (lifecycle steps 1-4) as a queue of candidates to evaluate, in order.
+
+    The m-th candidate evaluated starts only once the first m - jobs have ended, and its bar
+    (`beat`) and the cut (step 4) read exactly those results: the search takes the same steps
+    whatever order the evaluations end in (with jobs 1, each one after the last).  A worker is
+    never left waiting for a whole batch: the next candidate waits for one result only, the one
+    `jobs` places before it, and meanwhile a worker may take another kind's candidate
+    (`_drive`)."""
+
+    def __init__(self, plan: Plan, kind: Kind, exhaustive: bool, jobs: int):
+        self.plan, self.kind, self.exhaustive, self.jobs = plan, kind, exhaustive, max(1, jobs)
+        prof = model(plan.scenario.model)
+        work = _Workloads(plan)
+        self.candidates = candidates(plan, prof, kind)
+        g = plan.goodput
+        bounded = []
+        for c in self.candidates:
+            at = Setting.of(plan, c)
+            bounded.append(Evaluation(c, capacity(at, prof, c, work(g.rate_min)), upper_bound(at, prof, c, work)))
+        bounded.sort(key=lambda e: (-e.roofline.rate / e.candidate.price, e.candidate.price, e.candidate.label()))
+        self.bounded = tuple(bounded)
+        self._left = list(bounded)
+        self.results: list[Evaluation | None] = []      # in start order; None while it runs
+
+    def next(self) -> tuple[int, Candidate, float | None] | bool:
+        """(its index, the candidate to evaluate next, its bar), or whether one may still come:
+        True while it waits for an earlier result, False once none is left to start."""
+        known = len(self.results) - self.jobs + 1        # the results it reads: 0 .. m - jobs
+        if any(r is None for r in self.results[:max(0, known)]):
+            return True
         beat = None
-        if not exhaustive and len(done) >= top:
-            kth = sorted(done, key=Evaluation.key)[top - 1]
-            left = [e for e in left if e.key() <= kth.key()]
-            if not left:
-                break
+        top = self.plan.spec.search.top
+        if not self.exhaustive and known >= top:
+            kth = sorted(self.results[:known], key=Evaluation.key)[top - 1]     # type: ignore[arg-type]
+            self._left = [e for e in self._left if e.key() <= kth.key()]
             beat = kth.per_usd
-        batch, left = left[:max(1, jobs)], left[max(1, jobs):]
-        if pool is None or len(batch) == 1:
-            done += [evaluate(plan, e.candidate, exhaustive, beat, progress) for e in batch]
-        else:
-            n = len(batch)
-            done += list(pool.map(evaluate, [plan] * n, [e.candidate for e in batch], [exhaustive] * n,
-                                  [beat] * n, [progress] * n))
-    done.sort(key=Evaluation.key)
-    probes = [p for e in done for p in e.probes]
-    return KindResult(kind, tuple(done[:top]), len(cands), len(done),
-                      sum(e.upper_rps == 0 for e in bounded), len(cands) - len(done),
-                      sum(p.simulated for p in probes), sum(not p.simulated for p in probes), tuple(done))
+        if not self._left:
+            return False
+        self.results.append(None)
+        return len(self.results) - 1, self._left.pop(0).candidate, beat
+
+    def finish(self, index: int, evaluation: Evaluation) -> None:
+        self.results[index] = evaluation
+
+    def result(self) -> KindResult:
+        done = sorted((r for r in self.results if r is not None), key=Evaluation.key)
+        top = self.plan.spec.search.top
+        probes = [p for e in done for p in e.probes]
+        return KindResult(self.kind, tuple(done[:top]), len(self.candidates), len(done),
+                          sum(e.upper_rps == 0 for e in self.bounded), len(self.candidates) - len(done),
+                          sum(p.simulated for p in probes), sum(not p.simulated for p in probes), tuple(done))
+
+
+def _drive(plan: Plan, searches: Sequence[_KindSearch], exhaustive: bool, jobs: int,
+           pool: concurrent.futures.Executor | None, progress: bool) -> None:
+    """Run the searches to their end: `jobs` evaluations at a time on `pool` (without one, each
+    in turn here), a free worker taking the next candidate of the first kind that has one ready."""
+    running: dict[concurrent.futures.Future[Evaluation], tuple[_KindSearch, int]] = {}
+    while True:
+        for s in searches:
+            while len(running) < jobs:
+                nxt = s.next()
+                if isinstance(nxt, bool):
+                    break
+                i, cand, beat = nxt
+                if pool is None:
+                    s.finish(i, evaluate(plan, cand, exhaustive, beat, progress))
+                else:
+                    running[pool.submit(evaluate, plan, cand, exhaustive, beat, progress)] = (s, i)
+        if not running:
+            return
+        ended, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+        for f in ended:
+            s, i = running.pop(f)
+            s.finish(i, f.result())
 
 
 def search(plan: Plan, exhaustive: bool = False, jobs: int = 1, progress: bool = False) -> dict[Kind, KindResult]:
-    """Every kind of the plan, with `jobs` processes evaluating candidates side by side."""
+    """Every kind of the plan, with `jobs` processes evaluating candidates side by side, of any
+    kind (`_KindSearch`: each kind's search is the same whichever ends first)."""
+    searches = [_KindSearch(plan, k, exhaustive, jobs) for k in plan.spec.kinds]
     if jobs <= 1:
-        return {k: search_kind(plan, k, exhaustive, progress=progress) for k in plan.spec.kinds}
-    with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
-        return {k: search_kind(plan, k, exhaustive, jobs, pool, progress) for k in plan.spec.kinds}
+        _drive(plan, searches, exhaustive, 1, None, progress)
+    else:
+        with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
+            _drive(plan, searches, exhaustive, jobs, pool, progress)
+    return {s.kind: s.result() for s in searches}
 
 
 def winner(results: dict[Kind, KindResult]) -> Evaluation:

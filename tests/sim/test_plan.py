@@ -460,3 +460,76 @@ def test_the_json_report_names_the_winner_and_each_kinds_table(searched):
     assert fail == {"offered_rps": first["rate"], "attainment": first["attainment"], "misses": first["misses"]}
     assert fail == {"offered_rps": 2.0, "attainment": 0.875, "misses": {"failed": 0, "ttft": 1, "tpot": 0, "e2e": 0}}
     assert _row(1, plan_search.winner({"naive-cross-dc": pruned["naive-cross-dc"]}))[7] == "2: ttft 1"
+
+
+# ---- the order of the probes and of the candidates ---------------------------------------------------
+
+def _threshold_probe(goodput_at: float, asked: list[float]):
+    """A synthetic probe: 10 arrivals per req/s offered over a 10 s window, all in SLO up to
+    `goodput_at` req/s offered, half of them above (attainment falls as the rate rises)."""
+    def simulate(plan, cand, rate):
+        asked.append(round(rate, 4))
+        n = round(rate * 10)
+        return report.Window(n, n if rate <= goodput_at else n // 2, 10.0), rate, False
+    return simulate
+
+
+@pytest.mark.parametrize("goodput_at, probes, goodput", [
+    (8.0, [8.0, 11.3137], 8.0),                 # the start passes: no refuting probe below it
+    (5.0, [8.0, 4.0, 5.6569], 4.0),             # it fails: the refuting probe, then the bisection
+    (3.0, [8.0, 4.0], None),                    # both fail: refuted at 4 req/s
+])
+def test_a_start_above_the_refuting_rate_is_probed_first(monkeypatch, goodput_at, probes, goodput):
+    """Lifecycle step 5 with a start (`goodput.start_rate`) above the refuting rate: the start goes
+    first, and a pass there settles the refuting rate without simulating it."""
+    plan = load_plan(TINY)
+    cand = next(c for c in candidates(plan, LLAMA8B, "same-dc") if c.label() == "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1")
+    asked: list[float] = []
+    monkeypatch.setattr(plan_search, "simulate_probe", _threshold_probe(goodput_at, asked))
+    monkeypatch.setattr(plan_search, "start_rate", lambda spec, capacity: 8.0)
+    monkeypatch.setattr(plan_search, "refuting_rate", lambda *a: 4.0)
+    # A bar only the refuting probe's fail can hold a candidate under: caps count the roofline's
+    # bounds at the rates below a fail, far above these windows, except below the grid's 4 req/s.
+    bar = plan_search._below(Setting.of(plan, cand), LLAMA8B, cand, plan_search._Workloads(plan), 4.0) / cand.price
+    e = plan_search.evaluate(plan, cand, beat=bar * 1.001)
+    assert asked == probes and [round(p.rate, 4) for p in e.probes] == probes
+    assert e.goodput_rps == goodput and e.refuted_at == (4.0 if goodput is None else None)
+
+
+def _order_of_starts(plan, jobs: int, last_first: bool) -> dict[str, list[tuple[str, float | None]]]:
+    """Each kind's candidates in the order `_KindSearch` hands them out, with their bars, when
+    evaluations end oldest first or newest first (a synthetic goodput: half the bound)."""
+    searches = [plan_search._KindSearch(plan, k, False, jobs) for k in plan.spec.kinds]
+    bound = {e.candidate: e for s in searches for e in s.bounded}
+    started: dict[str, list[tuple[str, float | None]]] = {s.kind: [] for s in searches}
+    running: list[tuple[plan_search._KindSearch, int, object]] = []
+    while True:
+        for s in searches:
+            while len(running) < jobs and not isinstance(nxt := s.next(), bool):
+                i, cand, beat = nxt
+                started[s.kind].append((cand.label(), beat))
+                running.append((s, i, cand))
+        if not running:
+            return started
+        s, i, cand = running.pop(-1 if last_first else 0)
+        b = bound[cand]
+        s.finish(i, dataclasses.replace(b, goodput_rps=b.upper_rps / 2, offered_rps=1.0))
+
+
+def test_each_kinds_search_is_the_same_whichever_evaluation_ends_first():
+    """`_KindSearch`: the m-th candidate starts once the first m - jobs have ended and reads only
+    their results, so the candidates, their bars and the cut are the same in any order of ending;
+    with one job, each reads every result before it (the sequential search)."""
+    plan = load_plan(TINY)
+    two = _order_of_starts(plan, 2, last_first=False)
+    assert two == _order_of_starts(plan, 2, last_first=True)
+    one = _order_of_starts(plan, 1, last_first=False)
+    for kind in plan.spec.kinds:
+        # top = 2: with two jobs the first three start with no bar (the third reads one result),
+        # with one job the first two.
+        assert [beat is None for _, beat in two[kind][:4]] == [True, True, True, False]
+        assert [beat is None for _, beat in one[kind][:3]] == [True, True, False]
+        # The same four candidates (half their bounds cuts none here); the fourth of two jobs reads
+        # the first two results, as the third of one job does.
+        assert [label for label, _ in one[kind]] == [label for label, _ in two[kind]] and len(two[kind]) == 4
+        assert two[kind][3][1] == one[kind][2][1]
