@@ -130,13 +130,13 @@ def bisect(spec: GoodputSpec, prober: Prober, start: float | None = None) -> tup
 def start_rate(spec: GoodputSpec, capacity: Callable[[float], float]) -> float | None:
     """Where a bisection should start (`bisect`): the highest rate of its grid that the
     roofline's steady-state capacity at that rate (`plan_bounds.capacity`: requests per second
-    its slowest side carries, `capacity(rate)`) reaches.  A deployment's goodput lies at or
-    below its capacity, most often within a step or two of the grid (16^(1/16) = 1.19 x each
-    on the paper scenario).  None where that says nothing: the capacity reaches `rate_max`
-    (the top is meant to fail), or not even `rate_min`."""
+    its slowest side carries, `capacity(rate)`) reaches, below the top: `rate_max` is meant
+    to fail, and a capacity that reaches it puts the goodput near it, so the search starts
+    one step below and probes the top second.  A deployment's goodput lies at or below its
+    capacity, most often within a step or two of the grid (16^(1/16) = 1.19 x each on the
+    paper scenario).  None where that says nothing: the capacity does not reach even
+    `rate_min`."""
     rates = grid(spec)
-    if capacity(rates[-1]) >= rates[-1]:
-        return None
     return next((r for r in reversed(rates[:-1]) if capacity(r) >= r), None)
 
 

@@ -127,6 +127,8 @@ def test_goodput_is_the_rate_within_slo_at_the_highest_passing_offer(monkeypatch
                 FakeRun(rate))
 
     monkeypatch.setattr(sim_run, "goodput_probe", fake_probe)
+    # The plain bisection (the roofline's start is pinned below, with its own stand-in).
+    monkeypatch.setattr(sim_run, "start_rate", lambda spec, capacity: None)
     out = run_job(sc, Job("goodput", "same-dc", None), progress=True)
     # One line per probe as it ends, on stderr (the JSON report stays free of wall-clock figures).
     assert capsys.readouterr().err.splitlines() == [
@@ -363,8 +365,9 @@ def test_the_search_starts_at_the_highest_grid_rate_the_roofline_capacity_reache
     assert start_rate(spec, lambda r: grid[11] * 0.999) == grid[10]
     # The capacity read at each rate (it shifts with the rate's workload): 8 > 7.9.
     assert start_rate(spec, lambda r: 8.5 - r / 16) == 8.0
-    # Nothing to say: the capacity reaches the top (meant to fail), or not even the bottom.
-    assert start_rate(spec, lambda r: 16.0) is None
+    # A capacity at the top or above: one step below it (the top, meant to fail, second).
+    assert start_rate(spec, lambda r: 16.0) == grid[-2] and start_rate(spec, lambda r: 99.0) == grid[-2]
+    # Nothing to say: the capacity does not reach even the bottom.
     assert start_rate(spec, lambda r: 0.9) is None
     assert start_rate(spec, lambda r: 1.0) == 1.0
     # The paper scenario: PDD and same-DC are prefill-bound at 26.6-27.2 req/s (two DP24 H100 P),

@@ -295,10 +295,10 @@ def test_the_pruned_search_finds_the_brute_force_optimum(searched):
     best = plan_search.winner(pruned)
     assert (best.candidate.label(), best.goodput_rps, best.offered_rps, best.candidate.price) == (
         "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1", 16.5, 16.0, 9.0)
-    # Every midpoint passed, so the top of the range came last (report.sla_goodput) and passed too;
-    # the bottom, below a passing midpoint, was never offered.
+    # Its roofline capacity reaches the top of the range (16 req/s, meant to fail), so its search
+    # starts one step below (goodput.start_rate): 11.3 passes, then the top passes too.
     assert [(round(p.rate, 4), p.window.requests, p.window.met) for p in best.probes] == [
-        (4.0, 21, 21), (8.0, 36, 36), (11.3137, 50, 50), (16.0, 66, 66)]
+        (11.3137, 50, 50), (16.0, 66, 66)]
     # One P passes 8 req/s offered on the bisection's grid of 1 .. 16 req/s (5 probes): 35
     # arrivals in 4 s, all in SLO, 8.75 req/s.
     assert [(e.candidate.label(), e.goodput_rps, e.offered_rps) for e in pruned["same-dc"].ranked] == [
@@ -315,8 +315,9 @@ def test_the_pruned_search_finds_the_brute_force_optimum(searched):
         ("P 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 1.25, 1.4142),
         ("P 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 1.25, 1.4142)]
     # It got there with fewer simulations: candidates it bounded out, bisections started where the
-    # roofline's capacity puts the goodput (one P: 8 passes, 11.3 fails; no 4 req/s probe).
-    assert (len(calls["pruned"]), len(calls["brute"])) == (24, 40)
+    # roofline's capacity puts the goodput (one P: 8 passes, 11.3 fails; no 4 req/s probe; two P:
+    # 11.3 and 16, not the midpoints 4 and 8 first).
+    assert (len(calls["pruned"]), len(calls["brute"])) == (18, 40)
     assert sum(r.bounded_out for r in pruned.values()) == 1
     assert [(round(p.rate, 4), p.window.requests) for p in pruned["same-dc"].ranked[1].probes] == [(8.0, 35), (11.3137, 54)]
 
