@@ -221,9 +221,7 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
     at_rate = None if beat is None or exhaustive else refuting_rate(at, prof, cand, work, beat)
     start = None if exhaustive else start_rate(g, lambda r: capacity(at, prof, cand, work(r)).rate)
     try:
-        # A start above the refuting rate goes first: its pass settles the refuting rate as
-        # passed (the premise), and a contender passes its start in the bisection anyway, while
-        # a passing refuting probe below it is one probe more (lifecycle step 5).
+        # A start above the refuting rate goes first (lifecycle step 5).
         if at_rate is not None and not (start is not None and start > at_rate and prober.passes(start)):
             prober.passes(at_rate)
         goodput, offered, probes = bisect(g, prober, start)
@@ -240,10 +238,9 @@ class _KindSearch:
 
     The m-th candidate evaluated starts only once the first m - jobs have ended, and its bar
     (`beat`) and the cut (step 4) read exactly those results: the search takes the same steps
-    whatever order the evaluations end in (with jobs 1, each one after the last).  A worker is
-    never left waiting for a whole batch: the next candidate waits for one result only, the one
-    `jobs` places before it, and meanwhile a worker may take another kind's candidate
-    (`_drive`)."""
+    whatever order the evaluations end in (with jobs 1, each one after the last).  No batch
+    waits for its slowest: the next candidate waits only for the results it reads, and
+    meanwhile a free worker may take another kind's candidate (`_drive`)."""
 
     def __init__(self, plan: Plan, kind: Kind, exhaustive: bool, jobs: int):
         self.plan, self.kind, self.exhaustive, self.jobs = plan, kind, exhaustive, max(1, jobs)
@@ -289,8 +286,8 @@ class _KindSearch:
                           sum(p.simulated for p in probes), sum(not p.simulated for p in probes), tuple(done))
 
 
-def _drive(plan: Plan, searches: Sequence[_KindSearch], exhaustive: bool, jobs: int,
-           pool: concurrent.futures.Executor | None, progress: bool) -> None:
+def _drive(searches: Sequence[_KindSearch], jobs: int, pool: concurrent.futures.Executor | None,
+           progress: bool) -> None:
     """Run the searches to their end: `jobs` evaluations at a time on `pool` (without one, each
     in turn here), a free worker taking the next candidate of the first kind that has one ready."""
     running: dict[concurrent.futures.Future[Evaluation], tuple[_KindSearch, int]] = {}
@@ -302,9 +299,9 @@ def _drive(plan: Plan, searches: Sequence[_KindSearch], exhaustive: bool, jobs: 
                     break
                 i, cand, beat = nxt
                 if pool is None:
-                    s.finish(i, evaluate(plan, cand, exhaustive, beat, progress))
+                    s.finish(i, evaluate(s.plan, cand, s.exhaustive, beat, progress))
                 else:
-                    running[pool.submit(evaluate, plan, cand, exhaustive, beat, progress)] = (s, i)
+                    running[pool.submit(evaluate, s.plan, cand, s.exhaustive, beat, progress)] = (s, i)
         if not running:
             return
         ended, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -318,10 +315,10 @@ def search(plan: Plan, exhaustive: bool = False, jobs: int = 1, progress: bool =
     kind (`_KindSearch`: each kind's search is the same whichever ends first)."""
     searches = [_KindSearch(plan, k, exhaustive, jobs) for k in plan.spec.kinds]
     if jobs <= 1:
-        _drive(plan, searches, exhaustive, 1, None, progress)
+        _drive(searches, 1, None, progress)
     else:
         with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
-            _drive(plan, searches, exhaustive, jobs, pool, progress)
+            _drive(searches, jobs, pool, progress)
     return {s.kind: s.result() for s in searches}
 
 

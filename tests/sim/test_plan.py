@@ -534,3 +534,18 @@ def test_each_kinds_search_is_the_same_whichever_evaluation_ends_first():
         # the first two results, as the third of one job does.
         assert [label for label, _ in one[kind]] == [label for label, _ in two[kind]] and len(two[kind]) == 4
         assert two[kind][3][1] == one[kind][2][1]
+
+
+def test_two_workers_find_the_same_table(searched):
+    """`--jobs 2`: candidates of every kind on a process pool, none waiting for a batch; the
+    bars read fewer results than one job's, so it may simulate more, never a different table."""
+    plan, _, pruned, _, _ = searched
+    two = plan_search.search(plan, jobs=2)
+    for kind in plan.spec.kinds:
+        assert [(e.candidate, e.goodput_rps) for e in two[kind].ranked] == [
+            (e.candidate, e.goodput_rps) for e in pruned[kind].ranked]
+        one = {e.candidate: e.goodput_rps for e in pruned[kind].all_evaluations if e.goodput_rps is not None}
+        both = [e for e in two[kind].all_evaluations if e.candidate in one and e.goodput_rps is not None]
+        assert both and all(e.goodput_rps == one[e.candidate] for e in both)
+    # Per kind (same-DC, naive, PDD), simulated probes: one job 5 / 7 / 6, two jobs 6 / 7 / 7.
+    assert [(pruned[k].simulated_probes, two[k].simulated_probes) for k in plan.spec.kinds] == [(5, 6), (7, 7), (6, 7)]
