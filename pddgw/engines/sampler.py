@@ -133,28 +133,8 @@ def _mix64(z: int) -> int:
 
 def position_uniform(seed: int, position: int) -> float:
     """A uniform draw in [0, 1) that depends only on (seed, position); see the module docstring."""
-    return keyed_uniform(seed_key(seed), position)
-
-
-def seed_key(seed: int) -> int:
-    """The seed's share of each of its draws, mixed once (`keyed_uniform`)."""
-    return _mix64(seed & _MASK64)
-
-
-def keyed_uniform(key: int, position: int) -> float:
-    """`position_uniform(seed, position)` for key = seed_key(seed), in one call: the cost-model
-    engine draws one per decoded token, a request's key kept."""
-    z = (key + (position + 1) * _GOLDEN) & _MASK64
-    z = ((z ^ (z >> 30)) * _M1) & _MASK64
-    z = ((z ^ (z >> 27)) * _M2) & _MASK64
-    return ((z ^ (z >> 31)) >> 11) / 9007199254740992.0      # 2 ** 53
-
-
-def keyed_uniforms(key: int, start: int, n: int) -> torch.Tensor:
-    """`keyed_uniform(key, p)` for the positions p in [start, start + n): float64 [n], bit-identical
-    (the cost-model engine draws a request's answer in one call, not one call per token)."""
-    z = torch.arange(start + 1, start + n + 1, dtype=torch.int64) * _signed(_GOLDEN) + _signed(key)
-    return _srl(_mix64_t(z), 11).to(torch.float64) * (1.0 / (1 << 53))
+    z = (_mix64(seed & _MASK64) + (position + 1) * _GOLDEN) & _MASK64
+    return (_mix64(z) >> 11) / 9007199254740992.0      # 2 ** 53
 
 
 def _srl(z: torch.Tensor, s: int) -> torch.Tensor:

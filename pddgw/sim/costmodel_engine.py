@@ -53,7 +53,7 @@ from pddgw.config import Config, ConfigError, CostModelConfig, EngineConfig, Mod
 from pddgw.engines.base import register_engine
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.paged import PagedEngine, Sampled
-from pddgw.engines.sampler import keyed_uniforms, seed_key
+from pddgw.engines.sampler import position_uniforms
 from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.tokenizer import ByteTokenizer
@@ -207,7 +207,8 @@ class CostModelEngine(PagedEngine):
 
     def _tokens(self, seed: int, position: int, n: int) -> list[int]:
         """`token_at` of the positions [position, position + n), in one vector call."""
-        k = (keyed_uniforms(seed_key(seed), position, n) * self._non_eos).to(torch.int64)   # [n]
+        u = position_uniforms(torch.full((n,), seed, dtype=torch.int64), torch.arange(position, position + n))
+        k = (u * self._non_eos).to(torch.int64)                                             # [n]
         for e in self._eos_sorted:           # the k-th id that is not an EOS id (EOS ids are few, sorted)
             k += k >= e
         return k.tolist()

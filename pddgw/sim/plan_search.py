@@ -261,8 +261,8 @@ class _KindSearch:
         """(its index, the candidate to evaluate next, its bar), or whether one may still come:
         True while it waits for an earlier result, False once none is left to start."""
         known = len(self.results) - self.jobs + 1        # the results it reads: 0 .. m - jobs
-        if any(r is None for r in self.results[:max(0, known)]):
-            return True
+        if not self.exhaustive and any(r is None for r in self.results[:max(0, known)]):
+            return True                                  # (brute force reads none: no bar, no cut)
         beat = None
         top = self.plan.spec.search.top
         if not self.exhaustive and known >= top:
