@@ -210,7 +210,7 @@ class PagedEngine(TrackedEngine):
     def _admit_import(self, seq: Sequence) -> None:
         """Cached prefix + fresh blocks for the rest of the prompt, all at once."""
         bs = self.blocks.block_size
-        cached = self.blocks.match(seq.block_hashes(seq.num_prompt // bs, bs))
+        cached = self.blocks.match(seq.block_hashes(seq.num_prompt // bs, bs), seq.request_id)
         need = self.scheduler.blocks_for(seq.num_prompt) - len(cached)
         self.blocks.acquire(cached)
         room = self.blocks.num_allocatable
@@ -274,7 +274,7 @@ class PagedEngine(TrackedEngine):
         self._reclaim()
         blocks = self.blocks.match(block_hashes)
         if pin_key is not None:
-            self.blocks.pin(pin_key, blocks)
+            self.blocks.pin(pin_key, blocks, block_hashes)
         return len(blocks)
 
     def unpin(self, pin_key: str) -> bool:
@@ -450,43 +450,47 @@ class PagedEngine(TrackedEngine):
                 self._publish(seq)
             token, lp = sampled.get(seq.request_id, _NOT_SAMPLED)
             scored = self._scored(seq) if scoring else ()
-            position = len(seq.tokens) - seq.num_prompt
-            if token is None:
-                if seq.num_computed == seq.last_reported:
-                    continue
-                ids: tuple[int, ...] = ()
-                lps: tuple[TokenLogprobs, ...] = ()
-                reason = None
-            else:
-                seq.tokens.append(token)
-                # `_finish_reason` only where it can say something (Sequence.stops, out_limit).
-                reason = (None if position + 1 < seq.out_limit and token not in seq.stops
-                          else self._finish_reason(seq, token))
-                if seq.out_every == 1:
-                    ids, lps = (token,), () if lp is None else (lp,)
-                else:
-                    mark = seq.out_mark
-                    if reason is None and mark >= 0 and position + 1 - mark < seq.out_every:
-                        if lp is not None:
-                            seq.out_logprobs.append(lp)
-                        self._held = True
-                        continue              # held: it goes out with the run (output_interval)
-                    if mark >= 0:
-                        ids = tuple(seq.tokens[seq.num_prompt + mark :])
-                        position = mark
-                    else:
-                        ids = (token,)
-                    if lp is not None:
-                        seq.out_logprobs.append(lp)
-                    lps = tuple(seq.out_logprobs)
-                    seq.out_logprobs.clear()
-                    seq.out_mark = seq.num_outputs
-            seq.last_reported = seq.num_computed
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(RequestOutput(seq.request_id, ids, position, seq.num_computed, reason is not None,
-                                         reason, lps, scored))
+            if token is not None:
+                self._sampled(seq, token, lp, outputs, scored)
+            elif seq.num_computed != seq.last_reported:
+                seq.last_reported = seq.num_computed
+                outputs.append(RequestOutput(seq.request_id, (), len(seq.tokens) - seq.num_prompt,
+                                             seq.num_computed, False, None, (), scored))
         return outputs
+
+    def _sampled(self, seq: Sequence, token: int, lp: TokenLogprobs | None, outputs: list[RequestOutput],
+                 scored: tuple[TokenLogprobs, ...] = ()) -> None:
+        """After a step computed seq's last token: append the token sampled from it and, unless
+        it is held for its run (output_interval), put its output in `outputs`."""
+        position = len(seq.tokens) - seq.num_prompt
+        seq.tokens.append(token)
+        # `_finish_reason` only where it can say something (Sequence.stops, out_limit).
+        reason = (None if position + 1 < seq.out_limit and token not in seq.stops
+                  else self._finish_reason(seq, token))
+        if seq.out_every == 1:
+            ids, lps = (token,), () if lp is None else (lp,)
+        else:
+            mark = seq.out_mark
+            if reason is None and mark >= 0 and position + 1 - mark < seq.out_every:
+                if lp is not None:
+                    seq.out_logprobs.append(lp)
+                self._held = True
+                return                        # held: it goes out with the run (output_interval)
+            if mark >= 0:
+                ids = tuple(seq.tokens[seq.num_prompt + mark :])
+                position = mark
+            else:
+                ids = (token,)
+            if lp is not None:
+                seq.out_logprobs.append(lp)
+            lps = tuple(seq.out_logprobs)
+            seq.out_logprobs.clear()
+            seq.out_mark = seq.num_outputs
+        seq.last_reported = seq.num_computed
+        if reason is not None:
+            self._finish(seq, reason)
+        outputs.append(RequestOutput(seq.request_id, ids, position, seq.num_computed, reason is not None,
+                                     reason, lps, scored))
 
     def _prompt_rows(self, chunk: Chunk) -> range:
         """The positions of this chunk whose logits score a prompt token (the next one) for a
@@ -528,9 +532,9 @@ class PagedEngine(TrackedEngine):
         full = seq.num_computed // bs
         if full <= seq.num_published:
             return
-        hashes = seq.block_hashes(full, bs)
-        for b in range(seq.num_published, full):
-            self.blocks.publish(seq.block_ids[b], hashes[b])
+        first = seq.num_published
+        for block, h in zip(seq.block_ids[first:full], seq.block_hashes(full, bs, first)):
+            self.blocks.publish(block, h)
         seq.num_published = full
 
     # ---- contract: introspection ----------------------------------------------------

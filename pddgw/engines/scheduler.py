@@ -134,6 +134,36 @@ class Scheduler:
                 budget -= n
         return chunks
 
+    def decodes(self) -> list[Sequence] | None:
+        """The next step when it is one decode token of every running sequence and nothing else:
+        `schedule`'s very batch, its blocks allocated as `schedule` allocates them, in running
+        order (no Chunk each: the caller computes one token of each).  None, with nothing
+        changed, for any other step: one that admits or joins a sequence, preempts, computes
+        more than one token of a sequence or skips one (on hold, or past the token budget)."""
+        running = self.running
+        n = len(running)
+        if not n or n > self.max_num_batched_tokens:
+            return None
+        if n < self.max_num_seqs:
+            if self.waiting and n < self.max_num_batched_tokens:
+                return None                  # `schedule` would try to admit
+            if any(len(s.tokens) - s.num_computed - (1 if s.hold else 0) > 0 for s in self.ready):
+                return None                  # `_run_ready` would join one
+        bs = self.blocks.block_size
+        needy = []
+        for seq in running:
+            computed = seq.num_computed
+            if len(seq.tokens) - computed != 1 or seq.hold:
+                return None
+            if computed >= len(seq.block_ids) * bs:
+                needy.append(seq)
+        if len(needy) > self.blocks.num_allocatable:
+            return None                      # `_reserve` would preempt
+        self._count_newcomers()
+        for seq in needy:
+            seq.block_ids += self.blocks.allocate(1)
+        return running[:]
+
     def _reserve(self, seq: Sequence, num_tokens: int, batch: dict[str, Chunk]) -> tuple[bool, int]:
         """Make seq hold blocks for num_tokens, preempting less protected sequences if needed
         (a victim already in `batch` leaves it).
@@ -200,7 +230,7 @@ class Scheduler:
         # Never serve the last token from cache: its forward yields the next logits.
         hashes = seq.block_hashes((len(seq.tokens) - 1) // bs, bs)
         # Prompt logprobs come from the logits of every prompt position: no cached prefix.
-        cached = self.blocks.match(hashes) if seq.sampling.prompt_logprobs is None else []
+        cached = self.blocks.match(hashes, seq.request_id) if seq.sampling.prompt_logprobs is None else []
         self.blocks.acquire(cached)
         n_cached = len(cached) * bs
         n = min(len(seq.tokens) - n_cached - (1 if seq.hold else 0), budget, self.max_chunk_tokens)

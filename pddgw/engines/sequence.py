@@ -42,7 +42,7 @@ class Sequence:
     def __init__(self, req: EngineRequest):
         self.request_id = req.request_id
         self.sampling: SamplingParams = req.sampling
-        self.tokens: list[int] = list(req.prompt_token_ids) + list(req.output_token_ids)
+        self.tokens: list[int] = [*req.prompt_token_ids, *req.output_token_ids]
         self.num_prompt = len(req.prompt_token_ids)
         self.block_ids: list[int] = []
         self.num_computed = 0          # tokens whose KV is in block_ids
@@ -87,12 +87,13 @@ class Sequence:
         (computed for the same tokens and block size elsewhere in this process)."""
         self._hashes = hashes
 
-    def block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
-        """Chained hashes of the first num_blocks full blocks of self.tokens."""
+    def block_hashes(self, num_blocks: int, block_size: int, start: int = 0) -> list[int]:
+        """Chained hashes of full blocks [start, num_blocks) of self.tokens (a copy of just
+        those: a 64K-token request's publish of one block copied a thousand)."""
         have = len(self._hashes)
         if have < num_blocks:
             parent = self._hashes[-1] if self._hashes else ROOT_HASH
             # Only the new blocks' tokens are copied (a 64K prompt's list is sliced per call).
             self._hashes += chain_hashes(self.tokens[have * block_size : num_blocks * block_size], block_size,
                                          parent)
-        return self._hashes[:num_blocks]
+        return self._hashes[start:num_blocks]

@@ -29,6 +29,8 @@ MAX_TOKEN_IDS = 1 << 20
 MAX_BATCH_ITEMS = 4096             # TokenItems in one TokenBatch (their ids together: MAX_TOKEN_IDS)
 MAX_HASHES = 1 << 20
 TOKEN_ID_LIMIT = 1 << 31           # token IDs are int32 >= 0 on the wire
+_SHORT_RUN = 256                   # TokenItem runs up to this long are checked inline
+_INTS = {int}
 HASH_LIMIT = 1 << 64               # prefix hashes are uint64
 
 
@@ -169,13 +171,15 @@ class TokenItem:
     tag: Literal["token_item"] = "token_item"
 
     def __post_init__(self) -> None:
-        # One per output token: the common case (one token, or none) checked inline, the checks
-        # below (which name what is wrong) for every other.
+        # One per output token or run of them: the common case (none, one, or a stream
+        # interval's run) checked inline, the checks below (which name what is wrong) for every other.
         rid, pos, ids, reason = self.request_id, self.position, self.ids, self.reason
         if (type(rid) is str and len(rid) <= MAX_ID_CHARS and type(pos) is int and 0 <= pos < 1 << 31
                 and type(self.done) is bool and type(reason) is str and len(reason) <= MAX_ID_CHARS
                 and type(ids) is tuple and (not ids or (len(ids) == 1 and type(ids[0]) is int
-                                                        and 0 <= ids[0] < TOKEN_ID_LIMIT))):
+                                                        and 0 <= ids[0] < TOKEN_ID_LIMIT)
+                                            or (len(ids) <= _SHORT_RUN and set(map(type, ids)) == _INTS
+                                                and min(ids) >= 0 and max(ids) < TOKEN_ID_LIMIT))):
             return
         _text(self.request_id, "request_id")
         _uint(self.position, "position", 1 << 31)

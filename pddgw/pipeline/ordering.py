@@ -19,6 +19,8 @@ from __future__ import annotations
 from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.pipeline.state import ROLES, Role
 
+_INTS = {int}        # the types of a run's ids when every one is an exact int (a bool is not)
+
 
 class OrderingError(RuntimeError):
     """A source broke the stream contract."""
@@ -104,7 +106,7 @@ class StreamMerger:
         if (position == len(tokens) and not self._pending and 0 < n <= self.max_ahead and role in ROLES
                 and (self._sealed is None or position + n <= self._sealed)
                 and (not logprobs or len(logprobs) == n)
-                and all(type(t) is int and t >= 0 for t in token_ids)):
+                and set(map(type, token_ids)) == _INTS and min(token_ids) >= 0):
             # The common piece: tokens at the next position, nothing waiting (a decoder's step,
             # or its stream interval's run): the one run `_drain` would make, without the
             # pending map - the source's run itself unless it ends the source's stream (what

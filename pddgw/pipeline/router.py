@@ -265,7 +265,11 @@ class Router:
         self.control_timeout = cfg.net.request_timeout_s
         self.counts = RouterCounts()
         self.alignments = Alignments(self.timeout, self.control_timeout, cfg.policy.alignment_max_backlog_bytes)
-        self.md_index = PrefixIndex()
+        # Which MD holds which prompt blocks, for `_pick_md`; None where it never picks by it (one
+        # MD, or affinity off: the set of nodes is fixed), which spares a 64K-token request a
+        # thousand LRU moves in a table of millions.
+        affine = cfg.policy.prefix_affinity and sum(n.role == "md" for n in nodes) > 1
+        self.md_index = PrefixIndex() if affine else None
         # Foreground KV bytes on their way to MD over the WAN (live requests between
         # Prefill and PrefillDone); background alignments are not counted.
         self.wan_backlog = 0
@@ -533,6 +537,7 @@ class Router:
         cands = [n for n in self.nodes.values() if n.role == "md" and n.routable and n.name not in fl.excluded]
         if not (pol.prefix_affinity and len(cands) > 1):
             return self._pick("md", fl)
+        assert self.md_index is not None                 # several MD and affinity on
         held = {n.name: self.md_index.match(n.name, fl.block_hashes(n.block_size)) * n.block_size for n in cands}
         name = pick_cached([n.report() for n in cands], held, len(fl.prompt), pol)
         return self._pick("md", fl) if name is None else self.nodes[name]
@@ -654,7 +659,7 @@ class Router:
             if md is not None and use_md is None:
                 await self._cancel_on(md, rid)
                 streams.pop(md.name).close()
-            if use_md is not None:
+            if use_md is not None and self.md_index is not None:
                 self.md_index.record(use_md.name, fl.block_hashes(use_md.block_size))
             if fl.tracker.state == RequestState.RECEIVED:
                 fl.tracker.route(pipeline, decision.reason)

@@ -60,7 +60,7 @@ from pddgw.engines.tokenizer import ByteTokenizer
 from pddgw.core.tokens import TokenLogprobs
 from pddgw.engines.types import MAX_LOGPROBS, KVChunk, KVSpan, RequestOutput
 from pddgw.sim import profiles
-from pddgw.sim.roofline import Parallel, SeqWork, StepCost, max_kv_tokens, step_cost
+from pddgw.sim.roofline import Parallel, SeqWork, StepCost, decode_step_cost, max_kv_tokens, step_cost
 
 _NO_DATA = memoryview(b"")
 # Output positions drawn in one go (`_draws`): a request's whole answer as a rule (none past its
@@ -156,8 +156,43 @@ class CostModelEngine(PagedEngine):
 
     # ---- time -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """`PagedEngine.step`; a step of one decode token of every running sequence (most of a
+        simulation's steps: `Scheduler.decodes`) in one pass over them, without a Chunk, a
+        SeqWork or a sampled entry each: the same tokens, outputs and cost."""
         self.last_cost = None
-        return super().step()
+        self._reclaim()
+        seqs = None if self._scoring else self.scheduler.decodes()
+        if seqs is None:
+            return super().step()
+        outputs, self._events = self._events, []
+        self._held = False
+        bs = self.blocks.block_size
+        drawn = self._drawn
+        lengths = []                          # each sequence's, with this step's token
+        for seq in seqs:
+            computed = seq.num_computed
+            tokens = seq.tokens
+            position = len(tokens) - seq.num_prompt
+            got = drawn.get(seq.request_id)
+            # The common token inline: drawn already, not its run's last, no logprobs asked for.
+            if got is not None and 0 <= position - got[0] < len(got[1]) - 1 and seq.sampling.logprobs is None:
+                token, lp = got[1][position - got[0]], None
+            else:
+                token, lp = self._sample(seq)
+            seq.num_computed = computed = computed + 1
+            lengths.append(computed)
+            if computed // bs > seq.num_published:
+                self._publish(seq)
+            mark = seq.out_mark
+            if (lp is None and mark >= 0 and position + 1 - mark < seq.out_every and position + 1 < seq.out_limit
+                    and token not in seq.stops):
+                tokens.append(token)          # held for its run: what `_sampled` does then
+                self._held = True
+            else:
+                self._sampled(seq, token, lp, outputs)
+        self.last_cost = decode_step_cost(self.profile, self.hardware, self.parallel, lengths)
+        self.busy_s += self.last_cost.seconds
+        return outputs
 
     def step_seconds(self) -> float:
         return self.last_cost.seconds if self.last_cost is not None else 0.0
@@ -165,26 +200,29 @@ class CostModelEngine(PagedEngine):
     def _forward(self, chunks: list[Chunk]) -> dict[str, Sampled]:
         work = []
         out: dict[str, Sampled] = {}
-        drawn = self._drawn
         for c in chunks:
             seq = c.seq
             computed = seq.num_computed
             # Context before this step's tokens: what attention reads besides them.
             work.append(SeqWork(c.num_tokens, computed))
             if computed + c.num_tokens == len(seq.tokens) and not seq.hold:      # `_to_sample`
-                sampling = seq.sampling
-                position = len(seq.tokens) - seq.num_prompt
-                got = drawn.get(seq.request_id)
-                if got is None or not 0 <= position - got[0] < len(got[1]):
-                    got = self._draws(seq.request_id, sampling.seed, position, seq.out_limit)
-                i = position - got[0]
-                if i + 1 == len(got[1]):
-                    del drawn[seq.request_id]        # its last token (as a rule, the answer's)
-                out[seq.request_id] = (got[1][i],
-                                       None if sampling.logprobs is None else self._logprobs(sampling.logprobs))
+                out[seq.request_id] = self._sample(seq)
         self.last_cost = step_cost(self.profile, self.hardware, self.parallel, work)
         self.busy_s += self.last_cost.seconds
         return out
+
+    def _sample(self, seq: Sequence) -> Sampled:
+        """The token (and logprobs, if asked for) of seq's next output position (module docstring)."""
+        position = len(seq.tokens) - seq.num_prompt
+        drawn = self._drawn
+        got = drawn.get(seq.request_id)
+        if got is None or not 0 <= position - got[0] < len(got[1]):
+            got = self._draws(seq.request_id, seq.sampling.seed, position, seq.out_limit)
+        i = position - got[0]
+        if i + 1 == len(got[1]):
+            del drawn[seq.request_id]        # its last token (as a rule, the answer's)
+        k = seq.sampling.logprobs
+        return got[1][i], None if k is None else self._logprobs(k)
 
     def _logprobs(self, k: int | None) -> TokenLogprobs | None:
         """The uniform distribution's logprobs (module docstring); None when not asked for."""

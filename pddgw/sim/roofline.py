@@ -205,15 +205,15 @@ def _v4_consts(model: ModelProfile) -> tuple[int, ...]:
             model.index_topk, 4 * model.num_heads * model.head_dim, 2 * model.index_n_heads * model.index_head_dim)
 
 
-def _v4_attention(model: ModelProfile, work: Sequence[SeqWork]) -> tuple[float, float]:
+def _v4_attention(model: ModelProfile, his: list[int], chunks: Sequence[SeqWork]) -> tuple[float, float]:
     """(attention FLOPs, KV bytes) of a step: `ModelProfile.attention_flops` and
     `kv_read_bytes` summed over the sequences, with the constants hoisted (the sim prices
-    every step; tests pin the two paths equal)."""
+    every step; tests pin the two paths equal).  `his`: each decode's query position
+    (context + 1), `chunks`: the sequences of more than one new token."""
     layers, window, e, i, csa, hca, k, per_entry, per_index = _v4_consts(model)
     c, h = V4_CSA_RATIO, V4_HCA_RATIO
-    # Decodes (one query at position hi = context + 1: the common case) summed per term in C
-    # (map over builtins): every term is an integer sum, so regrouping it is exact.
-    his = [w.context_tokens + 1 for w in work if w.new_tokens == 1]
+    # Decodes (the common case) summed per term in C (map over builtins): every term is an
+    # integer sum, so regrouping it is exact.
     comps = list(map(floordiv, his, repeat(c, len(his))))
     win = sum(map(min, his, repeat(window, len(his))))
     sel = sum(map(min, comps, repeat(k, len(comps))))
@@ -221,10 +221,8 @@ def _v4_attention(model: ModelProfile, work: Sequence[SeqWork]) -> tuple[float, 
     scored = sum(comps)
     entries = layers * win + csa * sel + hca * hcas
     nbytes = layers * win * e + csa * (scored * i + sel * e) + hca * hcas * e
-    for w in work:
+    for w in chunks:
         new = w.new_tokens
-        if new == 1:
-            continue
         lo = w.context_tokens
         hi = lo + new
         comp = hi // c
@@ -240,11 +238,23 @@ def _v4_attention(model: ModelProfile, work: Sequence[SeqWork]) -> tuple[float, 
 def _attention(model: ModelProfile, work: Sequence[SeqWork]) -> tuple[float, float]:
     """(attention FLOPs, KV bytes read and written) of a step's sequences."""
     if model.attention == "v4":
-        return _v4_attention(model, work)
+        return _v4_attention(model, [w.context_tokens + 1 for w in work if w.new_tokens == 1],
+                             [w for w in work if w.new_tokens != 1])
     # gqa / mla: one per-pair constant and a linear KV; summed inline (the sim calls this every step).
     per_pair = model.attention_flops(0, 1)
     flops = per_pair * sum(w.new_tokens * (w.context_tokens + (w.new_tokens + 1) / 2) for w in work)
     return flops, float(sum(w.context_tokens + w.new_tokens for w in work)) * model.kv_bytes_per_token
+
+
+def _decode_attention(model: ModelProfile, lengths: list[int]) -> tuple[float, float]:
+    """`_attention` of decodes whose sequences are `lengths` tokens long with the new one: the
+    same sums term for term.  A decode's GQA / MLA term is 1 * (context + 2 / 2) = its length
+    as a float, and a float sum of integers below 2^53 is exact, so summing the integers first
+    gives the same bits."""
+    if model.attention == "v4":
+        return _v4_attention(model, lengths, ())
+    total = float(sum(lengths))
+    return model.attention_flops(0, 1) * total, total * model.kv_bytes_per_token
 
 
 def alltoall_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: int) -> float:
@@ -338,19 +348,37 @@ def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, batc
     new = sum([w.new_tokens for w in work]) if len(work) > 1 else work[0].new_tokens
     c = _step_consts(model, hw, par)
     attn_flops, kv = _attention(model, work)
-    flops = c.linear_per_token * new + attn_flops
-    base_bytes, other_bytes, comm_s = c.by_new(new)
-    nbytes = base_bytes + kv * c.kv_copies
-    per_gpu_bytes = c.attn_per_tp + (other_bytes + kv * c.kv_copies) / c.gpus
-
-    compute_s = flops / c.gpus / c.compute_rate
+    extra_s = 0.0
     if par.dp > 1 and new > len(work):            # a chunk of more than one token: module doc
         big = max(work, key=_new_tokens)
         attn_linear = _attention_linear(model)
         own = attn_linear * big.new_tokens + _attention(model, (big,))[0]
         share = (attn_linear * new + attn_flops) / par.dp
         if own > share:
-            compute_s += (own - share) / par.tp / c.compute_rate
+            extra_s = (own - share) / par.tp / c.compute_rate
+    return _priced(c, new, attn_flops, kv, extra_s)
+
+
+def decode_step_cost(model: ModelProfile, hw: HardwareProfile, par: Parallel, lengths: list[int]) -> StepCost:
+    """`step_cost` of one decode (one new token) of each sequence, `lengths` their lengths with
+    it (context + 1): the same StepCost to the last bit (tests pin it), without a SeqWork per
+    sequence - the simulator's steady decode steps, most of its steps."""
+    if not lengths:
+        return _IDLE
+    attn_flops, kv = _decode_attention(model, lengths)
+    return _priced(_step_consts(model, hw, par), len(lengths), attn_flops, kv, 0.0)
+
+
+def _priced(c: _StepConsts, new: int, attn_flops: float, kv: float, extra_s: float) -> StepCost:
+    """The StepCost of a step of `new` tokens whose attention is (attn_flops, kv bytes), with
+    `extra_s` of busiest-rank compute (module doc)."""
+    flops = c.linear_per_token * new + attn_flops
+    base_bytes, other_bytes, comm_s = c.by_new(new)
+    nbytes = base_bytes + kv * c.kv_copies
+    per_gpu_bytes = c.attn_per_tp + (other_bytes + kv * c.kv_copies) / c.gpus
+    compute_s = flops / c.gpus / c.compute_rate
+    if extra_s:
+        compute_s += extra_s
     memory_s = per_gpu_bytes / c.memory_rate
     return StepCost(
         seconds=max(compute_s, memory_s) + comm_s + c.overhead_s,

@@ -179,7 +179,8 @@ class PromptBuilder:
         self.conv = conv
         self.shared = shared_prefix
         self._rng = np.random.default_rng(conv.seed)
-        self._seen: list[int] = []          # the previous turn's prompt + answer
+        # The previous turn's prompt and answer, apart: a turn keeps a head of the two, copied once.
+        self._seen: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self.block_size = block_size
         self._hashes: tuple[int, ...] = ()  # the previous prompt's chained block hashes (block_size)
         self._lo, self._hi = _TOKEN_LOW, _TOKEN_HIGH - 1     # bounds of every id seen so far
@@ -192,10 +193,13 @@ class PromptBuilder:
         if turn.prompt:
             return turn.prompt
         if k == 0:
-            head = list(self.shared[: turn.context])
+            head = self.shared[: turn.context]
         else:
-            head = self._seen[: math.floor(turn.hit * turn.context)]
-        prompt = tuple(head + self._fresh(turn.context - len(head)))
+            kept = math.floor(turn.hit * turn.context)
+            said, answer = self._seen
+            head = said[:kept] if kept <= len(said) else said + answer[: kept - len(said)]
+        fresh = self._fresh(turn.context - len(head))
+        prompt = head + tuple(fresh) if fresh else head
         if self.block_size:
             self._note(prompt, k, len(head))
         return prompt
@@ -212,7 +216,7 @@ class PromptBuilder:
         note_bounds(prompt, self._lo, self._hi)
 
     def answered(self, prompt: tuple[int, ...], output: tuple[int, ...]) -> None:
-        self._seen = [*prompt, *output]
+        self._seen = (prompt, tuple(output))
         if self.block_size and output:
             ints, lo, hi = id_facts(output)
             if not ints:               # (never: a router's answers are token ids) noting stops

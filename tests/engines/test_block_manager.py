@@ -95,3 +95,39 @@ def test_prefix_caching_disabled():
     b = bm.allocate(1)
     assert not bm.publish(b[0], 123)
     assert bm.match([123]) == []
+
+
+class _CountingTable(dict):
+    """The hash table, counting look-ups."""
+
+    gets = 0
+
+    def get(self, key, default=None):
+        self.gets += 1
+        return super().get(key, default)
+
+
+def test_a_match_under_its_pin_looks_up_only_past_the_pinned_blocks():
+    bm = BlockManager(num_blocks=12, block_size=2)
+    hashes = chain_hashes(list(range(20)), 2)            # a 10-block prompt
+    first = bm.allocate(4)
+    for b, h in zip(first, hashes):
+        bm.publish(b, h)
+    bm.release(first)
+    bm.pin("r", bm.match(hashes), hashes)                # its prefix query: 4 blocks held
+    more = bm.allocate(2)                                # another request computes blocks 4 and 5
+    bm.publish(more[0], hashes[4])
+    bm.publish(more[1], hashes[5])
+    bm._by_hash = table = _CountingTable(bm._by_hash)
+    want = bm.match(hashes)
+    assert want == [0, 1, 2, 3, 4, 5] and table.gets == 10
+    table.gets = 0
+    assert bm.match(hashes, "r") == want and table.gets == 6          # past the pinned four only
+    assert bm.match(hashes[:3], "r") == [0, 1, 2] and table.gets == 6   # within them: none
+    other = chain_hashes(list(range(1, 21)), 2)          # another prompt under that key: no shortcut
+    assert bm.match(other, "r") == bm.match(other) == []
+    assert bm.match(hashes, "nobody") == want
+    assert bm.unpin("r")
+    table.gets = 0
+    assert bm.match(hashes, "r") == want and table.gets == 10          # the pin is gone
+    bm.check_integrity([more])

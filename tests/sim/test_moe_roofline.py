@@ -295,7 +295,7 @@ def test_v4_attention_of_a_decode_batch_equals_the_per_sequence_formulas_exactly
     # The roofline sums decodes term by term (in C); integers throughout, so the totals are the
     # per-sequence formulas' to the bit, at every edge: the window, the top-k, the ratios.
     from pddgw.sim.model_shape import V4_CSA_RATIO, V4_HCA_RATIO
-    from pddgw.sim.roofline import _v4_attention
+    from pddgw.sim.roofline import _attention
 
     w, k, c, h = PRO.sliding_window, PRO.index_topk, V4_CSA_RATIO, V4_HCA_RATIO
     edges = [0, 1, w - 2, w - 1, w, c - 1, c, c * k - 2, c * k - 1, c * k, h - 1, h, 65535, 1 << 20]
@@ -303,6 +303,23 @@ def test_v4_attention_of_a_decode_batch_equals_the_per_sequence_formulas_exactly
     for batch in ([SeqWork(1, x) for x in edges],
                   [SeqWork(1, rng.randrange(200_000)) for _ in range(97)],
                   [SeqWork(rng.choice((1, 1, 2, 64, 4096)), rng.randrange(70_000)) for _ in range(60)]):
-        flops, kv = _v4_attention(PRO, batch)
+        flops, kv = _attention(PRO, batch)
         assert flops == float(sum(PRO.attention_flops(s.context_tokens, s.new_tokens) for s in batch))
         assert kv == float(sum(PRO.kv_read_bytes(s.context_tokens, s.new_tokens) for s in batch))
+
+
+@pytest.mark.parametrize("name", ["llama3.1-70b", "deepseek-v3", "deepseek-v4-pro"])
+def test_a_decode_step_costs_what_step_cost_says_to_the_bit(name):
+    # GQA, MLA and V4 attention: the simulator's decode steps are priced without a SeqWork each,
+    # and must cost exactly what the general path says, at the V4 edges and on every shape.
+    from pddgw.sim.model_shape import V4_CSA_RATIO, V4_HCA_RATIO
+    from pddgw.sim.roofline import decode_step_cost
+
+    model = profiles.model(name)
+    k = model.index_topk or 1
+    edges = [0, 1, 126, 127, 128, V4_CSA_RATIO, V4_CSA_RATIO * k - 1, V4_CSA_RATIO * k, V4_HCA_RATIO - 1, 65535]
+    rng = random.Random(11)
+    for par in (Parallel(tp=8), Parallel(tp=1, dp=8), Parallel(tp=2, dp=8, ep=16)):
+        for contexts in (edges, [rng.randrange(140_000) for _ in range(333)], [5], []):
+            want = step_cost(model, H200, par, [SeqWork(1, c) for c in contexts])
+            assert decode_step_cost(model, H200, par, [c + 1 for c in contexts]) == want
