@@ -214,11 +214,18 @@ def _v4_attention(model: ModelProfile, his: list[int], chunks: Sequence[SeqWork]
     c, h = V4_CSA_RATIO, V4_HCA_RATIO
     # Decodes (the common case) summed per term in C (map over builtins): every term is an
     # integer sum, so regrouping it is exact.
-    comps = list(map(floordiv, his, repeat(c, len(his))))
-    win = sum(map(min, his, repeat(window, len(his))))
-    sel = sum(map(min, comps, repeat(k, len(comps))))
-    hcas = sum(map(floordiv, his, repeat(h, len(his))))
-    scored = sum(comps)
+    n = len(his)
+    if n and min(his) >= max(window, c * k):
+        # Every one past the window and the top-k (a long context, the paper's): those terms are
+        # constants, two sums left.
+        win, sel = window * n, k * n
+        scored = sum(map(floordiv, his, repeat(c, n)))
+    else:
+        comps = list(map(floordiv, his, repeat(c, n)))
+        win = sum(map(min, his, repeat(window, n)))
+        sel = sum(map(min, comps, repeat(k, n)))
+        scored = sum(comps)
+    hcas = sum(map(floordiv, his, repeat(h, n)))
     entries = layers * win + csa * sel + hca * hcas
     nbytes = layers * win * e + csa * (scored * i + sel * e) + hca * hcas * e
     for w in chunks:

@@ -302,6 +302,7 @@ def test_v4_attention_of_a_decode_batch_equals_the_per_sequence_formulas_exactly
     rng = random.Random(7)
     for batch in ([SeqWork(1, x) for x in edges],
                   [SeqWork(1, rng.randrange(200_000)) for _ in range(97)],
+                  [SeqWork(1, rng.randrange(c * k, 200_000)) for _ in range(97)],
                   [SeqWork(rng.choice((1, 1, 2, 64, 4096)), rng.randrange(70_000)) for _ in range(60)]):
         flops, kv = _attention(PRO, batch)
         assert flops == float(sum(PRO.attention_flops(s.context_tokens, s.new_tokens) for s in batch))
@@ -320,6 +321,8 @@ def test_a_decode_step_costs_what_step_cost_says_to_the_bit(name):
     edges = [0, 1, 126, 127, 128, V4_CSA_RATIO, V4_CSA_RATIO * k - 1, V4_CSA_RATIO * k, V4_HCA_RATIO - 1, 65535]
     rng = random.Random(11)
     for par in (Parallel(tp=8), Parallel(tp=1, dp=8), Parallel(tp=2, dp=8, ep=16)):
-        for contexts in (edges, [rng.randrange(140_000) for _ in range(333)], [5], []):
+        top = max(128, V4_CSA_RATIO * k)       # (V4: every decode at or past it takes the constant terms)
+        for contexts in (edges, [rng.randrange(140_000) for _ in range(333)], [5], [],
+                         [rng.randrange(top, 140_000) for _ in range(200)], [top - 1, top, 70_000], [top - 2, 70_000]):
             want = step_cost(model, H200, par, [SeqWork(1, c) for c in contexts])
             assert decode_step_cost(model, H200, par, [c + 1 for c in contexts]) == want
