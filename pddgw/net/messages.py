@@ -30,7 +30,7 @@ MAX_BATCH_ITEMS = 4096             # TokenItems in one TokenBatch (their ids tog
 MAX_HASHES = 1 << 20
 TOKEN_ID_LIMIT = 1 << 31           # token IDs are int32 >= 0 on the wire
 _SHORT_RUN = 256                   # TokenItem runs up to this long are checked inline
-_INTS = {int}
+_INTS = frozenset({int})
 HASH_LIMIT = 1 << 64               # prefix hashes are uint64
 
 

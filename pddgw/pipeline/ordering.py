@@ -19,7 +19,7 @@ from __future__ import annotations
 from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.pipeline.state import ROLES, Role
 
-_INTS = {int}        # the types of a run's ids when every one is an exact int (a bool is not)
+_INTS = frozenset({int})   # the types of a run's ids when every one is an exact int (a bool is not)
 
 
 class OrderingError(RuntimeError):

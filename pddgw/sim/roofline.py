@@ -208,8 +208,8 @@ def _v4_consts(model: ModelProfile) -> tuple[int, ...]:
 def _v4_attention(model: ModelProfile, his: list[int], chunks: Sequence[SeqWork]) -> tuple[float, float]:
     """(attention FLOPs, KV bytes) of a step: `ModelProfile.attention_flops` and
     `kv_read_bytes` summed over the sequences, with the constants hoisted (the sim prices
-    every step; tests pin the two paths equal).  `his`: each decode's query position
-    (context + 1), `chunks`: the sequences of more than one new token."""
+    every step; tests pin the two paths equal).  `his`: each decode's length with its new
+    token (context + 1), `chunks`: the sequences of more than one new token."""
     layers, window, e, i, csa, hca, k, per_entry, per_index = _v4_consts(model)
     c, h = V4_CSA_RATIO, V4_HCA_RATIO
     # Decodes (the common case) summed per term in C (map over builtins): every term is an
