@@ -76,7 +76,6 @@ class BlockManager:
         self._lru: OrderedDict[int, None] = OrderedDict()   # cached blocks, oldest first
         self._by_hash: dict[int, int] = {}
         self._pins: dict[str, list[int]] = {}
-        self._pin_hashes: dict[str, Sequence[int]] = {}   # pin key -> the hashes its blocks hold, in order
 
     # ---- queries ------------------------------------------------------------
     @property
@@ -108,20 +107,19 @@ class BlockManager:
     def match(self, hashes: Sequence[int], pinned: str | None = None) -> list[int]:
         """Blocks holding the leading run of `hashes` (no reference taken).
 
-        `pinned`: the key of a pin taken on this run for these hashes (`pin` with its hashes),
-        if there is one: a held block is never evicted nor its hash given to another, so the
-        pin's blocks are still the run's start and only the hashes past them are looked up.
-        The same answer; a 64K-token prompt admitted after its prefix query skips a thousand
-        look-ups in a table of millions of blocks (each a cache miss)."""
+        `pinned`: the key of a pin (a prefix query's), if there is one: where its blocks hold
+        the leading hashes (their own, `_hash`), they are the run's start - a held block is
+        never evicted nor its hash given to another - and only the hashes past them are looked
+        up.  The same answer; a 64K-token prompt admitted after its prefix query skips a
+        thousand look-ups in a table of millions of blocks (each a cache miss)."""
         if not self.enable_prefix_caching or not hashes:
             return []
         start: list[int] = []
-        known = self._pin_hashes.get(pinned) if pinned is not None else None
-        if known and all(map(eq, hashes, known)):
-            blocks = self._pins[pinned]  # type: ignore[index]
-            if len(hashes) <= len(known):
+        blocks = self._pins.get(pinned) if pinned is not None else None
+        if blocks and all(map(eq, hashes, map(self._hash.__getitem__, blocks))):
+            if len(hashes) <= len(blocks):
                 return blocks[: len(hashes)]
-            start, hashes = blocks, hashes[len(known):]
+            start, hashes = blocks, hashes[len(blocks):]
         by_hash = self._by_hash
         if hashes[0] not in by_hash:
             return start[:]
@@ -188,21 +186,17 @@ class BlockManager:
         return True
 
     # ---- pins ---------------------------------------------------------------
-    def pin(self, key: str, blocks: Sequence[int], hashes: Sequence[int] = ()) -> None:
-        """Hold blocks under `key` (a transfer in flight) until `unpin(key)`.  `hashes`: those
-        `blocks` were matched for (`match(hashes)`), kept for a later `match(..., pinned=key)`."""
+    def pin(self, key: str, blocks: Sequence[int]) -> None:
+        """Hold blocks under `key` (a transfer in flight) until `unpin(key)`."""
         if key in self._pins:
             raise KeyError(f"pin {key!r} already exists")
         self.acquire(blocks)
         self._pins[key] = list(blocks)
-        if blocks and len(hashes) >= len(blocks):
-            self._pin_hashes[key] = hashes[: len(blocks)]
 
     def unpin(self, key: str) -> bool:
         blocks = self._pins.pop(key, None)
         if blocks is None:
             return False
-        self._pin_hashes.pop(key, None)
         self.release(blocks)
         return True
 

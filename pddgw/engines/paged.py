@@ -274,7 +274,7 @@ class PagedEngine(TrackedEngine):
         self._reclaim()
         blocks = self.blocks.match(block_hashes)
         if pin_key is not None:
-            self.blocks.pin(pin_key, blocks, block_hashes)
+            self.blocks.pin(pin_key, blocks)
         return len(blocks)
 
     def unpin(self, pin_key: str) -> bool:
@@ -437,6 +437,8 @@ class PagedEngine(TrackedEngine):
         self._reclaim()
         outputs, self._events = self._events, []
         self._held = False
+        if self._decode_step(outputs):
+            return outputs
         chunks = self.scheduler.schedule()
         if not chunks:
             return outputs
@@ -457,6 +459,12 @@ class PagedEngine(TrackedEngine):
                 outputs.append(RequestOutput(seq.request_id, (), len(seq.tokens) - seq.num_prompt,
                                              seq.num_computed, False, None, (), scored))
         return outputs
+
+    def _decode_step(self, outputs: list[RequestOutput]) -> bool:
+        """Subclass hook: run this step here when it is one decode token of every running
+        sequence (`Scheduler.decodes`), its outputs into `outputs`, and say so; False leaves the
+        step to the general path (chunks, `_forward`)."""
+        return False
 
     def _sampled(self, seq: Sequence, token: int, lp: TokenLogprobs | None, outputs: list[RequestOutput],
                  scored: tuple[TokenLogprobs, ...] = ()) -> None:

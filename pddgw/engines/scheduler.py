@@ -147,7 +147,7 @@ class Scheduler:
         if n < self.max_num_seqs:
             if self.waiting and n < self.max_num_batched_tokens:
                 return None                  # `schedule` would try to admit
-            if any(len(s.tokens) - s.num_computed - (1 if s.hold else 0) > 0 for s in self.ready):
+            if any(s.num_pending > 0 for s in self.ready):
                 return None                  # `_run_ready` would join one
         bs = self.blocks.block_size
         needy = []

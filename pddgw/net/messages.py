@@ -29,8 +29,6 @@ MAX_TOKEN_IDS = 1 << 20
 MAX_BATCH_ITEMS = 4096             # TokenItems in one TokenBatch (their ids together: MAX_TOKEN_IDS)
 MAX_HASHES = 1 << 20
 TOKEN_ID_LIMIT = 1 << 31           # token IDs are int32 >= 0 on the wire
-_SHORT_RUN = 256                   # TokenItem runs up to this long are checked inline
-_INTS = frozenset({int})
 HASH_LIMIT = 1 << 64               # prefix hashes are uint64
 
 
@@ -178,8 +176,7 @@ class TokenItem:
                 and type(self.done) is bool and type(reason) is str and len(reason) <= MAX_ID_CHARS
                 and type(ids) is tuple and (not ids or (len(ids) == 1 and type(ids[0]) is int
                                                         and 0 <= ids[0] < TOKEN_ID_LIMIT)
-                                            or (len(ids) <= _SHORT_RUN and set(map(type, ids)) == _INTS
-                                                and min(ids) >= 0 and max(ids) < TOKEN_ID_LIMIT))):
+                                            or (len(ids) <= MAX_TOKEN_IDS and in_range(ids, TOKEN_ID_LIMIT)))):
             return
         _text(self.request_id, "request_id")
         _uint(self.position, "position", 1 << 31)

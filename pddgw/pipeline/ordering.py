@@ -16,10 +16,10 @@ position are not compared (float rounding may differ between nodes).
 
 from __future__ import annotations
 
+from pddgw.core.ids import in_range
+from pddgw.core.sampling import TOKEN_ID_LIMIT
 from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.pipeline.state import ROLES, Role
-
-_INTS = frozenset({int})   # the types of a run's ids when every one is an exact int (a bool is not)
 
 
 class OrderingError(RuntimeError):
@@ -106,7 +106,7 @@ class StreamMerger:
         if (position == len(tokens) and not self._pending and 0 < n <= self.max_ahead and role in ROLES
                 and (self._sealed is None or position + n <= self._sealed)
                 and (not logprobs or len(logprobs) == n)
-                and set(map(type, token_ids)) == _INTS and min(token_ids) >= 0):
+                and in_range(token_ids, TOKEN_ID_LIMIT)):
             # The common piece: tokens at the next position, nothing waiting (a decoder's step,
             # or its stream interval's run): the one run `_drain` would make, without the
             # pending map - the source's run itself unless it ends the source's stream (what

@@ -62,7 +62,7 @@ class RequestResult:
     itl_s: array = field(default_factory=lambda: array("d"))
 
 
-@dataclass(slots=True, repr=False)
+@dataclass(slots=True)
 class RunResult:
     requests: list[RequestResult]
     duration_s: float                 # virtual: first arrival to last answer
@@ -87,13 +87,6 @@ class RunResult:
     # A watcher ended the run once its outcome was settled (`Decided`): `requests` holds those
     # that ended before, the rest were cancelled, nothing drained (and `leaked_*` mean nothing).
     decided: bool = False
-
-    def __repr__(self) -> str:
-        # Short: asyncio's Runner formats the finished main task, result included, on its way out
-        # (a refused `signal.Handlers(...)` lookup), and the generated repr of a probe's 17K
-        # requests took ~2 s of its ~100.
-        return (f"RunResult({len(self.requests)} requests, duration_s={self.duration_s:.1f}, "
-                f"drain_s={self.drain_s:.1f}, decided={self.decided})")
 
 
 def served_rps(run: RunResult) -> float:

@@ -156,16 +156,16 @@ class CostModelEngine(PagedEngine):
 
     # ---- time -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """`PagedEngine.step`; a step of one decode token of every running sequence (most of a
-        simulation's steps: `Scheduler.decodes`) in one pass over them, without a Chunk, a
-        SeqWork or a sampled entry each: the same tokens, outputs and cost."""
         self.last_cost = None
-        self._reclaim()
+        return super().step()
+
+    def _decode_step(self, outputs: list[RequestOutput]) -> bool:
+        """A step of one decode token of every running sequence (most of a simulation's steps)
+        in one pass over them, without a Chunk, a SeqWork or a sampled entry each: the same
+        tokens, outputs and cost as the general step."""
         seqs = None if self._scoring else self.scheduler.decodes()
         if seqs is None:
-            return super().step()
-        outputs, self._events = self._events, []
-        self._held = False
+            return False
         bs = self.blocks.block_size
         drawn = self._drawn
         lengths = []                          # each sequence's, with this step's token
@@ -192,7 +192,7 @@ class CostModelEngine(PagedEngine):
                 self._sampled(seq, token, lp, outputs)
         self.last_cost = decode_step_cost(self.profile, self.hardware, self.parallel, lengths)
         self.busy_s += self.last_cost.seconds
-        return outputs
+        return True
 
     def step_seconds(self) -> float:
         return self.last_cost.seconds if self.last_cost is not None else 0.0

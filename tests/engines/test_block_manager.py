@@ -114,7 +114,7 @@ def test_a_match_under_its_pin_looks_up_only_past_the_pinned_blocks():
     for b, h in zip(first, hashes):
         bm.publish(b, h)
     bm.release(first)
-    bm.pin("r", bm.match(hashes), hashes)                # its prefix query: 4 blocks held
+    bm.pin("r", bm.match(hashes))                        # its prefix query: 4 blocks held
     more = bm.allocate(2)                                # another request computes blocks 4 and 5
     bm.publish(more[0], hashes[4])
     bm.publish(more[1], hashes[5])
