@@ -41,15 +41,18 @@ Lifecycle of one kind's search (`_KindSearch`):
      (`refuted`); if it passes, its bisection runs, without simulating
      again what that pass settles (`goodput.Prober`: attainment falls as
      the offered rate rises, the bisection's own premise), and stops as
-     soon as a probe fails where the cap, now counting each simulated
+     soon as the cap of its lowest fail, now counting each simulated
      lower rate's own requests per second within SLO instead of the
      roofline's bound (`_below`), ranks below the table.  An overloaded probe
      settles early (`probe.run_probe`), so a refutation costs less than a
      bisection.  Where the bisection's start lies above the refuting rate,
      the start goes first: a pass there settles the refuting rate, and a
      contender passes its start anyway, so a refuting probe below it would
-     be one passing probe more; a fail there is followed by the refuting
-     probe.
+     be one passing probe more.  A fail there is followed by its neighbour
+     below, where the goodput most often lies (`goodput.start_rate`), if
+     that is above the refuting rate: a pass there ends the bisection and
+     settles the refuting rate (two probes where the refuting probe first
+     took three); a fail, by the refuting probe.
 
 `exhaustive = True` is the brute force the tests compare against: every
 candidate, every probe simulated, no pruning, no bound and no start (the plain
@@ -210,9 +213,13 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
 
     def seen(p: Probe) -> None:
         say(f"probe at {p.rate:.4g} req/s: {describe(p)}")
-        if beat is not None and not exhaustive and p.attainment < plan.slo.attainment \
-                and _below(at, prof, cand, work, p.rate, probes=prober.probes) / cand.price < beat:
-            raise _Refuted(p.rate)
+        if beat is None or exhaustive:
+            return
+        # The lowest fail caps tightest; a pass below it can tighten its cap (its own window's
+        # requests within SLO instead of the roofline's bound), so every probe checks.
+        fail = min((q.rate for q in prober.probes if q.attainment < plan.slo.attainment), default=None)
+        if fail is not None and _below(at, prof, cand, work, fail, probes=prober.probes) / cand.price < beat:
+            raise _Refuted(fail)
 
     prober = Prober(plan.slo.attainment, lambda r: simulate_probe(plan, cand, r),
                     lambda r: _pruned(at, prof, cand, work(r))[1], exhaustive, seen)
@@ -221,8 +228,13 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
     at_rate = None if beat is None or exhaustive else refuting_rate(at, prof, cand, work, beat)
     start = None if exhaustive else start_rate(g, lambda r: capacity(at, prof, cand, work(r)).rate)
     try:
-        # A start above the refuting rate goes first (lifecycle step 5).
-        if at_rate is not None and not (start is not None and start > at_rate and prober.passes(start)):
+        if at_rate is not None:
+            # A start above the refuting rate goes first, then, if it fails, its neighbour below
+            # where that lies above the refuting rate (lifecycle step 5).
+            if start is not None and start > at_rate and not prober.passes(start):
+                below = max(r for r in grid(g) if r < start)
+                if below > at_rate:
+                    prober.passes(below)
             prober.passes(at_rate)
         goodput, offered, probes = bisect(g, prober, start)
     except _Refuted as e:

@@ -356,8 +356,8 @@ def test_the_roofline_never_prunes_a_probe_that_would_pass(searched):
 def test_a_refuting_probe_is_one_failing_probe_that_caps_the_goodput_below_the_table(searched):
     """Lifecycle step 5: once the table is full, a candidate is offered the highest grid rate at
     which a fail caps its goodput per USD below the table's last row; failing there (or at any
-    later probe whose cap, counting the simulated rates below it, ranks below the table) it is
-    not evaluated further.  Brute force evaluated each one whole: every refuted candidate's
+    later probe after which its lowest fail's cap, counting the simulated rates below it, ranks
+    below the table) it is not evaluated further.  Brute force evaluated each one whole: every refuted candidate's
     goodput is within the cap, and its failing probe is the one brute force ran at that rate."""
     plan, brute, pruned, memo, calls = searched
     refuted = [(kind, e) for kind, r in pruned.items() for e in r.all_evaluations if e.refuted_at is not None]
@@ -366,8 +366,12 @@ def test_a_refuting_probe_is_one_failing_probe_that_caps_the_goodput_below_the_t
         full = next(b for b in brute[kind].all_evaluations if b.candidate == e.candidate)
         assert full.goodput_rps <= e.upper_rps
         assert e.per_usd < pruned[kind].ranked[-1].per_usd and full.per_usd < pruned[kind].ranked[-1].per_usd
-        probe = e.probes[-1]                 # the search stopped at the failing probe
-        assert probe.rate == e.refuted_at and probe.attainment < plan.slo.attainment and e.goodput_rps is None
+        # Refuted at its lowest fail (the search stopped at that fail, or at a pass below it
+        # whose window tightened the fail's cap).
+        fails = [p for p in e.probes if p.attainment < plan.slo.attainment]
+        probe = min(fails, key=lambda p: p.rate)
+        assert probe.rate == e.refuted_at and e.goodput_rps is None
+        assert e.probes[-1] is probe or e.probes[-1].rate < probe.rate
         if probe.simulated:
             assert memo[e.candidate, probe.rate][0] == probe.window
         # Refuting took no more probes than evaluating.
@@ -477,12 +481,14 @@ def _threshold_probe(goodput_at: float, asked: list[float]):
 
 @pytest.mark.parametrize("goodput_at, probes, goodput", [
     (8.0, [8.0, 11.3137], 8.0),                 # the start passes: no refuting probe below it
-    (5.0, [8.0, 4.0, 5.6569], 4.0),             # it fails: the refuting probe, then the bisection
-    (3.0, [8.0, 4.0], None),                    # both fail: refuted at 4 req/s
+    (6.0, [8.0, 5.6569], 5.7),                  # it fails, its neighbour below passes: settled
+    (5.0, [8.0, 5.6569, 4.0], 4.0),             # both fail: the refuting probe, then the bisection
+    (3.0, [8.0, 5.6569, 4.0], None),            # all three fail: refuted at 4 req/s
 ])
 def test_a_start_above_the_refuting_rate_is_probed_first(monkeypatch, goodput_at, probes, goodput):
     """Lifecycle step 5 with a start (`goodput.start_rate`) above the refuting rate: the start goes
-    first, and a pass there settles the refuting rate without simulating it."""
+    first, and a pass there settles the refuting rate without simulating it; a fail there is
+    followed by its neighbour below (above the refuting rate), whose pass settles it too."""
     plan = load_plan(TINY)
     cand = next(c for c in candidates(plan, LLAMA8B, "same-dc") if c.label() == "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1")
     asked: list[float] = []
