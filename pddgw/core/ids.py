@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from pddgw.core.identity_memo import IdentityMemo
 
+TOKEN_ID_LIMIT = 1 << 31     # token ids are int32 >= 0 on the wire
 SHORT = 1024            # shorter sequences are checked directly: cheaper than the lookup's upkeep
 
 # (every value an int and not a bool, smallest, largest); for a tuple its builder noted

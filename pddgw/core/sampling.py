@@ -60,11 +60,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pddgw.core.errors import FieldError
+from pddgw.core.ids import TOKEN_ID_LIMIT
 
 MAX_LOGPROBS = 20            # top alternatives per position, at most (OpenAI's bound)
 MAX_STOP_IDS = 64            # stop_token_ids entries, at most
 MAX_LOGIT_BIAS = 1024        # logit_bias entries, at most
-TOKEN_ID_LIMIT = 1 << 31     # token ids are int32 >= 0 on the wire
 TOP_K_LIMIT = 1 << 31        # top_k is below this
 COUNT_LIMIT = 1 << 31        # max_tokens, min_tokens are below this
 SEED_LIMIT = 1 << 63

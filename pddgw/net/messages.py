@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pddgw.core.errors import check as _check
-from pddgw.core.ids import in_range
+from pddgw.core.ids import TOKEN_ID_LIMIT, in_range
 from pddgw.core.kv import MAX_REQUEST_ID_CHARS, Buffer, KVChunk, KVSpan  # noqa: F401  (part of this module's message set)
 
 # Limits on metadata fields: generous for real use, small enough that a hostile
@@ -28,7 +28,6 @@ MAX_TEXT_CHARS = 4096
 MAX_TOKEN_IDS = 1 << 20
 MAX_BATCH_ITEMS = 4096             # TokenItems in one TokenBatch (their ids together: MAX_TOKEN_IDS)
 MAX_HASHES = 1 << 20
-TOKEN_ID_LIMIT = 1 << 31           # token IDs are int32 >= 0 on the wire
 HASH_LIMIT = 1 << 64               # prefix hashes are uint64
 
 

@@ -16,8 +16,7 @@ position are not compared (float rounding may differ between nodes).
 
 from __future__ import annotations
 
-from pddgw.core.ids import in_range
-from pddgw.core.sampling import TOKEN_ID_LIMIT
+from pddgw.core.ids import TOKEN_ID_LIMIT, in_range
 from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.pipeline.state import ROLES, Role
 

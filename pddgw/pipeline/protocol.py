@@ -58,10 +58,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pddgw.core.errors import check as _check
+from pddgw.core.ids import TOKEN_ID_LIMIT
 from pddgw.core.sampling import MAX_LOGPROBS, SamplingParams
 from pddgw.core.tokens import LOGPROB_FLOOR, TokenLogprobs
 from pddgw.engines.types import RequestError
-from pddgw.net.messages import MAX_ID_CHARS, MAX_TEXT_CHARS, MAX_TOKEN_IDS, TOKEN_ID_LIMIT
+from pddgw.net.messages import MAX_ID_CHARS, MAX_TEXT_CHARS, MAX_TOKEN_IDS
 from pddgw.net.messages import _flag, _int_tuple, _number, _text, _uint
 
 MAX_TARGETS = 16
