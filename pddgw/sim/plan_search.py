@@ -51,8 +51,8 @@ Lifecycle of one kind's search (`_KindSearch`):
      be one passing probe more.  A fail there is followed by its neighbour
      below, where the goodput most often lies (`goodput.start_rate`), if
      that is above the refuting rate: a pass there ends the bisection and
-     settles the refuting rate (two probes where the refuting probe first
-     took three); a fail, by the refuting probe.
+     settles the refuting rate (two probes; the refuting probe before the
+     neighbour took three); a fail, by the refuting probe.
 
 `exhaustive = True` is the brute force the tests compare against: every
 candidate, every probe simulated, no pruning, no bound and no start (the plain

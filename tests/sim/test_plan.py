@@ -357,11 +357,20 @@ def test_a_refuting_probe_is_one_failing_probe_that_caps_the_goodput_below_the_t
     """Lifecycle step 5: once the table is full, a candidate is offered the highest grid rate at
     which a fail caps its goodput per USD below the table's last row; failing there (or at any
     later probe after which its lowest fail's cap, counting the simulated rates below it, ranks
-    below the table) it is not evaluated further.  Brute force evaluated each one whole: every refuted candidate's
-    goodput is within the cap, and its failing probe is the one brute force ran at that rate."""
+    below the table) it is not evaluated further.  Brute force evaluated each one whole: every
+    refuted candidate's goodput is within the cap, and its failing probe is the one brute force
+    ran at that rate."""
     plan, brute, pruned, memo, calls = searched
     refuted = [(kind, e) for kind, r in pruned.items() for e in r.all_evaluations if e.refuted_at is not None]
     assert refuted and sum(r.refuted for r in pruned.values()) == len(refuted)
+    # Naive's one-P split with two MD fails 2 req/s, and its pass at 1.41 (its window's own
+    # requests within SLO) caps that fail below the table: refuted by the pass that came second.
+    assert [(kind, e.candidate.label(), round(e.refuted_at, 4), [round(p.rate, 4) for p in e.probes])
+            for kind, e in refuted] == [
+        ("naive-cross-dc", "P 1 x H100-SXM tp1 | MD 2 x H200-SXM tp1", 2.0, [2.0, 1.4142]),
+        ("naive-cross-dc", "P 2 x H100-SXM tp1 | MD 2 x H200-SXM tp1", 2.0, [2.0]),
+        ("pdd", "P 1 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 2 x H200-SXM tp1", 11.3137, [11.3137]),
+        ("pdd", "P 1 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 8.0, [8.0])]
     for kind, e in refuted:
         full = next(b for b in brute[kind].all_evaluations if b.candidate == e.candidate)
         assert full.goodput_rps <= e.upper_rps
