@@ -116,15 +116,21 @@ def bisect(spec: GoodputSpec, prober: Prober, start: float | None = None) -> tup
     with.  With attainment monotone in the rate, the answer is the same either way (the
     grid's highest passing rate); a start off the mark costs at most two probes more."""
     if start is not None:
-        rates = grid(spec)
-        i = rates.index(start)
-        j = i + 1 if prober.passes(start) else i - 1
-        if 0 <= j < len(rates):
-            prober.passes(rates[j])
+        bracket(spec, prober, start)
     offered, _ = report.sla_goodput(lambda r: 1.0 if prober.passes(r) else 0.0, prober.target,
                                     spec.rate_min, spec.rate_max, spec.probes)
     best = prober.probe(offered).window if offered else None
     return (best.slo_rps if best else 0.0), offered, tuple(prober.probes)
+
+
+def bracket(spec: GoodputSpec, prober: Prober, start: float) -> None:
+    """`bisect`'s first two probes: `start` (a rate of the grid), then its grid neighbour on the
+    side its verdict leaves open (above a pass, below a fail), where there is one."""
+    rates = grid(spec)
+    i = rates.index(start)
+    j = i + 1 if prober.passes(start) else i - 1
+    if 0 <= j < len(rates):
+        prober.passes(rates[j])
 
 
 def start_rate(spec: GoodputSpec, capacity: Callable[[float], float]) -> float | None:

@@ -48,11 +48,12 @@ Lifecycle of one kind's search (`_KindSearch`):
      bisection.  Where the bisection's start lies above the refuting rate,
      the start goes first: a pass there settles the refuting rate, and a
      contender passes its start anyway, so a refuting probe below it would
-     be one passing probe more.  A fail there is followed by its neighbour
-     below, where the goodput most often lies (`goodput.start_rate`), if
-     that is above the refuting rate: a pass there ends the bisection and
-     settles the refuting rate (two probes; the refuting probe before the
-     neighbour took three); a fail, by the refuting probe.
+     be one passing probe more.  As in the bisection (`goodput.bracket`), a
+     fail there is followed by its neighbour below, where the goodput most
+     often lies (`goodput.start_rate`), at or above the refuting rate (both
+     are grid rates): a pass there ends the bisection and settles the
+     refuting rate (two probes; the refuting probe before the neighbour took
+     three); a fail leaves the refuting probe next, if it is lower.
 
 `exhaustive = True` is the brute force the tests compare against: every
 candidate, every probe simulated, no pruning, no bound and no start (the plain
@@ -71,7 +72,7 @@ from dataclasses import dataclass, field
 
 from pddgw.sim import report
 from pddgw.sim.cluster import served_rps
-from pddgw.sim.goodput import Probe, Prober, bisect, describe, grid, start_rate
+from pddgw.sim.goodput import Probe, Prober, bisect, bracket, describe, grid, start_rate
 from pddgw.sim.plan_bounds import Bound, Demand, Setting, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
 from pddgw.sim.profiles import ModelProfile, model
@@ -229,12 +230,10 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
     start = None if exhaustive else start_rate(g, lambda r: capacity(at, prof, cand, work(r)).rate)
     try:
         if at_rate is not None:
-            # A start above the refuting rate goes first, then, if it fails, its neighbour below
-            # where that lies above the refuting rate (lifecycle step 5).
-            if start is not None and start > at_rate and not prober.passes(start):
-                below = max(r for r in grid(g) if r < start)
-                if below > at_rate:
-                    prober.passes(below)
+            # A start above the refuting rate goes first, with the neighbour its verdict leaves
+            # open, as in the bisection (lifecycle step 5); then the refuting rate, unless settled.
+            if start is not None and start > at_rate:
+                bracket(g, prober, start)
             prober.passes(at_rate)
         goodput, offered, probes = bisect(g, prober, start)
     except _Refuted as e:
