@@ -79,6 +79,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pddgw.engines.types import RequestError
+from pddgw.engines.model_spec import WeightsError, read_json
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
@@ -93,7 +94,7 @@ _BIG_WIDTH = re.compile(r"\d{7,}")
 MIN_JINJA2 = (3, 1, 6)
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(WeightsError):
     """A checkpoint's chat template cannot be used (unreadable, does not compile)."""
 
 
@@ -115,16 +116,6 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ChatTemplateError(f"{path}: {e}") from None
-    if not isinstance(data, dict):
-        raise ChatTemplateError(f"{path}: expected a JSON object")
-    return data
-
-
 def read_special_tokens(directory: str | Path) -> dict[str, str]:
     """`bos_token` ... `mask_token` of tokenizer_config.json, the missing ones
     from special_tokens_map.json; values may be strings or AddedToken dicts."""
@@ -132,7 +123,7 @@ def read_special_tokens(directory: str | Path) -> dict[str, str]:
     out: dict[str, str] = {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):    # first wins
         if (d / name).is_file():
-            cfg = _read_json(d / name)
+            cfg = read_json(d / name)
             for key in SPECIAL_TOKEN_KEYS:
                 text = _token_text(cfg.get(key))
                 if text is not None:
@@ -153,7 +144,7 @@ def read_chat_templates(directory: str | Path) -> dict[str, str]:
         return files
     if not (d / "tokenizer_config.json").is_file():
         return {}
-    tpl = _read_json(d / "tokenizer_config.json").get("chat_template")
+    tpl = read_json(d / "tokenizer_config.json").get("chat_template")
     if tpl is None:
         return {}
     if isinstance(tpl, str):

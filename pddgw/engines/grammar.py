@@ -15,7 +15,9 @@ the same logits the same way (invariant 1).  Rebuilding costs about
 
 The matcher's stop tokens are the model's EOS ids: once the grammar is
 complete the mask admits only them, so the sequence ends with EOS and its
-output (minus the EOS) matches the grammar.  `max_tokens` still caps it
+output (minus the EOS) matches the grammar.  A model that states no EOS
+serves, but refuses every grammar (`NO_EOS`): its output could only end at
+max_tokens, cut short of what the grammar asked for.  `max_tokens` still caps it
 (finish "length", the text then a prefix of a valid one).  A token the matcher
 refuses (only possible if a node was handed tokens of another grammar) leaves
 the constraint `broken`: the mask then admits only EOS, so the sequence ends
@@ -50,6 +52,8 @@ import torch
 
 from pddgw.engines.types import RequestError
 
+NO_EOS = ("grammar: the model states no EOS token (config.json, generation_config.json or the "
+          "tokenizer's eos_token), so a constrained output could never end")
 CACHE_ENTRIES = 64            # compiled grammars kept per engine (least recently used goes first)
 REBUILD_US_PER_100 = 80       # measured: feeding 100 output tokens to a fresh matcher (byte vocab, CPU: 79 us)
 
@@ -134,8 +138,6 @@ class Grammars:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int], max_threads: int = 1):
         stops = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
-        if not stops:
-            raise ValueError("a grammar needs EOS ids inside the vocabulary to end the output")
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stops)
         self._tokenizer = tokenizer
@@ -177,6 +179,8 @@ class Grammars:
         return got
 
     def constraint(self, grammar: tuple[str, str]) -> Constraint:
+        if not self.stop_token_ids:
+            raise RequestError(NO_EOS)
         xg = _xgrammar()
         return Constraint(xg.GrammarMatcher(self.compile(grammar)), self.stop_token_ids)
 

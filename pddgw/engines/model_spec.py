@@ -23,7 +23,9 @@ and the model stays exact.  Longer contexts are not supported.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +44,19 @@ def quote_names(names: list[str], limit: int = 8) -> str:
     """Up to `limit` names quoted, then how many more: for errors naming tensors."""
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as an object; WeightsError naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read it ({e.strerror})") from None
+    except ValueError as e:                       # JSONDecodeError, UnicodeDecodeError
+        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise WeightsError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 class UnsupportedModelError(ValueError):
@@ -133,6 +148,16 @@ class ModelSpec:
                 raise UnsupportedModelError(f"config.json: missing required key {key!r}")
             return d[key]
 
+        def num(key: str, kind: type, default: Any = None) -> Any:
+            """d[key] as an int or float (default when absent or null); the key named otherwise."""
+            v = d.get(key)
+            if v is None:
+                return req(key) if default is None else default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+                raise WeightsError(f"config.json: {key} must be {'an integer' if kind is int else 'a number'}, "
+                                   f"got {v!r}")
+            return kind(v)
+
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"config.json: hidden_act {act!r} unsupported (only 'silu')")
@@ -141,12 +166,12 @@ class ModelSpec:
         if d.get("pretraining_tp", 1) not in (1, None):
             raise UnsupportedModelError("config.json: pretraining_tp != 1 is unsupported")
 
-        hidden = int(req("hidden_size"))
-        heads = int(req("num_attention_heads"))
-        kv_heads = int(d.get("num_key_value_heads") or heads)
-        head_dim = int(d.get("head_dim") or hidden // heads)
-        num_layers = int(req("num_hidden_layers"))
-        max_pos = int(d.get("max_position_embeddings") or 2048)
+        hidden = num("hidden_size", int)
+        heads = num("num_attention_heads", int)
+        kv_heads = num("num_key_value_heads", int, heads) or heads
+        head_dim = num("head_dim", int, 0) or hidden // max(heads, 1)
+        num_layers = num("num_hidden_layers", int)
+        max_pos = num("max_position_embeddings", int, 0) or 2048
         theta, scaling = _decode_rope(d, max_pos)
 
         window = _sliding_window(d, model_type, num_layers)
@@ -162,27 +187,28 @@ class ModelSpec:
         else:
             attention_bias = bool(d.get("attention_bias", False))
 
-        eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-        bos = d.get("bos_token_id")
+        vocab = num("vocab_size", int)
+        bos = token_ids(d.get("bos_token_id"), "config.json: bos_token_id", vocab)
+        if len(bos) > 1:
+            raise WeightsError(f"config.json: bos_token_id must be one id, got {d['bos_token_id']!r}")
         return cls(
             arch=model_type,
-            vocab_size=int(req("vocab_size")),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(req("intermediate_size")),
+            intermediate_size=num("intermediate_size", int),
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=num("rms_norm_eps", float, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             qk_norm=model_type == "qwen3",
             max_position_embeddings=max_pos,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=eos_ids,
+            bos_token_id=bos[0] if bos else None,
+            eos_token_ids=token_ids(d.get("eos_token_id"), "config.json: eos_token_id", vocab),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -227,6 +253,18 @@ class ModelSpec:
         if model_type == "mistral":
             d["sliding_window"] = None
         return d
+
+
+def token_ids(value: Any, where: str, vocab_size: int) -> tuple[int, ...]:
+    """A config's token id or list of ids (null: none) -> ids; WeightsError naming `where`
+    ("FILE: KEY") when one is not an integer of the vocabulary."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise WeightsError(f"{where} must be a token id or a list of token ids, got {value!r}")
+        if not 0 <= t < vocab_size:
+            raise WeightsError(f"{where}: token id {t} is outside the vocabulary (vocab_size {vocab_size})")
+    return tuple(dict.fromkeys(ids))
 
 
 def _decode_rope(d: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:

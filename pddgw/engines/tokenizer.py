@@ -31,7 +31,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pddgw.engines.chat_template import ChatTemplate, ControlTokens, normalize_messages
+from pddgw.engines.chat_template import ChatTemplate, ControlTokens, normalize_messages, read_special_tokens
+from pddgw.engines.model_spec import WeightsError, read_json, token_ids
 from pddgw.engines.types import RequestError
 
 IM_START = "<|im_start|>"
@@ -183,12 +184,13 @@ class ByteTokenizer(Tokenizer):
     BOS, EOS, IM_START_ID, IM_END_ID, PAD = range(256, 256 + len(SPECIALS))
     MIN_VOCAB = 256 + len(SPECIALS)
 
-    def __init__(self, vocab_size: int = 384) -> None:
+    def __init__(self, vocab_size: int = 384, eos_token_ids: tuple[int, ...] | None = None) -> None:
+        """`eos_token_ids`: what a checkpoint without tokenizer.json states (None: <eos>, <|im_end|>)."""
         if vocab_size < self.MIN_VOCAB:
             raise ValueError(f"ByteTokenizer needs vocab_size >= {self.MIN_VOCAB}")
         self._vocab_size = vocab_size
         self._bos = self.BOS
-        self._eos = (self.EOS, self.IM_END_ID)
+        self._eos = (self.EOS, self.IM_END_ID) if eos_token_ids is None else tuple(eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -202,6 +204,37 @@ class ByteTokenizer(Tokenizer):
     @property
     def _add_bos(self) -> bool:
         return True
+
+
+def special_ids(directory: Path, vocab_size: int, special_tokens: Mapping[str, str] | None = None,
+                token_to_id: Any = None) -> tuple[int | None, tuple[int, ...]]:
+    """(bos id, eos ids) of a checkpoint directory, each from the first place that states it:
+    generation_config.json, then config.json (the ids generation stops at, as transformers'
+    `generate` reads them), then the tokenizer's own `bos_token` / `eos_token` text
+    (tokenizer_config.json or special_tokens_map.json: `special_tokens`, looked up with
+    `token_to_id`).  A model that states no eos has none: it serves, and only a request
+    that needs one (a grammar) is refused.  WeightsError naming the file and key when a
+    stated id is not a token id of the vocabulary."""
+    found: dict[str, tuple[int, ...]] = {}
+    for name in ("generation_config.json", "config.json"):            # the first wins
+        path = directory / name
+        if not path.is_file():
+            continue
+        cfg = read_json(path)
+        for key in ("bos_token_id", "eos_token_id"):
+            if key not in found:
+                ids = token_ids(cfg.get(key), f"{path}: {key}", vocab_size)
+                if ids:
+                    found[key] = ids
+    for key, text_key in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token")):
+        text = (special_tokens or {}).get(text_key)
+        tid = token_to_id(text) if text is not None and token_to_id is not None else None
+        if key not in found and tid is not None and 0 <= tid < vocab_size:
+            found[key] = (tid,)
+    bos = found.get("bos_token_id", ())
+    if len(bos) > 1:
+        raise WeightsError(f"{directory}: bos_token_id must be one id, got {list(bos)}")
+    return (bos[0] if bos else None), found.get("eos_token_id", ())
 
 
 class HFTokenizer(Tokenizer):
@@ -242,22 +275,26 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def from_dir(cls, directory: str | Path, vocab_size: int | None = None) -> HFTokenizer:
-        """tokenizer.json of a checkpoint directory; eos from generation_config.json
-        if present, else config.json; bos from config.json; the chat template as
-        `ChatTemplate.from_dir` reads it (ChatTemplateError if it does not compile)."""
-        import json
-
+        """tokenizer.json of a checkpoint directory, its bos / eos ids as `special_ids` reads
+        them, and the chat template as `ChatTemplate.from_dir` reads it.  WeightsError naming
+        the file when one of them cannot be used."""
         d = Path(directory)
-        merged: dict = {}
-        for name in ("config.json", "generation_config.json"):     # later wins
-            if (d / name).is_file():
-                merged.update({k: v for k, v in json.loads((d / name).read_text()).items()
-                               if k in ("bos_token_id", "eos_token_id") and v is not None})
-        eos = merged.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-        bos = merged.get("bos_token_id")
-        return cls(d / "tokenizer.json", None if bos is None else int(bos), eos_ids, vocab_size,
-                   ChatTemplate.from_dir(d))
+        path = d / "tokenizer.json"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        from tokenizers import Tokenizer as _Tok
+
+        try:
+            tok = _Tok.from_str(text)
+        except Exception as e:       # noqa: BLE001 (the tokenizers library raises a bare Exception)
+            raise WeightsError(f"{path}: not a tokenizer.json the tokenizers library reads "
+                               f"({str(e).splitlines()[0][:200]})") from None
+        template = ChatTemplate.from_dir(d)
+        bos, eos = special_ids(d, vocab_size or tok.get_vocab_size(with_added_tokens=True),
+                               read_special_tokens(d), tok.token_to_id)
+        return cls(None, bos, eos, vocab_size, template, json_text=text)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

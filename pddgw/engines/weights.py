@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,8 +37,8 @@ import torch
 from pddgw.engines.base import engine_class
 from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.model import LlamaModel
-from pddgw.engines.model_spec import ModelSpec, WeightsError, quote_names
-from pddgw.engines.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from pddgw.engines.model_spec import ModelSpec, WeightsError, quote_names, read_json
+from pddgw.engines.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, special_ids
 
 if TYPE_CHECKING:
     from pddgw.config import ModelConfig
@@ -113,7 +114,9 @@ def build_random(spec: ModelSpec, seed: int, dtype: torch.dtype | str, device: s
 def _checkpoint_files(d: Path) -> list[Path]:
     index = d / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise WeightsError(f"{index}: weight_map must be an object of tensor name -> file name")
         return [d / f for f in sorted(set(weight_map.values()))]
     if (d / "model.safetensors").exists():
         return [d / "model.safetensors"]
@@ -127,10 +130,18 @@ def _ignorable(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")
 
 
+def _open_safetensors(path: Path):
+    """safe_open of one weights file; WeightsError naming it when it is missing or not safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise WeightsError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 def load_hf_weights(model: LlamaModel, directory: str | Path) -> None:
     """Copy a safetensors checkpoint into `model`, cast to its dtype, strictly by name."""
-    from safetensors import safe_open
-
     d = Path(directory)
     targets = model.hf_tensors()
     loaded: set[str] = set()
@@ -138,7 +149,7 @@ def load_hf_weights(model: LlamaModel, directory: str | Path) -> None:
     tied_head: torch.Tensor | None = None
     with torch.no_grad():
         for path in _checkpoint_files(d):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with _open_safetensors(path) as f:
                 for name in f.keys():
                     if _ignorable(name):
                         continue
@@ -169,17 +180,6 @@ def load_hf_weights(model: LlamaModel, directory: str | Path) -> None:
                            "from model.embed_tokens.weight")
 
 
-def read_generation_eos(directory: Path) -> tuple[int, ...] | None:
-    """eos ids from generation_config.json, or None when it has none."""
-    path = directory / "generation_config.json"
-    if not path.is_file():
-        return None
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return None
-    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-
-
 TINY = "tiny"
 
 
@@ -199,9 +199,10 @@ def load_spec(path: str | None) -> tuple[ModelSpec, Tokenizer]:
 
     `path` None/""/"tiny" = the built-in tiny model with a `ByteTokenizer`; a
     GGUF (module docstring) = its metadata's spec and tokenizer; else a
-    Hugging Face checkpoint directory.  eos ids: generation_config.json's when
-    it has them, else config.json's, in both the spec and the tokenizer.
-    Without tokenizer.json the tokenizer is a `ByteTokenizer`.
+    Hugging Face checkpoint directory; its eos ids, in the spec and the
+    tokenizer alike, as `tokenizer.special_ids` finds them (none: the model
+    serves, grammars are refused).  Without tokenizer.json the tokenizer is a
+    `ByteTokenizer`.  Any file that cannot be used is a WeightsError naming it.
     """
     if is_tiny(path):
         spec = tiny_spec()
@@ -222,17 +223,18 @@ def load_spec(path: str | None) -> tuple[ModelSpec, Tokenizer]:
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise WeightsError(f"{d}: no config.json (expected a Hugging Face model directory)")
-    spec = ModelSpec.from_hf_config(json.loads(cfg_path.read_text()))
-    gen_eos = read_generation_eos(d)
-    if gen_eos is not None:
-        # generation_config.json names the ids that end a turn (Llama-3
-        # instruct lists several); config.json often has only one.
-        spec = dataclasses.replace(spec, eos_token_ids=gen_eos)
+    config = read_json(cfg_path)
+    try:
+        spec = ModelSpec.from_hf_config(config)
+    except (ValueError, TypeError) as e:
+        raise WeightsError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}") from None
     if (d / "tokenizer.json").is_file():
-        return spec, HFTokenizer.from_dir(d, spec.vocab_size)
+        tok = HFTokenizer.from_dir(d, spec.vocab_size)
+        return dataclasses.replace(spec, eos_token_ids=tok.eos_token_ids), tok
     if spec.vocab_size >= ByteTokenizer.MIN_VOCAB:
         # No tokenizer.json (a saved tiny model, a random test checkpoint): bytes.
-        return spec, ByteTokenizer(spec.vocab_size)
+        _, eos = special_ids(d, spec.vocab_size)
+        return dataclasses.replace(spec, eos_token_ids=eos), ByteTokenizer(spec.vocab_size, eos)
     raise WeightsError(f"{d}: no tokenizer.json, and vocab_size {spec.vocab_size} is too "
                        f"small for the byte tokenizer (needs {ByteTokenizer.MIN_VOCAB})")
 
@@ -268,6 +270,37 @@ def load_model(path: str | None, dtype: torch.dtype | str, device: str | torch.d
     else:
         load_hf_weights(model, Path(path))  # type: ignore[arg-type]
     return model, tok
+
+
+class SharedModels:
+    """One load of each model for the engines of one process (the embedded deployment's P, RLD,
+    MD and its WAN probe), keyed by (path, dtype, device, tiny seed): the weights are read,
+    dequantized and held once instead of once per engine.
+
+    Sharing keeps every node bit-identical: an engine only reads its model (the forward is a
+    pure function of its inputs and the KV cache passed to it, `LlamaModel.forward`), and the
+    oneDNN prepack (`LlamaModel.prepack`, called by every CPU engine) repacks only weights
+    written since the last pack, so the second engine's call keeps the first one's packed
+    copies.  Thread-safe: engines are built on worker threads.
+    """
+
+    def __init__(self) -> None:
+        self._loaded: dict[tuple[str, torch.dtype, str, int], tuple[LlamaModel, Tokenizer]] = {}
+        self._lock = threading.Lock()
+
+    def load(self, path: str | None, dtype: torch.dtype | str, device: str | torch.device,
+             tiny_seed: int = 0) -> tuple[LlamaModel, Tokenizer]:
+        """`load_model`'s model and tokenizer, loaded on the first call for their key."""
+        key = (path or TINY, resolve_dtype(dtype), str(torch.device(device)), tiny_seed)
+        with self._lock:
+            if key not in self._loaded:
+                self._loaded[key] = load_model(path, dtype, device, tiny_seed)
+            return self._loaded[key]
+
+    def clear(self) -> None:
+        """Forget every model (the engines that hold one keep it)."""
+        with self._lock:
+            self._loaded.clear()
 
 
 def save_hf_checkpoint(model: LlamaModel, directory: str | Path) -> None:
