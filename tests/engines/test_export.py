@@ -30,7 +30,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-hf")
-    assert cli.main(["export-model", str(d)]) == 0
+    assert cli.main(["export-model", str(d), "--model", "tiny"]) == 0
     return d
 
 
