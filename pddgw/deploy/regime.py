@@ -33,7 +33,7 @@ from pddgw.engines.base import Engine, create_engine, engine_class
 from pddgw.engines.kv_pool import DTYPES
 from pddgw.core.sampling import SamplingParams
 from pddgw.engines.types import EngineRequest
-from pddgw.engines.weights import load_spec_for
+from pddgw.engines.weights import SharedModels, load_spec_for
 
 log = structlog.get_logger(__name__)
 
@@ -150,36 +150,37 @@ def probe_node(cfg: Config) -> NodeConfig | None:
     return None
 
 
-def _probe(cfg: Config, node: NodeConfig | None) -> float:
+def _probe(cfg: Config, node: NodeConfig | None, models: SharedModels | None) -> float:
     ecfg = cfg.engine_for(node)
     # Only the blocks the probe needs: a copy of the whole pool would be memory for nothing.
     need = PROBE_PROMPT_TOKENS + PROBE_WARMUP_STEPS + PROBE_STEPS + 2
     ecfg = dataclasses.replace(ecfg, num_blocks=-(-need // ecfg.block_size) + 1)
-    engine, _ = create_engine(cfg, ecfg)
+    engine, _ = create_engine(cfg, ecfg, models)
     return measure_decode_step_s(engine)
 
 
-async def probe_step_s(cfg: Config) -> float:
+async def probe_step_s(cfg: Config, models: SharedModels | None = None) -> float:
     """The decode step of a throwaway engine configured like the one that runs MD, measured off the loop.
 
     A throwaway engine, not MD's own: the probe leaves nothing in MD's prefix
-    cache or statistics.  It loads the weights once more for the moment it
-    runs (the tiny model: milliseconds) with a pool of a few blocks.
+    cache or statistics.  Its weights come from `models` (the ones the
+    deployment's engines then share), else are loaded for the moment it runs;
+    its pool has a few blocks.
     """
     node = probe_node(cfg)
     if engine_class(cfg.engine_for(node).implementation).runs_inline:
-        return _probe(cfg, node)            # modeled time: bookkeeping only
-    return await asyncio.to_thread(_probe, cfg, node)
+        return _probe(cfg, node, models)            # modeled time: bookkeeping only
+    return await asyncio.to_thread(_probe, cfg, node, models)
 
 
-async def resolve(cfg: Config) -> tuple[Config, DerivedWan | None]:
+async def resolve(cfg: Config, models: SharedModels | None = None) -> tuple[Config, DerivedWan | None]:
     """-> (`cfg` with its WAN and policy figures derived, what was derived) when
     the regime applies; else (`cfg` itself, None)."""
     if not regime_applies(cfg):
         return cfg, None
     regime = cfg.net.regime
     measured = regime.step_ms == 0
-    step_s = await probe_step_s(cfg) if measured else regime.step_ms / 1000.0
+    step_s = await probe_step_s(cfg, models) if measured else regime.step_ms / 1000.0
     base = next((s for s in cfg.net.links if s.name == WAN), None)
     d = derive(regime, step_s, kv_bytes_per_token(cfg), base)
     log.info("wan_regime", step_ms=round(d.step_ms, 4), step_measured=measured,

@@ -46,7 +46,7 @@ from pddgw.api.server import build_app
 from pddgw.config import Config, ConfigError, NodeConfig, StartupError
 from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.base import create_engine, engine_class
-from pddgw.engines.weights import load_spec_for, served_model_name
+from pddgw.engines.weights import SharedModels, load_spec_for, served_model_name
 from pddgw.metrics import metrics_route
 from pddgw.net import messages as m
 from pddgw.net.errors import LinkError
@@ -164,17 +164,17 @@ def _handle(n: NodeConfig, cfg: Config, link: Link) -> NodeHandle:
     return NodeHandle(n, link, ecfg.block_size, ecfg.max_num_seqs * ecfg.dp_ranks, dp_ranks=ecfg.dp_ranks)
 
 
-def _make_worker(cfg: Config, n: NodeConfig, connect) -> WorkerNode:
+def _make_worker(cfg: Config, n: NodeConfig, connect, models: SharedModels | None) -> WorkerNode:
     ecfg = cfg.engine_for(n)
-    engine, _ = create_engine(cfg, ecfg)
+    engine, _ = create_engine(cfg, ecfg, models)
     return WorkerNode(n.name, n.role, engine, connect, cfg.net.kv_frame_bytes, ecfg.stream_interval)
 
 
-async def _build_worker(cfg: Config, n: NodeConfig, connect) -> WorkerNode:
+async def _build_worker(cfg: Config, n: NodeConfig, connect, models: SharedModels | None = None) -> WorkerNode:
     """Loading weights takes real time: off the loop, unless the engine only models time."""
     if engine_class(cfg.engine_for(n).implementation).runs_inline:
-        return _make_worker(cfg, n, connect)
-    return await asyncio.to_thread(_make_worker, cfg, n, connect)
+        return _make_worker(cfg, n, connect, models)
+    return await asyncio.to_thread(_make_worker, cfg, n, connect, models)
 
 
 class Embedded:
@@ -183,11 +183,13 @@ class Embedded:
     Unless the config gives the WAN's figures, `start` derives them from the
     decode step of MD's engine (deploy/regime.py): after `start`,
     `self.cfg` is the config the deployment runs with and `self.wan_regime`
-    what was derived (None when the WAN was configured).
+    what was derived (None when the WAN was configured).  The engines (and
+    the WAN probe's) share one load of the weights (`weights.SharedModels`).
     """
 
     def __init__(self, cfg: Config):
         self.cfg = with_topology(cfg)
+        self.models = SharedModels()
         self.net = InProcNetwork(self.cfg.net)
         self.workers: dict[str, WorkerNode] = {}
         self.router_side: RouterSide | None = None
@@ -196,7 +198,7 @@ class Embedded:
     async def start(self) -> RouterSide:
         # The emulated WAN may come from this machine's decode step ([net.regime]):
         # derive it before any node or link exists, so every part sees the same figures.
-        cfg, self.wan_regime = await regime.resolve(self.cfg)
+        cfg, self.wan_regime = await regime.resolve(self.cfg, self.models)
         if self.wan_regime is not None:
             self.cfg = cfg
             self.net = InProcNetwork(cfg.net)
@@ -208,7 +210,7 @@ class Embedded:
             def connect(remote: str, me: NodeConfig = n):
                 return self._dial(me, by_name[remote])
 
-            worker = await _build_worker(cfg, n, connect)
+            worker = await _build_worker(cfg, n, connect, self.models)
             self.workers[n.name] = worker
             self.net.listen(n.name, worker.handle, kv_sink=worker.kv_sink)
         router_cfg = next(n for n in cfg.nodes if n.role == "router")
@@ -239,6 +241,7 @@ class Embedded:
         for w in self.workers.values():
             await w.stop()
         await self.net.close()
+        self.models.clear()
 
 
 # ---- one node of a multi-process deployment ----------------------------------------

@@ -373,12 +373,13 @@ IMPLEMENTATIONS = {
     "vllm": "pddgw.engines.vllm_engine",       # vLLM itself is imported when one is built
     "costmodel": "pddgw.sim.costmodel_engine",
 }
-# name -> Engine class; its `from_config(config, engine_config)` -> (Engine, Tokenizer)
+# name -> Engine class; its `from_config(config, engine_config, models)` -> (Engine, Tokenizer)
 _REGISTRY: dict[str, type[Engine]] = {}
 
 
 def register_engine(name: str) -> Callable[[Any], Any]:
-    """Class decorator: the class (built by its `from_config(config, engine_config)`) becomes engine `name`."""
+    """Class decorator: the class (built by its `from_config(config, engine_config, models)`) becomes
+    engine `name`."""
     def deco(cls: Any) -> Any:
         if name in _REGISTRY:
             raise ValueError(f"engine {name!r} registered twice")
@@ -399,7 +400,8 @@ def engine_class(implementation: str) -> type[Engine]:
                          f"(known: {', '.join(sorted(IMPLEMENTATIONS))})") from None
 
 
-def create_engine(config: Any, engine_config: Any = None) -> tuple[Engine, Any]:
-    """The engine `engine_config.implementation` (default: config.engine's) and its tokenizer."""
+def create_engine(config: Any, engine_config: Any = None, models: Any = None) -> tuple[Engine, Any]:
+    """The engine `engine_config.implementation` (default: config.engine's) and its tokenizer;
+    `models` (weights.SharedModels), where given, lends the weights already loaded in this process."""
     ecfg = engine_config or config.engine
-    return engine_class(ecfg.implementation).from_config(config, ecfg)  # type: ignore[attr-defined]
+    return engine_class(ecfg.implementation).from_config(config, ecfg, models)  # type: ignore[attr-defined]

@@ -35,7 +35,7 @@ from pddgw.engines.sequence import Sequence
 from pddgw.engines.step_inputs import IncrementalInputs, ListInputs
 from pddgw.engines.tokenizer import Tokenizer
 from pddgw.engines.types import LOGPROB_FLOOR, KVChunk, KVSpan, RequestError, SamplingParams, TokenLogprobs
-from pddgw.engines.weights import load_model
+from pddgw.engines.weights import SharedModels, load_model
 from pddgw.kernels import get_ops
 
 
@@ -87,8 +87,10 @@ class TorchEngine(PagedEngine):
                 self.model = self.graphs
 
     @classmethod
-    def from_config(cls, config: Config, engine: EngineConfig | None = None) -> tuple["TorchEngine", Tokenizer]:
-        """Load the configured model; `engine` overrides config.engine (per-node settings)."""
+    def from_config(cls, config: Config, engine: EngineConfig | None = None,
+                    models: SharedModels | None = None) -> tuple["TorchEngine", Tokenizer]:
+        """Load the configured model (from `models` when given: shared with the process's other
+        engines); `engine` overrides config.engine (per-node settings)."""
         ecfg = engine or config.engine
         if config.model.profile:
             raise ConfigError(f"model.profile = {config.model.profile!r} has no weights: the torch engine "
@@ -99,8 +101,8 @@ class TorchEngine(PagedEngine):
         if ecfg.device == "cpu" and ecfg.cpu_threads:
             torch.set_num_threads(ecfg.cpu_threads)
         dtype = DTYPES[config.model.dtype]
-        model, tokenizer = load_model(config.model.path or None, dtype, ecfg.device,
-                                      tiny_seed=config.model.tiny_seed)
+        model, tokenizer = (models.load if models is not None else load_model)(
+            config.model.path or None, dtype, ecfg.device, config.model.tiny_seed)
         return cls(model, model.spec, ecfg, dtype, config.model.max_model_len, tokenizer), tokenizer
 
     # ---- KV data ------------------------------------------------------------------

@@ -252,7 +252,9 @@ class VllmEngine(TrackedEngine):
 
     # ---- construction -------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: Config, engine: EngineConfig | None = None) -> tuple["VllmEngine", Any]:
+    def from_config(cls, config: Config, engine: EngineConfig | None = None,
+                    models: Any = None) -> tuple["VllmEngine", Any]:
+        """`models` is not used: vLLM loads its own weights."""
         ecfg = engine or config.engine
         vcfg = ecfg.vllm
         if not config.model.path:

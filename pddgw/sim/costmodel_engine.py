@@ -46,6 +46,7 @@ eviction happen where they would on the real hardware.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -144,7 +145,9 @@ class CostModelEngine(PagedEngine):
         self.busy_s = 0.0          # modeled seconds spent in forward passes
 
     @classmethod
-    def from_config(cls, config: Config, engine: EngineConfig | None = None) -> tuple["CostModelEngine", ByteTokenizer]:
+    def from_config(cls, config: Config, engine: EngineConfig | None = None,
+                    models: Any = None) -> tuple["CostModelEngine", ByteTokenizer]:
+        """`models` is not used: a cost model has no weights."""
         ecfg = engine or config.engine
         prof = model_profile(config.model)
         try:
