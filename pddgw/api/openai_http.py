@@ -58,9 +58,10 @@ Behaviours chosen:
     `frequency_penalty`, `logit_bias` (token id -> [-100, 100]), `min_tokens`, `ignore_eos`,
     `stop_token_ids`, `skip_special_tokens` (the text always drops special tokens: pddgw's
     tokenizers have no other mode), `include_stop_str_in_output` (stop strings, below).  vLLM's
-    `request_id` is accepted (a string) and logged beside the router's own id.  The response
-    object echoes `temperature` and `top_p` only, as OpenAI's.  `max_tokens` and
-    `max_completion_tokens` are both validated; the latter wins.
+    `request_id` is logged beside the router's own id.  vLLM's `return_token_ids` (chat, completions):
+    `prompt_token_ids` (chat: top level, completions: per choice; streamed: each choice's first chunk),
+    `choices[].token_ids` (streamed: the chunk's).  The object echoes `temperature` and `top_p` only
+    (OpenAI's).  `max_tokens` and `max_completion_tokens` are both checked; the latter wins.
   * Stop strings (chat, completions; the Responses API has none): `stop`, a string or at most
     `stops.MAX_STOPS` (16) strings of at most 256 characters, matched on the detokenized text at
     the router (api/stops.py, door.OutputText): the text ends right before the first complete
@@ -68,8 +69,8 @@ Behaviours chosen:
     fall; streamed text that could start a stop string is held back until it cannot.  The
     request is then stopped on every node at once (router.StopRequest), `finish_reason` is
     "stop" and `stop_reason` (vLLM's, in every choice: null unless set) the string; a stop token
-    id (`stop_token_ids`) that ended the output is its `stop_reason`.  Usage and
-    `pddgw.output_token_ids` count the tokens up to the one the stop string completed at.
+    id (`stop_token_ids`) that ended the output is its `stop_reason`.  Usage and the output's
+    token ids count the tokens up to the one the stop string completed at.
   * Choices: `n` in [1, `MAX_CHOICES`] (16) and vLLM's `best_of` in [n, 16] (null: n; out of
     range: 400 naming it).  best_of sequences are generated, each a choice as below, and the n
     with the highest cumulative logprob (the sum of the kept sampled tokens' logprobs, of the
@@ -85,13 +86,13 @@ Behaviours chosen:
     they prefill and move is the prompt's last partial block.  Streamed, each choice's chunks
     carry its `index` (chat: each opens with its role chunk, each ends with its finish chunk);
     usage (object, or the one usage chunk) counts the prompt once and the completion tokens of
-    every choice.  With best_of > 1 each choice of the object also carries its own `pddgw`
-    timeline (its `seed` tells which generation it was).
+    every choice.  With best_of > 1 each choice of the object carries its own `pddgw` (its `seed`).
   * Refusals: every 4xx answer is logged once, `request_refused` with route, field (the error's
     `param`), reason (its message) and status (`openai_not_found`, the routes' middleware).
   * Tools and structured output (chat): `tools`, `tool_choice`, `parallel_tool_calls`, `response_format`
     (api/toolcalls.py, engines/grammar.py); a forced call or a response format is a grammar on every
-    node; with tools the streamed text is held back and parsed at the end (tool-call deltas).
+    node (400 when the model states no EOS: it could never end); with tools the streamed text is
+    held back and parsed at the end (tool-call deltas).
   * Tools and structured output (responses): `tools` (flat), `tool_choice`, `parallel_tool_calls`,
     `text.format`, `function_call` / `function_call_output` input items (api/responses.py); calls
     come back as `function_call` output items, streamed as `response.output_item.added`,
@@ -103,12 +104,11 @@ Behaviours chosen:
     `logprobs` 0..20 -> `choices[].logprobs` {tokens, token_logprobs, top_logprobs, text_offset};
     responses `include: ["message.output_text.logprobs"]` with `top_logprobs` 0..20 -> the
     output_text part's and each `response.output_text.delta`'s `logprobs`.  Out of range: 400
-    naming the parameter.  Not asked for: `logprobs` is null (chat, completions) / [] (responses
-    SSE events), as before.
-  * The `pddgw` extension on every answer: each chunk / delta carries `"pddgw": {position,
-    token_ids, role}`; the final chunk (the one with `finish_reason`) or event and the
-    non-streamed object carry the timeline (pipeline, handoff, TTFT, WAN KV bytes, states, seed,
-    finish_reason, output_token_ids; non-streamed also `runs`: the per-token provenance).
+    naming the parameter.  Not asked for: null (chat, completions) / [] (responses SSE events).
+  * The `pddgw` extension, O(1) unless asked: each delta `{position, role}`; the final chunk /
+    event and the object the summary (`summary`), the object also the role `spans`.  Asked for:
+    `return_token_ids` (Responses API too: the deltas' `token_ids`, the summary's
+    `output_token_ids`) and `"pddgw": {"states": true}` (the state timeline; any key).
   * Usage: `prompt_tokens_details.cached_tokens` (chat, completions) and
     `input_tokens_details.cached_tokens` (responses) are MD's prefix hit for the request.
 """
@@ -134,10 +134,11 @@ from pddgw.api import logprobs as lpfmt
 from pddgw.api.errors import ApiError, brief, optional
 from pddgw.api.responses import (SAMPLING_KEYS, CreateResponse, function_call_item, output_message, output_text,
                                  parse_create_body, parse_extension, parse_sampling, response_format_grammar,
-                                 response_object, top_logprobs_param)
+                                 response_object, return_token_ids, top_logprobs_param)
 from pddgw.core.sampling import SEED_LIMIT, SamplingParams
 from pddgw.core.tokens import TokenRun
 from pddgw.pipeline.router import Outcome, RouterError, StopRequest, new_request_id
+from pddgw.pipeline.state import RequestRecord
 
 from pddgw.api.door import ClientTooSlow
 from pddgw.api.toolcalls import ToolCall, ToolFormat, ToolRequest, format_for, grammar_for, parse_calls, parse_tools
@@ -227,13 +228,16 @@ class GenRequest:
     vllm_prompt_logprobs: bool = False           # vLLM's `prompt_logprobs` asked: choices[].prompt_logprobs
     tools: ToolRequest | None = None             # chat / responses `tools` (api/toolcalls.py)
     chat: tuple[dict[str, Any], ...] | None = None   # message objects, when they carry tool calls / results
+    return_token_ids: bool = False               # vLLM's: prompt and output token ids in the answer
+    states: bool = False                         # `pddgw.states`: the state timeline in the summary
 
 
 _CHAT_KEYS = {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "stop",
               "best_of", "user", "store", "metadata", "logprobs", "top_logprobs", "request_id", "pddgw",
-              "tools", "tool_choice", "parallel_tool_calls", "response_format", *SAMPLING_KEYS}
+              "tools", "tool_choice", "parallel_tool_calls", "response_format", "return_token_ids", *SAMPLING_KEYS}
 _COMPLETION_KEYS = {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "stop", "user", "logprobs",
-                    "echo", "suffix", "best_of", "request_id", "pddgw", "prompt_logprobs", *SAMPLING_KEYS}
+                    "echo", "suffix", "best_of", "request_id", "pddgw", "prompt_logprobs", "return_token_ids",
+                    *SAMPLING_KEYS}
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
                "tool": "tool"}
 
@@ -289,10 +293,11 @@ def _common(d: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> 
             raise ApiError("'stream_options' may only set 'include_usage'", "stream_options")
         include_usage = optional(opts, "include_usage", bool, name="stream_options.include_usage")
     model = optional(d, "model", str)
-    pipeline, handoff_mode = parse_extension(d)
+    ext = parse_extension(d)
     return {"sampling": sampling, "stream": bool(stream), "include_usage": bool(include_usage), "model": model,
-            "pipeline": pipeline, "handoff_mode": handoff_mode, "logprobs": logprobs, "client_request_id": client_id,
-            "stop": stop, "n": n, "best_of": best_of}
+            "pipeline": ext.pipeline, "handoff_mode": ext.handoff_mode, "logprobs": logprobs,
+            "client_request_id": client_id, "stop": stop, "n": n, "best_of": best_of, "states": ext.states,
+            "return_token_ids": return_token_ids(d)}
 
 
 def _chat_content(content: Any, where: str) -> str:
@@ -475,14 +480,36 @@ def response_request(req: CreateResponse, stream: bool) -> GenRequest:
     return GenRequest("response", req.messages, req.prompt_token_ids, None, req.max_output_tokens, req.sampling,
                       stream, False, req.model, req.pipeline, req.handoff_mode,
                       "prompt_token_ids" if req.prompt_token_ids is not None else "input", req, req.logprobs,
-                      tools=req.tools, chat=req.chat)
+                      tools=req.tools, chat=req.chat, return_token_ids=req.return_token_ids, states=req.states)
 
 
 # ---- answers --------------------------------------------------------------------------
 
 
-def _provenance(run: TokenRun) -> dict[str, Any]:
-    return {"position": run.position, "token_ids": list(run.ids), "role": run.role}
+def summary(record: RequestRecord, seed: int, finish_reason: str, output_ids: tuple[int, ...], *,
+            token_ids: bool, states: bool) -> dict[str, Any]:
+    """An answer's `pddgw` summary (the final chunk / event, the object): the record's O(1) fields,
+    the seed and finish reason; the output ids only with `return_token_ids`, the state timeline
+    only with `pddgw.states`."""
+    d = {**record.to_dict(states=states), "seed": seed, "finish_reason": finish_reason}
+    if token_ids:
+        d["output_token_ids"] = list(output_ids)
+    return d
+
+
+def spans(runs: list[TokenRun]) -> list[dict[str, Any]]:
+    """The output's role spans: consecutive emitted runs of one role merged, in order,
+    `{"start", "count", "role"}` (a P-RLD-MD output: its RLD span, then its MD span)."""
+    out: list[dict[str, Any]] = []
+    for r in runs:
+        if not r.ids:
+            continue
+        last = out[-1] if out else None
+        if last is not None and last["role"] == r.role and last["start"] + last["count"] == r.position:
+            last["count"] += len(r.ids)
+        else:
+            out.append({"start": r.position, "count": len(r.ids), "role": r.role})
+    return out
 
 
 @dataclass(slots=True)
@@ -497,19 +524,31 @@ class _Result:
     runs: list[TokenRun]
     stop_reason: int | str | None = None     # vLLM's: the stop string matched, or the stop token id
     rest: str = ""                           # the end of `text` not streamed with a token
-    prompt_ids: tuple[int, ...] = ()         # the prompt (completions' echo)
+    prompt_ids: tuple[int, ...] = ()         # the prompt (completions' echo, `return_token_ids`)
 
 
 class _Format:
     """How one route spells its answer, per choice (`index`): SSE events on the way, the final object."""
 
     def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces,
-                 index: int = 0, tool_format: ToolFormat = "json"):
+                 index: int = 0, tool_format: ToolFormat = "json", prompt_ids: tuple[int, ...] = ()):
         self.req, self.rid, self.model, self.created = req, rid, model, created
         self.tool_format = tool_format
         self.pieces = pieces
         self.index = index
+        self.prompt_ids = prompt_ids
         self.parsed: tuple[str | None, list[ToolCall]] | None = None
+
+    def provenance(self, run: TokenRun) -> dict[str, Any]:
+        """A streamed delta's `pddgw`: where its tokens sit and who made them (and which, when asked)."""
+        d: dict[str, Any] = {"position": run.position, "role": run.role}
+        if self.req.return_token_ids:
+            d["token_ids"] = list(run.ids)
+        return d
+
+    def body_pddgw(self, res: _Result, runs: list[TokenRun]) -> dict[str, Any]:
+        """The non-streamed object's `pddgw`: the summary and the output's role spans."""
+        return {**res.timeline, "spans": spans(runs)}
 
     @property
     def parses_calls(self) -> bool:
@@ -571,8 +610,16 @@ class _ChatFormat(_Format):
 
     def choice(self, delta: dict[str, Any] | str, finish: str | None,
                runs: list[TokenRun] | None = None, stop_reason: int | str | None = None) -> dict[str, Any]:
-        return {"index": self.index, "delta": delta, "logprobs": self.logprobs(runs), "finish_reason": finish,
-                "stop_reason": stop_reason}
+        c = {"index": self.index, "delta": delta, "logprobs": self.logprobs(runs), "finish_reason": finish,
+             "stop_reason": stop_reason}
+        return self.token_ids(c, runs)
+
+    def token_ids(self, choice: dict[str, Any], runs: list[TokenRun] | None) -> dict[str, Any]:
+        """vLLM's `return_token_ids` on a streamed choice: this chunk's output tokens ([] for a chunk
+        without any)."""
+        if self.req.return_token_ids:
+            choice["token_ids"] = [t for r in runs or () for t in r.ids]
+        return choice
 
     def logprobs(self, runs: list[TokenRun] | None) -> dict[str, Any] | None:
         """`choices[].logprobs` of these runs' tokens (None: not asked for, or a chunk without tokens)."""
@@ -588,13 +635,18 @@ class _ChatFormat(_Format):
         return _data(obj)
 
     def head(self) -> list[bytes]:
-        return [self.chunk([self.choice({"role": "assistant", "content": ""}, None)])]
+        role = self.choice({"role": "assistant", "content": ""}, None)
+        if not self.req.return_token_ids:
+            return [self.chunk([role])]
+        # vLLM's role chunk: the prompt's ids, and no output ids yet (not even an empty list).
+        del role["token_ids"]
+        return [self.chunk([role], prompt_token_ids=list(self.prompt_ids))]
 
     def delta(self, run: TokenRun, text: str) -> list[bytes]:
         if self.parses_calls:
             # Held back: whether this is a call or content is known at the end.
-            return [self.chunk([self.choice({}, None, [run])], pddgw=_provenance(run))]
-        return [self.chunk([self.choice({"content": text}, None, [run])], pddgw=_provenance(run))]
+            return [self.chunk([self.choice({}, None, [run])], pddgw=self.provenance(run))]
+        return [self.chunk([self.choice({"content": text}, None, [run])], pddgw=self.provenance(run))]
 
     def tail(self, res: _Result, rest: str) -> list[bytes]:
         out = []
@@ -630,21 +682,24 @@ class _ChatFormat(_Format):
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
             finish = "tool_calls" if finish == "stop" else finish
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [{"index": self.index,
-                             "message": message,
-                             "logprobs": self.logprobs(runs), "finish_reason": finish,
-                             "stop_reason": res.stop_reason}],
-                "usage": self.usage(res), "pddgw": {**res.timeline, "runs": [_provenance(r) for r in runs]}}
+        choice = {"index": self.index, "message": message, "logprobs": self.logprobs(runs), "finish_reason": finish,
+                  "stop_reason": res.stop_reason}
+        obj = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+               "choices": [choice], "usage": self.usage(res), "pddgw": self.body_pddgw(res, runs)}
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(res.out.output_ids)
+            obj["prompt_token_ids"] = list(res.prompt_ids)
+        return obj
 
 
 class _CompletionFormat(_ChatFormat):
     object = "text_completion"
 
     def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces,
-                 index: int = 0, tool_format: ToolFormat = "json"):
-        super().__init__(req, rid, model, created, pieces, index, tool_format)
+                 index: int = 0, tool_format: ToolFormat = "json", prompt_ids: tuple[int, ...] = ()):
+        super().__init__(req, rid, model, created, pieces, index, tool_format, prompt_ids)
         self.text_offset = 0        # of the next token string (streamed chunks continue it)
+        self.prompt_sent = False    # `return_token_ids`: the prompt's ids went out (in this choice's first chunk)
 
     @property
     def id(self) -> str:
@@ -660,8 +715,12 @@ class _CompletionFormat(_ChatFormat):
     def choice(self, delta: dict[str, Any] | str, finish: str | None,
                runs: list[TokenRun] | None = None, stop_reason: int | str | None = None) -> dict[str, Any]:
         text = delta if isinstance(delta, str) else delta.get("content", "")
-        return {"index": self.index, "text": text, "logprobs": self.logprobs(runs), "finish_reason": finish,
-                "stop_reason": stop_reason}
+        c = {"index": self.index, "text": text, "logprobs": self.logprobs(runs), "finish_reason": finish,
+             "stop_reason": stop_reason}
+        if self.req.return_token_ids and not self.prompt_sent:
+            c["prompt_token_ids"] = list(self.prompt_ids)
+            self.prompt_sent = True
+        return self.token_ids(c, runs)
 
     def logprobs(self, runs: list[TokenRun] | None) -> dict[str, Any] | None:
         if self.req.logprobs is None or runs is None:
@@ -696,15 +755,18 @@ class _CompletionFormat(_ChatFormat):
                   "finish_reason": res.out.finish_reason, "stop_reason": res.stop_reason}
         if self.req.vllm_prompt_logprobs:
             choice["prompt_logprobs"] = lpfmt.vllm_prompt(self.pieces, res.prompt_ids, res.out.prompt_logprobs)
+        if self.req.return_token_ids:
+            # vLLM's: the output's ids only, also with echo (the prompt's are `prompt_token_ids`).
+            choice["prompt_token_ids"] = list(res.prompt_ids)
+            choice["token_ids"] = list(res.out.output_ids)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice],
-                "usage": self.usage(res), "pddgw": {**res.timeline, "runs": [_provenance(r) for r in runs]}}
+                "choices": [choice], "usage": self.usage(res), "pddgw": self.body_pddgw(res, runs)}
 
 
 class _ResponsesFormat(_Format):
     def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces,
-                 index: int = 0, tool_format: ToolFormat = "json"):
-        super().__init__(req, rid, model, created, pieces, index, tool_format)
+                 index: int = 0, tool_format: ToolFormat = "json", prompt_ids: tuple[int, ...] = ()):
+        super().__init__(req, rid, model, created, pieces, index, tool_format, prompt_ids)
         assert req.create is not None
         self.create = req.create
         self.seq = 0
@@ -748,7 +810,7 @@ class _ResponsesFormat(_Format):
         return [self.event("response.output_text.delta", item_id=f"msg_{self.rid}", output_index=0,
                            content_index=0, delta=text,
                            logprobs=self.content([run]) if self.req.logprobs is not None else [],
-                           pddgw=_provenance(run))]
+                           pddgw=self.provenance(run))]
 
     def tail(self, res: _Result, rest: str) -> list[bytes]:
         out = []
@@ -775,7 +837,7 @@ class _ResponsesFormat(_Format):
 
     def body(self, res: _Result, runs: list[TokenRun]) -> dict[str, Any]:
         obj = self.obj("incomplete" if res.incomplete else "completed", res)
-        obj["pddgw"] = {**res.timeline, "runs": [_provenance(r) for r in runs]}
+        obj["pddgw"] = self.body_pddgw(res, runs)
         return obj
 
     def error(self, message: str, code: str, param: str | None = None) -> list[bytes]:
@@ -1051,11 +1113,17 @@ class OpenAIRoutes:
             if forced is not None:
                 sampling = _with_grammar(sampling, forced, "tool_choice")
         if sampling.grammar is not None:
+            param = "tool_choice" if req.tools is not None and req.tools.forced else (
+                "text.format" if req.kind == "response" else "response_format")
+            # A grammar's accepting state is reached by sampling EOS: without one the output
+            # could only end at max_tokens, cut mid-structure.
+            vocab = self.door.router.spec.vocab_size
+            if not any(0 <= t < vocab for t in self.door.tok.eos_token_ids):
+                raise ApiError(f"'{param}' cannot be enforced: the model states no EOS token, so a constrained "
+                               "output could never end", param)
             try:
                 check_spec(*sampling.grammar)
             except ValueError as e:
-                param = "tool_choice" if req.tools is not None and req.tools.forced else (
-                    "text.format" if req.kind == "response" else "response_format")
                 raise ApiError(f"'{param}': the schema cannot be enforced: {e}", param) from None
         # best_of > n ranks by the sampled tokens' logprobs: asked for (k = 0: the sampled token's
         # own) whether or not the client wants them; the formats return them only if it does.
@@ -1090,7 +1158,7 @@ class OpenAIRoutes:
         choices = [_Choice(i, rid if i == 0 else f"{rid}_{i}",
                            replace(prep.sampling, seed=choice_seed(prep.sampling.seed, i)),
                            _FORMATS[req.kind](req, rid, door.model_name, created, door.pieces, i,
-                                              self.tool_format),
+                                              self.tool_format, tuple(prep.ids)),
                            door.output_text(prep.sampling, req.stop))
                    for i in range(req.best_of)]
         fmt = choices[0].fmt
@@ -1151,13 +1219,14 @@ class OpenAIRoutes:
         if stop_reason is None and reason == "stop" and ids and ids[-1] in c.sampling.stop_token_ids:
             stop_reason = ids[-1]
         out = dataclasses.replace(out, output_ids=ids, finish_reason=reason)
-        timeline = {**out.record.to_dict(), "seed": c.sampling.seed, "finish_reason": reason,
-                    "output_token_ids": list(ids)}
         text, runs = c.text.text, c.runs
         if c.fmt.req.score_only:
             # Echo with max_tokens 0: the prompt only; the one token generated is not the client's.
             out = dataclasses.replace(out, output_ids=())
             text, runs, rest = "", [], ""
+        req = c.fmt.req
+        timeline = summary(out.record, c.sampling.seed, reason, out.output_ids, token_ids=req.return_token_ids,
+                           states=req.states)
         return _Result(out, text, len(prep.ids), timeline,
                        incomplete=prep.clamped and reason == "length", runs=runs, stop_reason=stop_reason,
                        rest=rest, prompt_ids=tuple(prep.ids))

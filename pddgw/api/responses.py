@@ -6,8 +6,9 @@ echoed on every server event of that response so several responses can be
 multiplexed on one socket) and `response.cancel` (`response_id`).
 
 Server events: `response.created`, `response.output_text.delta` (with the
-`pddgw` extension: position, token_ids, role), `response.completed` (with
-`usage` and the `pddgw` timeline) and `error`.
+`pddgw` extension: position, role, and token_ids when the request sets
+`return_token_ids: true`), `response.completed` (with `usage` and the `pddgw`
+summary, see openai_http.py) and `error`.
 
 Log-probabilities, opt-in as in the HTTP API: `include:
 ["message.output_text.logprobs"]` with `top_logprobs` 0..20 (alternatives per
@@ -68,6 +69,8 @@ class CreateResponse:
     # pddgw extension: force this request's pipeline / handoff mode (tests, benchmarks).
     pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
     handoff_mode: Literal["one-shot", "catch-up"] | None = None
+    states: bool = False             # `pddgw.states`: the state timeline in the summary
+    return_token_ids: bool = False   # token ids in each delta's `pddgw` and the summary's output_token_ids
     # None: no log-probabilities; k: each token's plus k top alternatives.
     logprobs: int | None = None
     tools: Any = None            # api/toolcalls.ToolRequest, or None (no tools)
@@ -92,7 +95,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_p
                  "skip_special_tokens", "include_stop_str_in_output")
 _CREATE_KEYS = {"type", "model", "input", "instructions", "prompt_token_ids", "max_output_tokens", "metadata",
                 "stream_id", "store", "stream", "pddgw", "include", "top_logprobs", "tools", "tool_choice",
-                "parallel_tool_calls", "text", *SAMPLING_KEYS}
+                "parallel_tool_calls", "text", "return_token_ids", *SAMPLING_KEYS}
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
@@ -118,19 +121,34 @@ def _include_logprobs(d: dict[str, Any]) -> int | None:
     return (top or 0) if inc and INCLUDE_LOGPROBS in inc else None
 
 
-def parse_extension(d: dict[str, Any]) -> tuple[Any, Any]:
-    """The `pddgw` extension of a request -> (pipeline, handoff_mode), each None when not forced."""
+@dataclass(frozen=True, slots=True)
+class Extension:
+    """A request's `pddgw` extension: the pipeline / handoff mode it forces (None: the policy's;
+    forcing needs an admin key) and whether its summary carries the state timeline (anyone)."""
+
+    pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
+    handoff_mode: Literal["one-shot", "catch-up"] | None = None
+    states: bool = False
+
+
+def parse_extension(d: dict[str, Any]) -> Extension:
+    """The `pddgw` extension of a request; ApiError naming the key."""
     ext = d.get("pddgw")
     if ext is None:
-        return None, None
-    if not isinstance(ext, dict) or set(ext) - {"pipeline", "handoff_mode"}:
-        raise ApiError("'pddgw' may only set 'pipeline' and 'handoff_mode'", "pddgw")
+        return Extension()
+    if not isinstance(ext, dict) or set(ext) - {"pipeline", "handoff_mode", "states"}:
+        raise ApiError("'pddgw' may only set 'pipeline', 'handoff_mode' and 'states'", "pddgw")
     pipeline, mode = ext.get("pipeline"), ext.get("handoff_mode")
     if pipeline not in (None, "P-MD", "P-RLD-MD", "P-RLD"):
         raise ApiError("pddgw.pipeline must be 'P-MD', 'P-RLD-MD' or 'P-RLD'", "pddgw.pipeline")
     if mode not in (None, "one-shot", "catch-up"):
         raise ApiError("pddgw.handoff_mode must be 'one-shot' or 'catch-up'", "pddgw.handoff_mode")
-    return pipeline, mode
+    return Extension(pipeline, mode, bool(optional(ext, "states", bool, name="pddgw.states")))
+
+
+def return_token_ids(d: dict[str, Any]) -> bool:
+    """vLLM's `return_token_ids` (a boolean; null: false)."""
+    return bool(optional(d, "return_token_ids", bool))
 
 
 def parse_sampling(d: dict[str, Any], max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
@@ -358,7 +376,7 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
     stream_id = optional(d, "stream_id", str, max_len=MAX_STREAM_ID_LEN)
     model = optional(d, "model", str)
     optional(d, "store", bool)                  # checked only: the value is not kept
-    pipeline, handoff_mode = parse_extension(d)
+    ext = parse_extension(d)
     tools = parse_tools(d, flat=True)
     fmt = _text_format(d)
     grammar = response_format_grammar(fmt, "text.format", flat=True)
@@ -374,7 +392,8 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
     return CreateResponse(
         type="response.create", messages=messages, prompt_token_ids=ids,
         max_output_tokens=max_out, sampling=sampling, metadata=_metadata(d),
-        stream_id=stream_id, model=model, pipeline=pipeline, handoff_mode=handoff_mode,
+        stream_id=stream_id, model=model, pipeline=ext.pipeline, handoff_mode=ext.handoff_mode,
+        states=ext.states, return_token_ids=return_token_ids(d),
         logprobs=sampling.logprobs, tools=tools, chat=chat, text_format=fmt)
 
 
@@ -459,11 +478,14 @@ def created_event(seq: int, stream_id: str | None, response: dict[str, Any]) -> 
 
 
 def delta_event(seq: int, stream_id: str | None, rid: str, text: str, position: int,
-                token_ids: list[int], role: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
+                token_ids: list[int] | None, role: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
+    """`token_ids` None: not asked for (`return_token_ids`), absent from the `pddgw` extension."""
     extra = {} if logprobs is None else {"logprobs": logprobs}
+    ext: dict[str, Any] = {"position": position, "role": role}
+    if token_ids is not None:
+        ext["token_ids"] = token_ids
     return _envelope("response.output_text.delta", seq, stream_id, response_id=rid,
-                     item_id=f"msg_{rid}", output_index=0, content_index=0, delta=text, **extra,
-                     pddgw={"position": position, "token_ids": token_ids, "role": role})
+                     item_id=f"msg_{rid}", output_index=0, content_index=0, delta=text, **extra, pddgw=ext)
 
 
 def completed_event(seq: int, stream_id: str | None, response: dict[str, Any]) -> bytes:

@@ -65,7 +65,7 @@ from pddgw.api import logprobs as lpfmt
 from pddgw.api.door import Detokenizer, FrontDoor, Slot, key_protocol
 from pddgw.api.guard import GUARD, ConnectionGuard
 from pddgw.api.openai_http import (OpenAIRoutes, error_response, function_call_events, openai_not_found,
-                                   response_request)
+                                   response_request, summary)
 from pddgw.api.errors import ApiError, brief
 from pddgw.api.responses import (CancelResponse, CreateResponse, completed_event,
                                  created_event, delta_event, error_event, item_event, parse_client_event,
@@ -304,15 +304,15 @@ class _Connection:
                 if logprobs is not None:
                     lps = lpfmt.content(door.pieces, run.ids, run.logprobs)
                     logprobs.extend(lps)
-                await self.send(delta_event, sid, rid, "" if holds else text, run.position, list(run.ids),
-                                run.role, lps)
+                await self.send(delta_event, sid, rid, "" if holds else text, run.position,
+                                list(run.ids) if req.return_token_ids else None, run.role, lps)
 
             out: Outcome = await door.router.run(rid, ids, sampling, emit, req.pipeline, req.handoff_mode)
             usage = {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": out.cached_tokens},
                      "output_tokens": len(out.output_ids),
                      "total_tokens": len(ids) + len(out.output_ids)}
-            timeline = {**out.record.to_dict(), "seed": sampling.seed, "finish_reason": out.finish_reason,
-                        "output_token_ids": list(out.output_ids)}
+            timeline = summary(out.record, sampling.seed, out.finish_reason, out.output_ids,
+                               token_ids=req.return_token_ids, states=req.states)
             status = "incomplete" if prep.clamped and out.finish_reason == "length" else "completed"
             content: str | None = door.tok.decode(list(out.output_ids))
             calls = []

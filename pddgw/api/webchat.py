@@ -6,13 +6,14 @@ Responses mode as any client, at `/v1/responses` on the host that served it:
 
 1. It opens one socket and keeps it; each turn sends `response.create` with
    the whole conversation as `input` messages (multi-turn: the router's
-   prefix-aware routing finds the earlier turns' KV on MD).
+   prefix-aware routing finds the earlier turns' KV on MD), asking for what
+   it shows beyond the lean default: `return_token_ids` and `pddgw.states`.
 2. Each `response.output_text.delta` becomes one span coloured by the role
    that produced it (`pddgw.role`: rld or md), with its position and token
    ids as data attributes.
 3. `response.completed` ends the turn: the answer joins the history and its
    `pddgw` timeline (pipeline, handoff position and stall, WAN KV bytes,
-   TTFT) is shown under it; an `error` event ends it with the message.
+   TTFT, the states) is shown under it; an `error` event ends it with the message.
 
 Browsers cannot set an Authorization header on a WebSocket, and the front
 door accepts API keys only that way: with `[server] api_keys` set the page

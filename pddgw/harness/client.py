@@ -1,10 +1,11 @@
 """Load clients of the router's /v1/responses WebSocket: one response, closed-loop load, a whole run.
 
-`respond` sends one `response.create` (token ids in, a binary frame) and
-reads its events into an `Answer` until `response.completed` or `error`
-(`final`), or until the socket closes (`closed`).  The answer is filled in
-place as events arrive, so a caller that cancels a response still holds
-what streamed before the cancel.  Times are the event loop's clock.
+`respond` sends one `response.create` (token ids in, a binary frame; token
+ids out: `return_token_ids`) and reads its events into an `Answer` until
+`response.completed` or `error` (`final`), or until the socket closes
+(`closed`).  The answer is filled in place as events arrive, so a caller
+that cancels a response still holds what streamed before the cancel.
+Times are the event loop's clock.
 
 `converse(i, ...)` is client i: until `stop_at` it sends greedy requests
 back to back on one WebSocket, each an `Outcome` (appended when sent,
@@ -72,7 +73,8 @@ async def respond(ws: aiohttp.ClientWebSocketResponse, answer: Answer, prompt: S
     loop = asyncio.get_running_loop()
     answer.sent_t = loop.time()
     await ws.send_bytes(orjson.dumps({"type": "response.create", "prompt_token_ids": prompt,
-                                      "max_output_tokens": max_tokens, "temperature": temperature, "seed": seed}))
+                                      "max_output_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                                      "return_token_ids": True}))
     while True:
         msg = await ws.receive()
         now = loop.time()
@@ -149,7 +151,9 @@ async def ask(ws: aiohttp.ClientWebSocketResponse, out: Outcome) -> None:
     elif ev["type"] == "response.completed":
         tl = ev["response"].get("pddgw") or {}
         out.status = "completed"
-        out.completed_ids = list(tl.get("output_token_ids", out.tokens))
+        # Asked for by `respond`: a completion without them fails the check (None != the streamed ids).
+        ids = tl.get("output_token_ids")
+        out.completed_ids = None if ids is None else list(ids)
         out.pipeline, out.handoff_mode = tl.get("pipeline"), tl.get("handoff_mode")
         out.redrives = len(tl.get("redrives") or ())
     else:

@@ -217,8 +217,10 @@ class RequestRecord:
     error: str | None
     states: tuple[tuple[str, float, str], ...]  # (state name, t_ms, reason)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, *, states: bool = True) -> dict[str, Any]:
+        """`states`: with the state timeline, which grows with the request's steps (the front
+        door's answers carry it only when the request asks, `pddgw.states`)."""
+        d: dict[str, Any] = {
             "request_id": self.request_id,
             "pipeline": self.pipeline,
             "planned_pipeline": self.planned_pipeline,
@@ -238,8 +240,10 @@ class RequestRecord:
             "fallback_reason": self.fallback_reason,
             "redrives": [{"reason": r, "position": p, "t_ms": t} for r, p, t in self.redrives],
             "error": self.error,
-            "states": [{"state": s, "t_ms": t, "reason": r} for s, t, r in self.states],
         }
+        if states:
+            d["states"] = [{"state": s, "t_ms": t, "reason": r} for s, t, r in self.states]
+        return d
 
 
 class RequestTracker:

@@ -30,14 +30,17 @@ def hits(state) -> dict[str, int]:
 async def test_n_choices_equal_single_requests_with_the_derived_seeds(deployment):
     side, _, oai = await deployment()
     name = side.door.model_name
-    kw = dict(model=name, prompt=PROMPT, max_tokens=24, temperature=0.9, extra_body={"ignore_eos": True})
+    kw = dict(model=name, prompt=PROMPT, max_tokens=24, temperature=0.9,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
     singles = [await oai.completions.create(**kw, seed=7 + i) for i in range(3)]
     before = hits(await side.state())
     r = await oai.completions.create(**kw, seed=7, n=3)
     after = hits(await side.state())
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
-    assert [c.pddgw["output_token_ids"] for c in r.choices] == [s.pddgw["output_token_ids"] for s in singles]
+    assert [c.token_ids for c in r.choices] == [s.choices[0].token_ids for s in singles]
+    assert [c.pddgw["output_token_ids"] for c in r.choices] == [c.token_ids for c in r.choices]
+    assert [c.prompt_token_ids for c in r.choices] == [PROMPT] * 3
     assert [c.pddgw["seed"] for c in r.choices] == [7, 8, 9]
     assert len({c.text for c in r.choices}) == 3                # sampled, distinct seeds: distinct texts
     assert r.usage.prompt_tokens == len(PROMPT) and r.usage.completion_tokens == 3 * 24
@@ -106,10 +109,10 @@ async def test_greedy_choices_are_identical_and_a_stop_ends_each_on_its_own(depl
     side, _, oai = await deployment()
     name = side.door.model_name
     r = await oai.completions.create(model=name, prompt=PROMPT, max_tokens=20, temperature=0, n=2,
-                                     extra_body={"ignore_eos": True})
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
     a, b = r.choices
-    assert a.text == b.text and a.pddgw["output_token_ids"] == b.pddgw["output_token_ids"]
-    assert len(a.pddgw["output_token_ids"]) == 20
+    assert a.text == b.text and a.token_ids == b.token_ids
+    assert len(a.token_ids) == 20
     stop = a.text[8:10]
     r = await oai.completions.create(model=name, prompt=PROMPT, max_tokens=20, temperature=0, n=2, stop=stop,
                                      extra_body={"ignore_eos": True})
@@ -161,10 +164,10 @@ async def test_greedy_best_of_returns_the_first_n(deployment):
     side, _, oai = await deployment()
     name = side.door.model_name
     r = await oai.completions.create(model=name, prompt=PROMPT, max_tokens=20, temperature=0, seed=5, n=2,
-                                     best_of=4, extra_body={"ignore_eos": True})
+                                     best_of=4, extra_body={"ignore_eos": True, "return_token_ids": True})
     a, b = r.choices
     assert (a.index, b.index) == (0, 1) and [a.pddgw["seed"], b.pddgw["seed"]] == [5, 6]
-    assert a.text == b.text and a.pddgw["output_token_ids"] == b.pddgw["output_token_ids"]
+    assert a.text == b.text and a.token_ids == b.token_ids and len(a.token_ids) == 20
     assert r.usage.completion_tokens == 4 * 20
 
 

@@ -38,13 +38,16 @@ async def test_chat_completions_greedy_stream_and_not_and_a_second_turn_hits_md_
     ids1 = chat_ids(side, msgs)
     ref1 = reference(ids1, 12)
     r = await oai.chat.completions.create(model=side.door.model_name, max_tokens=12, temperature=0,
-                                          messages=[{"role": r, "content": c} for r, c in msgs])
+                                          messages=[{"role": r, "content": c} for r, c in msgs],
+                                          extra_body={"return_token_ids": True})
     assert r.object == "chat.completion" and r.model == side.door.model_name
     ch = r.choices[0]
     assert ch.message.role == "assistant" and ch.message.content == tok.decode(ref1)
     assert ch.finish_reason == ("length" if len(ref1) == 12 else "stop")
-    assert r.pddgw["output_token_ids"] == ref1
-    assert [t for run in r.pddgw["runs"] for t in run["token_ids"]] == ref1
+    assert ch.token_ids == r.pddgw["output_token_ids"] == ref1 and r.prompt_token_ids == ids1
+    spans = r.pddgw["spans"]
+    assert [s["start"] for s in spans] == [sum(x["count"] for x in spans[:i]) for i in range(len(spans))]
+    assert sum(s["count"] for s in spans) == len(ref1)
     assert r.usage.prompt_tokens == len(ids1) and r.usage.completion_tokens == len(ref1)
     assert r.usage.total_tokens == len(ids1) + len(ref1)
     assert r.usage.prompt_tokens_details.cached_tokens == 0          # MD held nothing yet
@@ -56,12 +59,14 @@ async def test_chat_completions_greedy_stream_and_not_and_a_second_turn_hits_md_
     ref2 = reference(ids2, 10)
     stream = await oai.chat.completions.create(
         model=side.door.model_name, max_completion_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True}, messages=[{"role": r, "content": c} for r, c in msgs2])
+        stream_options={"include_usage": True}, messages=[{"role": r, "content": c} for r, c in msgs2],
+        extra_body={"return_token_ids": True})
     chunks = [c async for c in stream]
     assert all(c.object == "chat.completion.chunk" for c in chunks)
-    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].prompt_token_ids == ids2
     runs = [c.pddgw for c in chunks if c.choices and getattr(c, "pddgw", None) and "position" in c.pddgw]
     assert [t for run in runs for t in run["token_ids"]] == ref2
+    assert [t for c in chunks[1:] if c.choices for t in c.choices[0].token_ids] == ref2
     assert [run["position"] for run in runs] == [sum(len(x["token_ids"]) for x in runs[:i]) for i in range(len(runs))]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tok.decode(ref2)
     last, usage = chunks[-2], chunks[-1]
@@ -79,18 +84,22 @@ async def test_completions_with_text_and_token_id_prompts(deployment):
     tok = side.door.tok
     text = "Once upon a time"
     ref = reference(tok.encode(text), 8)
-    r = await oai.completions.create(model=side.door.model_name, prompt=text, max_tokens=8, temperature=0)
+    r = await oai.completions.create(model=side.door.model_name, prompt=text, max_tokens=8, temperature=0,
+                                     extra_body={"return_token_ids": True})
     assert r.object == "text_completion" and r.choices[0].text == tok.decode(ref)
-    assert r.pddgw["output_token_ids"] == ref and r.usage.prompt_tokens == len(tok.encode(text))
+    assert r.choices[0].token_ids == r.pddgw["output_token_ids"] == ref
+    assert r.choices[0].prompt_token_ids == tok.encode(text) and r.usage.prompt_tokens == len(tok.encode(text))
 
     ids = [40 + (i * 7) % 80 for i in range(50)]
     ref = reference(ids, 9)
     stream = await oai.completions.create(model=side.door.model_name, prompt=ids, max_tokens=9, temperature=0,
-                                          stream=True, stream_options={"include_usage": True})
+                                          stream=True, stream_options={"include_usage": True},
+                                          extra_body={"return_token_ids": True})
     chunks = [c async for c in stream]
     got = [t for c in chunks if c.choices and "position" in (getattr(c, "pddgw", None) or {})
            for t in c.pddgw["token_ids"]]
-    assert got == ref
+    assert got == ref == [t for c in chunks if c.choices for t in c.choices[0].token_ids]
+    assert chunks[0].choices[0].prompt_token_ids == ids
     assert "".join(c.choices[0].text for c in chunks if c.choices) == tok.decode(ref)
     assert chunks[-1].usage.completion_tokens == len(ref) and chunks[-1].usage.prompt_tokens == 50
 
@@ -102,7 +111,7 @@ async def test_responses_stream_and_not(deployment):
     ref = reference(ids, 10)
     events = [e async for e in await oai.responses.create(
         model=side.door.model_name, instructions="Be brief.", input="Hello", max_output_tokens=10, temperature=0,
-        stream=True)]
+        stream=True, extra_body={"return_token_ids": True})]
     types = [e.type for e in events]
     assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
@@ -119,7 +128,7 @@ async def test_responses_stream_and_not(deployment):
     assert final.pddgw["output_token_ids"] == ref and final.pddgw["pipeline"] == "P-MD"
 
     r = await oai.responses.create(model=side.door.model_name, instructions="Be brief.", input="Hello",
-                                   max_output_tokens=10, temperature=0)
+                                   max_output_tokens=10, temperature=0, extra_body={"return_token_ids": True})
     assert r.status == "completed" and r.output_text == tok.decode(ref) and r.pddgw["output_token_ids"] == ref
     assert r.usage.input_tokens_details.cached_tokens > 0         # the same prompt again: MD holds it
 
@@ -142,8 +151,9 @@ async def test_responses_connect_over_websocket(deployment):
     ids = chat_ids(side, [("user", "Hi there")])
     ref = reference(ids, 8)
     async with oai.responses.connect() as conn:
-        await conn.response.create(model=side.door.model_name, input="Hi there", max_output_tokens=8,
-                                   temperature=0)
+        # The connection's create() has no extra_body: pddgw's `return_token_ids` goes in a raw event.
+        await conn.send({"type": "response.create", "model": side.door.model_name, "input": "Hi there",
+                         "max_output_tokens": 8, "temperature": 0, "return_token_ids": True})
         events = []
         async for ev in conn:
             events.append(ev)
@@ -204,17 +214,17 @@ async def test_top_k_1_and_min_p_1_draw_exactly_the_greedy_tokens(deployment):
     assert reference(ids, 8, temperature=1.0, seed=seed)[0] != ref[0]
     assert reference(chat_ids(side, msgs), 8, temperature=1.0, seed=chat_seed)[0] != chat_ref[0]
     for only_argmax in ({"top_k": 1}, {"min_p": 1.0}):
+        ask = {**only_argmax, "return_token_ids": True}
         r = await oai.completions.create(model=name, prompt=ids, max_tokens=8, temperature=1.0, seed=seed,
-                                         extra_body=only_argmax)
-        assert r.pddgw["output_token_ids"] == ref, only_argmax
+                                         extra_body=ask)
+        assert r.choices[0].token_ids == ref, only_argmax
         c = await oai.chat.completions.create(model=name, messages=[{"role": who, "content": t} for who, t in msgs],
-                                              max_tokens=8, temperature=1.0, seed=chat_seed, extra_body=only_argmax)
-        assert c.pddgw["output_token_ids"] == chat_ref, only_argmax
+                                              max_tokens=8, temperature=1.0, seed=chat_seed, extra_body=ask)
+        assert c.choices[0].token_ids == chat_ref, only_argmax
         rs = await oai.responses.create(model=name, max_output_tokens=8, temperature=1.0,
-                                        extra_body={"prompt_token_ids": ids, "seed": seed, **only_argmax})
+                                        extra_body={"prompt_token_ids": ids, "seed": seed, **ask})
         assert rs.pddgw["output_token_ids"] == ref, only_argmax
-        ev = await ws_final(client, prompt_token_ids=ids, max_output_tokens=8, temperature=1.0, seed=seed,
-                            **only_argmax)
+        ev = await ws_final(client, prompt_token_ids=ids, max_output_tokens=8, temperature=1.0, seed=seed, **ask)
         assert ev["type"] == "response.completed" and ev["response"]["pddgw"]["output_token_ids"] == ref, ev
 
 
@@ -390,11 +400,12 @@ async def test_max_tokens_past_the_context_is_clamped_and_says_so(deployment):
     ids = [40 + (i * 7) % 80 for i in range(50)]
     ref = reference(ids, 14)
     assert len(ref) == 14                # no stop token before the context is full
-    r = await oai.completions.create(model=side.door.model_name, prompt=ids, max_tokens=1000, temperature=0)
-    assert r.choices[0].finish_reason == "length" and r.pddgw["output_token_ids"] == ref
+    r = await oai.completions.create(model=side.door.model_name, prompt=ids, max_tokens=1000, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    assert r.choices[0].finish_reason == "length" and r.choices[0].token_ids == ref
     events = [e async for e in await oai.responses.create(
         model=side.door.model_name, max_output_tokens=1000, temperature=0, stream=True,
-        extra_body={"prompt_token_ids": ids})]
+        extra_body={"prompt_token_ids": ids, "return_token_ids": True})]
     assert events[-1].type == "response.incomplete"
     resp = events[-1].response
     assert (resp.status, resp.incomplete_details.reason) == ("incomplete", "max_output_tokens")
@@ -405,7 +416,8 @@ async def test_max_tokens_past_the_context_is_clamped_and_says_so(deployment):
     assert r.status == "completed" and r.pddgw["finish_reason"] == "length"
     # Over the WebSocket the last event stays response.completed; its status says incomplete.
     ws = await client.ws_connect("/v1/responses", headers={"Authorization": f"Bearer {KEY}"})
-    await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": ids, "temperature": 0}).decode())
+    await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": ids, "temperature": 0,
+                                    "return_token_ids": True}).decode())
     while (ev := orjson.loads((await ws.receive(timeout=60)).data))["type"] not in ("response.completed", "error"):
         pass
     await ws.close()
@@ -486,16 +498,17 @@ async def test_penalties_and_logit_bias_through_the_official_client(deployment):
     ids = tok.encode(text)
     r = await oai.completions.create(model=name, prompt=text, max_tokens=12, temperature=0,
                                      frequency_penalty=1.5, presence_penalty=0.5,
-                                     extra_body={"repetition_penalty": 1.3})
+                                     extra_body={"repetition_penalty": 1.3, "return_token_ids": True})
     want = _local(ids, SamplingParams(max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5,
                                       repetition_penalty=1.3))
-    assert r.pddgw["output_token_ids"] == want
+    assert r.choices[0].token_ids == want
     assert want != reference(ids, 12)             # the penalties changed the greedy tokens
     # A +100 bias makes that token the greedy choice at every position.
     forced = tok.encode("z")[0]
     r = await oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                          temperature=0, logit_bias={str(forced): 100})
-    assert r.pddgw["output_token_ids"] == [forced] * 5
+                                          temperature=0, logit_bias={str(forced): 100},
+                                          extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == [forced] * 5
 
 
 async def test_stop_through_the_official_client(deployment):
@@ -513,16 +526,17 @@ async def test_stop_through_the_official_client(deployment):
     kept = next(k for k in range(1, len(full) + 1) if stop in tok.decode(full[:k]))
     assert kept < len(full)                          # the stop cuts inside the output
     kw = dict(model=name, messages=[{"role": r, "content": c} for r, c in msgs], max_tokens=40, temperature=0,
-              stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
+              stop=[stop, "\x00never"], extra_body={"ignore_eos": True, "return_token_ids": True})
     r = await oai.chat.completions.create(**kw)
     ch = r.choices[0]
     assert (ch.message.content, ch.finish_reason) == (text[:at], "stop")
-    assert r.usage.completion_tokens == kept and r.pddgw["output_token_ids"] == full[:kept]
+    assert r.usage.completion_tokens == kept and ch.token_ids == r.pddgw["output_token_ids"] == full[:kept]
     chunks = [c async for c in await oai.chat.completions.create(**kw, stream=True,
                                                                  stream_options={"include_usage": True})]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text[:at]
     assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "stop"
     assert chunks[-1].usage.completion_tokens == kept
+    assert [t for c in chunks[1:] if c.choices for t in c.choices[0].token_ids] == full[:kept]
 
 
 async def test_n_2_through_the_official_client(deployment):
@@ -572,7 +586,8 @@ async def test_tools_with_tool_choice_required_through_the_official_client(deplo
     tok, name = side.door.tok, side.door.model_name
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     r = await oai.chat.completions.create(model=name, messages=msgs, tools=[WEATHER], tool_choice="required",
-                                          parallel_tool_calls=False, max_tokens=120, temperature=0)
+                                          parallel_tool_calls=False, max_tokens=120, temperature=0,
+                                          extra_body={"return_token_ids": True})
     ch = r.choices[0]
     assert (ch.finish_reason, ch.message.content) == ("tool_calls", None)
     [call] = ch.message.tool_calls
@@ -583,7 +598,7 @@ async def test_tools_with_tool_choice_required_through_the_official_client(deplo
                    "required": ["name", "arguments"], "additionalProperties": False}
     want = _local(tok.apply_chat_template(msgs, tools=[WEATHER]),
                   SamplingParams(max_tokens=120, grammar=("json_schema", json.dumps(call_schema))), tok)
-    assert r.pddgw["output_token_ids"] == want
+    assert ch.token_ids == want
     assert json.loads(tok.decode(want)) == {"name": "get_weather", "arguments": args}
     assert r.usage.completion_tokens == len(want)
 
@@ -606,10 +621,11 @@ async def test_response_format_json_schema_through_the_official_client(deploymen
     r = await oai.chat.completions.create(
         model=name, messages=[{"role": w, "content": c} for w, c in msgs], max_tokens=60, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "rating", "schema": schema,
-                                                                "strict": True}})
+                                                                "strict": True}},
+        extra_body={"return_token_ids": True})
     ch = r.choices[0]
     assert ch.finish_reason == "stop" and ch.message.tool_calls is None
     jsonschema.validate(json.loads(ch.message.content), schema)
     want = _local(chat_ids(side, msgs), SamplingParams(max_tokens=60, grammar=("json_schema", json.dumps(schema))),
                   tok)
-    assert r.pddgw["output_token_ids"] == want and ch.message.content == tok.decode(want)
+    assert ch.token_ids == want and ch.message.content == tok.decode(want)

@@ -42,15 +42,16 @@ async def test_chat_completions_logprobs_and_top_logprobs(deployment):
     toks, lps = await local_off_loop(ids, SamplingParams(max_tokens=10, logprobs=2))
     messages = [{"role": r, "content": c} for r, c in MSGS]
     r = await oai.chat.completions.create(model=name, max_tokens=10, temperature=0, messages=messages,
-                                          logprobs=True, top_logprobs=2)
-    assert r.pddgw["output_token_ids"] == toks
+                                          logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == toks
     check_content(tok, r.choices[0].logprobs.content, toks, lps, 2)
 
     stream = await oai.chat.completions.create(model=name, max_tokens=10, temperature=0, messages=messages,
-                                               logprobs=True, top_logprobs=2, stream=True)
+                                               logprobs=True, top_logprobs=2, stream=True,
+                                               extra_body={"return_token_ids": True})
     chunks = [c async for c in stream]
     with_tokens = [c for c in chunks if c.choices and "position" in (getattr(c, "pddgw", None) or {})]
-    assert all(len(c.choices[0].logprobs.content) == len(c.pddgw["token_ids"]) for c in with_tokens)
+    assert all(len(c.choices[0].logprobs.content) == len(c.choices[0].token_ids) for c in with_tokens)
     check_content(tok, [x for c in with_tokens for x in c.choices[0].logprobs.content], toks, lps, 2)
     assert chunks[0].choices[0].logprobs is None and chunks[-1].choices[0].logprobs is None  # role, finish
 
@@ -81,8 +82,9 @@ async def test_completions_logprobs(deployment):
             want.setdefault(s, lp.logprob)                       # the sampled token (greedy: already in)
             assert list(top) == list(want) and all(abs(top[key] - want[key]) <= TOL for key in want)
 
-    r = await oai.completions.create(model=name, prompt=ids, max_tokens=9, temperature=0, logprobs=2)
-    assert r.pddgw["output_token_ids"] == toks
+    r = await oai.completions.create(model=name, prompt=ids, max_tokens=9, temperature=0, logprobs=2,
+                                     extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == toks
     lp = r.choices[0].logprobs
     check(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset)
 
@@ -99,7 +101,8 @@ async def test_responses_include_output_text_logprobs(deployment):
     ids = chat_ids(side, MSGS)
     toks, lps = await local_off_loop(ids, SamplingParams(max_tokens=8, logprobs=2))
     r = await oai.responses.create(model=name, instructions=MSGS[0][1], input=MSGS[1][1], max_output_tokens=8,
-                                   temperature=0, include=["message.output_text.logprobs"], top_logprobs=2)
+                                   temperature=0, include=["message.output_text.logprobs"], top_logprobs=2,
+                                   extra_body={"return_token_ids": True})
     assert r.pddgw["output_token_ids"] == toks
     check_content(tok, r.output[0].content[0].logprobs, toks, lps, 2)
     events = [e async for e in await oai.responses.create(

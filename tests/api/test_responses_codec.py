@@ -109,6 +109,17 @@ def test_cancel():
     assert e == CancelResponse("response.cancel", "resp_1")
 
 
+def test_what_the_answer_carries_is_asked_for():
+    e = parse_client_event(ev(input="x"), 10)
+    assert (e.return_token_ids, e.states) == (False, False)
+    e = parse_client_event(ev(input="x", return_token_ids=True, pddgw={"states": True, "pipeline": "P-MD"}), 10)
+    assert (e.return_token_ids, e.states, e.pipeline) == (True, True, "P-MD")
+    for bad, param in (({"return_token_ids": "true"}, "return_token_ids"), ({"pddgw": {"states": 1}}, "pddgw.states")):
+        with pytest.raises(ApiError) as ei:
+            parse_client_event(ev(input="x", **bad), 10)
+        assert ei.value.param == param and str(ei.value) == f"'{param}' must be a boolean"
+
+
 def test_server_events_shape():
     req = parse_client_event(ev(input="hi", metadata={"m": "1"}), 10)
     d = orjson.loads(delta_event(3, "s", "resp_1", "ab", 4, [97, 98], "rld"))
@@ -116,6 +127,8 @@ def test_server_events_shape():
                  "response_id": "resp_1", "item_id": "msg_resp_1", "output_index": 0,
                  "content_index": 0, "delta": "ab",
                  "pddgw": {"position": 4, "token_ids": [97, 98], "role": "rld"}}
+    # Token ids not asked for: the delta says where its tokens sit and who made them.
+    assert orjson.loads(delta_event(3, "s", "resp_1", "ab", 4, None, "rld"))["pddgw"] == {"position": 4, "role": "rld"}
     obj = response_object("resp_1", "completed", 1, "tiny", req, text="ab",
                           usage={"input_tokens": 2}, pddgw={"pipeline": "P-MD"})
     c = orjson.loads(completed_event(9, None, obj))

@@ -93,7 +93,7 @@ async def test_tool_choice_none_and_auto_leave_the_text_free(deployment):
     none = await oai.responses.create(tools=[TOOL], tool_choice="none", **base)
     # "none": the template gets no tools (vLLM's behaviour), so the prompt and output are the plain ones.
     assert none.output_text == plain.output_text and none.usage.input_tokens == plain.usage.input_tokens
-    auto = await oai.responses.create(tools=[TOOL], **base)
+    auto = await oai.responses.create(tools=[TOOL], **base, extra_body={"return_token_ids": True})
     assert auto.usage.input_tokens > plain.usage.input_tokens       # the tools are in the prompt
     assert [o.type for o in auto.output] == ["message"]               # random text: no call in it
     assert auto.output_text == side.door.tok.decode(auto.pddgw["output_token_ids"])
@@ -135,7 +135,7 @@ async def test_websocket_mode_streams_the_call_items_before_completed(deployment
     _, client, oai = await deployment()
     fields = dict(model=MODEL, input="weather in Paris?", tools=[TOOL], tool_choice="required",
                   max_output_tokens=120, temperature=1.0, seed=3)
-    events = await ws_events(client, **fields)
+    events = await ws_events(client, **fields, return_token_ids=True)
     http = await oai.responses.create(**{k: v for k, v in fields.items() if k != "seed"}, extra_body={"seed": 3})
     final = events[-1]
     assert final["type"] == "response.completed", final

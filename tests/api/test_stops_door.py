@@ -40,8 +40,9 @@ async def test_completions_stop_cuts_the_text_counts_the_tokens_and_frees_every_
     side, _, oai = await deployment(replace(cfg, policy=PolicyConfig(pipeline=pipeline)))
     tok, name = side.door.tok, side.door.model_name
     kw = dict(model=name, prompt=PROMPT, max_tokens=MAX, temperature=0.9, seed=11)
-    full = await oai.completions.create(**kw, extra_body={"ignore_eos": True})
-    text, ids = full.choices[0].text, full.pddgw["output_token_ids"]
+    ask = {"ignore_eos": True, "return_token_ids": True}
+    full = await oai.completions.create(**kw, extra_body=ask)
+    text, ids = full.choices[0].text, full.choices[0].token_ids
     assert len(ids) == MAX and text == tok.decode(ids)
     stop = text[20:23]
     at = text.find(stop)
@@ -49,24 +50,24 @@ async def test_completions_stop_cuts_the_text_counts_the_tokens_and_frees_every_
     for include in (False, True):
         want = text[:at + len(stop)] if include else text[:at]
         r = await oai.completions.create(**kw, stop=[stop, "\x00never"],
-                                         extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+                                         extra_body={**ask, "include_stop_str_in_output": include})
         await free_at_once(side)
         ch = r.choices[0]
         assert (ch.text, ch.finish_reason, ch.stop_reason) == (want, "stop", stop)
-        assert r.usage.completion_tokens == kept and r.pddgw["output_token_ids"] == ids[:kept]
+        assert r.usage.completion_tokens == kept and ch.token_ids == r.pddgw["output_token_ids"] == ids[:kept]
         assert r.pddgw["final_state"] == "FINISHED" and r.pddgw["finish_reason"] == "stop"
         assert kept <= r.pddgw["output_tokens"] < MAX         # stopped at the run holding the stop
 
         chunks = [c async for c in await oai.completions.create(
             **kw, stop=stop, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "include_stop_str_in_output": include})]
+            extra_body={**ask, "include_stop_str_in_output": include})]
         await free_at_once(side)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
         last = [c for c in chunks if c.choices][-1].choices[0]
         assert (last.finish_reason, last.stop_reason) == ("stop", stop)
         assert chunks[-1].usage.completion_tokens == kept
         streamed = [t for c in chunks if c.choices and "token_ids" in (c.pddgw or {}) for t in c.pddgw["token_ids"]]
-        assert streamed == ids[:kept]
+        assert streamed == ids[:kept] == [t for c in chunks if c.choices for t in c.choices[0].token_ids]
 
 
 async def test_chat_stop_streamed_holds_back_a_possible_stop_and_a_stop_at_the_first_characters(deployment):
@@ -96,11 +97,12 @@ async def test_a_stop_token_id_is_the_stop_reason_and_no_stop_leaves_it_null(dep
     side, _, oai = await deployment()
     name = side.door.model_name
     kw = dict(model=name, prompt=PROMPT, max_tokens=40, temperature=0.9, seed=3)
-    full = await oai.completions.create(**kw, extra_body={"ignore_eos": True})
-    ids = full.pddgw["output_token_ids"]
+    ask = {"ignore_eos": True, "return_token_ids": True}
+    full = await oai.completions.create(**kw, extra_body=ask)
+    ids = full.choices[0].token_ids
     assert (full.choices[0].finish_reason, full.choices[0].stop_reason) == ("length", None)
     t = ids[10]
-    r = await oai.completions.create(**kw, extra_body={"ignore_eos": True, "stop_token_ids": [t]})
+    r = await oai.completions.create(**kw, extra_body={**ask, "stop_token_ids": [t]})
     k = ids.index(t) + 1
     assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("stop", t)
-    assert r.pddgw["output_token_ids"] == ids[:k] and r.usage.completion_tokens == k
+    assert r.choices[0].token_ids == ids[:k] and r.usage.completion_tokens == k

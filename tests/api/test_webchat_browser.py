@@ -136,6 +136,7 @@ SPANS_JS = """(msg) => {
       position: s.dataset.position === undefined ? null : Number(s.dataset.position),
       ids: s.dataset.tokenIds ? s.dataset.tokenIds.split(',').map(Number) : [],
       colour: [getComputedStyle(s).color, getComputedStyle(s).backgroundColor]})),
+    states: [...msg.querySelectorAll('.timeline .states li .st')].map(s => s.textContent),
     timeline: {pipeline: msg.querySelector('.timeline').dataset.pipeline,
                ttft: msg.querySelector('.timeline').dataset.ttftMs,
                text: msg.querySelector('.timeline').innerText},
@@ -169,6 +170,8 @@ def check_turn(page_view: dict[str, Any], events: list[dict[str, Any]]) -> dict[
     assert [(s["text"], s["role"], s["position"], s["ids"]) for s in streamed] == \
            [(d["delta"], d["pddgw"]["role"], d["pddgw"]["position"], d["pddgw"]["token_ids"]) for d in deltas]
     assert [i for d in deltas for i in d["pddgw"]["token_ids"]] == tl["output_token_ids"]
+    # The states panel: one step per state of the timeline the page asked for.
+    assert page_view["states"] == [s["state"] for s in tl["states"]] and tl["states"][-1]["state"] == "FINISHED"
     # Each span wears its role's colours, the legend's.
     legend = page_view["legend"]
     assert legend["rld"] != legend["md"]
@@ -216,7 +219,9 @@ async def test_web_chat_streams_colours_tokens_by_role_and_shows_the_timeline(we
             text1 = frames.of("turn-1")[-1]["response"]["output"][0]["content"][0]["text"]
             assert frames.sent[0]["input"] == [{"type": "message", "role": "user",
                                                 "content": "Plan the refactoring of the payment module."}]
-            assert frames.sent[0]["pddgw"] == {"pipeline": "P-RLD-MD"}
+            # It asks for what it shows: the token ids of its spans, the states of its panel.
+            assert frames.sent[0]["pddgw"] == {"pipeline": "P-RLD-MD", "states": True}
+            assert frames.sent[0]["return_token_ids"] is True
             assert frames.sent[0]["instructions"] == DEFAULT_SYSTEM
 
             # Turn 2, the router's choice: the whole conversation goes as input messages.
@@ -230,7 +235,7 @@ async def test_web_chat_streams_colours_tokens_by_role_and_shows_the_timeline(we
                 {"type": "message", "role": "user", "content": "Plan the refactoring of the payment module."},
                 {"type": "message", "role": "assistant", "content": text1},
                 {"type": "message", "role": "user", "content": "Start with the tests."}]
-            assert "pddgw" not in frames.sent[1] and frames.sent[1]["instructions"] == DEFAULT_SYSTEM
+            assert frames.sent[1]["pddgw"] == {"states": True} and frames.sent[1]["instructions"] == DEFAULT_SYSTEM
             # Both roles' colours were checked across the two turns.
             roles = {r for tl in (tl1, tl2) for r, n in tl["tokens_by_role"].items() if n}
             assert roles == {"rld", "md"}, (tl1["tokens_by_role"], tl2["tokens_by_role"])

@@ -152,7 +152,7 @@ async def test_respond_reads_one_response_into_an_answer(aiohttp_client):
     async with client.ws_connect("/v1/responses") as ws:
         a = await respond(ws, Answer(), (1, 2, 3), 3, temperature=0.5, seed=11)
     assert seen == [{"type": "response.create", "prompt_token_ids": [1, 2, 3], "max_output_tokens": 3,
-                     "temperature": 0.5, "seed": 11}]
+                     "temperature": 0.5, "seed": 11, "return_token_ids": True}]
     assert (a.tokens, a.positions_ok, a.response_id, a.final, a.closed) == ([7, 8, 9], True, "r1", done, None)
     # One gap per token after the first: the second delta's wait, then 0 inside it.
     assert len(a.itl) == 2 and a.itl[1] == 0.0 and a.itl[0] >= 0.0

@@ -42,7 +42,9 @@ class Response:
 
 
 async def create(ws, **fields) -> None:
-    await ws.send_str(orjson.dumps({"type": "response.create", **fields}).decode())
+    """Send one response.create; it asks for the token ids (`Response.token_ids` reads them) unless
+    `fields` say otherwise."""
+    await ws.send_str(orjson.dumps({"type": "response.create", "return_token_ids": True, **fields}).decode())
 
 
 async def collect(ws, n: int = 1, timeout: float = 60.0) -> dict[str | None, Response]:

@@ -267,7 +267,7 @@ async def test_refusing_prefill_is_retried_on_another(deploy):
              NodeConfig("p1", "prefill", "A"), NodeConfig("rld0", "rld", "A"), NodeConfig("md0", "md", "B"))
     ws, side, _ = await deploy(replace(base, nodes=nodes))
     p = prompt_of(100)
-    r = await chat(ws, prompt_token_ids=p, max_output_tokens=10, temperature=0)
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=10, temperature=0, pddgw={"states": True})
     assert r.final["type"] == "response.completed", r.final
     assert r.token_ids == reference(p, 10)
     tl = r.timeline

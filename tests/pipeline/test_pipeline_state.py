@@ -164,6 +164,8 @@ def test_p_rld_md_catch_up_timeline():
     }
     # Plain JSON all the way down.
     assert orjson.loads(orjson.dumps(rec.to_dict())) == rec.to_dict()
+    # The answers' summary leaves the state timeline out unless asked (it grows with the steps).
+    assert rec.to_dict(states=False) == {k: v for k, v in rec.to_dict().items() if k != "states"}
 
 
 def test_p_md_timeline_has_no_handoff():

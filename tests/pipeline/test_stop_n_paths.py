@@ -56,7 +56,7 @@ async def steered(aiohttp_client):
 
 def steer(pipeline: str, mode: str | None) -> dict:
     ext = {"pipeline": pipeline} | ({"handoff_mode": mode} if mode else {})
-    return {"ignore_eos": True, "pddgw": ext}
+    return {"ignore_eos": True, "return_token_ids": True, "pddgw": ext}
 
 
 def pick_stop(text: str, at: int, length: int = 4) -> tuple[str, int]:
@@ -88,7 +88,7 @@ async def check_stop(side, oai, toks: list[int], at: int, body: dict) -> dict:
     assert state_leftovers(await side.state()) == {}
     ch = r.choices[0]
     assert (ch.text, ch.finish_reason, ch.stop_reason) == (text[:where], "stop", stop)
-    assert r.pddgw["output_token_ids"] == toks[:kept] and r.usage.completion_tokens == kept
+    assert ch.token_ids == r.pddgw["output_token_ids"] == toks[:kept] and r.usage.completion_tokens == kept
     assert r.pddgw["final_state"] == "FINISHED" and r.pddgw["finish_reason"] == "stop"
     assert kept <= r.pddgw["output_tokens"] < len(toks)         # stopped at the run holding the stop
     return r.pddgw
@@ -149,7 +149,7 @@ async def test_n_choices_are_the_local_engines_tokens_of_their_seeds_on_every_pa
                                      seed=SEED, n=2, extra_body=steer(pipeline, mode))
     assert [c.index for c in r.choices] == [0, 1] and [c.finish_reason for c in r.choices] == ["length"] * 2
     assert [c.pddgw["seed"] for c in r.choices] == [SEED, SEED + 1]
-    assert [c.pddgw["output_token_ids"] for c in r.choices] == want
+    assert [c.token_ids for c in r.choices] == [c.pddgw["output_token_ids"] for c in r.choices] == want
     assert [c.text for c in r.choices] == [side.door.tok.decode(w) for w in want]
     for c in r.choices:
         tl = c.pddgw

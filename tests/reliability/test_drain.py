@@ -41,7 +41,8 @@ async def _stream(c: Cluster, prompt: list[int], n_out: int, first: asyncio.Even
     ids: list[int] = []
     async with aiohttp.ClientSession() as s, s.ws_connect(c.url + "/v1/responses") as ws:
         await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": prompt,
-                                        "max_output_tokens": n_out, "temperature": 0.7, "seed": 5}).decode())
+                                        "max_output_tokens": n_out, "temperature": 0.7, "seed": 5,
+                                        "return_token_ids": True}).decode())
         async with asyncio.timeout(STREAM_BOUND_S):
             while True:
                 ev = orjson.loads((await ws.receive()).data)

@@ -371,12 +371,15 @@ wrong_fields = st.one_of(
     field("store", values(but=(bool,))),
     field("stream", values()),
     field("pddgw", values(but=(dict,))),
-    field("pddgw", st.dictionaries(st.text(max_size=8).filter(lambda k: k not in ("pipeline", "handoff_mode")),
+    field("pddgw", st.dictionaries(st.text(max_size=8).filter(lambda k: k not in ("pipeline", "handoff_mode",
+                                                                                "states")),
                                    json_values, min_size=1, max_size=2)),
     field("pddgw", values().filter(lambda v: v not in ("P-MD", "P-RLD-MD", "P-RLD"))
           .map(lambda v: {"pipeline": v}), "pddgw.pipeline"),
     field("pddgw", values().filter(lambda v: v not in ("one-shot", "catch-up"))
           .map(lambda v: {"handoff_mode": v}), "pddgw.handoff_mode"),
+    field("pddgw", values(but=(bool,)).map(lambda v: {"states": v}), "pddgw.states"),
+    field("return_token_ids", values(but=(bool,))),
     field("type", values(none=True).filter(lambda v: v not in ("response.create", "response.cancel"))),
     st.tuples(st.text(min_size=1, max_size=12).filter(lambda k: k not in CREATE_KEYS),
               json_values).map(lambda kv: bad({**BASE, kv[0]: kv[1]}, kv[0])),
@@ -402,7 +405,7 @@ messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(ROLES),
 prompts = st.one_of(st.text(max_size=20).map(lambda t: {"input": t}), messages.map(lambda m: {"input": m}),
                     st.lists(ints(0, VOCAB - 1), min_size=1, max_size=8).map(lambda ids: {"prompt_token_ids": ids}))
 options = st.fixed_dictionaries(
-    {"type": st.just("response.create"), "max_output_tokens": st.integers(1, 3)},
+    {"type": st.just("response.create"), "max_output_tokens": st.integers(1, 3), "return_token_ids": st.booleans()},
     optional={"temperature": floats(0, 2), "top_p": floats(1e-9, 1), "seed": ints(0, 2**63 - 1),
               "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
               "model": st.text(max_size=8), "store": st.booleans(), "instructions": st.text(max_size=20)})
@@ -452,7 +455,12 @@ async def exchange(conn: Conn, batch: list[Hostile]) -> None:
         assert set(types[1:-1]) <= {"response.output_text.delta"}, types
         resp = evs[-1]["response"]
         assert resp["status"] == "completed"
-        assert resp["usage"]["output_tokens"] == len(resp["pddgw"]["output_token_ids"]) <= h.doc["max_output_tokens"]
+        n, most = resp["usage"]["output_tokens"], h.doc["max_output_tokens"]
+        if h.doc["return_token_ids"]:
+            assert n == len(resp["pddgw"]["output_token_ids"]) <= most
+        else:      # lean: no ids anywhere
+            assert "output_token_ids" not in resp["pddgw"] and n <= most
+            assert all("token_ids" not in e["pddgw"] for e in evs if e["type"] == "response.output_text.delta")
 
 
 def expect_error(h: Hostile, ev: dict) -> None:

@@ -124,7 +124,7 @@ async def stream(d: Deployment, prompt: list[int], n_out: int, pipeline: str, mo
     async with aiohttp.ClientSession() as s, s.ws_connect(d.url + "/v1/responses") as ws:
         await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": prompt,
                                         "max_output_tokens": n_out, "temperature": TEMPERATURE, "seed": SEED,
-                                        "pddgw": ext}).decode())
+                                        "return_token_ids": True, "pddgw": ext}).decode())
         async with asyncio.timeout(STREAM_BOUND_S):
             while True:
                 ev = orjson.loads((await ws.receive()).data)

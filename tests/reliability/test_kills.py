@@ -34,7 +34,7 @@ async def _request(c: Cluster, pipeline: str | None, n_out: int, after: int = -1
     async with aiohttp.ClientSession() as s, s.ws_connect(c.url + "/v1/responses") as ws:
         await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": PROMPT,
                                         "max_output_tokens": n_out, "temperature": 0.7, "seed": 9,
-                                        **ext}).decode())
+                                        "return_token_ids": True, **ext}).decode())
         acted = action is None
         async with asyncio.timeout(120):
             while True:

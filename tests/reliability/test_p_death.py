@@ -42,7 +42,7 @@ async def _stream(c: Cluster, prompt: list[int], n_out: int, pipeline: str | Non
     async with aiohttp.ClientSession() as s, s.ws_connect(c.url + "/v1/responses") as ws:
         await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": prompt,
                                         "max_output_tokens": n_out, "temperature": 0.7, "seed": 9,
-                                        **ext}).decode())
+                                        "return_token_ids": True, **ext}).decode())
         async with asyncio.timeout(END_BOUND_S):
             while True:
                 ev = orjson.loads((await ws.receive()).data)

@@ -1,9 +1,10 @@
 // pddgw web chat: the WebSocket Responses mode at /v1/responses of the host that served the page.
 //
 // One socket, kept open (reconnects when it drops).  Each turn sends response.create with the
-// whole conversation as `input` messages; each response.output_text.delta becomes a span
-// coloured by pddgw.role (rld / md) carrying data-position and data-token-ids; response.completed
-// adds the answer to the history and shows its pddgw timeline; an error event ends the turn.
+// whole conversation as `input` messages, asking for what the page shows beyond the lean default
+// (`return_token_ids`, `pddgw.states`); each response.output_text.delta becomes a span coloured
+// by pddgw.role (rld / md) carrying data-position and data-token-ids; response.completed adds the
+// answer to the history and shows its pddgw timeline; an error event ends the turn.
 "use strict";
 
 (() => {
@@ -232,13 +233,14 @@
       input: history.map((h) => ({ type: "message", role: h.role, content: h.content })),
       max_output_tokens: Math.max(1, parseInt(ui.maxTokens.value, 10) || 128),
       temperature: Math.min(2, Math.max(0, parseFloat(ui.temperature.value) || 0)),
+      return_token_ids: true,     // each span's data-token-ids
     };
     const instructions = ui.instructions.value.trim();
     if (instructions) req.instructions = instructions;
-    const ext = {};
+    const ext = { states: true };  // the timeline's states panel
     if (ui.pipeline.value) ext.pipeline = ui.pipeline.value;
     if (ui.handoff.value) ext.handoff_mode = ui.handoff.value;
-    if (Object.keys(ext).length) req.pddgw = ext;
+    req.pddgw = ext;
     ws.send(JSON.stringify(req));
     setBusy(true);
   }
