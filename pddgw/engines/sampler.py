@@ -7,7 +7,8 @@ Batch composition, the node and the moment do not enter, so a request
 handed from RLD to MD keeps the same distribution and, given the same
 logits, the same tokens.
 
-The draw (`position_uniforms`, scalar `position_uniform`) is SplitMix64:
+The draw (`position_uniform`, on the host with the other per-row parameters;
+`position_uniforms` on tensors, e.g. a run of positions) is SplitMix64:
 the draw for position i is output i + 1 of a SplitMix64 generator whose
 state starts at mix64(seed),
 
@@ -52,7 +53,10 @@ frequency and presence penalties, vLLM's order and formulas) to the rows
 that ask for it, with batched tensor ops over those rows only: a batch where
 no row asks is not touched (no copy).  The tokens so far are the engine's
 sequence, prompt and output told apart, so every node that holds the same
-tokens adjusts the same logits the same way.  Last, a row with a grammar keeps
+tokens adjusts the same logits the same way.  The penalties touch only each
+row's distinct tokens, from a `TokenCounts` the sequence keeps (its prompt's
+tokens counted once, each appended token once), bit for bit the dense
+[rows, vocab] formulas.  Last, a row with a grammar keeps
 only the tokens its matcher admits after its output so far (`pddgw.engines.grammar`;
 only those rows pay for a bitmask).  Log-probabilities stay those
 of the raw logits.
@@ -62,31 +66,33 @@ without a small top-k needs the candidates in order only as far as its kept
 set reaches, usually tens to hundreds of tokens, but step 2 sorts the whole
 vocabulary: a stable float sort of 32000 entries costs ~2.5 ms per row on
 one CPU core, ~80 ms at batch 32, more than the rest of a decode step.
-What, after step 1 (computed a few rows at a time, in reused buffers):
+What, with step 1 (a few rows at a time, in place in a reused buffer):
 
-    a. a floor f: every kept token should have p >= f.  Level 1: p_max / 4096
-       for top-p (on the engine bench's model it holds the top-p 0.95 set of
-       every row, ~300 tokens), min_p * p_max for min-p (exact);
-    b. the logit cut x_max + T * log(f / p_max), lowered by a relative 1e-6
-       margin: {x >= cut} holds every token with p >= f and is a prefix of
-       the (logit desc, id asc) order, ties included (the cut is on the
-       logit, so this holds even where exp rounds non-monotonically);
-    c. those tokens (a nonzero of the mask, read 8 bytes at a time), sorted
-       by one stable sort of (row, logit desc) keys: per row, exactly the
-       first n candidates of the full stable sort, in [R, 1024] columns;
+    a. a logit cut below x_max, lowered by relative 1e-6 margins: {x >= cut}
+       is a prefix of the (logit desc, id asc) order, ties included (the cut
+       is on the logit, so this holds even where exp rounds
+       non-monotonically).  Level 1 cuts at T log(1 / 4096) for top-p (on
+       the engine bench's model that holds the top-p 0.95 set of every row,
+       ~300 tokens), at T log(min_p) for min-p, marked while step 1 has the
+       block in the cache (a nonzero of the mask, 8 bytes at a time);
+    b. level 1 only, top-p rows: the cut raised to the lower edge of the
+       quarter-octave bucket of p / p_max (by logit) where the marked
+       tokens' mass from the top reaches top_p + 1e-9 (~1/3 of them);
+    c. those tokens sorted by one stable sort of (row, logit desc) keys: per
+       row, exactly the first n candidates of the full stable sort;
     d. steps 3-5 on them.  Prefix values of the cdf do not depend on how
        many columns follow and min-p is counted over the whole row, so
        wherever the kept set ends within the n candidates (keep <= n) the
        token is the full sort's, bit for bit.
 
-Fallback, for the rows where keep > n: level 2 repeats b-d with the floor
-from a histogram of the row's top-p mass (quarter-octave buckets of p: the
-top 12 bits of its float64, one shift and one scatter_add; the floor of the
-bucket where the mass from the top reaches top_p + 1e-9), which holds the
-top-p set of any row; level 3, for what is left (more than 1024 candidates,
-e.g. a nearly flat distribution), is the full sort.  Which rows go on is a
-nonzero over the rows: on the CPU its size is host metadata, not a read of
-the data.  Any floor is therefore exact; a and the histogram only decide how
+Fallback, for the rows where keep > n: level 2 repeats a, c and d from the
+floor of a histogram of the row's top-p mass (quarter-octave buckets of p:
+the top 12 bits of its float64, one shift and one scatter_add; the floor of
+the bucket where the mass from the top reaches top_p + 1e-9), which holds
+the top-p set of any row; level 3, for what is left (more than 1024
+candidates, e.g. a nearly flat distribution), is the full sort.  Which rows
+go on is a nonzero over the rows: on the CPU its size is host metadata, not
+a read of the data.  Any cut is therefore exact; the cuts only decide how
 often the later levels run.  On CUDA the full sort stays (a GPU sorts the
 vocabulary in well under a millisecond, and each data-dependent shape would
 be a host sync); the tests pin the paths equal on many rows, ties and dtypes.
@@ -95,7 +101,9 @@ be a host sync); the tests pin the paths equal on many rows, ties and dtypes.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
+from array import array
 from collections.abc import Collection, Sequence
 from typing import NamedTuple, Protocol
 
@@ -111,8 +119,10 @@ _M2 = 0x94D049BB133111EB
 _TOPK_FRACTION = 4          # top-k path when k <= vocab / 4; above that a full sort is as cheap
 _SPECULATIVE_CAP = 1024     # the longest speculative prefix (columns); longer rows take the full sort
 _BUCKETS = 4096             # quarter-octave buckets of a float64 p in [0, 1]: its 12 bits after the sign
-_BLOCK_BYTES = 1 << 21      # rows per pass of the speculative path's softmax: ~2 MB of float64
+_BLOCK_BYTES = 1 << 22      # rows per pass of the speculative path's softmax: ~4 MB of float64
 _TOP_BUCKETS = 256          # buckets searched for the top-p cut: p >= 2**-63
+_NEAR_BUCKETS = 64          # quarter-octave buckets below p_max that `_tighter_cut` tells apart
+_QUARTER_OCTAVE = math.log(2.0) / 4   # a quarter octave of p, in logits at temperature 1
 _MASS_SLACK = 1e-9          # bucket masses sum in another order than the cdf: aim a little past top_p
 _SCRATCH_MAX_BYTES = 64 << 20  # reused buffers kept per thread up to this size
 _WINDOW = 2.0 ** -12        # first floor: p_max / 4096 (tokens within ~8.3 T of the top logit)
@@ -172,20 +182,26 @@ class _Rows(NamedTuple):
     temp: torch.Tensor      # float64 [R]
     top_p: torch.Tensor     # float64 [R]; 2.0 where top_p is 1 (no cdf reaches it: keeps everything)
     min_p: torch.Tensor     # float64 [R]
-    top_k: torch.Tensor     # int64 [R]; vocab where top_k is 0 or >= vocab
+    top_k: torch.Tensor     # int64 [R] in [1, vocab]; vocab where top_k is 0 or >= vocab
     u: torch.Tensor         # float64 [R, 1] the position-keyed draws
+    drop: torch.Tensor      # float64 [R] the speculative level 1's cut below x_max (`_drop`)
+    width: torch.Tensor     # float64 [R] a quarter octave of p in logits, T ln(2) / 4 (`_tighter_cut`)
+    mass: torch.Tensor      # float64 [R, 1] top_p + 1e-9, the mass the speculative levels' floors aim at
 
     @staticmethod
     def of(params: Sequence[SamplingParams], positions: Sequence[int], vocab: int, dev: torch.device) -> "_Rows":
-        f64 = dict(dtype=torch.float64, device=dev)
-        seeds = torch.tensor([p.seed for p in params], dtype=torch.int64, device=dev)        # [R]
-        pos = torch.tensor(list(positions), dtype=torch.int64, device=dev)                   # [R]
-        return _Rows(torch.tensor([p.temperature for p in params], **f64),
-                     torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], **f64),
-                     torch.tensor([p.min_p for p in params], **f64),
-                     torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-                                  dtype=torch.int64, device=dev),
-                     position_uniforms(seeds, pos)[:, None])
+        # The floats in one host -> device copy, the draws among them (`position_uniform` on the
+        # host: 0.7 us a row, against ~20 tensor ops for `position_uniforms`).
+        cols: tuple[list[float], ...] = ([], [], [], [], [], [], [])
+        for p, i in zip(params, positions):
+            t, q = p.temperature, (p.top_p if p.top_p < 1.0 else 2.0)
+            for col, v in zip(cols, (t, q, p.min_p, position_uniform(p.seed, i), _drop(p), t * _QUARTER_OCTAVE,
+                                     q + _MASS_SLACK)):
+                col.append(v)
+        temp, top_p, min_p, u, drop, width, mass = torch.tensor(cols, dtype=torch.float64, device=dev)  # [R] each
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.int64,
+                             device=dev)
+        return _Rows(temp, top_p, min_p, top_k, u[:, None], drop, width, mass[:, None])
 
     def take(self, index: torch.Tensor) -> "_Rows":
         return _Rows(*(t.index_select(0, index) for t in self))
@@ -206,7 +222,7 @@ def _keep(cand_p: torch.Tensor, cdf: torch.Tensor, counted: torch.Tensor, rows: 
     batch (skipped: same result).  Where the top-p prefix does not end within the K
     columns its count is K + 1.
     """
-    keep = rows.top_k.clamp(1, vocab)                                                    # [R]
+    keep = rows.top_k                                                                    # [R]
     if top_p:
         keep = torch.minimum(keep, torch.searchsorted(cdf, rows.top_p[:, None]).squeeze(1) + 1)  # first cdf >= top_p
     if min_p:
@@ -254,31 +270,66 @@ def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], positions: S
                         any(q.min_p > 0.0 for q in params))
 
 
-def _logit_cut(floor: torch.Tensor, xmax: torch.Tensor, pmax: torch.Tensor, temp: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
-    """float64 [R] probabilities -> [R] logits (in dtype) at or below those of every p >= floor.
+def _drop(p: SamplingParams) -> float:
+    """Level 1's cut below x_max, in logits: T log(ratio) for the floor ratio * p_max it keeps
+    (1 / 4096 with top-p, at least min_p), less a relative 1e-6 margin; -inf: every token."""
+    ratio = max(_WINDOW if p.top_p < 1.0 else 0.0, p.min_p)
+    if ratio == 0.0:
+        return -math.inf
+    d = p.temperature * math.log(ratio)
+    return d - _CUT_MARGIN * (1.0 + abs(d))
 
-    p_j = exp((x_j - x_max) / T) * p_max up to a few ulps, so p_j >= floor means
-    x_j >= x_max + T * log(floor / p_max); the margin covers that rounding (and the
-    cast) many times over.  floor 0 gives -inf (every token).
+
+def _cut_base(xmax: torch.Tensor) -> torch.Tensor:
+    """float64 [R] largest logits -> x_max less a relative 1e-6 margin, the start of every cut
+    (`_drop`, `_tighter_cut`, level 2); NaN where x_max is not finite (its softmax is NaN:
+    no token is cut).
+
+    p_j = exp((x_j - x_max) / T) * p_max up to a few ulps, so p_j >= ratio * p_max means
+    x_j >= x_max + T log(ratio); the margins (1e-6 of each term) cover that rounding and the
+    cast to the logits' dtype many times over.  Any cut selects a prefix of the order and
+    each level checks that the kept set ends inside it: a cut too high only sends its row
+    to the next level.
     """
-    cut = xmax + temp * (torch.log(floor) - torch.log(pmax))                              # [R]
-    return (cut - _CUT_MARGIN * (1.0 + cut.abs())).to(dtype)
+    return torch.add(xmax, xmax.abs(), alpha=-_CUT_MARGIN).add_(xmax - xmax)
+
+
+def _mark(xs: torch.Tensor, cut: torch.Tensor, mask: torch.Tensor, hit: torch.Tensor) -> None:
+    """mask [R, V] bool = xs [R, V] >= cut [R, 1], through hit [R, V] (xs's dtype).
+
+    The comparison writes 1.0 / 0.0 in xs's dtype, then bytes: torch's comparison kernels
+    take a scalar loop when they write bool, a vector one otherwise (0.6 ms against 0.25 ms
+    with the copy, for [32, 32000] float32 on two cores).
+    """
+    torch.ge(xs, cut, out=hit)                                                           # (NaN: 0.0, as ge)
+    mask.copy_(hit)
+
+
+def _marks(total: int, device: torch.device) -> torch.Tensor:
+    """This thread's bool mask for `total` marks, padded with False to whole 8-byte words."""
+    mask = _scratch.get("mask", -(-total // 8) * 8, torch.bool, device)                 # [8W]
+    if total % 8:
+        mask[total:] = False
+    return mask
+
+
+def _marked(mask: torch.Tensor) -> torch.Tensor:
+    """Flat indices (ascending) of a `_marks` mask's True entries: int64 [M], M a few % of it.
+
+    nonzero over the mask's 8-byte words first, then over the hit words' bytes: a sparse
+    mask is read a word, not a byte, at a time (several times faster).
+    """
+    words = mask.view(torch.int64).nonzero().squeeze(1)                                  # [W'] words with a hit
+    hits = mask.view(-1, 8).index_select(0, words).view(-1).nonzero().squeeze(1)        # [M] in those words' bytes
+    return torch.add(hits & 7, words.index_select(0, hits >> 3), alpha=8)                 # [M]
 
 
 def _at_least(xs: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
-    """Flat indices (ascending) of xs [R, V] >= cut [R, 1]: int64 [M], M a few % of R * V.
-
-    nonzero over the mask's 8-byte words first, then over the hit words' bytes:
-    a sparse mask is read a word, not a byte, at a time (several times faster).
-    """
-    total = xs.numel()
-    mask = _scratch.get("mask", -(-total // 8) * 8, torch.bool, xs.device)              # [8W] padded
-    mask[total:] = False
-    torch.ge(xs, cut, out=mask[:total].view(xs.shape))
-    words = mask.view(torch.int64).nonzero().squeeze(1)                                  # [W'] words with a hit
-    hits = mask.view(-1, 8).index_select(0, words).view(-1).nonzero().squeeze(1)        # [M] in those words' bytes
-    return words[hits >> 3] * 8 + (hits & 7)                                             # [M]
+    """Flat indices (ascending) of xs [R, V] >= cut [R, 1]: int64 [M]."""
+    mask = _marks(xs.numel(), xs.device)
+    hit = _scratch.get("hit", xs.numel(), xs.dtype, xs.device).view(xs.shape)          # [R, V]
+    _mark(xs, cut, mask[: xs.numel()].view(xs.shape), hit)
+    return _marked(mask)
 
 
 class _Scratch(threading.local):
@@ -307,33 +358,46 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
-def _blocked_probs(x: torch.Tensor, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, V] -> (probs float64 [R, V] = `_probs(x, rows)` bit for bit, p_max float64 [R]).
+class _Softmax(NamedTuple):
+    """Step 1 of R rows, and the largest logits the speculative levels cut from."""
 
-    A few rows at a time (~2 MB of float64 each) through one reused scratch: every pass
-    over a block stays in the cache, faster on one core than whole-batch passes over
-    [R, V] float64 arrays.  The softmax is a per-row kernel: blocks change nothing.
-    probs is this thread's scratch: valid until its next call.
+    probs: torch.Tensor     # float64 [R, V] = `_probs(x, rows)`, bit for bit
+    xmax: torch.Tensor      # float64 [R] the largest logit
+    base: torch.Tensor      # float64 [R] `_cut_base(xmax)`
+
+    def take(self, index: torch.Tensor) -> "_Softmax":
+        return _Softmax(*(t.index_select(0, index) for t in self))
+
+
+def _blocked_probs(x: torch.Tensor, rows: _Rows, xs: torch.Tensor | None = None,
+                   cut: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [R, V] -> (probs float64 [R, V] = `_probs(x, rows)` bit for bit, and with `cut` [R] the
+    flat indices (ascending) of xs [R, V] >= cut: `_at_least(xs, cut[:, None])`).
+
+    A few rows at a time (~4 MB of float64), in place in probs: x / T and its softmax while
+    the block is in the cache, and the cut compares the block's logits while they are there.
+    The softmax is a per-row kernel: blocks change nothing.  probs is this thread's scratch:
+    valid until its next call.
     """
     r, vocab = x.shape
-    f64 = dict(dtype=torch.float64, device=x.device)
     block = max(1, _BLOCK_BYTES // (8 * vocab))
     probs = _scratch.get("probs", r * vocab, torch.float64, x.device).view(r, vocab)    # [R, V]
-    pmax = torch.empty(r, **f64)
-    scaled = _scratch.get("scaled", min(block, r) * vocab, torch.float64, x.device).view(-1, vocab)  # [b, V]
+    temp = rows.temp[:, None]                                                            # [R, 1]
+    if cut is not None:
+        mask = _marks(r * vocab, x.device)
+        marks, cut = mask[: r * vocab].view(r, vocab), cut[:, None]                      # [R, V], [R, 1]
+        hit = _scratch.get("hit", min(block, r) * vocab, xs.dtype, x.device).view(-1, vocab)  # [b, V]
     for i in range(0, r, block):
         j = min(r, i + block)
-        t, p = scaled[: j - i], probs[i:j]
-        torch.div(x[i:j], rows.temp[i:j, None], out=t)                                   # x promoted exactly
-        torch.ops.aten._softmax.out(t, -1, False, out=p)                                 # = torch.softmax(t)
-        torch.amax(p, dim=-1, out=pmax[i:j])
-    return probs, pmax
-
-
-def _first_floor(pmax: torch.Tensor, rows: _Rows, min_p: bool) -> torch.Tensor:
-    """Level 1: float64 [R] p_max / 4096 for top-p rows, at least min_p * p_max (exact for min-p)."""
-    floor = torch.where(rows.top_p < 1.0, pmax * _WINDOW, 0.0)                           # [R]
-    return torch.maximum(floor, rows.min_p * pmax) if min_p else floor
+        t = probs[i:j]
+        # x / T in float64, x promoted exactly in place (torch.div(x, T) would promote into a
+        # fresh buffer, page faults included), and its softmax in place (the kernel reads each
+        # entry before it writes it).
+        t.copy_(x[i:j]).div_(temp[i:j])
+        torch.ops.aten._softmax.out(t, -1, False, out=t)                                 # = torch.softmax(t)
+        if cut is not None:
+            _mark(xs[i:j], cut[i:j], marks[i:j], hit[: j - i])
+    return probs, None if cut is None else _marked(mask)
 
 
 def _second_floor(probs: torch.Tensor, pmax: torch.Tensor, rows: _Rows, min_p: bool) -> torch.Tensor:
@@ -349,73 +413,103 @@ def _second_floor(probs: torch.Tensor, pmax: torch.Tensor, rows: _Rows, min_p: b
     bucket = (probs.view(torch.int64) >> 50).bitwise_and_(_BUCKETS - 1)                  # [R, V] (&: NaN-safe)
     mass = torch.zeros(r, _BUCKETS, dtype=torch.float64, device=probs.device)
     mass = mass.scatter_add_(1, bucket, probs)[:, -_TOP_BUCKETS:].flip(1).cumsum(dim=1)  # [R, 256] from the top
-    j = torch.searchsorted(mass, rows.top_p[:, None] + _MASS_SLACK).squeeze(1)           # [R] 256: never
+    j = torch.searchsorted(mass, rows.mass).squeeze(1)                                   # [R] 256: never
     edge = ((_BUCKETS - 1 - j) << 50).view(torch.float64)                                # [R] that bucket's floor
     floor = torch.where((rows.top_p < 1.0) & (j < _TOP_BUCKETS), edge, 0.0)
     return torch.maximum(floor, rows.min_p * pmax) if min_p else floor
 
 
-def _prefix_candidates(x: torch.Tensor, probs: torch.Tensor, pmax: torch.Tensor, floor: torch.Tensor,
-                       temp: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prefix of each row's (logit desc, id asc) order holding every p >= floor [R].
+def _tighter_cut(v: torch.Tensor, p: torch.Tensor, row: torch.Tensor, cut: torch.Tensor, sm: _Softmax,
+                 rows: _Rows) -> torch.Tensor:
+    """Level 1's cut [R] raised, from the candidates it selected: logits v [M] and probabilities
+    p [M] of rows row [M].
 
-    -> (cand int64 [R, cap] ids, cand_p float64 [R, cap] their probabilities, n int64 [R]):
-    the first n of each row are exactly the first n of the stable full sort, the rest
-    padding (id 0, p 0: the cdf stays flat).  n is 0 where the prefix exceeds `cap`.
-    cand and cand_p are this thread's scratch: valid until its next call.
+    Why: p_max / 4096 selects ~3x the top-p set on the engine bench's model, and the
+    candidates' sort is the costliest step after the softmax.  The candidates go in
+    quarter-octave buckets of p / p_max by their logit (bucket d: x_max - x in
+    [d, d + 1) * T ln(2) / 4); per top-p row, the cut is the lower edge of the first bucket
+    where their mass from the top reaches top_p + 1e-9 (the slack covers the other
+    summation order), or `cut` where none does.
     """
-    r, vocab = x.shape
-    dev = x.device
-    xs = (x if x.dtype == torch.float64 else x.float()).contiguous()                     # [R, V] exact
-    xmax = xs.amax(dim=-1).to(torch.float64)                                             # [R]
-    # The tokens at or above the logit cut: a prefix of the order, ties included.
-    flat = _at_least(xs, _logit_cut(floor, xmax, pmax, temp, xs.dtype)[:, None])         # [M] row-major, ids asc
+    r = cut.shape[0]
+    down = (sm.xmax.index_select(0, row) - v) / rows.width.index_select(0, row)          # [M] quarter octaves down
+    bucket = torch.add(down.to(torch.int64).clamp_(max=_NEAR_BUCKETS - 1), row, alpha=_NEAR_BUCKETS)  # [M]
+    mass = torch.bincount(bucket, weights=p, minlength=r * _NEAR_BUCKETS).view(r, _NEAR_BUCKETS).cumsum(dim=1)
+    j = torch.searchsorted(mass, rows.mass).squeeze(1)                                   # [R] B: never
+    edge = torch.addcmul(sm.base, (j + 1).to(torch.float64), rows.width, value=-1.0 - _CUT_MARGIN)
+    # (Non-top-p rows reach no bucket; the last bucket also holds everything further down:
+    # reaching top_p there bounds nothing.)
+    return torch.where(j < _NEAR_BUCKETS - 1, torch.maximum(edge.to(cut.dtype), cut), cut)
+
+
+def _prefix_candidates(xs: torch.Tensor, sm: _Softmax, cut: torch.Tensor, flat: torch.Tensor, rows: _Rows,
+                       cap: int, tighten: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefix of each row's (logit desc, id asc) order at or above a cut [R] of xs [R, V]
+    (float32 or float64 logits): flat [M] the indices (ascending) of xs >= cut.  `tighten`: only
+    down to `_tighter_cut`, a shorter prefix of the same order.
+
+    -> (cand int64 [R, W] ids, cand_p float64 [R, W] their probabilities, n int64 [R]):
+    the first n of each row are exactly the first n of the stable full sort, the rest
+    padding (id 0, p 0: the cdf stays flat); W <= cap is the longest prefix (at least 1).
+    n is 0 where the prefix exceeds `cap`.  cand and cand_p are this thread's scratch:
+    valid until its next call.
+    """
+    r, vocab = xs.shape
+    dev = xs.device
     row = torch.div(flat, vocab, rounding_mode="floor")                                  # [M]
-    count = torch.bincount(row, minlength=r)                                             # [R]
-    fits = count <= cap                                                                  # [R]
-    n = torch.where(fits, count, 0)                                                      # [R] rows over cap: none
-    flat = flat[fits[row]]                                                               # [M']
+    v, p = xs.view(-1).index_select(0, flat), sm.probs.view(-1).index_select(0, flat)    # [M] logits, probs
+    if tighten:
+        # A higher cut: a shorter prefix of the same order.
+        pick = (v >= _tighter_cut(v, p, row, cut, sm, rows).index_select(0, row)).nonzero().squeeze(1)  # [M']
+        flat, row, v, p = (t.index_select(0, pick) for t in (flat, row, v, p))
+    n = torch.bincount(row, minlength=r)                                                 # [R]
+    over = (n > cap).nonzero().squeeze(1)                # rows over the cap: none of theirs (a shape: no read)
+    if over.shape[0]:
+        pick = (n <= cap).index_select(0, row).nonzero().squeeze(1)                      # [M']
+        flat, row, v, p = (t.index_select(0, pick) for t in (flat, row, v, p))
+        n.index_fill_(0, over, 0)
     # Sorted by (row, logit desc, id asc); ties keep the ids' ascending order (stable).
-    flat = flat[_row_order_keys(xs.view(-1)[flat], flat, vocab).sort(stable=True).indices]   # [M']
-    row = torch.div(flat, vocab, rounding_mode="floor")                                  # [M']
-    col = torch.arange(flat.shape[0], device=dev) - (n.cumsum(0) - n)[row]              # [M'] rank in its row
-    cand = _scratch.get("cand", r * cap, torch.int64, dev).view(r, cap).zero_()
-    cand_p = _scratch.get("cand_p", r * cap, torch.float64, dev).view(r, cap).zero_()
-    cand.index_put_((row, col), flat - row * vocab)
-    cand_p.index_put_((row, col), probs.view(-1)[flat])
+    order = _row_order_keys(v, row).sort(stable=True).indices                            # [M']
+    flat, row, p = (t.index_select(0, order) for t in (flat, row, p))
+    col = torch.arange(flat.shape[0], device=dev) - (n.cumsum(0) - n).index_select(0, row)  # [M'] rank in its row
+    width = max(1, torch.bincount(col).shape[0])          # the longest prefix (a shape: no read of the data)
+    cand = _scratch.get("cand", r * width, torch.int64, dev).view(r, width).zero_()
+    cand_p = _scratch.get("cand_p", r * width, torch.float64, dev).view(r, width).zero_()
+    cand.index_put_((row, col), torch.add(flat, row, alpha=-vocab))
+    cand_p.index_put_((row, col), p)
     return cand, cand_p, n
 
 
-def _row_order_keys(v: torch.Tensor, flat: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Logits v [M] at flat indices [M] -> int64 [M] keys ascending in (row, logit desc).
+def _row_order_keys(v: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """Logits v [M] of rows row [M] -> int64 [M] keys ascending in (row, logit desc).
 
     float32 logits: the row above 32 bits, below them the float bits made monotone and
     inverted (-0.0 first made +0.0: the full sort sees them equal).  float64 has no room
     beside the row: a stable sort by logit first, its rank as the low bits.
     """
-    row = torch.div(flat, vocab, rounding_mode="floor")                                  # [M]
     if v.dtype == torch.float64:
-        rank = torch.empty_like(flat)
+        rank = torch.empty_like(row)
         rank[v.sort(descending=True, stable=True).indices] = torch.arange(v.shape[0], device=v.device)
         return row * (1 << 32) + rank                                                    # (M < 2**32)
-    bits = (v + 0.0).view(torch.int32).to(torch.int64)                                   # [M] signed bits
-    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)                                            # monotone in v
-    return row * (1 << 32) + ((1 << 31) - 1 - mono)                                      # low: in [0, 2**32)
+    bits = (v + 0.0).view(torch.int32)                                                   # [M] signed bits
+    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)                                            # int32 [M] monotone in v
+    return torch.add((1 << 31) - 1, row, alpha=1 << 32).sub_(mono)                       # low: in [0, 2**32)
 
 
-def _prefix_draw(x: torch.Tensor, probs: torch.Tensor, pmax: torch.Tensor, floor: torch.Tensor, rows: _Rows,
-                 top_p: bool, min_p: bool, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 3-5 on the prefix holding p >= floor -> (int64 [R] ids, bool [R] exact).
+def _prefix_draw(xs: torch.Tensor, sm: _Softmax, cut: torch.Tensor, flat: torch.Tensor, rows: _Rows, top_p: bool,
+                 min_p: bool, cap: int, tighten: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 3-5 on the prefix above cut [R] (flat: `_prefix_candidates`) -> (int64 [R] ids,
+    bool [R] exact).
 
     exact: the kept set ends within the prefix, so the id is the full sort's, bit for
     bit; elsewhere the id is meaningless.
     """
-    vocab = x.shape[1]
-    cand, cand_p, n = _prefix_candidates(x, probs, pmax, floor, rows.temp, cap)          # [R, cap] x 2, [R]
-    cdf = cand_p.cumsum(dim=-1)                                                # [R, cap]: the full cdf's prefix
+    vocab = xs.shape[1]
+    cand, cand_p, n = _prefix_candidates(xs, sm, cut, flat, rows, cap, tighten and top_p)  # [R, W] x 2, [R]
+    cdf = cand_p.cumsum(dim=-1)                                                # [R, W]: the full cdf's prefix
     # min-p counted over the whole row: a permutation of the full sort's p, the same count.
-    keep = _keep(cand_p, cdf, probs, rows, vocab, top_p, min_p)                          # [R]
-    return _draw(cand, cdf, keep.clamp_max(cap), rows), keep <= n
+    keep = _keep(cand_p, cdf, sm.probs, rows, vocab, top_p, min_p)                       # [R]
+    return _draw(cand, cdf, keep.clamp_max(cand.shape[1]), rows), keep <= n
 
 
 def _sample_speculative(x: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
@@ -431,15 +525,22 @@ def _sample_speculative(x: torch.Tensor, params: Sequence[SamplingParams], posit
     cap = min(cap or _SPECULATIVE_CAP, vocab)
     rows = _Rows.of(params, positions, vocab, x.device)
     top_p, min_p = any(q.top_p < 1.0 for q in params), any(q.min_p > 0.0 for q in params)
-    probs, pmax = _blocked_probs(x, rows)                                                # [R, V], [R]
-    # 1. The prefix down to p_max / 4096.
-    ids, exact = _prefix_draw(x, probs, pmax, _first_floor(pmax, rows, min_p), rows, top_p, min_p, cap)
+    xs = (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous()    # [R, V] exact, to compare
+    xmax = xs.amax(dim=-1).to(torch.float64)                                             # [R]
+    base = _cut_base(xmax)                                                               # [R]
+    # 1. The prefix down to p_max / 4096 (marked with step 1), tightened to the candidates' top-p mass.
+    cut = (base + rows.drop).to(xs.dtype)                                                # [R]
+    probs, flat = _blocked_probs(x, rows, xs, cut)                                       # [R, V], [M]
+    sm = _Softmax(probs, xmax, base)
+    ids, exact = _prefix_draw(xs, sm, cut, flat, rows, top_p, min_p, cap, tighten=True)
     rest = (~exact).nonzero().squeeze(1)                                                 # [F]
     if rest.shape[0] and top_p:
         # 2. Those rows again, from the floor of their top-p mass histogram.
-        sub, p_sub, pmax_sub = rows.take(rest), probs.index_select(0, rest), pmax.index_select(0, rest)
-        got, ok = _prefix_draw(x.index_select(0, rest), p_sub, pmax_sub,
-                               _second_floor(p_sub, pmax_sub, sub, min_p), sub, top_p, min_p, cap)
+        sub, sm_sub, xs_sub = rows.take(rest), sm.take(rest), xs.index_select(0, rest)
+        pmax = sm_sub.probs.amax(dim=-1)                                                 # [F]
+        drop = sub.temp * torch.log(_second_floor(sm_sub.probs, pmax, sub, min_p) / pmax)  # [F]
+        cut = (sm_sub.base + drop.sub_(drop.abs().add_(1.0), alpha=_CUT_MARGIN)).to(xs.dtype)
+        got, ok = _prefix_draw(xs_sub, sm_sub, cut, _at_least(xs_sub, cut[:, None]), sub, top_p, min_p, cap)
         ids.index_copy_(0, rest, got)
         rest = rest[~ok]                                                                 # [F']
     if rest.shape[0]:
@@ -497,8 +598,55 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     return first * c + x.gather(1, cols).argmax(dim=-1)
 
 
+class TokenCounts:
+    """A sequence's tokens as the penalties count them, kept up to date as tokens are appended.
+
+    Each distinct token once, the prompt's first: `ids`, `prompt` (1: in the prompt) and
+    `counts` (its occurrences among the output tokens), as arrays that become tensors
+    without a Python loop; `top` the largest count.  `sync(tokens)` counts the tokens
+    appended since its last call, so a step costs what was appended, not the history.
+    Tokens only ever grow (a preempted sequence keeps them; a handoff, or a re-drive's
+    output given at admission, appends several at once).
+    """
+
+    __slots__ = ("ids", "prompt", "counts", "top", "_slots", "_seen")
+
+    def __init__(self, tokens: Sequence[int], num_prompt: int):
+        first = dict.fromkeys(tokens[:num_prompt])                   # distinct, in order
+        self._slots = dict(zip(first, itertools.count()))            # token -> its index in the arrays
+        self.ids = array("q", first)
+        self.prompt = array("q", [1]) * len(self.ids)
+        self.counts = array("q", bytes(8 * len(self.ids)))
+        self.top = 0
+        self._seen = num_prompt
+        self.sync(tokens)
+
+    def sync(self, tokens: Sequence[int]) -> "TokenCounts":
+        """Count tokens[seen:], the output tokens appended since the last call."""
+        if len(tokens) < self._seen:
+            raise RuntimeError(f"a sequence's tokens went from {self._seen} to {len(tokens)}: they only grow")
+        slots, counts = self._slots, self.counts
+        for t in tokens[self._seen :]:
+            s = slots.get(t)
+            if s is None:
+                slots[t] = len(self.ids)
+                self.ids.append(t)
+                self.prompt.append(0)
+                counts.append(1)
+                self.top = max(self.top, 1)
+            else:
+                counts[s] += 1
+                self.top = max(self.top, counts[s])
+        self._seen = len(tokens)
+        return self
+
+
 class History(Protocol):
-    """A sequence's tokens so far: the prompt, then the output (the engine's `Sequence` is one)."""
+    """A sequence's tokens so far: the prompt, then the output (the engine's `Sequence` is one).
+
+    `counts`: its `TokenCounts` where the sequence keeps one (created with it, for a request
+    with penalties), which `adjust_logits` brings up to date; None: counted afresh.
+    """
 
     @property
     def tokens(self) -> Sequence[int]: ...
@@ -506,12 +654,16 @@ class History(Protocol):
     @property
     def num_prompt(self) -> int: ...
 
+    @property
+    def counts(self) -> TokenCounts | None: ...
+
 
 class TokenHistory(NamedTuple):
     """A `History` built from a token list (tests, the vLLM processor)."""
 
     tokens: Sequence[int]
     num_prompt: int
+    counts: TokenCounts | None = None
 
 
 def _needs_adjusting(p: SamplingParams, position: int, constraint: Constraint | None) -> bool:
@@ -520,7 +672,7 @@ def _needs_adjusting(p: SamplingParams, position: int, constraint: Constraint | 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
                   histories: Sequence[History], eos: Collection[int] = (),
-                  constraints: Sequence[Constraint | None] | None = None) -> torch.Tensor:
+                  constraints: Sequence[Constraint | None] | None = None, inplace: bool = False) -> torch.Tensor:
     """logits [S, V] -> [S, V] with each row's logit_bias, min_tokens mask, penalties and grammar
     mask applied.
 
@@ -528,7 +680,8 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], positi
     constraints[i] its grammar's matcher (None: no grammar; engines/grammar.py), fed the row's
     output tokens it has not seen before its mask is computed.
     Returns `logits` itself when no row asks for anything; otherwise a new tensor (the
-    input is left as it is: log-probabilities are of the raw logits).  In vLLM's order:
+    input is left as it is: log-probabilities are of the raw logits), or with `inplace`
+    (the caller needs no raw logits) `logits`, changed.  In vLLM's order:
 
       1. logit_bias: x[t] += bias[t]
       2. min_tokens: while position < min_tokens, x[t] = -inf for the stop tokens (EOS unless
@@ -537,9 +690,8 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], positi
       4. x[t] -= frequency * count_out[t]; then x[t] -= presence * (count_out[t] > 0)
       5. grammar: x[t] = -inf for every t the row's grammar does not admit next
 
-    Only the rows that ask are gathered ([R, V]); steps 3-4 build the counts of their
-    output tokens (and the prompt's, for rows with a repetition penalty) in one
-    index_put each.
+    Steps 3-4 run over each penalized row's distinct tokens only (`_penalize`), from its
+    `TokenCounts`; steps 1, 2 and 5 over the rows that ask.
     """
     n, vocab = logits.shape
     cons = constraints if constraints is not None else [None] * n
@@ -549,17 +701,21 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], positi
     dev = logits.device
     i64 = dict(dtype=torch.int64, device=dev)
     whole = len(rows) == n
-    index = None if whole else torch.tensor(rows, **i64)
-    x = logits.clone() if whole else logits.index_select(0, index)                     # [R, V]
+    index = None
+    if inplace or whole:
+        x, at = (logits if inplace else logits.clone()), rows                            # [S, V]; asked row j: x[at[j]]
+    else:
+        index = torch.tensor(rows, **i64)
+        x, at = logits.index_select(0, index), range(len(rows))                          # [R, V]
     ps = [params[i] for i in rows]
     # 1. logit_bias (ids were checked against the vocabulary when the request was added)
-    bias = [(j, t, b) for j, p in enumerate(ps) for t, b in p.logit_bias]
+    bias = [(at[j], t, b) for j, p in enumerate(ps) for t, b in p.logit_bias]
     if bias:
         bj, bt, bb = zip(*bias)
         x.index_put_((torch.tensor(bj, **i64), torch.tensor(bt, **i64)),
                      torch.tensor(bb, dtype=x.dtype, device=dev), accumulate=True)
     # 2. min_tokens: the stop tokens cannot be drawn yet
-    stops = [(j, t) for j, (i, p) in enumerate(zip(rows, ps)) if positions[i] < p.min_tokens
+    stops = [(at[j], t) for j, (i, p) in enumerate(zip(rows, ps)) if positions[i] < p.min_tokens
              for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))) if t < vocab]
     if stops:
         sj, st = zip(*stops)
@@ -568,45 +724,69 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], positi
     pen = [j for j, p in enumerate(ps) if p.penalized]
     if pen:
         hist = [histories[rows[j]] for j in pen]
-        outs = [h.tokens[h.num_prompt:] for h in hist]
-        count = torch.zeros(len(pen), vocab, dtype=x.dtype, device=dev)                 # [P, V]
-        count.index_put_(_row_ids(outs, dev), torch.ones((), dtype=x.dtype, device=dev), accumulate=True)
-        seen = count > 0                                                                # [P, V] in the output
-        out_seen = seen
-        rep = [k for k, j in enumerate(pen) if ps[j].repetition_penalty != 1.0]
-        if rep:
-            seen, with_prompt = seen.clone(), set(rep)
-            prompts = [hist[k].tokens[: hist[k].num_prompt] if k in with_prompt else () for k in range(len(pen))]
-            seen[_row_ids(prompts, dev)] = True                                         # ... or the prompt
-        pidx = None if len(pen) == len(ps) else torch.tensor(pen, **i64)
-        y = x if pidx is None else x.index_select(0, pidx)                              # [P, V]
-        f = dict(dtype=x.dtype, device=dev)
-        r = torch.tensor([ps[j].repetition_penalty for j in pen], **f)[:, None]         # [P, 1]
-        y = torch.where(seen, torch.where(y > 0, y / r, y * r), y)
-        y = y - torch.tensor([ps[j].frequency_penalty for j in pen], **f)[:, None] * count
-        y = y - torch.tensor([ps[j].presence_penalty for j in pen], **f)[:, None] * out_seen
-        if pidx is None:
-            x = y
-        else:
-            x.index_copy_(0, pidx, y)
+        counts = [TokenCounts(h.tokens, h.num_prompt) if h.counts is None else h.counts.sync(h.tokens) for h in hist]
+        _penalize(x, [at[j] for j in pen], [ps[j] for j in pen], counts)
     # 5. grammar masks, over the rows that have one (their bitmask is filled on the host)
     gram = [j for j, i in enumerate(rows) if cons[i] is not None]
     if gram:
         hist = [histories[rows[j]] for j in gram]
-        gidx = None if len(gram) == len(rows) else torch.tensor(gram, **i64)
+        gidx = None if len(gram) == x.shape[0] else torch.tensor([at[j] for j in gram], **i64)
         y = x if gidx is None else x.index_select(0, gidx)                              # [G, V]
         mask_rows(y, [cons[rows[j]] for j in gram], [h.tokens[h.num_prompt:] for h in hist])
         if gidx is not None:
             x.index_copy_(0, gidx, y)
-    return x if whole else logits.index_copy(0, index, x)
+    return x if index is None else logits.index_copy(0, index, x)
 
 
-def _row_ids(lists: Sequence[Sequence[int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists of P rows -> (row int64 [M], id int64 [M]) for an index_put over [P, V]."""
-    lens = torch.tensor([len(t) for t in lists], dtype=torch.int64)
-    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(len(lists)), lens)
-    return rows.to(dev), ids.to(dev)
+def _penalize(x: torch.Tensor, at: Sequence[int], ps: Sequence[SamplingParams], counts: Sequence[TokenCounts]) -> None:
+    """Steps 3-4 in place on rows `at` of x [*, V], on each row's distinct tokens only: [M]
+    entries (M the distinct prompt and output tokens of the P rows), not [P, V].
+
+    Bit for bit the dense formulas: on the M entries, the same elementwise ops in x's dtype
+    (the count in x's dtype as an accumulating index_put of ones leaves it on this device:
+    past 256 in bfloat16 that is not the count); every other entry of a row is y - f * 0 - p * 0,
+    y itself, or y + 0.0 (-0.0 turned +0.0) where f or p is negative.
+    """
+    dev = x.device
+    f = dict(dtype=x.dtype, device=dev)
+    rep = torch.tensor([p.repetition_penalty for p in ps], **f)                          # [P]
+    freq = torch.tensor([p.frequency_penalty for p in ps], **f)                          # [P]
+    pres = torch.tensor([p.presence_penalty for p in ps], **f)                           # [P]
+    ids, prompt, cnt = array("q"), array("q"), array("q")
+    for c in counts:
+        ids.extend(c.ids)
+        prompt.extend(c.prompt)
+        cnt.extend(c.counts)
+    m = len(ids)
+    if m:
+        lens = torch.tensor([len(c.ids) for c in counts])                                # [P]
+        row = torch.repeat_interleave(torch.arange(len(counts)), lens)                    # [M] which penalized row
+        host = torch.stack([torch.frombuffer(ids, dtype=torch.int64), torch.frombuffer(prompt, dtype=torch.int64),
+                            torch.frombuffer(cnt, dtype=torch.int64), row, torch.tensor(at)[row]])
+        tok, in_prompt, c, row, xr = host.to(dev)                                        # [M] each
+        y = x[xr, tok]                                                                   # [M]
+        out_seen = c > 0
+        r = rep[row]
+        # (rows with r == 1 need no prompt: y / 1 and y * 1 are y)
+        y = torch.where(out_seen | (in_prompt > 0), torch.where(y > 0, y / r, y * r), y)
+        y = y - freq[row] * _counts_in(c, x.dtype, max(k.top for k in counts))
+        y = y - pres[row] * out_seen
+    for k, p in enumerate(ps):
+        if math.copysign(1.0, p.frequency_penalty) < 0 or math.copysign(1.0, p.presence_penalty) < 0:
+            x[at[k]].add_(0.0)                                                           # [V]: -0.0 -> +0.0
+    if m:
+        x.index_put_((xr, tok), y)
+
+
+def _counts_in(c: torch.Tensor, dtype: torch.dtype, top: int) -> torch.Tensor:
+    """int64 [M] counts -> [M] in dtype, as an accumulating index_put of ones in dtype leaves them
+    on c's device: the counts themselves while every count is exact in dtype (<= 2 ** (mantissa
+    bits + 1); `top` the largest), else that index_put itself (over the M entries)."""
+    if top <= 2 / torch.finfo(dtype).eps:
+        return c.to(dtype)
+    slot = torch.repeat_interleave(torch.arange(c.shape[0], device=c.device), c)          # [sum c]
+    return torch.zeros(c.shape[0], dtype=dtype, device=c.device).index_put_(
+        (slot,), torch.ones((), dtype=dtype, device=c.device), accumulate=True)
 
 
 def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:
@@ -618,7 +798,7 @@ def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams], positions
     n, vocab = logits.shape
     dev = logits.device
     groups = [_group(p, vocab) for p in params]
-    out = torch.zeros(n, dtype=torch.int64, device=dev)                                  # [S]
+    out = None
     for mode in (-2, -1, 0, 1):
         rows = [i for i, g in enumerate(groups) if g == mode]
         if not rows:
@@ -634,6 +814,8 @@ def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams], positions
             ids = _sample_rows(x, [params[i] for i in rows], [positions[i] for i in rows], k_bound)
         if index is None:
             return ids
+        if out is None:
+            out = torch.zeros(n, dtype=torch.int64, device=dev)                          # [S]
         out.index_copy_(0, index, ids)
     return out
 

@@ -21,6 +21,7 @@ from enum import IntEnum
 
 from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
 from pddgw.core.sampling import SamplingParams
+from pddgw.engines.sampler import TokenCounts
 from pddgw.engines.types import EngineRequest, FinishReason, KVSource
 
 
@@ -37,7 +38,7 @@ class Sequence:
     __slots__ = ("request_id", "sampling", "tokens", "num_prompt", "block_ids", "num_computed",
                  "num_cached_tokens", "kv_source", "hold", "retain", "status", "finish_reason",
                  "_hashes", "num_published", "imported", "last_reported", "leases", "constraint",
-                 "out_every", "out_mark", "out_logprobs", "stops", "out_limit")
+                 "out_every", "out_mark", "out_logprobs", "stops", "out_limit", "counts")
 
     def __init__(self, req: EngineRequest):
         self.request_id = req.request_id
@@ -68,6 +69,9 @@ class Sequence:
         # outputs it may have, so that a step rules out a finish without `finish_reason`.
         self.stops: frozenset[int] = frozenset()
         self.out_limit = 0
+        # The penalties' counts of its tokens (prompt counted once, here), brought up to date by the
+        # sampler before each draw; None without penalties.
+        self.counts = TokenCounts(self.tokens, self.num_prompt) if req.sampling.penalized else None
 
     @property
     def num_outputs(self) -> int:

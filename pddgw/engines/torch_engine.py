@@ -152,9 +152,12 @@ class TorchEngine(PagedEngine):
         params = [s.sampling for s in seqs]
         positions = [s.num_outputs for s in seqs]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        # Penalties, logit_bias, min_tokens, grammars: on the rows that ask (the others: `logits` itself).
-        drawn = adjust_logits(logits, params, positions, seqs, self._eos,
-                              [s.constraint for s in seqs])              # [S, vocab]
+        # Penalties, logit_bias, min_tokens, grammars: on the rows that ask, in place unless the raw
+        # logits are still needed for logprobs (no [S, vocab] copy per step; an inference tensor
+        # changes only in inference mode).
+        with torch.inference_mode():
+            drawn = adjust_logits(logits, params, positions, seqs, self._eos,
+                                  [s.constraint for s in seqs], inplace=not want)    # [S, vocab]
         if want:
             return _sample_with_logprobs(logits, drawn, seqs, params, positions, want)
         # On the logits' device; only the S sampled ids cross to the host.

@@ -7,8 +7,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import pddgw.engines.sampler as sampler_mod
-from pddgw.engines.sampler import (_blocked_probs, _first_floor, _prefix_candidates, _prefix_draw, _probs, _Rows,
-                                   _sample_rows, _sample_speculative, _second_floor, first_argmax, logprobs,
+from pddgw.engines.sampler import (_at_least, _blocked_probs, _cut_base, _drop, _prefix_candidates, _prefix_draw,
+                                   _probs, _Rows, _sample_rows, _sample_speculative, _second_floor, _Softmax,
+                                   first_argmax, logprobs,
                                    position_uniform, position_uniforms, sample, sample_ids, sample_one)
 from pddgw.engines.types import RequestError, SamplingParams
 
@@ -241,6 +242,17 @@ def test_distribution_chi_square_with_pinned_counts(name):
 
 
 # ---- the speculative prefix (CPU) -------------------------------------------------------------------
+def front(x: torch.Tensor, rows: _Rows, drop: torch.Tensor):
+    """What `_sample_speculative` hands its levels: the logits it compares (float32 or float64), step 1
+    with the largest logits, a level's cut `drop` [R] below them and the indices at or above it."""
+    xs = x if x.dtype == torch.float64 else x.float()
+    xmax = xs.amax(dim=-1).to(torch.float64)
+    base = _cut_base(xmax)
+    cut = (base + drop).to(xs.dtype)
+    probs, flat = _blocked_probs(x, rows, xs, cut)
+    return xs, _Softmax(probs, xmax, base), cut, flat
+
+
 def levels(x: torch.Tensor, params: list[SamplingParams], cap: int) -> list[int]:
     """Which level of `_sample_speculative` serves each row: 1 the prefix down to p_max / 4096,
     2 the prefix down to the top-p histogram's floor, 3 the full sort (rows are independent: level 2
@@ -248,9 +260,11 @@ def levels(x: torch.Tensor, params: list[SamplingParams], cap: int) -> list[int]
     vocab, cap = x.shape[1], min(cap, x.shape[1])
     rows = _Rows.of(params, [0] * len(params), vocab, x.device)
     top_p, min_p = any(q.top_p < 1.0 for q in params), any(q.min_p > 0.0 for q in params)
-    probs, pmax = _blocked_probs(x, rows)
-    first = _prefix_draw(x, probs, pmax, _first_floor(pmax, rows, min_p), rows, top_p, min_p, cap)[1]
-    second = _prefix_draw(x, probs, pmax, _second_floor(probs, pmax, rows, min_p), rows, top_p, min_p, cap)[1]
+    xs, sm, cut, flat = front(x, rows, rows.drop)
+    first = _prefix_draw(xs, sm, cut, flat, rows, top_p, min_p, cap, tighten=True)[1]
+    pmax = sm.probs.amax(dim=-1)
+    xs, sm, cut, flat = front(x, rows, rows.temp * torch.log(_second_floor(sm.probs, pmax, rows, min_p) / pmax))
+    second = _prefix_draw(xs, sm, cut, flat, rows, top_p, min_p, cap)[1]
     return [1 if a else 2 if b and top_p else 3 for a, b in zip(first.tolist(), second.tolist())]
 
 
@@ -261,8 +275,14 @@ def test_blocked_probs_are_the_softmax_bit_for_bit(vocab, dtype):
     x = (torch.randn(13, vocab, generator=g) * 5).to(dtype)
     params = [SamplingParams(temperature=0.3 + 0.1 * i, top_p=0.9, seed=i) for i in range(13)]
     rows = _Rows.of(params, [0] * 13, vocab, x.device)
-    probs, pmax = _blocked_probs(x, rows)
-    assert torch.equal(probs, _probs(x, rows)) and torch.equal(pmax, probs.amax(dim=-1))
+    probs, flat = _blocked_probs(x, rows)
+    assert torch.equal(probs, _probs(x, rows)) and flat is None
+    # With a cut, the indices at or above it, marked block by block: `_at_least`'s.
+    xs = x if x.dtype == torch.float64 else x.float()
+    cut = xs.amax(dim=-1) - torch.arange(13) * 0.5 + torch.arange(13).remainder(2) * 100.0
+    probs, flat = _blocked_probs(x, rows, xs, cut)
+    assert torch.equal(probs, _probs(x, rows)) and torch.equal(flat, _at_least(xs, cut[:, None]))
+    assert torch.equal(flat, (xs >= cut[:, None]).view(-1).nonzero().squeeze(1)) and flat.shape[0] > 13
 
 
 def test_second_floor_is_a_bucket_floor_under_the_top_p_set():
@@ -271,11 +291,14 @@ def test_second_floor_is_a_bucket_floor_under_the_top_p_set():
     params = [SamplingParams(temperature=1.0, top_p=q, min_p=m, seed=0)
               for q, m in ((0.7, 0.0), (0.9, 0.0), (1.0, 0.0), (0.9, 0.3))]
     rows = _Rows.of(params, [0] * 4, x.shape[1], x.device)
-    probs, pmax = _blocked_probs(x, rows)
+    probs = _blocked_probs(x, rows)[0]
+    pmax = probs.amax(dim=-1)
     floor = _second_floor(probs, pmax, rows, True).tolist()
     # 0.7 needs 1/2 + 1/4; 0.9 needs down to 1/16; top_p 1: no bound; min-p 0.3: p >= 0.3 * p_max.
     assert floor[:3] == pytest.approx([0.25, 0.0625, 0.0], rel=1e-12) and floor[3] == pytest.approx(0.15)
-    assert _first_floor(pmax, rows, True).tolist() == pytest.approx([pmax[0].item() / 4096] * 2 + [0.0, 0.15])
+    # Level 1 cuts T log(1 / 4096) below x_max for top-p, T log(min_p) for min-p (a 1e-6 margin).
+    assert [_drop(p) for p in params] == pytest.approx([math.log(2.0 ** -12)] * 2 + [-math.inf, math.log(0.3)],
+                                                       rel=2e-6)
 
 
 def test_speculative_prefix_is_the_full_sorts_prefix():
@@ -288,9 +311,10 @@ def test_speculative_prefix_is_the_full_sorts_prefix():
               for t, q, m in ((1.0, 0.9, 0.0), (0.3, 0.5, 0.0), (0.8, 1.0, 0.2), (2.0, 0.3, 0.05),
                               (0.1, 0.95, 0.0), (0.8, 0.95, 0.0))]
     rows = _Rows.of(params, [0] * 6, 2000, x.device)
-    probs, pmax = _blocked_probs(x, rows)
+    probs = _blocked_probs(x, rows)[0]
+    pmax = probs.amax(dim=-1)
     floor = _second_floor(probs, pmax, rows, True)
-    cand, cand_p, n = _prefix_candidates(x, probs, pmax, floor, rows.temp, 2000)
+    cand, cand_p, n = _prefix_candidates(*front(x, rows, rows.temp * torch.log(floor / pmax)), rows, 2000)
     order = x.sort(dim=-1, descending=True, stable=True).indices
     for r in range(6):
         k = int(n[r])
@@ -312,6 +336,7 @@ def test_speculative_path_equals_the_full_sort_path(dtype):
     x[::5, :40] += 15.0
     x[3::7] = torch.randint(-3, 3, (len(range(3, r, 7)), vocab), generator=g).float()
     x[1::9, 2000:] = float("-inf")
+    x[18], x[18, 0], x[18, 1:1001] = -40.0, 9.0, 0.0     # top_p 0.999 needs the 1000 tokens at p_max / 8100
     x = x.to(dtype)
     params = [SamplingParams(temperature=(0.05, 0.8, 1.0, 2.0)[i % 4], top_p=(0.95, 0.5, 1.0, 0.999, 0.01)[i % 5],
                              min_p=(0.0, 0.0, 0.1)[i % 3], top_k=(0, vocab // 2)[i % 2], seed=1000 + i)
@@ -358,6 +383,8 @@ def test_degenerate_rows_reach_the_full_sort_unharmed(dtype):
     params = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.01 * (i % 2), seed=i) for i in range(4)]
     assert levels(x, params, 1024) == [3, 3, 3, 1]
     assert torch.equal(_sample_speculative(x, params, [0, 1, 2, 3]), _sample_rows(x, params, [0, 1, 2, 3], 0))
+    # Only degenerate rows: no candidate at all.
+    assert torch.equal(_sample_speculative(x[:3], params[:3], [0, 1, 2]), _sample_rows(x[:3], params[:3], [0, 1, 2], 0))
 
 
 def test_sample_takes_the_speculative_path_on_the_cpu_for_top_p_and_min_p_rows(monkeypatch):
