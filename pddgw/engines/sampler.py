@@ -104,6 +104,7 @@ import itertools
 import math
 import threading
 from array import array
+from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import NamedTuple, Protocol
 
@@ -192,13 +193,12 @@ class _Rows(NamedTuple):
     def of(params: Sequence[SamplingParams], positions: Sequence[int], vocab: int, dev: torch.device) -> "_Rows":
         # The floats in one host -> device copy, the draws among them (`position_uniform` on the
         # host: 0.7 us a row, against ~20 tensor ops for `position_uniforms`).
-        cols: tuple[list[float], ...] = ([], [], [], [], [], [], [])
-        for p, i in zip(params, positions):
-            t, q = p.temperature, (p.top_p if p.top_p < 1.0 else 2.0)
-            for col, v in zip(cols, (t, q, p.min_p, position_uniform(p.seed, i), _drop(p), t * _QUARTER_OCTAVE,
-                                     q + _MASS_SLACK)):
-                col.append(v)
-        temp, top_p, min_p, u, drop, width, mass = torch.tensor(cols, dtype=torch.float64, device=dev)  # [R] each
+        temp = [p.temperature for p in params]
+        top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
+        temp, top_p, min_p, u, drop, width, mass = torch.tensor(
+            [temp, top_p, [p.min_p for p in params], [position_uniform(p.seed, i) for p, i in zip(params, positions)],
+             [_drop(p) for p in params], [t * _QUARTER_OCTAVE for t in temp], [q + _MASS_SLACK for q in top_p]],
+            dtype=torch.float64, device=dev)                                             # [R] each
         top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.int64,
                              device=dev)
         return _Rows(temp, top_p, min_p, top_k, u[:, None], drop, width, mass[:, None])
@@ -612,32 +612,41 @@ class TokenCounts:
     __slots__ = ("ids", "prompt", "counts", "top", "_slots", "_seen")
 
     def __init__(self, tokens: Sequence[int], num_prompt: int):
-        first = dict.fromkeys(tokens[:num_prompt])                   # distinct, in order
-        self._slots = dict(zip(first, itertools.count()))            # token -> its index in the arrays
-        self.ids = array("q", first)
-        self.prompt = array("q", [1]) * len(self.ids)
-        self.counts = array("q", bytes(8 * len(self.ids)))
-        self.top = 0
-        self._seen = num_prompt
-        self.sync(tokens)
+        # Comprehensions and Counter rather than a loop per token: one pass in C over the tokens,
+        # one comprehension over the distinct ones.
+        prompt = dict.fromkeys(tokens[:num_prompt])                  # distinct, in order
+        out = Counter(tokens[num_prompt:])
+        ids = [*prompt, *(t for t in out if t not in prompt)]
+        self._slots: dict[int, int] | None = None                    # token -> its index, built when first needed
+        self.ids = array("q", ids)
+        self.prompt = array("q", [1]) * len(prompt) + array("q", [0]) * (len(ids) - len(prompt))
+        self.counts = array("q", [out.get(t, 0) for t in ids])
+        self.top = max(out.values(), default=0)
+        self._seen = len(tokens)
 
     def sync(self, tokens: Sequence[int]) -> "TokenCounts":
         """Count tokens[seen:], the output tokens appended since the last call."""
         if len(tokens) < self._seen:
             raise RuntimeError(f"a sequence's tokens went from {self._seen} to {len(tokens)}: they only grow")
+        new = tokens[self._seen :]
+        if not new:
+            return self
+        self._seen = len(tokens)
+        if self._slots is None:
+            self._slots = dict(zip(self.ids, itertools.count()))
         slots, counts = self._slots, self.counts
-        for t in tokens[self._seen :]:
+        # (Many at once, e.g. a handoff's extend: Counter counts them in C.)
+        for t, c in (Counter(new).items() if len(new) > 8 else zip(new, itertools.repeat(1))):
             s = slots.get(t)
             if s is None:
                 slots[t] = len(self.ids)
                 self.ids.append(t)
                 self.prompt.append(0)
-                counts.append(1)
-                self.top = max(self.top, 1)
+                counts.append(c)
             else:
-                counts[s] += 1
-                self.top = max(self.top, counts[s])
-        self._seen = len(tokens)
+                c = counts[s] = counts[s] + c
+            if c > self.top:
+                self.top = c
         return self
 
 

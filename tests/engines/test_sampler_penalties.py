@@ -138,7 +138,8 @@ def test_token_counts_grow_with_the_tokens_as_a_fresh_count_would_give():
     counts = TokenCounts(tokens, len(prompt))
     assert list(counts.ids) == list(dict.fromkeys(prompt)) and set(counts.prompt) == {1} and counts.top == 0
     for step in range(40):
-        tokens += [rnd.randrange(60) for _ in range(1 if step % 4 else 5)]     # decodes, and handoff extends
+        # Decodes, handoff extends (several tokens, repeats among them), a long one counted at once.
+        tokens += [rnd.randrange(60) for _ in range(1 if step % 4 else 5 if step % 20 else 30)]
         counts.sync(tokens)
         fresh = TokenCounts(tokens, len(prompt))
         assert (counts.ids, counts.prompt, counts.counts, counts.top) == (fresh.ids, fresh.prompt, fresh.counts,
