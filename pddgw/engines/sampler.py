@@ -183,7 +183,7 @@ class _Rows(NamedTuple):
     temp: torch.Tensor      # float64 [R]
     top_p: torch.Tensor     # float64 [R]; 2.0 where top_p is 1 (no cdf reaches it: keeps everything)
     min_p: torch.Tensor     # float64 [R]
-    top_k: torch.Tensor     # int64 [R] in [1, vocab]; vocab where top_k is 0 or >= vocab
+    top_k: torch.Tensor     # int64 [R, 1] in [1, vocab]; vocab where top_k is 0 or >= vocab
     u: torch.Tensor         # float64 [R, 1] the position-keyed draws
     drop: torch.Tensor      # float64 [R] the speculative level 1's cut below x_max (`_drop`)
     width: torch.Tensor     # float64 [R] a quarter octave of p in logits, T ln(2) / 4 (`_tighter_cut`)
@@ -201,7 +201,7 @@ class _Rows(NamedTuple):
             dtype=torch.float64, device=dev)                                             # [R] each
         top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.int64,
                              device=dev)
-        return _Rows(temp, top_p, min_p, top_k, u[:, None], drop, width, mass[:, None])
+        return _Rows(temp, top_p, min_p, top_k[:, None], u[:, None], drop, width, mass[:, None])
 
     def take(self, index: torch.Tensor) -> "_Rows":
         return _Rows(*(t.index_select(0, index) for t in self))
@@ -212,9 +212,9 @@ def _probs(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
     return torch.softmax(x / rows.temp[:, None], dim=-1)
 
 
-def _keep(cand_p: torch.Tensor, cdf: torch.Tensor, counted: torch.Tensor, rows: _Rows, vocab: int,
-          top_p: bool, min_p: bool) -> torch.Tensor:
-    """How many candidates the filters keep (int64 [R], >= 1), before clamping to the columns.
+def _keep(cand_p: torch.Tensor, cdf: torch.Tensor, counted: torch.Tensor, rows: _Rows, top_p: bool,
+          min_p: bool) -> torch.Tensor:
+    """How many candidates the filters keep (int64 [R, 1], >= 1), before clamping to the columns.
 
     cand_p [R, K] the candidates' probabilities (non-increasing), cdf [R, K] their cumsum,
     counted [R, *] the probabilities min-p counts (the top-k candidates, or the whole row:
@@ -222,19 +222,19 @@ def _keep(cand_p: torch.Tensor, cdf: torch.Tensor, counted: torch.Tensor, rows: 
     batch (skipped: same result).  Where the top-p prefix does not end within the K
     columns its count is K + 1.
     """
-    keep = rows.top_k                                                                    # [R]
+    keep = rows.top_k                                                                    # [R, 1]
     if top_p:
-        keep = torch.minimum(keep, torch.searchsorted(cdf, rows.top_p[:, None]).squeeze(1) + 1)  # first cdf >= top_p
+        keep = torch.minimum(keep, torch.searchsorted(cdf, rows.top_p[:, None]).add_(1))  # first cdf >= top_p
     if min_p:
-        keep = torch.minimum(keep, (counted >= rows.min_p[:, None] * cand_p[:, :1]).sum(dim=-1))
+        keep = torch.minimum(keep, (counted >= rows.min_p[:, None] * cand_p[:, :1]).sum(dim=-1, keepdim=True))
     return keep.clamp_min(1)
 
 
 def _draw(cand: torch.Tensor, cdf: torch.Tensor, keep: torch.Tensor, rows: _Rows) -> torch.Tensor:
-    """The first candidate whose cdf exceeds u * cdf[keep - 1]; keep int64 [R] in [1, K] -> int64 [R]."""
-    target = rows.u * cdf.gather(1, (keep - 1)[:, None])                                 # [R, 1]
-    idx = torch.minimum(torch.searchsorted(cdf, target, right=True).squeeze(1), keep - 1)  # first cdf > target
-    return cand.gather(1, idx[:, None]).squeeze(1)                                       # [R]
+    """The first candidate whose cdf exceeds u * cdf[keep - 1]; keep int64 [R, 1] in [1, K] -> int64 [R]."""
+    last = keep - 1                                                                      # [R, 1]
+    idx = torch.searchsorted(cdf, rows.u * cdf.gather(1, last), right=True)             # [R, 1] first cdf > target
+    return cand.gather(1, torch.minimum(idx, last)).squeeze(1)                           # [R]
 
 
 def _sorted_rows(x: torch.Tensor, probs: torch.Tensor, rows: _Rows, k_bound: int, top_p: bool,
@@ -247,7 +247,7 @@ def _sorted_rows(x: torch.Tensor, probs: torch.Tensor, rows: _Rows, k_bound: int
         cand = x.sort(dim=-1, descending=True, stable=True).indices                      # [R, V]
     p = probs.gather(1, cand)                                                            # [R, K] non-increasing
     cdf = p.cumsum(dim=-1)                                                               # [R, K] non-decreasing
-    keep = _keep(p, cdf, p, rows, vocab, top_p, min_p).clamp_max(cand.shape[1])          # [R]
+    keep = _keep(p, cdf, p, rows, top_p, min_p).clamp_max(cand.shape[1])                 # [R, 1]
     return _draw(cand, cdf, keep, rows)
 
 
@@ -451,8 +451,7 @@ def _prefix_candidates(xs: torch.Tensor, sm: _Softmax, cut: torch.Tensor, flat: 
     -> (cand int64 [R, W] ids, cand_p float64 [R, W] their probabilities, n int64 [R]):
     the first n of each row are exactly the first n of the stable full sort, the rest
     padding (id 0, p 0: the cdf stays flat); W <= cap is the longest prefix (at least 1).
-    n is 0 where the prefix exceeds `cap`.  cand and cand_p are this thread's scratch:
-    valid until its next call.
+    n is 0 where the prefix exceeds `cap`.
     """
     r, vocab = xs.shape
     dev = xs.device
@@ -463,18 +462,20 @@ def _prefix_candidates(xs: torch.Tensor, sm: _Softmax, cut: torch.Tensor, flat: 
         pick = (v >= _tighter_cut(v, p, row, cut, sm, rows).index_select(0, row)).nonzero().squeeze(1)  # [M']
         flat, row, v, p = (t.index_select(0, pick) for t in (flat, row, v, p))
     n = torch.bincount(row, minlength=r)                                                 # [R]
-    over = (n > cap).nonzero().squeeze(1)                # rows over the cap: none of theirs (a shape: no read)
-    if over.shape[0]:
+    longest = torch.bincount(n).shape[0] - 1             # the longest prefix (a shape: no read of the data)
+    if longest > cap:
+        # Rows over the cap: none of theirs (the full sort takes them).
         pick = (n <= cap).index_select(0, row).nonzero().squeeze(1)                      # [M']
         flat, row, v, p = (t.index_select(0, pick) for t in (flat, row, v, p))
-        n.index_fill_(0, over, 0)
+        n = n.masked_fill(n > cap, 0)
+        longest = torch.bincount(n).shape[0] - 1
     # Sorted by (row, logit desc, id asc); ties keep the ids' ascending order (stable).
     order = _row_order_keys(v, row).sort(stable=True).indices                            # [M']
     flat, row, p = (t.index_select(0, order) for t in (flat, row, p))
     col = torch.arange(flat.shape[0], device=dev) - (n.cumsum(0) - n).index_select(0, row)  # [M'] rank in its row
-    width = max(1, torch.bincount(col).shape[0])          # the longest prefix (a shape: no read of the data)
-    cand = _scratch.get("cand", r * width, torch.int64, dev).view(r, width).zero_()
-    cand_p = _scratch.get("cand_p", r * width, torch.float64, dev).view(r, width).zero_()
+    width = max(longest, 1)
+    cand = torch.zeros(r, width, dtype=torch.int64, device=dev)                          # [R, W]
+    cand_p = torch.zeros(r, width, dtype=torch.float64, device=dev)                      # [R, W]
     cand.index_put_((row, col), torch.add(flat, row, alpha=-vocab))
     cand_p.index_put_((row, col), p)
     return cand, cand_p, n
@@ -508,8 +509,8 @@ def _prefix_draw(xs: torch.Tensor, sm: _Softmax, cut: torch.Tensor, flat: torch.
     cand, cand_p, n = _prefix_candidates(xs, sm, cut, flat, rows, cap, tighten and top_p)  # [R, W] x 2, [R]
     cdf = cand_p.cumsum(dim=-1)                                                # [R, W]: the full cdf's prefix
     # min-p counted over the whole row: a permutation of the full sort's p, the same count.
-    keep = _keep(cand_p, cdf, sm.probs, rows, vocab, top_p, min_p)                       # [R]
-    return _draw(cand, cdf, keep.clamp_max(cand.shape[1]), rows), keep <= n
+    keep = _keep(cand_p, cdf, sm.probs, rows, top_p, min_p)                              # [R, 1]
+    return _draw(cand, cdf, keep.clamp_max(cand.shape[1]), rows), keep.view(-1) <= n
 
 
 def _sample_speculative(x: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
