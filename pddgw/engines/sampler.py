@@ -752,10 +752,10 @@ def _penalize(x: torch.Tensor, at: Sequence[int], ps: Sequence[SamplingParams], 
     """Steps 3-4 in place on rows `at` of x [*, V], on each row's distinct tokens only: [M]
     entries (M the distinct prompt and output tokens of the P rows), not [P, V].
 
-    Bit for bit the dense formulas: on the M entries, the same elementwise ops in x's dtype
-    (the count in x's dtype as an accumulating index_put of ones leaves it on this device:
-    past 256 in bfloat16 that is not the count); every other entry of a row is y - f * 0 - p * 0,
-    y itself, or y + 0.0 (-0.0 turned +0.0) where f or p is negative.
+    Bit for bit the dense formulas: on the M entries, the same elementwise ops in x's dtype,
+    with the counts in x's dtype that an accumulating index_put of ones gives on this device
+    (past 256 in bfloat16 that is not the count); every other entry of a row is
+    y - f * 0 - p * 0: y itself, or y + 0.0 (-0.0 turned +0.0) where f or p is negative.
     """
     dev = x.device
     f = dict(dtype=x.dtype, device=dev)

@@ -27,14 +27,15 @@ def dense_reference(logits, params, positions, histories, eos=()):
     rows = [i for i in range(n) if params[i].penalized or params[i].logit_bias or positions[i] < params[i].min_tokens]
     if not rows:
         return logits
-    i64 = dict(dtype=torch.int64)
+    dev = logits.device
+    i64 = dict(dtype=torch.int64, device=dev)
     index = torch.tensor(rows, **i64)
     x = logits.index_select(0, index)
     ps = [params[i] for i in rows]
     bias = [(j, t, b) for j, p in enumerate(ps) for t, b in p.logit_bias]
     if bias:
         bj, bt, bb = zip(*bias)
-        x.index_put_((torch.tensor(bj, **i64), torch.tensor(bt, **i64)), torch.tensor(bb, dtype=x.dtype),
+        x.index_put_((torch.tensor(bj, **i64), torch.tensor(bt, **i64)), torch.tensor(bb, dtype=x.dtype, device=dev),
                      accumulate=True)
     stops = [(j, t) for j, (i, p) in enumerate(zip(rows, ps)) if positions[i] < p.min_tokens
              for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))) if t < vocab]
@@ -45,13 +46,13 @@ def dense_reference(logits, params, positions, histories, eos=()):
     def row_ids(lists):
         lens = torch.tensor([len(t) for t in lists], dtype=torch.int64)
         ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
-        return torch.repeat_interleave(torch.arange(len(lists)), lens), ids
+        return torch.repeat_interleave(torch.arange(len(lists)), lens).to(dev), ids.to(dev)
 
     pen = [j for j, p in enumerate(ps) if p.penalized]
     if pen:
         hist = [histories[rows[j]] for j in pen]
-        count = torch.zeros(len(pen), vocab, dtype=x.dtype)
-        count.index_put_(row_ids([h.tokens[h.num_prompt:] for h in hist]), torch.ones((), dtype=x.dtype),
+        count = torch.zeros(len(pen), vocab, dtype=x.dtype, device=dev)
+        count.index_put_(row_ids([h.tokens[h.num_prompt:] for h in hist]), torch.ones((), dtype=x.dtype, device=dev),
                          accumulate=True)
         seen = out_seen = count > 0
         rep = [k for k, j in enumerate(pen) if ps[j].repetition_penalty != 1.0]
@@ -60,10 +61,11 @@ def dense_reference(logits, params, positions, histories, eos=()):
             seen[row_ids([hist[k].tokens[: hist[k].num_prompt] if k in rep else () for k in range(len(pen))])] = True
         pidx = torch.tensor(pen, **i64)
         y = x.index_select(0, pidx)
-        r = torch.tensor([ps[j].repetition_penalty for j in pen], dtype=x.dtype)[:, None]
+        f = dict(dtype=x.dtype, device=dev)
+        r = torch.tensor([ps[j].repetition_penalty for j in pen], **f)[:, None]
         y = torch.where(seen, torch.where(y > 0, y / r, y * r), y)
-        y = y - torch.tensor([ps[j].frequency_penalty for j in pen], dtype=x.dtype)[:, None] * count
-        y = y - torch.tensor([ps[j].presence_penalty for j in pen], dtype=x.dtype)[:, None] * out_seen
+        y = y - torch.tensor([ps[j].frequency_penalty for j in pen], **f)[:, None] * count
+        y = y - torch.tensor([ps[j].presence_penalty for j in pen], **f)[:, None] * out_seen
         x.index_copy_(0, pidx, y)
     return logits.index_copy(0, index, x)
 
@@ -129,6 +131,22 @@ def test_counts_past_the_dtypes_exact_integers_saturate_as_an_accumulating_index
     got = adjust_logits(x, [sp, sp], [2103, 2], hist)
     assert torch.equal(bits(got), bits(dense_reference(x, [sp, sp], [2103, 2], hist)))
     assert got[0, 5].item() == -0.5 * min(2100, top) and got[0, 6].item() == -1.5 and got[1, 5].item() == -0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_penalties_equal_the_dense_reference_on_cuda(dtype):
+    # Counts past the dtype's exact integers included: the reference's accumulating index_put runs on CUDA too.
+    for seed in range(10):
+        x, params, positions, hist = random_case(seed, dtype)
+        x = x.cuda()
+        assert torch.equal(bits(adjust_logits(x, params, positions, hist, (3,))),
+                           bits(dense_reference(x, params, positions, hist, eos=(3,))))
+    sp = SamplingParams(frequency_penalty=0.5)
+    hist = [TokenHistory([1, 2] + [5] * 2100 + [6] * 3, 2)]
+    x = torch.zeros(1, 8, dtype=dtype, device="cuda")
+    assert torch.equal(bits(adjust_logits(x, [sp], [2103], hist)), bits(dense_reference(x, [sp], [2103], hist)))
 
 
 def test_token_counts_grow_with_the_tokens_as_a_fresh_count_would_give():
