@@ -132,9 +132,9 @@ from aiohttp import web
 
 from pddgw.api import logprobs as lpfmt
 from pddgw.api.errors import ApiError, brief, optional
-from pddgw.api.responses import (SAMPLING_KEYS, CreateResponse, function_call_item, output_message, output_text,
-                                 parse_create_body, parse_extension, parse_sampling, response_format_grammar,
-                                 response_object, return_token_ids, top_logprobs_param)
+from pddgw.api.responses import (SAMPLING_KEYS, CreateResponse, delta_extension, function_call_item, output_message,
+                                 output_text, parse_create_body, parse_extension, parse_sampling,
+                                 response_format_grammar, response_object, return_token_ids, top_logprobs_param)
 from pddgw.core.sampling import SEED_LIMIT, SamplingParams
 from pddgw.core.tokens import TokenRun
 from pddgw.pipeline.router import Outcome, RouterError, StopRequest, new_request_id
@@ -143,7 +143,7 @@ from pddgw.pipeline.state import RequestRecord
 from pddgw.api.door import ClientTooSlow
 from pddgw.api.toolcalls import ToolCall, ToolFormat, ToolRequest, format_for, grammar_for, parse_calls, parse_tools
 from pddgw.core.errors import FieldError
-from pddgw.engines.grammar import check_spec
+from pddgw.engines.grammar import NO_EOS_REASON, check_spec, grammar_stops
 from pddgw.engines.types import RequestError
 from pddgw.api.stops import parse_stop
 
@@ -540,11 +540,7 @@ class _Format:
         self.parsed: tuple[str | None, list[ToolCall]] | None = None
 
     def provenance(self, run: TokenRun) -> dict[str, Any]:
-        """A streamed delta's `pddgw`: where its tokens sit and who made them (and which, when asked)."""
-        d: dict[str, Any] = {"position": run.position, "role": run.role}
-        if self.req.return_token_ids:
-            d["token_ids"] = list(run.ids)
-        return d
+        return delta_extension(run.position, run.role, run.ids if self.req.return_token_ids else None)
 
     def body_pddgw(self, res: _Result, runs: list[TokenRun]) -> dict[str, Any]:
         """The non-streamed object's `pddgw`: the summary and the output's role spans."""
@@ -1115,12 +1111,9 @@ class OpenAIRoutes:
         if sampling.grammar is not None:
             param = "tool_choice" if req.tools is not None and req.tools.forced else (
                 "text.format" if req.kind == "response" else "response_format")
-            # A grammar's accepting state is reached by sampling EOS: without one the output
-            # could only end at max_tokens, cut mid-structure.
-            vocab = self.door.router.spec.vocab_size
-            if not any(0 <= t < vocab for t in self.door.tok.eos_token_ids):
-                raise ApiError(f"'{param}' cannot be enforced: the model states no EOS token, so a constrained "
-                               "output could never end", param)
+            # Refused here as the engines would: a grammar's output ends only by sampling EOS.
+            if not grammar_stops(self.door.tok.eos_token_ids, self.door.router.spec.vocab_size):
+                raise ApiError(f"'{param}' cannot be enforced: {NO_EOS_REASON}", param)
             try:
                 check_spec(*sampling.grammar)
             except ValueError as e:

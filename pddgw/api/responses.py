@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -477,15 +478,21 @@ def created_event(seq: int, stream_id: str | None, response: dict[str, Any]) -> 
     return _envelope("response.created", seq, stream_id, response=response)
 
 
-def delta_event(seq: int, stream_id: str | None, rid: str, text: str, position: int,
-                token_ids: list[int] | None, role: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
-    """`token_ids` None: not asked for (`return_token_ids`), absent from the `pddgw` extension."""
-    extra = {} if logprobs is None else {"logprobs": logprobs}
+def delta_extension(position: int, role: str, token_ids: Sequence[int] | None) -> dict[str, Any]:
+    """A streamed delta's `pddgw` (every route's): where its tokens sit and which role made them;
+    their ids only when asked for (`return_token_ids`; None: not asked)."""
     ext: dict[str, Any] = {"position": position, "role": role}
     if token_ids is not None:
-        ext["token_ids"] = token_ids
+        ext["token_ids"] = list(token_ids)
+    return ext
+
+
+def delta_event(seq: int, stream_id: str | None, rid: str, text: str, position: int,
+                token_ids: Sequence[int] | None, role: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
+    extra = {} if logprobs is None else {"logprobs": logprobs}
     return _envelope("response.output_text.delta", seq, stream_id, response_id=rid,
-                     item_id=f"msg_{rid}", output_index=0, content_index=0, delta=text, **extra, pddgw=ext)
+                     item_id=f"msg_{rid}", output_index=0, content_index=0, delta=text, **extra,
+                     pddgw=delta_extension(position, role, token_ids))
 
 
 def completed_event(seq: int, stream_id: str | None, response: dict[str, Any]) -> bytes:

@@ -305,7 +305,7 @@ class _Connection:
                     lps = lpfmt.content(door.pieces, run.ids, run.logprobs)
                     logprobs.extend(lps)
                 await self.send(delta_event, sid, rid, "" if holds else text, run.position,
-                                list(run.ids) if req.return_token_ids else None, run.role, lps)
+                                run.ids if req.return_token_ids else None, run.role, lps)
 
             out: Outcome = await door.router.run(rid, ids, sampling, emit, req.pipeline, req.handoff_mode)
             usage = {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": out.cached_tokens},

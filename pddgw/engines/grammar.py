@@ -52,8 +52,8 @@ import torch
 
 from pddgw.engines.types import RequestError
 
-NO_EOS = ("grammar: the model states no EOS token (config.json, generation_config.json or the "
-          "tokenizer's eos_token), so a constrained output could never end")
+NO_EOS_REASON = "the model states no EOS token, so a constrained output could never end"
+NO_EOS = f"grammar: {NO_EOS_REASON}"
 CACHE_ENTRIES = 64            # compiled grammars kept per engine (least recently used goes first)
 REBUILD_US_PER_100 = 80       # measured: feeding 100 output tokens to a fresh matcher (byte vocab, CPU: 79 us)
 
@@ -130,6 +130,12 @@ def tokenizer_vocab(tokenizer: Any, vocab_size: int) -> tuple[list[bytes] | list
     return vocab, kind
 
 
+def grammar_stops(eos_token_ids: Collection[int], vocab_size: int) -> list[int]:
+    """The EOS ids a grammar can end its output with (those the model can sample), sorted;
+    none: every grammar is refused (`NO_EOS`)."""
+    return sorted(t for t in eos_token_ids if 0 <= t < vocab_size)
+
+
 class Grammars:
     """One engine's grammar compiler over its vocabulary, with the compiled-grammar cache.
 
@@ -137,7 +143,7 @@ class Grammars:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int], max_threads: int = 1):
-        stops = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
+        stops = grammar_stops(stop_token_ids, vocab_size)
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stops)
         self._tokenizer = tokenizer

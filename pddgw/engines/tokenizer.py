@@ -266,11 +266,14 @@ class HFTokenizer(Tokenizer):
             self._control = ControlTokens(t.content for t in tok.get_added_tokens_decoder().values()
                                           if t.special)
             self._newline = self._tok_tpl.encode("\n", add_special_tokens=False).ids
+        self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True), vocab_size or 0)
+        self._set_special_ids(bos_token_id, eos_token_ids)
+
+    def _set_special_ids(self, bos_token_id: int | None, eos_token_ids: tuple[int, ...]) -> None:
         self._bos = bos_token_id
         self._eos = tuple(eos_token_ids)
-        self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True), vocab_size or 0)
         # Does the tokenizer's post-processor put bos in front of plain text?
-        with_specials = tok.encode("", add_special_tokens=True).ids
+        with_specials = self._tok.encode("", add_special_tokens=True).ids
         self._bos_added = bos_token_id is not None and with_specials[:1] == [bos_token_id]
 
     @classmethod
@@ -284,17 +287,16 @@ class HFTokenizer(Tokenizer):
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise WeightsError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-        from tokenizers import Tokenizer as _Tok
-
+        template = ChatTemplate.from_dir(d)
         try:
-            tok = _Tok.from_str(text)
+            tok = cls(None, None, (), vocab_size, template, json_text=text)
         except Exception as e:       # noqa: BLE001 (the tokenizers library raises a bare Exception)
             raise WeightsError(f"{path}: not a tokenizer.json the tokenizers library reads "
                                f"({str(e).splitlines()[0][:200]})") from None
-        template = ChatTemplate.from_dir(d)
-        bos, eos = special_ids(d, vocab_size or tok.get_vocab_size(with_added_tokens=True),
-                               read_special_tokens(d), tok.token_to_id)
-        return cls(None, bos, eos, vocab_size, template, json_text=text)
+        # Its ids once parsed: the tokenizer's own eos_token is looked up in its vocabulary.
+        tok._set_special_ids(*special_ids(d, vocab_size or tok.vocab_size, read_special_tokens(d),
+                                          tok._tok.token_to_id))
+        return tok
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
