@@ -36,6 +36,7 @@ that horizon with all their turns (a goodput probe's fixed arrival window).
 
 from __future__ import annotations
 
+import gzip
 import math
 import random
 from dataclasses import dataclass
@@ -240,9 +241,10 @@ class TraceRecord:
 
 
 def read_mooncake(path: str | Path, limit: int = 0) -> list[TraceRecord]:
-    """The first `limit` (0: all) records of a Mooncake-format trace; ValueError naming the line."""
+    """The first `limit` (0: all) records of a Mooncake-format trace (`.gz`: gzip-compressed);
+    ValueError naming the line."""
     out: list[TraceRecord] = []
-    with open(path, "rb") as f:
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if limit and len(out) >= limit:
                 break
