@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, TypeVar
@@ -453,34 +453,17 @@ class LinkBase(Link):
         corr = self._next_corr
         fut: asyncio.Future[m.Message] = self._loop.create_future()
         self._pending[corr] = fut
-        what = f"request {type(msg).__name__}"
-        loop = self._loop
         try:
-            # As `_timed(send, then await fut)`: the deadline counts from here, the frame goes
-            # out first.  Most frames are taken at once; then only `fut` is awaited, under a
-            # timer that fails it at the deadline (no timeout scope, no coroutine around it).
-            deadline = loop.time() + t
-            send = self._send_frame(msg, corr, 0)
-            try:
-                first = send.send(None)
-            except StopIteration:
-                if fut.done():               # answered already: nothing to time
-                    reply = fut.result()
-                else:
-                    timer = (loop.call_at(deadline, self._expire, fut, what, t) if deadline > loop.time()
-                             else loop.call_soon(self._expire, fut, what, t))
-                    try:
-                        reply = await fut
-                    finally:
-                        timer.cancel()
-            else:
-                rest = _then(Resumed(send, first), fut)
-                reply = await self._timed_rest(rest, rest.send(None), deadline, t, what)
+            reply = await self._timed(self._exchange(msg, corr, fut), t, f"request {type(msg).__name__}")
         finally:
             self._pending.pop(corr, None)
         if isinstance(reply, m.Error):
             raise RemoteError(reply.code, reply.message, reply.request_id)
         return reply
+
+    async def _exchange(self, msg: m.Message, corr: int, fut: asyncio.Future[m.Message]) -> m.Message:
+        await self._send_frame(msg, corr, 0)
+        return await fut
 
     def stream(self, request_id: str, *, timeout: float | None = None) -> LinkStream:
         if self._state == LinkState.CLOSED:
@@ -526,31 +509,15 @@ class LinkBase(Link):
     def _closed_error(self) -> LinkClosed:
         return self._close_error or LinkClosed(f"link to {self.peer} is closed", CloseCode.NORMAL)
 
-    async def _timed(self, coro: Coroutine, timeout: float, what: str):  # type: ignore[no-untyped-def]
-        # Most sends (a frame the transport takes at once) finish without suspending: those
-        # run to the end here and never arm a timer.  One that suspends continues under a
-        # deadline counted from the call, as if the timer had been armed at the start.
-        deadline = self._loop.time() + timeout
+    async def _timed(self, coro: Awaitable[T], timeout: float, what: str) -> T:
+        """`coro` awaited by a deadline `timeout` from the call (LinkTimeout after it)."""
         try:
-            first = coro.send(None)
-        except StopIteration as done:
-            return done.value
-        return await self._timed_rest(coro, first, deadline, timeout, what)
-
-    async def _timed_rest(self, coro: Coroutine, first: Any, deadline: float, timeout: float, what: str):  # type: ignore[no-untyped-def]
-        """The rest of `_timed`'s coroutine, suspended on `first`, by `deadline`."""
-        try:
-            async with asyncio.timeout_at(deadline) as cm:
-                return await Resumed(coro, first)
+            async with asyncio.timeout(timeout) as cm:
+                return await coro
         except TimeoutError:
             if cm.expired():
                 raise LinkTimeout(f"{what} to {self.peer}: no completion within {timeout}s") from None
             raise
-
-    def _expire(self, fut: asyncio.Future, what: str, timeout: float) -> None:
-        """A request's deadline: its reply future fails (as `_timed` raises) unless answered."""
-        if not fut.done():
-            fut.set_exception(LinkTimeout(f"{what} to {self.peer}: no completion within {timeout}s"))
 
     async def _wait_open(self) -> None:
         while self._state != LinkState.OPEN:
@@ -763,41 +730,6 @@ class LinkBase(Link):
 
     def _peer_silent(self) -> None:
         self._lost(LinkClosed(f"no byte from {self.peer} within {self.cfg.dead_after_s}s", CloseCode.PEER_SILENT))
-
-
-async def _then(first: Awaitable[Any], then: Awaitable[T]) -> T:
-    await first
-    return await then
-
-
-class Resumed:
-    """The rest of a coroutine that has suspended once (on `first`), as an awaitable:
-    what `await coro` would have continued with, results, exceptions and
-    cancellation passed through unchanged."""
-
-    __slots__ = ("_coro", "_first")
-
-    def __init__(self, coro: Coroutine, first: Any) -> None:
-        self._coro, self._first = coro, first
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, yielded = self._coro, self._first
-        while True:
-            try:
-                sent = yield yielded
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as e:       # cancellation (a timeout's too) goes to the coroutine
-                try:
-                    yielded = coro.throw(e)
-                except StopIteration as done:
-                    return done.value
-            else:
-                try:
-                    yielded = coro.send(sent)
-                except StopIteration as done:
-                    return done.value
 
 
 _FLAG_REPLY = 0x01  # frames.FLAG_REPLY; duplicated to keep this module free of the codec
