@@ -1,32 +1,18 @@
 """Drive an Engine from asyncio without blocking the event loop.
 
 Every engine call (steps and control calls alike) runs on one dedicated
-worker thread, in submission order, so the engine itself needs no locks and
-a control call never races a step.  A background task steps while there is
-work and fans the outputs out to per-request streams.  An engine that only
+worker thread, in submission order, so the engine needs no locks and a
+control call never races a step.  A background task steps while there is
+work and fans the outputs out to per-request entries.  An engine that only
 models time (`Engine.runs_inline`, the cost model) is called on the loop
-itself, and each step's outputs are released once the step's modeled
-duration has passed on the loop's clock since the step began: real seconds
-in a deployment (the step's own Python time inside them), virtual ones in
-`pddgw sim`.
+itself, its outputs released once the step's modeled duration has passed on
+the loop's clock.
 
-A request's output entry (its queue; `pending` counts them) has one owner,
-this class, and one lifecycle:
-
-  1. `add` registers it (a failed add, or one cancelled while the engine
-     admits the request, leaves nothing: the request is aborted as soon as
-     the engine has it).
-  2. `stream` attaches the one reader; outputs produced before that wait in
-     the entry.  The stream object holds the entry from the call on, iterated
-     or not.  With a `sink` the reader is that function instead: every step
-     hands each sink its requests' outputs in one call (a `StepSink`), not
-     one queue item per request (a decode node reads all its requests' tokens
-     in one pass per step); the stream object then only closes the entry.
-  3. The entry ends exactly once: when its stream has handed out the final
-     output (with a sink: when the step hands it over), when its stream is
-     closed early (`aclose`, or cancelling the task reading it; the request is
-     aborted and its blocks freed), when `abort` ends a request nobody
-     streams, or when the engine stops (a sink is handed the error).
+A request's output entry has one owner, this class: `add` registers it (a
+failed or cancelled add leaves nothing), `stream` attaches its one reader (a
+`RequestStream`, or a `StepSink` handed all its requests' outputs once per
+step), and it ends exactly once (`_end`): final output handed out, stream
+closed early (the request is aborted), `abort`, or the engine stopping.
 """
 
 from __future__ import annotations
@@ -282,7 +268,7 @@ class AsyncEngine:
             await self.call(self.engine.abort, request_id)
 
     def _end(self, request_id: str, entry: _Entry) -> None:
-        """The one place an entry ends (module docstring, 3)."""
+        """The one place an entry ends."""
         if entry.sink is not None:
             entry.ended = True            # its stream object has nothing left to abort
         if self._entries.get(request_id) is entry:

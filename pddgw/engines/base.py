@@ -24,39 +24,22 @@ from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, EngineRequest, Engin
 class Engine(ABC):
     """A continuous-batching engine over a paged, prefix-cached KV pool.
 
-    Request lifecycle, as the engine sees it:
-      1. `add_request` validates (RequestError for what can never be served),
-         matches the prompt against the prefix cache and queues the request.
-         An "import" request gets all its prompt blocks at once (CapacityError
-         if the pool cannot hold them even after eviction).
-      2. "import" requests wait until `finish_import`; `import_kv` writes
-         chunks into their blocks meanwhile.  Imported blocks are published to
-         the prefix cache only when the import is confirmed complete.  A
-         receiver may first ask `import_buffer` where a chunk's payload should
-         land and, once it has, commit it with `accept_kv` from any thread:
-         a payload already in its place in the pool needs no engine step.
-      3. `step` runs one forward over a token budget mixing prefill chunks,
-         extends (output tokens given by `output_token_ids` or
-         `append_tokens`, computed in one forward) and decodes, samples where
-         a sequence is fully computed and not on hold, and returns one
-         RequestOutput per request it advanced.
-      4. A request finishes on a stop token, max_tokens or the model's
-         context length, or by `abort`.  Its blocks are freed at once (full
-         ones stay in the prefix cache, evictable) unless `retain_kv`, in
-         which case they stay until `release`.
-    Under block pressure the engine never crashes: it queues (back-pressure)
-    or preempts a running request and recomputes it later.
+    * `add_request` validates (RequestError for what can never be served), matches the
+      prompt against the prefix cache and queues it; an "import" request gets all its
+      prompt blocks at once (CapacityError if the pool cannot hold them).
+    * An import's KV arrives by `import_kv` (or lands in place: `import_buffer`, then
+      `accept_kv`); its blocks reach the prefix cache only after `finish_import`.
+    * `step` runs one forward mixing prefill chunks, extends and decodes, samples each
+      fully computed sequence not on hold, and returns one RequestOutput per request
+      it advanced.
+    * A request ends on a stop token, max_tokens, the context length or `abort`; its
+      blocks are freed at once (full ones stay cached) unless `retain_kv`, then on `release`.
+    * Under block pressure it queues or preempts and recomputes; it never crashes.
 
-    Threads: every method runs on the caller's one engine thread, except
-    `import_buffer` and `accept_kv`, which the network side calls on its own
-    thread (the event loop) while a step may be running.
-
-    Time: an engine that computes (`runs_inline` False) takes real time in
-    `step`, so its driver runs every call off the event loop.  An engine that
-    models hardware (`runs_inline` True) does bookkeeping only; its calls may
-    run on the loop, and `step_seconds()` says how long the step it just took
-    stands for, which its driver waits on the loop's clock (real or virtual)
-    before the step's outputs count as produced.
+    Threads: every method runs on the caller's one engine thread, except `import_buffer`
+    and `accept_kv`, which the network side calls while a step may be running.
+    Time: `runs_inline` False means `step` takes real time (run it off the event loop);
+    True means bookkeeping only, and `step_seconds()` is how long the step stands for.
     """
 
     runs_inline: bool = False

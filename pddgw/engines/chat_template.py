@@ -1,63 +1,27 @@
 """A checkpoint's own chat template: Jinja2 in a sandbox, as transformers renders it.
 
-Where the template comes from (`read_chat_templates`, as transformers'
-`AutoTokenizer.from_pretrained` of a local directory reads it):
+Contract: a conversation without control tokens in its strings renders and
+encodes exactly as transformers' `apply_chat_template(..., tokenize=True)`.
+Templates come from the checkpoint (`read_chat_templates`); `render` picks
+"tool_use" when tools are given and the checkpoint has one, else "default",
+and exposes transformers' variables, globals and filters.
 
-1. `chat_template.jinja` (the name "default") plus `additional_chat_templates/
-   {name}.jinja`; when any of these files exist, they win;
-2. else `tokenizer_config.json`'s `chat_template`: one string ("default") or a
-   list of `{"name": ..., "template": ...}`.
+Control tokens typed by users (`ControlTokens`): they are wrapped in
+transformers' private-use markers before rendering and split out after, so
+the user's copies encode as plain text, the template's as their ids
+(transformers' `sanitize_control_tokens=True`).
 
-`ChatTemplate.render` picks "tool_use" when tools are given and the checkpoint
-has one, else "default".  Variables the template sees: `messages` (dicts,
-None-valued keys dropped), `add_generation_prompt`, `tools`, `documents`, the
-special tokens of `tokenizer_config.json` (`bos_token`, `eos_token`,
-`unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`; a string or
-an AddedToken dict; `special_tokens_map.json` fills the ones it lacks), and
-extra keyword arguments.  Globals: `raise_exception(msg)`, `strftime_now(fmt)`,
-`namespace`, `dict`, `range`, `cycler`, `joiner`; the `tojson` filter keeps
-non-ASCII text and takes `indent`, `separators`, `sort_keys`; extensions
-`loopcontrols` (`break`, `continue`) and `{% generation %}` (renders its body).
+The sandbox: templates are untrusted code.  `ImmutableSandboxedEnvironment`
+refuses unsafe attributes, calls and in-place changes; every render also has
+a budget (`max_chars`, `timeout_s`) checked at each loop iteration, call,
+attribute or item access, filter, operator and output chunk, with sizes
+refused before building where they are known in advance; `range()` yields at
+most 100000 items.  The budget is cooperative (Python cannot stop a thread):
+one builtin operation between two checks runs to its end, bounded by its
+capped inputs.  Event-loop code renders via `Tokenizer.apply_chat_template_async`.
 
-Control tokens typed by users.  `ControlTokens.mark` wraps each control token
-(a special added token) found in a user string in two private-use characters
-(U+F0000, U+F0001, transformers' markers) before rendering, and drops such
-characters already there; `ControlTokens.split` cuts the rendered text at the
-marks, so the tokenizer encodes the template's own control tokens as their ids
-and the user's as plain text (transformers' `sanitize_control_tokens=True`).
-A conversation without control tokens in its strings is rendered and encoded
-exactly as transformers' default `apply_chat_template(..., tokenize=True)`.
-
-The sandbox.  Templates are untrusted code from a model repository.
-`ImmutableSandboxedEnvironment` refuses underscore and other unsafe attributes
-(`''.__class__.__mro__`), calls of unsafe callables and in-place changes of
-lists and dicts; on top of it, every render has a budget
-(`max_chars`, `timeout_s`):
-
-* time: checked at each loop iteration (every `for` is rewritten to pass its
-  iterable through a guard), each call, attribute or item access, filter,
-  operator and output chunk; over `timeout_s` the render stops;
-* size: the rendered text and every string, list or dict an operator, call,
-  filter or namespace assignment produces is at most `max_chars` long, and is
-  checked *before* it is built where the size is known in advance (`*`, `+`,
-  `%`, `**`, `str.center/ljust/rjust/zfill/expandtabs/replace/join`, the
-  `center`/`indent`/`join`/`replace`/... filters, integer arguments of filters,
-  format strings with 7+ digit widths); integers are at most 65536 bits;
-* `range()` yields at most 100000 items; `lipsum` is removed; recursion ends in
-  Python's RecursionError.
-
-What remains: Python cannot stop a thread, so the budget is cooperative:
-one builtin operation between two checks (a sort, a filter's inner loop) runs
-to its end, bounded by its inputs, which are capped as above.  A runaway
-template costs up to `timeout_s` of one thread's CPU and holds the GIL between
-checks; several values of up to `max_chars` each may be alive at once.  The
-template source itself is not capped (it is the operator's checkpoint, and
-compiled once when the tokenizer is loaded).  Rendering runs in the caller's
-thread; code on an event loop uses `Tokenizer.apply_chat_template_async`.
-
-Errors: a template's `raise_exception`, sandbox refusals, budget overruns and
-any other exception while rendering become `RequestError` naming the cause;
-a template that does not compile is a `ChatTemplateError` when it is loaded.
+Errors: a render failure is a `RequestError` naming the cause; a template
+that does not compile, a `ChatTemplateError` at load.
 """
 
 from __future__ import annotations
@@ -132,7 +96,12 @@ def read_special_tokens(directory: str | Path) -> dict[str, str]:
 
 
 def read_chat_templates(directory: str | Path) -> dict[str, str]:
-    """name -> template source; {} when the checkpoint has none (module docstring)."""
+    """name -> template source; {} when the checkpoint has none.
+
+    As transformers reads a local directory: `chat_template.jinja` ("default") plus
+    `additional_chat_templates/{name}.jinja` win when any exist; else `tokenizer_config.json`'s
+    `chat_template`, one string ("default") or a list of {"name", "template"}.
+    """
     d = Path(directory)
     files: dict[str, str] = {}
     if (d / CHAT_TEMPLATE_FILE).is_file():

@@ -1,50 +1,26 @@
 """CUDA graphs for the torch engine's decode steps.
 
-A decode step of a small model is dozens of kernel launches per layer, each a
-few microseconds of host work; on a GPU the step is bound by those launches,
-not by the math.  A CUDA graph records the launches of one whole forward once
-and replays them with one call.  A graph replays fixed addresses, shapes and
-launch grids, so every input lives in a static buffer, the batch is padded
-to one of a few bucket sizes, and nothing the forward decides on the host may
-depend on values that change between replays.
+A small model's decode step is bound by kernel launches, not math; a graph
+replays one whole forward's launches with one call.  A graph replays fixed
+addresses, shapes and launch grids, so every input lives in a static buffer
+(`StaticDecodeInputs`) and the batch is padded to a bucket size
+(`bucket_sizes`: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs).
 
-Lifecycle (one `CudaGraphRunner` per engine, `engine.cuda_graphs = true`):
+Contract of `CudaGraphRunner` (one per engine, `engine.cuda_graphs = true`):
+  * `capture()` records one graph per bucket, largest first, in one memory
+    pool, after eager warm-ups; padding rows have slot -1 (no KV write) and
+    seq_len 1.
+  * It is called exactly like the model.  A decode-only batch that fits the
+    largest bucket and the table width replays the smallest bucket >= B;
+    anything else runs the model eagerly (always correct, only slower).
+  * The KV pool, weights and static buffers must never be reallocated while
+    the graphs live; the returned logits are a view valid until the next replay.
 
-  1. Start (`TorchEngine.__init__`, CUDA device, Triton attention): the runner
-     allocates static inputs for the largest bucket (`StaticDecodeInputs`:
-     ids, positions, slot mapping, block tables at the engine's full width
-     `max_blocks`, seq_lens) and `capture()` records one graph per bucket
-     batch size (`bucket_sizes`: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs),
-     largest first, all in one memory pool.  Each capture is preceded by
-     eager warm-up forwards on a side stream (Triton compiles its kernels
-     there).  Warm-up and capture run on all-padding rows (slot -1: nothing
-     is written to the KV pool).
-  2. Every step the engine calls the runner exactly as it would call the
-     model (same signature).  A decode-only batch of B <= the largest bucket
-     whose tables fit the width goes to the smallest bucket >= B: rows
-     [0, B) of the static buffers are filled from the step's tensors, rows
-     [B, bucket) become padding (slot -1: no KV write; seq_len 1: one key
-     read), the graph replays, and the step's logits rows are read from the
-     graph's static output.  Everything else (prefill, extend, mixed
-     batches, batches over the largest bucket, another KV pool or backend)
-     runs the model eagerly: the fallback is always correct, only slower.
-  3. The graphs hold the addresses of the KV pool, the weights and the static
-     buffers for the engine's lifetime: none of them may be reallocated.
-     The returned logits are a view of a static output, valid until the next
-     replay (the engine samples from them at once, on the same stream).
-
-What makes a decode forward replayable: the model code reads nothing back
-from the device (no `.item()`, no data-dependent shapes); the Triton launch
-plan (`triton_ops.plan_attention`: tiles, flash-decoding splits, grid) is a
-function of shapes only, and the block-table width is fixed at `max_blocks`,
-so it is one plan per bucket whatever the sequences' lengths; sequence
-lengths are read by the kernels on the device.  The torch reference backend
-is not replayable (its KV store selects the kept slots with a boolean mask);
-with it the runner is not built and the engine logs a note.
-
-Everything but the replay itself runs on any device: `graphs=False` records
-the forward as a plain callable over the same static buffers, which is how
-the CPU tests check bucketing, padding and buffer fills end to end.
+Replayable because the forward reads nothing back from the device, and the
+Triton launch plan (`triton_ops.plan_attention`) depends on shapes only, the
+table width fixed at `max_blocks`.  The torch reference backend is not
+replayable (a boolean-mask KV store): the runner is then not built.
+`graphs=False` records plain callables over the same buffers, for CPU tests.
 """
 
 from __future__ import annotations

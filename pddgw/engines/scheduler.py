@@ -1,37 +1,21 @@
 """Continuous batching: which tokens of which sequences the next forward computes.
 
-Each step has a token budget (max_num_batched_tokens) and a batch bound
-(max_num_seqs running sequences), and one sequence computes at most
-max_chunk_tokens of it (an instance of several attention-DP ranks: the
-budget and the bound are its ranks' together, a sequence lives on one).
-Imported sequences whose KV is in (READY) join the running set first, in
-the order their imports finished, while it has room; one on hold with
-nothing to compute (MD waiting for its handoff) stays out of it, holding
-its KV but no place in the batch.  Running sequences
-come first, in admission order: a decode costs one token, an extend
-(handed-off output tokens) or a prefill chunk as many as the budget allows.
-Then waiting sequences are admitted in arrival order, each starting from its
-longest prefix-cache hit (never the last prompt token: its logits are
-needed).  When a running sequence needs a block and none is left, the least
-protected running sequence is preempted (its blocks freed, recomputed later
-from its tokens; if it was already in this step's batch, its chunk leaves
-the batch), possibly the one asking; waiting sequences simply wait
-(back-pressure).  Protection, most important first (`_protection`):
-  1. preempted more often - nobody is preempted a k+1-th time while another
-     candidate has been preempted only k times, so no request starves (a
-     handed-off request re-admitted last used to be the victim every time
-     it needed a block: tracker issue 23, 84 preemptions in a row).  A
-     sequence entering the running set counts as preempted as often as the
-     most preempted live one: a newcomer (a handoff to a full MD) is not the
-     first victim for never having been preempted, while every long one
-     around it has been;
-  2. fewer output tokens left - a short request is never preempted for a
-     long one's growth while a long one can give way;
-  3. admitted earlier - the most recent, whose recompute is cheapest, goes
-     first (the old rule, now the tie-break).
-A
-sequence that retains its KV (a prefill whose KV streams out as it is
-computed) is admitted with blocks for all its tokens and never needs more.
+Each step has a token budget (max_num_batched_tokens), a batch bound
+(max_num_seqs running sequences) and a per-sequence cap (max_chunk_tokens);
+for an instance of several attention-DP ranks the budget and the bound are
+the ranks' together.  Order of service:
+  1. READY imports join the running set, in the order their imports finished;
+     one on hold with nothing to compute keeps its KV but no batch place;
+  2. running sequences, in admission order: a decode costs one token, an
+     extend or a prefill chunk as many as the budget allows;
+  3. waiting sequences, in arrival order, each from its longest prefix-cache
+     hit (never the last prompt token: its logits are needed).
+When a running sequence needs a block and none is left, the least protected
+running sequence (`_protection`) is preempted, possibly the one asking: its
+blocks are freed and it is recomputed later from its tokens.  Waiting
+sequences just wait (back-pressure).  A sequence that retains its KV (a
+prefill streaming its KV out) is admitted with blocks for all its tokens and
+is never preempted.
 """
 
 from __future__ import annotations
@@ -61,7 +45,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Times each live sequence was preempted, counted from the most preempted live one's
-        # count when it first ran (the first key of `_protection`; module docstring).
+        # count when it first ran (the first key of `_protection`).
         self.preempted: dict[str, int] = {}
         self._newcomers: list[Sequence] = []       # joined `running` since the last count
         self.prefix_hit_tokens = 0
@@ -199,8 +183,13 @@ class Scheduler:
         self._newcomers.clear()
 
     def _protection(self, seq: Sequence, admitted: int) -> tuple[int, int, int]:
-        """Higher = kept longer under preemption (module docstring); `admitted`: its index in
-        `running` (admission order)."""
+        """Higher = kept longer under preemption; `admitted`: its index in `running`.
+
+        Keys, most important first: (1) fewer preemptions, so nobody is preempted a k+1-th
+        time while another candidate has k, and no request starves (newcomers start at the
+        most preempted live count, `_count_newcomers`); (2) fewer output tokens left; (3)
+        admitted earlier (the latest, cheapest to recompute, goes first).
+        """
         left = seq.sampling.max_tokens - seq.num_outputs
         return self.preempted[seq.request_id], -left, -admitted
 

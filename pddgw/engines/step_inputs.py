@@ -1,33 +1,10 @@
 """One step's model inputs: token ids, positions and the attention metadata.
 
-Two builders produce exactly the same tensors (same values, dtypes, shapes):
-
-  `ListInputs`         the simple path: every step rebuilds block tables, slot
-                       mappings, positions, ids and seq_lens from Python lists
-                       and copies them to the device.  Used for prefill / extend
-                       batches, and as the reference in tests.
-  `IncrementalInputs`  decode batches (every chunk one token) from persistent
-                       device tensors:
-
-    1. Each decoding sequence owns a row of `table` [max_num_seqs, max_blocks]
-       int32 while it keeps decoding; a row is written in full only when a
-       sequence gets it (or its block list was replaced: preempted and
-       re-admitted), and afterwards only its newly allocated blocks are
-       written (one `index_put_` per step for all rows together).  Entries
-       past a row's blocks are kept zero, as the list path pads.
-    2. Positions live in a static buffer; when the batch is the same sequences
-       as the previous decode step, each of which advanced by exactly one token
-       (checked on the host), they are advanced on the device (`+= 1`), else
-       copied once.  Slot mappings and seq_lens are derived on the device from
-       positions and the table: no per-sequence Python list is built for them.
-    3. Anything the fast path does not cover (a batch with a longer chunk,
-       more sequences than rows, a sequence longer than a row) goes through
-       `ListInputs`; the rows stay valid and are refreshed next time.
-
-Per-step host work on a steady decode batch is one loop over the chunks
-(token id, sample flag, block count and list identity) plus writes for what
-changed; the token ids themselves come from the host sampler, so their copy
-is inherent.
+Two builders produce exactly the same tensors (values, dtypes, shapes):
+`ListInputs` rebuilds everything from Python lists each step (prefill and
+extend batches, and the reference in tests); `IncrementalInputs` builds
+decode batches from persistent device tensors, writing only what changed.
+Anything `IncrementalInputs` does not cover goes through `ListInputs`.
 """
 
 from __future__ import annotations
@@ -53,7 +30,7 @@ class StepInputs:
 
 
 class ListInputs:
-    """The list-based builder (see the module docstring)."""
+    """Every step rebuilds tables, slots, positions, ids and seq_lens from lists and copies them."""
 
     def __init__(self, block_size: int, device: torch.device, ops: ModuleType,
                  to_sample: Callable[[Chunk], bool]):
@@ -96,7 +73,15 @@ class ListInputs:
 
 
 class IncrementalInputs:
-    """Decode batches from persistent device tensors (see the module docstring)."""
+    """Decode batches (every chunk one token) from persistent device tensors.
+
+    Each decoding sequence owns a row of `table` [max_rows, max_blocks]: written in full when
+    it gets the row (or its block list was replaced), then only its new blocks, one
+    `index_put_` per step; entries past its blocks stay zero, as the list path pads.  Positions
+    advance on the device when the batch is the previous one each a token further (checked on
+    the host); slots and seq_lens are derived on the device.  A longer chunk, more sequences
+    than rows or a sequence longer than a row goes to `fallback`.
+    """
 
     def __init__(self, block_size: int, device: torch.device, ops: ModuleType,
                  to_sample: Callable[[Chunk], bool], max_rows: int, max_blocks: int):

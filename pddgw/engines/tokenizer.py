@@ -4,22 +4,16 @@ Two implementations of one contract: `ByteTokenizer` for the built-in tiny
 model (UTF-8 bytes plus a few special tokens) and `HFTokenizer` for a
 checkpoint's `tokenizer.json`.
 
-Chat template.  An `HFTokenizer` whose checkpoint has a chat template
-(tokenizer_config.json `chat_template`, or `chat_template.jinja`) renders it
-with Jinja2 in a sandbox and tokenizes the text as transformers'
-`apply_chat_template(tokenize=True)` does (`add_special_tokens=False`, so the
-template alone decides on bos); see `pddgw.engines.chat_template`.  The tiny
-model's `ByteTokenizer` and checkpoints without a template use the built-in
-ChatML-like template:
+Chat template: a checkpoint's own (`pddgw.engines.chat_template`), tokenized
+as transformers' `apply_chat_template(tokenize=True)` does (the template
+alone decides on bos); otherwise a built-in ChatML-like one:
 
     [bos]  <|im_start|>{role}\\n{content}<|im_end|>\\n   (per message)
            <|im_start|>assistant\\n                      (generation prompt)
 
-`<|im_start|>` / `<|im_end|>` are their special-token ids when the vocabulary
-has them, else their literal text.  bos is prepended when the tokenizer adds
-one to plain text (Llama yes, Qwen no; always for `ByteTokenizer`).  Message
-text is encoded as plain text: a special-token string typed by a user never
-becomes a special id.
+with the markers as special ids when the vocabulary has them, bos when the
+tokenizer adds one to plain text.  Message text is always encoded as plain
+text: a special-token string typed by a user never becomes a special id.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """The torch engine: a Llama-family model over the paged KV pool.
 
 One `step` = schedule -> pack the chunks into one batch -> one forward ->
-sample the sequences that are fully computed -> publish full blocks to the
-prefix cache -> finish what stopped.  The bookkeeping is `PagedEngine`'s;
-this module is the model math and the KV pool.  See `Engine` for the contract.
+sample the fully computed sequences -> publish full blocks -> finish what
+stopped.  The bookkeeping is `PagedEngine`'s; this module is the model math
+and the KV pool.  See `Engine` for the contract.
 
-Log-probabilities (`SamplingParams.logprobs`) are computed on the logits'
-device for only the rows that asked (`sampler.logprobs`: log_softmax of the
-raw logits, before penalties, logit_bias and min_tokens: vLLM's raw_logprobs); what crosses to the host is the S sampled ids plus [R] + [R, k]
-+ [R, k] values, in one transfer.  Without them the step is unchanged: one
-`.tolist()` of the S ids.
-
-Prompt logprobs (`SamplingParams.prompt_logprobs`): the positions a chunk
-computes that score a prompt token (`PagedEngine._prompt_rows`) get logits
-rows too, after the S sampled rows, in the same forward (the model computes
-logits of any rows asked for); their log_softmax, in the logits' dtype
-(float64 for a float64 model), gives the next prompt token's log-probability
-and the top k, in one more transfer.  The extra logits are [P, vocab] for P
-scored positions of the step, bounded by max_num_batched_tokens.
+Logprobs are computed on the logits' device for only the rows that asked,
+from the raw logits (vLLM's raw_logprobs), and cross to the host in one
+transfer with the sampled ids.  Prompt logprobs: the positions that score a
+prompt token (`PagedEngine._prompt_rows`) get logits rows after the sampled
+ones in the same forward, at most max_num_batched_tokens of them.
 """
 
 from __future__ import annotations

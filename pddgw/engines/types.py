@@ -40,16 +40,11 @@ class EngineRequest:
                        `release` (a P node holds them until they are sent).
     hold               compute KV but do not sample until `append_tokens(...,
                        final=True)` (MD during a catch-up handoff).
-    output_interval    sampled tokens per output, as vLLM's --stream-interval
-                       applies it in its output processor: the first sampled
-                       token goes out in its step's output, then the tokens
-                       come `output_interval` at a time (the output of the
-                       step that samples the last of them), and whatever is
-                       left in the output that ends the request.  A hint: an
-                       engine may hand out every token (1), so a reader
-                       counts tokens, never outputs.  Only for a reader that
-                       needs no token before its run is complete (MD's
-                       decoding, whose worker sends runs of the same length).
+    output_interval    sampled tokens per output, as vLLM's --stream-interval:
+                       the first token alone, then `output_interval` at a
+                       time, the rest with the final output.  A hint (an
+                       engine may hand out every token): readers count
+                       tokens, never outputs.
     """
 
     request_id: str

@@ -1,58 +1,27 @@
-"""pddgw's KV connector for vLLM (v1 KV-connector interface): KV that arrived over pddgw's
-links goes into vLLM's paged cache before the forward that needs it.
+"""pddgw's KV connector for vLLM (v1 KV-connector interface): KV that arrived
+over pddgw's links goes into vLLM's paged cache before the forward needing it.
 
-vLLM loads this module by path (`kv_connector_module_path`) and builds the
-connector once per role: a scheduler side per engine, which decides which
-tokens of a request are loaded instead of computed, and one worker side per
-process (vLLM keeps it in a process global, shared by every vLLM engine of
-the process), which copies them into the paged cache.  A scheduler side
-reaches its engine's state through the `Bridge` registered under its
-KV-transfer `engine_id`.  With TP = 1 everything runs in the process of the
-`VllmEngine`s that own the engines (uniprocess executor), and the worker
-side keeps no state: each step's metadata names the caches its loads go to.
-TP > 1: see the end.
+vLLM loads this module by path (`kv_connector_module_path`) and builds one
+scheduler side per engine (which tokens are loaded instead of computed; it
+reaches its engine through the `Bridge` registered under its `engine_id`)
+and one worker side per process (which copies them into the paged cache).
 
-A load, step by step (all on the engine thread, inside `EngineCore.step`):
-  1. The engine stages an import's KV (tokens past its cached prefix, every
-     layer) in `Bridge.staged`, then adds the request to vLLM.
-  2. Scheduler, `get_num_new_matched_tokens(request, n_local)`: vLLM's own
-     prefix cache holds `n_local` tokens; the staged tokens from there on
-     (never the last token of the request: vLLM must compute one to sample)
-     are "external".  A staged range that does not reach back to `n_local`
-     (a cached block was evicted meanwhile) loads nothing: vLLM computes the
-     whole rest, which is slower but gives the same KV.
-  3. `update_state_after_alloc` records the blocks vLLM allocated;
-     `build_connector_meta` hands (blocks, token range, staged tensor) of the
-     requests scheduled this step to the worker side and forgets them.
-  4. Worker, `start_load_kv`, before the forward: writes the staged tokens
-     into their slots, every layer (after vLLM zeroed the fresh blocks).
-A request the engine keeps (`retain_kv`, a P node that still sends its KV)
-is reported by `request_finished` as freed later; the engine frees its
-blocks on `release` (`VllmEngine.release`).
+A load, all on the engine thread inside `EngineCore.step`:
+  1. the engine stages an import's KV in `Bridge.staged`, then adds the request;
+  2. `get_num_new_matched_tokens`: staged tokens past vLLM's own prefix hit
+     are external (never the last token: vLLM must compute one to sample);
+     a staged range that no longer reaches the hit loads nothing (same KV,
+     computed instead);
+  3. `update_state_after_alloc` / `build_connector_meta` hand (blocks, token
+     range, staged tensor) of this step's requests to the worker side;
+  4. `start_load_kv` writes them into their slots, every layer.
+A retained request's blocks are freed on `release`; exports read `Bridge.kv_caches`.
 
-Export needs no connector: the engine reads computed KV straight from the
-paged cache after a step (`Bridge.kv_caches`).
-
-Tensor parallel (TP > 1).  The engine core (scheduler side) stays in the
-engine's process; vLLM's multiprocessing executor runs one worker process
-per rank, each with its own worker side of this connector and its share of
-the KV heads: rank r of tp holds heads [r*H//tp, r*H//tp + max(1, H//tp))
-(H < tp: each head on tp/H consecutive ranks), as vLLM's QKVParallelLinear
-shards them.
-  * `register_kv_caches` (in each worker, once its caches are bound) learns
-    the rank's `BlockLayout` and heads (`_RankKV`, a process global: a
-    worker process serves one engine).
-  * An import is staged in a file in shared memory (`StagedKV.in_shared_memory`);
-    the step's metadata crosses to the workers through vLLM's message queue
-    carrying only the file's name (`StagedKV.__reduce__`), never the bytes;
-    each rank maps the file and writes its heads.  The file goes when the
-    engine's last reference to the staging goes (the step that loaded it has
-    returned, so every rank has mapped it; a mapping outlives the name).
-  * Export is a `collective_rpc` of `read_kv`: each rank reads its heads,
-    the first replica of each head answers, the engine concatenates heads in
-    rank order.  Those bytes do cross vLLM's queue (a pickled out-of-band
-    buffer, over its shared-memory ring up to VLLM_MQ_MAX_CHUNK_BYTES_MB,
-    16 MiB, over a local zmq socket beyond), so exports are read in chunks.
+TP > 1: each worker process holds its rank's KV heads (vLLM's QKVParallelLinear
+sharding) and learns its layout in `register_kv_caches`.  Imports are staged
+in shared memory and only the file's name crosses vLLM's message queue
+(`StagedKV.__reduce__`); exports are a `collective_rpc` of `read_kv`, in
+chunks since those bytes do cross the queue.
 """
 
 from __future__ import annotations
@@ -352,7 +321,7 @@ class PddgwConnectorMetadata(KVConnectorMetadata):
 
 
 class PddgwConnector(KVConnectorBase_V1):
-    """See the module docstring."""
+    """Both sides of the connector; which one by `role` (module docstring)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

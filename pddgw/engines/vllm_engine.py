@@ -1,51 +1,24 @@
 """vLLM behind pddgw's Engine contract (`engine.implementation = "vllm"`).
 
 The engine drives vLLM's engine core in this process, one `EngineCore.step`
-per `step`, and keeps what makes a node PDD on top of it: imports that land
-in vLLM's paged cache (`vllm_connector.py`), exports read from it, MD's
-prefix-cache answers, retained KV, token-ID extends.
+per `step`, and adds what makes a node PDD: imports that land in vLLM's paged
+cache (`vllm_connector.py`), exports read from it, prefix-cache answers,
+retained KV, token-ID extends.  A request's states here: `ReqState`.
 
-A request's lifecycle here (`ReqState`):
-  1. IMPORTING  (kv_source "import") `add_request` matched the prompt against
-                vLLM's prefix cache, pinned the hit and staged memory for the
-                rest; `import_kv` fills the stage; `finish_import` submits.
-  2. HELD       (hold) its tokens but the last are computed, nothing is
-                sampled.  vLLM has no "compute, do not sample" step, so each
-                catch-up round is a vLLM request of those tokens with one
-                discarded greedy token, kept (retained) until the next round
-                or the final request holds the same blocks through vLLM's
-                prefix cache (`_extend_held`).
-  3. SUBMITTED  in vLLM's scheduler: prompt + given output tokens as its
-                prompt, so a handoff's tokens are computed in one forward
-                over the cached prefix (vLLM's chunked prefill on a prefix
-                hit); new tokens come back by `step`.
-  4. RETAINED   (retain_kv) finished in vLLM, blocks kept by the connector
-                (`request_finished` -> delay) until `release`.
-  Then gone: blocks back to vLLM (cached full blocks stay evictable).
+Prefix identity: every request that runs here maps each full block's pddgw
+chained hash to vLLM's hash of the same tokens (`_HashIndex`, bounded), so
+`match_prefix` can ask vLLM's block pool what is still cached.  Pins are
+vLLM block references, never evicted.  vLLM's block size must equal
+`engine.block_size`.
 
-Prefix identity.  The router speaks pddgw's chained block hashes; vLLM keys
-its cache by its own.  Every request that runs here maps each full block's
-pddgw hash to vLLM's hash of the same tokens (`_HashIndex`, bounded);
-`match_prefix` walks that map and asks vLLM's block pool which blocks are
-still cached.  Pins are vLLM block references (`touch` / `free_blocks`), so
-pinned blocks are never evicted.  vLLM's block size must equal
-`engine.block_size` (vLLM's CPU backend: a multiple of 32).
+Sampling: greedy is vLLM's own; a seeded request is sampled by pddgw's
+position-keyed draw inside vLLM (`vllm_sampling.PositionKeyedSampling`), so
+its tokens are the same on every node and engine, up to float rounding of
+the logits.
 
-Sampling.  Greedy is vLLM's own.  A seeded request is sampled by pddgw's
-position-keyed draw inside vLLM (`vllm_sampling.PositionKeyedSampling`, a
-vLLM logits processor), so its token at output position i depends only on
-(seed, i) and the logits: the same tokens on every node, path and engine,
-up to float rounding between the engines' logits.
-
-Tensor parallel.  TP = 1: vLLM's worker runs in this process (uniprocess
-executor) and the connector writes and the engine reads its paged caches
-directly.  TP > 1: vLLM's multiprocessing executor runs one worker process
-per rank, each holding its share of the KV heads; the engine core stays
-here.  An import is staged in shared memory and each rank loads its heads
-(`vllm_connector`, "Tensor parallel"); an export asks every rank for its
-heads (`collective_rpc`) and joins them in rank order.  On CPU each rank's
-OpenMP threads get their own cores (`_cpu_bind`).  One host; pipeline
-parallel is not supported.
+TP > 1 runs one vLLM worker process per rank, each with its share of the KV
+heads (see `vllm_connector`); CPU ranks get their own cores (`_cpu_bind`).
+One host; pipeline parallel is not supported.
 """
 
 from __future__ import annotations
@@ -75,6 +48,11 @@ from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, CapacityError, Engin
 
 
 class ReqState(IntEnum):
+    """IMPORTING: prefix hit pinned, the rest staged, `import_kv` fills it, `finish_import`
+    submits.  HELD: its tokens but the last computed, nothing sampled (`_extend_held`).
+    SUBMITTED: in vLLM's scheduler with prompt + given outputs as its prompt.  RETAINED:
+    finished in vLLM, blocks kept by the connector until `release`."""
+
     IMPORTING = 1
     HELD = 2
     SUBMITTED = 3

@@ -1,36 +1,20 @@
 """pddgw's position-keyed sampling inside vLLM, as a vLLM logits processor.
 
-vLLM draws a seeded request's tokens from a per-request generator that
-advances once per sampled token, so the token at output position i depends
-on how many tokens that engine sampled before: a request that moves between
-nodes (a handoff) or between engines would change its tokens.  pddgw's draw
-depends only on (seed, position) (`pddgw.engines.sampler`).  This processor
-makes vLLM sample that way: for every row that carries pddgw's sampling
-parameters (`extra_args["pddgw"]`, set by `VllmEngine`), it runs pddgw's own
-sampler on the row's logits and leaves only the chosen token finite; the
-request is greedy for vLLM (temperature 0), so vLLM takes exactly that
-token.  Rows without the key (greedy requests with nothing below) are left alone.
+vLLM's seeded generator advances once per sampled token, so a request that
+moves between nodes or engines would change its tokens; pddgw's draw depends
+only on (seed, position) (`pddgw.engines.sampler`).  For every row carrying
+pddgw's parameters (`extra_args["pddgw"]`, set by `VllmEngine`) this runs
+pddgw's sampler on the row's logits and leaves only the chosen token finite;
+the request is greedy for vLLM, so vLLM takes exactly that token.  Other
+rows are left alone.
 
-Penalties, logit_bias and min_tokens are applied here too, by pddgw's own
-`adjust_logits`, never by vLLM: vLLM's prompt is pddgw's prompt plus the
-output tokens given before (a handoff, a re-drive), and its penalties would
-count those as prompt; this processor knows how many there were (`given`),
-so presence / frequency penalties and min_tokens count them as output, as
-every other engine does.
-
-A grammar (`SamplingParams.grammar`) is masked here too, in the same
-`adjust_logits` call (its step 5), never by vLLM's structured output: each
-row with one keeps an `engines.grammar.Constraint`, a matcher fed pddgw's
-output tokens so far (the `given` ones included: a handed-off request rebuilds
-its matcher state from them, as on every other engine), so the mask is a pure
-function of the output and the same on every node.  The matchers' vocabulary
-is the served model's tokenizer (`load_spec` of vLLM's model path), built on
-the first request with a grammar.  A grammar that does not compile over that
-vocabulary (the front door checked it compiles at all) leaves the row
-admitting only EOS: it ends at once instead of decoding unconstrained.
-
-vLLM computes logprobs from the raw logits, before any logits processor,
-so what this does to the logits does not show in them.
+Penalties, logit_bias, min_tokens and the grammar mask are applied here by
+pddgw's `adjust_logits`, never by vLLM: vLLM's prompt includes the output
+tokens given before (a handoff, a re-drive), and only this processor knows
+how many (`given`), so they count as output as on every other engine.  Each
+grammar row keeps a `Constraint` over the served model's vocabulary; one that
+does not compile there admits only EOS.  vLLM's logprobs are of the raw
+logits, so none of this shows in them.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """Getting weights into a `LlamaModel`: the built-in tiny model, Hugging Face
 checkpoints (safetensors, one file or shards), GGUF files (gguf.py), and
-writing a checkpoint back (`export_model`: config.json, model.safetensors,
-tokenizer.json, tokenizer_config.json, generation_config.json).
+writing a checkpoint back (`export_model`).
 
 What `model.path` names (`load_spec`, `load_model`): "" or "tiny" = the
-built-in tiny model; a named alias (`gguf.NAMED`: "smollm2") or a `.gguf`
-file, or a directory holding one = a GGUF checkpoint; else a Hugging Face
-checkpoint directory.  `served_model_name` is the id a front door reports.
+built-in tiny model; a named alias (`gguf.NAMED`), a `.gguf` file or a
+directory holding one = a GGUF checkpoint; else a Hugging Face checkpoint
+directory.  `served_model_name` is the id a front door reports.
 
 Name mapping is strict: every tensor the model needs must be in the
-checkpoint and every tensor in the checkpoint must be one the model uses
-(except RoPE `inv_freq` buffers some old checkpoints carry, and an
-`lm_head.weight` equal to the embeddings in a tied checkpoint); anything else
-is a `WeightsError` naming the tensors.
-
-The tiny model ("tiny", `load_model(None, ...)`) is a plain Llama generated
-from a seed with a CPU `torch.Generator` in float32, so every process and
-machine builds bit-identical weights, and a float64 copy holds exactly the
-same values.  Its output projection is scaled so the top logits are far apart
-(greedy decoding does not flip between dtypes or batchings) and its rows are zero
-except for printable ASCII and newline: their logit 0 is ~20 below the top, so
-greedy decoding emits only those ids and sampling practically so (readable demo
-output, no partial UTF-8, no eos: it runs to max_tokens or a stop id).
+checkpoint and every checkpoint tensor must be used (except RoPE `inv_freq`
+buffers and an `lm_head.weight` equal to tied embeddings); anything else is
+a `WeightsError` naming the tensors.
 """
 
 from __future__ import annotations
@@ -43,7 +32,7 @@ from pddgw.engines.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, speci
 if TYPE_CHECKING:
     from pddgw.config import ModelConfig
 
-# Logit standard deviation of the tiny model over byte tokens (see module doc).
+# Logit standard deviation of the tiny model over byte tokens (see `build_tiny`).
 TINY_LOGIT_STD = 8.0
 
 
@@ -83,7 +72,7 @@ def _tiny_tensor(name: str, shape: torch.Size, spec: ModelSpec, g: torch.Generat
         return randn
     if name == "lm_head.weight":
         w = randn * (TINY_LOGIT_STD / h ** 0.5)
-        w[~tiny_output_mask(spec.vocab_size)] = 0.0   # these ids never win (module doc)
+        w[~tiny_output_mask(spec.vocab_size)] = 0.0   # these ids never win (`build_tiny`)
         return w
     if name.endswith("o_proj.weight"):
         return randn / spec.q_size ** 0.5
@@ -96,7 +85,12 @@ def _tiny_tensor(name: str, shape: torch.Size, spec: ModelSpec, g: torch.Generat
 
 
 def build_tiny(seed: int, dtype: torch.dtype | str, device: str | torch.device) -> LlamaModel:
-    """The built-in tiny model; identical for a given seed on every machine and process."""
+    """The built-in tiny model; identical for a given seed on every machine and process.
+
+    Seeded with a CPU generator in float32 (a float64 copy holds the same values).  Its output
+    rows are zero except printable ASCII and newline, scaled so the top logits are far apart:
+    greedy output is readable, never flips between dtypes or batchings, and has no eos.
+    """
     return build_random(tiny_spec(), seed, dtype, device)
 
 
