@@ -7,32 +7,18 @@ Shapes:
   cu_q_lens     [B+1] int32, row ranges of each sequence's new tokens in the packed q
 
 One forward kernel serves decode and extend.  A program owns one tile of
-query rows of one sequence and one KV head; the rows are (token, GQA head)
-pairs, row r = token r // G, head kv_head * G + r % G, so all the query heads
-that share a KV head (and, for extends, several tokens) read each K/V tile
-once.  A program walks the pages of its KV range token by token through the
-block table (any block size, any page order) with an online softmax in
-float32 (exp2 domain).
+query rows (token, GQA head) of one sequence and one KV head, so query heads
+sharing a KV head read each K/V tile once; it walks its KV range through the
+block table with an online softmax in float32.  Flash-decoding splits the KV
+range into `num_splits` partitions (grid axis 2), merged by a second kernel.
 
-Flash-decoding: the KV range is split into `num_splits` partitions, axis 2 of
-the grid.  With one split the kernel normalizes and writes `out` itself;
-with several it writes each partition's normalized partial output and its
-log-sum-exp, and a second kernel merges the partitions of every (row, head).
-A row only ever needs partitions s with s * part_size <= its position, so
-partitions that lie wholly after a row are neither written nor read.
-
-Nothing syncs with the host: grid sizes come from tensor shapes alone, and
-extends find their sequence by a binary search over per-sequence tile
-offsets computed on the device.  The bound on any sequence's length is
-block_tables' width x block_size, so callers should pass tables no wider than
-the batch's longest sequence needs (wider only wastes empty partitions).  The
-split count aims at about 4 programs per SM with partitions of 256+ keys.
-
-Dtypes: float32 caches compute every dot in IEEE float32.  float16/bfloat16
-caches feed the tensor cores in the cache dtype (q and the probabilities are
-rounded to it, as FlashAttention does) and accumulate in float32.  Under
-TRITON_INTERPRET=1 every load is upcast to float32 at once (the interpreter's
-bfloat16 arithmetic is wrong).  Addresses are computed in int64.
+Invariants: nothing syncs with the host (grids come from shapes alone, extends
+find their sequence by a binary search on the device), so a plan depends on
+shapes only (CUDA-graph replayable); a sequence's length is bounded by
+block_tables' width x block_size.  float32 caches compute in IEEE float32;
+float16/bfloat16 feed the tensor cores in the cache dtype and accumulate in
+float32.  Under TRITON_INTERPRET=1 loads are upcast to float32 (the
+interpreter's bfloat16 arithmetic is wrong).  Addresses are int64.
 """
 
 from __future__ import annotations
