@@ -3,25 +3,19 @@
 A `KVSpan` says which KV a chunk carries: layers [layer_start, layer_end) x
 tokens [token_start, token_end) of one request, laid out as a contiguous
 array `[layers, 2 (K, V), tokens, kv_heads, head_dim]` of `dtype`
-(little-endian); `shape` names those five sizes.  A `KVChunk` is a span plus
-its payload, numbered within its transfer.
+(little-endian).  A `KVChunk` is a span plus its payload, numbered within
+its transfer.
 
 Contract:
-  * A value that exists is well formed, whoever built it: `__post_init__`
-    checks every field, in O(1) (the payload's size, never its bytes), and
-    raises ValueError naming the field.  The net layer relies on this when it
-    decodes a frame (`net.frames`), engines when they import a chunk; an
-    engine's export builds one from trusted values at the same cost.
-  * The field names and order of `KVSpan` (then `seq`, `last`) are the KV
-    frame's metadata on the wire (`net.frames`): changing them changes the
-    protocol.
-  * A `virtual` span (a cost-model engine's KV) stands for `nbytes` of KV
-    without carrying it: its chunk's payload is empty and links charge the
-    full size, so a modeled deployment moves a real model's KV volume.
-  * A chunk's payload is sent without copying, so it must stay unchanged
-    until the link's send returns; a received payload is the buffer the
-    link's KV sink returned (ideally the engine's pool block) or one the link
-    allocated.
+  * A value that exists is well formed: `__post_init__` checks every field in
+    O(1) (the payload's size, never its bytes) and raises ValueError naming
+    the field; frame decoding and KV import rely on it.
+  * `KVSpan`'s field names and order (then `seq`, `last`) are the KV frame's
+    wire metadata (`net.frames`): changing them changes the protocol.
+  * A `virtual` span (a cost model's KV) stands for `nbytes` without carrying
+    them; links charge the full size.
+  * A payload is sent without copying: it must stay unchanged until the
+    link's send returns.
 """
 
 from __future__ import annotations

@@ -1,55 +1,12 @@
 """One request's sampling settings: the one definition every layer uses.
 
-The HTTP doors decode a body's fields into `SamplingParams`, the wire
-messages nest it as one field (`net.frames` encodes it as a nested orjson
-object and decodes it back through this constructor), and the engines read
-it.  Its `__post_init__` is the only place the fields are checked: every
-bound is below, and a value that breaks one raises `FieldError` naming the
-field.  Values arrive from JSON too, so the constructor normalises what JSON
-cannot spell: lists become tuples, integral numbers of float fields become
-floats, `logit_bias` may be an object with decimal-string keys, `top_k` -1
-(vLLM's "no filter") becomes 0.  Adding a field means adding it here (its
-default, its check); the wire codec and the doors follow by name.
-
-Meaning (vLLM's, OpenAI's where they agree):
-
-  max_tokens          output tokens at most, >= 1
-  temperature         0 = greedy; softmax(logits / T) otherwise
-  top_k, top_p, min_p filters on that distribution (0 / 1 / 0 = none)
-  seed                position-keyed draws: output position i draws from (seed, i) only
-  stop_token_ids      extra tokens that end the output (sampled and kept, as EOS)
-  ignore_eos          the model's EOS tokens do not end the output
-  logprobs            None = none; k = the sampled token's + k alternatives, of the
-                      model's raw distribution (before everything below and the filters)
-  repetition_penalty  > 0, 1 = off: for each token seen in the prompt OR the output so
-                      far, a positive logit is divided by it, a negative one multiplied
-  presence_penalty    [-2, 2], over OUTPUT tokens only: logit -= presence * (count > 0)
-  frequency_penalty   [-2, 2], over OUTPUT tokens only: logit -= frequency * count
-  logit_bias          ((token id, bias in [-100, 100]), ...) sorted by id: added to the logits
-  min_tokens          EOS (unless ignored) and stop_token_ids cannot be sampled before this
-                      many output tokens exist (<= max_tokens)
-  skip_special_tokens detokenization: drop special tokens from the text (pddgw's own
-                      tokenizers always do; a vLLM engine is told)
-  include_stop_str_in_output  stop strings (matched at the router, `pddgw.api.stops`) stay in the text
-  grammar             None, or (kind, text): the output must match this grammar
-                      (`pddgw.engines.grammar`): kind "json_schema" (text: the schema as JSON),
-                      "structural_tag" (xgrammar's structural tag as JSON), "ebnf" (GBNF text)
-                      or "regex"; at most MAX_GRAMMAR_CHARS characters.  Every node masks the
-                      logits to the tokens the grammar admits after the output so far (a pure
-                      function of the output tokens, so any path gives the same tokens); once
-                      the grammar is complete only EOS is admitted, which ends the output.  Not
-                      with ignore_eos (the grammar could never end the output) nor min_tokens
-                      (it would mask the only admitted token)
-  prompt_logprobs     None = none; k: every prompt token's log-probability given the tokens
-                      before it (the first token has none) + k alternatives, of the raw
-                      distribution, computed where the prompt is computed; a request asking
-                      for them takes no prefix-cache hit (vLLM's rule: skipped positions
-                      would have no logits)
-
-Order on the logits, as vLLM's sampler: logit_bias and the min_tokens mask,
-then repetition, frequency and presence penalties, then temperature and the
-filters.  Which tokens are output and which prompt is the engine's sequence:
-tokens handed off or re-submitted as output stay output.
+The HTTP doors decode a body into `SamplingParams`, the wire messages nest it
+(`net.frames` decodes it back through this constructor), and the engines read
+it.  `__post_init__` is the only place the fields are checked (a broken bound
+raises `FieldError` naming the field) and normalises what JSON cannot spell:
+lists become tuples, integral floats floats, `logit_bias` keys may be decimal
+strings, `top_k` -1 becomes 0.  A new field is added here only; the wire codec
+and the doors follow by name.
 """
 
 from __future__ import annotations
@@ -123,7 +80,24 @@ def _token_id(v: object) -> int:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How output tokens are chosen (the module docstring gives every field's meaning)."""
+    """How output tokens are chosen; meanings are vLLM's (OpenAI's where they agree).
+
+    seed                output position i draws from (seed, i) only
+    stop_token_ids      extra tokens that end the output (sampled and kept, as EOS)
+    logprobs            k: the sampled token's + k alternatives, of the raw distribution
+    repetition_penalty  > 0, 1 = off: over prompt and output tokens, a positive logit / r,
+                        a negative one * r
+    presence_penalty    [-2, 2], output tokens only: logit -= presence * (count > 0)
+    frequency_penalty   [-2, 2], output tokens only: logit -= frequency * count
+    logit_bias          ((token id, bias in [-100, 100]), ...) sorted by id, added to the logits
+    min_tokens          EOS (unless ignored) and stop_token_ids are masked before this many
+                        output tokens (<= max_tokens)
+    grammar             (kind, text), kind in GRAMMAR_KINDS: the output must match it
+                        (`pddgw.engines.grammar`); not with ignore_eos nor min_tokens
+    prompt_logprobs     k: each prompt token's log-probability + k alternatives; such a
+                        request takes no prefix-cache hit (vLLM's rule)
+    Order on the logits (vLLM's): logit_bias and min_tokens, penalties, temperature, filters.
+    """
 
     max_tokens: int = 64
     temperature: float = 0.0

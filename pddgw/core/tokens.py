@@ -1,14 +1,9 @@
 """Output tokens at a position: the one value every layer from the decoder to the API passes on.
 
-A decode worker emits one `TokenRun` per request per engine step; its node
-turns it into the wire's `TokenItem` (net.messages, validated and tagged) in
-one place, and the router's stream edge turns a received item (with the
-Logprobs pieces sent right before it) back into a `TokenRun` in one place,
-naming the role of the node it came from.  The router's merger passes runs
-on to the API, which formats them.
-
-`TokenLogprobs` is one position's log-probabilities, as an engine computes
-them and every layer above passes them on.
+A `TokenRun` is what a decode worker emits per request per engine step; the
+wire's `TokenItem` (net.messages) is built from it and turned back into one
+in exactly one place each.  `TokenLogprobs` is one position's
+log-probabilities, as an engine computes them.
 """
 
 from __future__ import annotations
