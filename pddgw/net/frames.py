@@ -14,19 +14,12 @@ Layout (little-endian), one frame per WebSocket binary message::
     20 ... meta (orjson object of the message's other fields), then payload
 
 Payloads: `KVChunk.payload` raw; token IDs packed int32; prefix hashes packed
-uint64; a `TokenBatch` its items' token IDs one after the other, packed int32,
-its metadata one list per TokenItem field (the ids' counts in "counts"),
-checked (lengths, count, the counts against the payload) before any item is
-built.  `decode` turns any byte string into a `Frame` or raises `FrameError`
-(never another exception): sizes, field names, field types and field values are
-all checked, nothing is evaluated.  No pickle.
-
-Nested fields: a field whose type is a dataclass (e.g. a request's
-`SamplingParams`) travels as a nested JSON object of its fields (orjson
-encodes dataclasses in field order) and is decoded strictly: exactly its
-field names (missing or unknown ones refused, named with the path), nested
-dataclasses in turn, then its constructor, whose `__post_init__` validates
-the values (a refusal names the field).
+uint64; a `TokenBatch` its items' ids concatenated, its metadata one list per
+field, all checked before any item is built.  A dataclass field (e.g.
+`SamplingParams`) travels as a nested object with exactly its field names and
+is rebuilt through its constructor.  `decode` turns any byte string into a
+`Frame` or raises `FrameError` (never another exception); nothing is
+evaluated, no pickle.
 """
 
 from __future__ import annotations

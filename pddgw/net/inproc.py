@@ -6,12 +6,9 @@ codes), without sockets: a frame is handed to the peer link object.  Payloads
 are copied once into the receiver's memory (its KV sink or a fresh buffer), so
 the sender may reuse its buffer when `send` returns, exactly as over a socket.
 
-A `TokenBatch` crosses an unshaped link as one frame; a shaped one books its
-items one by one, at the instant of the send, each at the wire size of the
-TokenItem it is: the emulated wire's timeline (every token's arrival) is the
-one of a frame per request, whatever the sender batched (the batch saves the
-sender's and the receiver's work per frame, and a few bytes of framing, which
-the emulation does not credit).
+A `TokenBatch` crosses an unshaped link as one frame; a shaped one books each
+item at its own TokenItem's wire size, so the emulated timeline is that of a
+frame per request whatever the sender batched.
 """
 
 from __future__ import annotations

@@ -1,53 +1,28 @@
 """Link shaping: emulate a WAN or fabric link on top of a fast local one.
 
-A `Shaper` is one direction of one emulated wire, shared by every
-`ShapedPipe` given it (the links that cross one WAN).  It models a NIC with
-two strict-priority traffic classes (`Priority`) feeding a pipe:
+A `Shaper` is one direction of one emulated wire, shared by every `ShapedPipe`
+that crosses it: a NIC with two strict-priority classes (`Priority`).
+1. A frame queues in its class's FIFO; n bytes take n * 8 bits at the
+   bandwidth of the moment (constant, or a step trace integrated across
+   steps: `serialization_end`, `bits_between`).
+2. Foreground is a plain FIFO wire: a frame's end is known when it is queued
+   (`schedule`, arithmetic, no timer).
+3. Background frames fill the gaps, one `loop.call_at` timer per head frame; a
+   foreground frame preempts it, the bits sent so far counting as done (no
+   byte is sent twice).
+4. A frame arrives one-way latency (+- seeded jitter) after its serialization
+   ends, never before the pipe's previous arrival.
+5. Control frames (anything but KV) are serialized at once at the current
+   rate, behind nobody's bulk frames (on a real WAN they ride their own
+   connections), yet never overtake an earlier frame of their own pipe.
+6. Liveness (`ShapedPipe.heard_since`): the far end hears bytes while a frame
+   of the pipe is booked and the wire moves bits, or its background frame is
+   on the wire; an outage (bandwidth 0) or an idle sender is silence.
 
-1. A frame is queued in its class, one FIFO per class.  n bytes take n * 8
-   bits at the bandwidth of the moment: constant, or a step trace
-   (`ShapingConfig.trace`) integrated across steps (`serialization_end`; its
-   inverse `bits_between`), so a trace change mid-frame is honoured.
-2. Foreground frames never wait for background ones, so the foreground class
-   is a plain FIFO wire: a frame starts when the foreground frame before it is
-   done (or at once) and its end is known the moment it is queued
-   (`schedule`: arithmetic, no timer).
-3. Background frames fill the gaps.  The head of the background queue starts
-   when no foreground frame is queued or on the wire, and would end at
-   `serialization_end`; one `loop.call_at` timer, at that end, completes it and
-   starts the next.  A foreground frame queued meanwhile preempts it: the bits
-   serialized so far count as done, and the rest stays at the head of the
-   background queue until the foreground class is empty again (packet-level
-   priority queueing on a NIC: no byte is sent twice).
-4. A frame arrives one-way latency (+- uniform jitter, seeded) after its
-   serialization ends, and never before the frame that arrived before it on
-   the same pipe: frames whose serialization ended in order are not
-   reordered, and a foreground frame overtakes the background frames it
-   preempted.
-5. Control frames (`control`: anything but KV - requests, tokens, handoffs,
-   heartbeats) are serialized at once at the rate of the moment and queue
-   behind nobody's bulk frames: on a real WAN they ride their own
-   connections and meet the bottleneck's short buffer, not the KV backlog
-   that other links hold in their send queues.  They still never overtake
-   an earlier frame of their own pipe (a KV transfer's end follows its KV).
-
-6. Liveness (`ShapedPipe.heard_since`): the far end hears bytes, not only
-   whole frames.  The foreground FIFO is how the schedule accounts for
-   completions; on a real shared wire the senders' packets interleave, so a
-   frame queued behind other links' traffic is crawling, not stopped.  A
-   pipe's far end therefore hears bytes while a frame of the pipe is booked
-   and the wire moves bits (one latency later), and while its background
-   frame is on the wire; an outage (bandwidth 0) or an idle sender is
-   silence.
-
-`ShapedPipe` applies the schedule to one link direction: `put` waits until the
-frame has left the emulated NIC (the sender feels the bandwidth and the
-traffic of its class ahead of it, not the latency: transfers are pipelined)
-and returns the seconds the frame itself was on the wire; a loop timer (or,
-for a coroutine transport, a delivery task) hands each frame to the real
-transport at its arrival time, every frame due at that instant in one go.  Times are absolute, so
-timer lateness does not accumulate.  Everything runs on the loop's clock (a
-virtual clock too: there is no busy wait and no wall-clock read).
+`ShapedPipe.put` waits until the frame has left the emulated NIC (the sender
+feels bandwidth and queueing, not latency) and returns its seconds on the
+wire; a timer hands frames on at their arrival times, absolute on the loop's
+clock (virtual too).
 """
 
 from __future__ import annotations

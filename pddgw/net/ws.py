@@ -1,25 +1,18 @@
 """WebSocket links: `WsServer` (aiohttp server) and `connect` (aiohttp client).
 
-One link = `stripes` parallel WebSocket connections.  Each connection is
-upgraded by aiohttp, authenticated (`auth.py`: Hello, Challenge, Auth,
-Welcome) and then carried by `wsproto.WsConnection`.  Frames carry a per-link
-sequence number; bulk (`send_all`) is striped over the connections and the
-receiver restores the order, so striping is invisible to the link's user.
-Frames held for reordering count against `inbound_buffer_bytes`; over it, the
-connections that delivered frames ahead of the missing one stop reading until
-their held frames are delivered (each connection is in order, so the missing
-frame is on another one: an honest sender cannot deadlock).  On a shaped link
-a frame gets its number when it leaves the emulated wire, so a foreground
-frame that overtook background ones there is not held back by the receiver's
-reordering.  Control frames (requests, tokens, heartbeats) go on the first
-connection; with more than one, background KV never does, since a frame
-handed to a socket cannot be preempted.  Liveness counts every read of any
-connection (`WsConnection.rx_at`): a frame still arriving is a live peer.
+One link = `stripes` parallel WebSocket connections, each upgraded by aiohttp,
+authenticated (`auth.py`) and carried by `wsproto.WsConnection`.  Bulk
+(`send_all`) is striped and the receiver restores the per-link sequence order,
+so striping is invisible to the link's user.  Frames held for reordering count
+against `inbound_buffer_bytes`; over it, connections ahead of the missing frame
+stop reading (each connection is in order, so an honest sender cannot
+deadlock).  Control frames go on the first connection, and with several
+connections background KV never does (a frame in a socket cannot be
+preempted).  Liveness counts every read of any connection.
 
-The dialing side owns reconnection: when a connection drops (or the peer falls
-silent) the link fails what was in flight, redials with back-off up to
-`reconnect_max_s`, and carries on with a fresh set of connections; the
-accepting side sees each reconnection as a new link (`on_link`).
+The dialing side owns reconnection (fail what was in flight, redial with
+back-off up to `reconnect_max_s`); the accepting side sees each reconnection
+as a new link (`on_link`).
 """
 
 from __future__ import annotations
@@ -157,7 +150,10 @@ class WsLink(LinkBase):
         return best
 
     def _frame(self, conn: WsConnection, msg: m.Message, corr: int, flags: int) -> tuple[list, int, bool]:
-        """Encode with the next sequence number -> (buffers, wire bytes, zero-copy payload)."""
+        """Encode with the next sequence number -> (buffers, wire bytes, zero-copy payload).
+
+        A shaped frame is numbered as it leaves the emulated wire, so a foreground frame
+        that overtook background ones there is not held back by the receiver's reordering."""
         head, payload = frames.encode(msg, corr=corr, seq=self._tx_seq, flags=flags)
         _check_size(msg, len(head) + payload.nbytes, self.cfg)
         # No copy: a shaped frame's payload is already a snapshot the pipe owns (`_shaped_item`).

@@ -1,42 +1,25 @@
 """RFC 6455 framing on a connection taken over from aiohttp, zero-copy both ways.
 
-aiohttp performs the HTTP upgrade (and TLS); right after it, the connection's
-transport is handed to a `WsConnection` (`transport.set_protocol`).  Why:
-aiohttp's reader delivers each message as a new `bytes` object after joining
-and copying the socket reads (and unmasking into yet another copy); a KV chunk
-would then be copied once more into its destination.  Here the frame header
-and metadata are read first, the KV sink supplies the destination, and the
-payload is received straight into it (`asyncio.BufferedProtocol`): one copy,
-kernel to destination, as with a raw socket.  Sending writes the header and a
-memoryview of the payload with one `writelines` (no copy) and, for
-payloads the caller owns, waits until the kernel has taken every byte.
+aiohttp performs the HTTP upgrade (and TLS); then the transport is handed to a
+`WsConnection` (`transport.set_protocol`), because aiohttp copies every message
+(join, unmask, new `bytes`).  Here the frame header and metadata are read
+first, the KV sink supplies the destination and the payload is received
+straight into it (`asyncio.BufferedProtocol`); sending writes header and
+payload view with one `writelines` and, for caller-owned payloads, waits
+until the kernel has taken every byte.
 
-What goes on the wire is plain RFC 6455: unfragmented binary messages, masked
-client -> server, unmasked server -> client (so bulk data should flow server
--> client: masking costs one pass over the data), close frames with a code,
-pings answered.  Text, fragmented, compressed or reserved-bit frames, unmasked
-client frames and oversized frames close the connection with a close code and
-a log line; the process carries on.
+On the wire: unfragmented binary messages, masked client -> server only (so
+bulk data should flow server -> client), close frames with a code, pings
+answered.  Anything else closes the connection with a close code and a log
+line; the process carries on.  Before READY a message has at most
+`HANDSHAKE_MAX` bytes and only handshake kinds, checked before anything is
+allocated.
 
-Nothing is allocated for a peer before it authenticates beyond the frame
-itself: until READY a message may have at most `HANDSHAKE_MAX` bytes (longer:
-TOO_BIG) and only handshake kinds (others, KV chunks included: PROTOCOL_ERROR),
-both checked before anything is allocated, and the read buffer is small.
-
-Connection lifecycle (`ConnState`):
-
-1. HANDSHAKE: frames are queued for the auth handshake (`next_handshake`).
-2. READY: authenticated (a client is READY as soon as the Welcome arrives, so
-   frames right behind it are held, not taken for handshake frames); frames
-   are held until the link has every stripe.
-3. OPEN (`open`): held frames, then every new one, go to `on_frame` (the link).
-4. CLOSING: a close frame was sent.  Inbound frames are skipped (never
-   allocated for) except the peer's close frame, which ends the handshake:
-   the TCP connection is closed at once, so both sides closing at the same
-   time (a link's stripes, a drained node and its router) costs no wait.
-   A peer that neither answers nor hangs up is aborted after `CLOSE_GRACE_S`;
-   after a protocol violation inbound bytes are not parsed at all.
-5. CLOSED: `connection_lost` ran; `on_lost` was called once with the reason.
+States (`ConnState`): HANDSHAKE (frames queued for `next_handshake`), READY
+(authenticated; frames held until the link has every stripe), OPEN (frames go
+to `on_frame`), CLOSING (a close frame was sent; inbound frames are skipped
+except the peer's close, which closes TCP at once; a silent peer is aborted
+after `CLOSE_GRACE_S`), CLOSED (`on_lost` called once with the reason).
 """
 
 from __future__ import annotations
