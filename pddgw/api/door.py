@@ -2,7 +2,7 @@
 
 `FrontDoor` is what every route of the router's front door shares, whatever
 its protocol (the WebSocket Responses door in server.py, the OpenAI HTTP
-routes in openai_http.py): API keys (`authorized`; an admin key is an API
+routes in openai_routes.py): API keys (`authorized`; an admin key is an API
 key too; the `pddgw.key.*` WebSocket subprotocol carries one only on the
 WebSocket upgrade route, `websocket=True`), the bound on requests in flight
 (`admission`, an `Admission`: see there; `drain`, a `Drain`: SIGTERM), a request body read at a minimum
@@ -28,8 +28,8 @@ from typing import Any
 from aiohttp import web
 
 from pddgw.api import logprobs as lpfmt
-from pddgw.api.guard import close_with
 from pddgw.api.errors import ApiError
+from pddgw.api.guard import close_with
 from pddgw.api.stops import StopMatcher
 from pddgw.config import Config
 from pddgw.core.sampling import SamplingParams

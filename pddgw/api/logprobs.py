@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pddgw.engines.tokenizer import Tokenizer
 from pddgw.core.tokens import TokenLogprobs
+from pddgw.engines.tokenizer import Tokenizer
 
 _CACHED_PIECES = 1 << 17
 

@@ -1,46 +1,29 @@
-"""OpenAI Responses API (WebSocket mode) events, decoded and validated at the edge.
+"""The Responses API's requests, decoded and validated at the edge (WebSocket events, POST bodies).
 
-Client events: `response.create` (the POST /v1/responses body fields at top
-level; `prompt_token_ids` may replace `input`; an optional `stream_id` is
-echoed on every server event of that response so several responses can be
-multiplexed on one socket) and `response.cancel` (`response_id`).
+Client events over WebSocket: `response.create` (the POST /v1/responses body
+fields at top level; `prompt_token_ids` may replace `input`; an optional
+`stream_id` is echoed on every server event of that response, so several
+responses can share one socket) and `response.cancel` (`response_id`).
+`parse_create_body` decodes the same fields from a POST body (no `type`,
+`stream` a boolean).
 
-Server events: `response.created`, `response.output_text.delta` (with the
-`pddgw` extension: position, role, and token_ids when the request sets
-`return_token_ids: true`), `response.completed` (with `usage` and the `pddgw`
-summary, see openai_http.py) and `error`.
+Every field is checked before anything is sized by it (metadata, `stream_id`,
+a schema's size, the prompt's length), and a refusal is an `ApiError` naming
+the field.  The sampling fields (`SAMPLING_KEYS`) decode into one
+`SamplingParams` for every route (`parse_sampling`); logprobs are opt-in
+(`include: ["message.output_text.logprobs"]` with `top_logprobs`).  Tools
+(`tools` flat, `tool_choice`, `parallel_tool_calls`) decode into
+`CreateResponse.tools`, `text.format` into `sampling.grammar`; input
+`function_call` / `function_call_output` items make `CreateResponse.chat`, the
+conversation as the chat template gets it.
 
-Log-probabilities, opt-in as in the HTTP API: `include:
-["message.output_text.logprobs"]` with `top_logprobs` 0..20 (alternatives per
-token; without the include it asks for nothing, as in vLLM).  Each delta
-event then carries `logprobs` for its tokens and the completed response's
-output_text part all of them (shape: api/logprobs.py); absent otherwise.  The final event is
-`response.completed` also when the response is `"status": "incomplete"`
-(cut at the context length, see openai_http.py).
-
-`parse_create_body` decodes the same fields from a POST /v1/responses body
-(HTTP: no `type`, `stream` a boolean).
-
-Tools and structured output: `tools` (function tools in the flat shape, `{"type": "function",
-"name", "description"?, "parameters"?, "strict"?}`), `tool_choice` ("none", "auto", "required",
-`{"type": "function", "name": N}`) and `parallel_tool_calls` decode into `CreateResponse.tools`
-(api/toolcalls.py, `flat=True`); `text.format` (`{"type": "text"}`, `{"type": "json_object"}`,
-`{"type": "json_schema", "name", "schema", "strict"}`) into `sampling.grammar`.  `input` may
-hold `function_call` items (`{"type": "function_call", "call_id", "name", "arguments"}`: the
-previous turn's calls, joined to the assistant message before them) and `function_call_output`
-items (`{"type": "function_call_output", "call_id", "output"}`: a tool's result); a request with
-either or with tools carries `chat`, the conversation as the chat template gets it.  A call in
-the output is a `function_call` output item (`function_call_item`): over HTTP streamed as
-`response.output_item.added`, `response.function_call_arguments.delta` / `.done` and
-`response.output_item.done` (openai_http.py); over WebSocket the same events, after the text
-deltas (which carry no text while the output may still be a call) and before `response.completed`.
+The server's objects and events are responses_format.py's.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -396,113 +379,3 @@ def _event(d: dict[str, Any], max_prompt_tokens: int) -> ClientEvent:
         stream_id=stream_id, model=model, pipeline=ext.pipeline, handoff_mode=ext.handoff_mode,
         states=ext.states, return_token_ids=return_token_ids(d),
         logprobs=sampling.logprobs, tools=tools, chat=chat, text_format=fmt)
-
-
-# ---- server events -------------------------------------------------------------
-
-
-def _envelope(kind: str, seq: int, stream_id: str | None, **fields: Any) -> bytes:
-    ev = {"type": kind, "sequence_number": seq, **fields}
-    if stream_id is not None:
-        ev["stream_id"] = stream_id
-    return orjson.dumps(ev)
-
-
-def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """An output_text part; `logprobs` (api/logprobs.py) only when the request asked for them."""
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-    if logprobs is not None:
-        part["logprobs"] = logprobs
-    return part
-
-
-def output_message(rid: str, text: str, status: str = "completed",
-                   logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The response's one output item: an assistant message with one output_text part."""
-    return {"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": status,
-            "content": [output_text(text, logprobs)]}
-
-
-def function_call_item(call: Any, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
-    """A `function_call` output item of a toolcalls.ToolCall (`arguments`: as far as streamed)."""
-    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
-            "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status}
-
-
-def _request_echo(req: CreateResponse) -> dict[str, Any]:
-    """The request's tool and text settings, as a response object repeats them."""
-    t = req.tools
-    if t is None:
-        tools: list[dict[str, Any]] = []
-        choice: Any = "auto"
-    else:
-        tools = [{"type": "function", **{k: v for k, v in x.as_template()["function"].items()}, "strict": None}
-                 for x in t.tools]
-        choice = t.choice if t.choice in ("none", "auto", "required") else {"type": "function", "name": t.choice}
-    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": True if t is None else t.parallel,
-            "text": {"format": req.text_format or {"type": "text"}}}
-
-
-def response_object(rid: str, status: str, created_at: int, model: str, req: CreateResponse,
-                    text: str | None = "", usage: dict[str, Any] | None = None,
-                    pddgw: dict[str, Any] | None = None,
-                    logprobs: list[dict[str, Any]] | None = None,
-                    calls: list[Any] = ()) -> dict[str, Any]:
-    """`status` "incomplete" (cut at the context length) adds incomplete_details: max_output_tokens.
-    `calls` (toolcalls.ToolCall): function_call items after the message; `text` None: no message
-    (the output is only calls)."""
-    obj: dict[str, Any] = {
-        "id": rid, "object": "response", "created_at": created_at, "status": status, "model": model,
-        "output": [], "metadata": req.metadata, "temperature": req.sampling.temperature,
-        "top_p": req.sampling.top_p, "max_output_tokens": req.max_output_tokens, "error": None,
-        "incomplete_details": None, **_request_echo(req),
-    }
-    if status in ("completed", "incomplete"):
-        msg = [] if text is None else [output_message(rid, text, status, logprobs)]
-        obj["output"] = msg + [function_call_item(c) for c in calls]
-    if status == "incomplete":
-        obj["incomplete_details"] = {"reason": "max_output_tokens"}
-    if usage is not None:
-        obj["usage"] = usage
-    if pddgw is not None:
-        obj["pddgw"] = pddgw
-    return obj
-
-
-def item_event(seq: int, stream_id: str | None, kind: str, **fields: Any) -> bytes:
-    """Any other server event of a response (the output items of tool calls, held-back text)."""
-    return _envelope(kind, seq, stream_id, **fields)
-
-
-def created_event(seq: int, stream_id: str | None, response: dict[str, Any]) -> bytes:
-    return _envelope("response.created", seq, stream_id, response=response)
-
-
-def delta_extension(position: int, role: str, token_ids: Sequence[int] | None) -> dict[str, Any]:
-    """A streamed delta's `pddgw` (every route's): where its tokens sit and which role made them;
-    their ids only when asked for (`return_token_ids`; None: not asked)."""
-    ext: dict[str, Any] = {"position": position, "role": role}
-    if token_ids is not None:
-        ext["token_ids"] = list(token_ids)
-    return ext
-
-
-def delta_event(seq: int, stream_id: str | None, rid: str, text: str, position: int,
-                token_ids: Sequence[int] | None, role: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
-    extra = {} if logprobs is None else {"logprobs": logprobs}
-    return _envelope("response.output_text.delta", seq, stream_id, response_id=rid,
-                     item_id=f"msg_{rid}", output_index=0, content_index=0, delta=text, **extra,
-                     pddgw=delta_extension(position, role, token_ids))
-
-
-def completed_event(seq: int, stream_id: str | None, response: dict[str, Any]) -> bytes:
-    return _envelope("response.completed", seq, stream_id, response=response)
-
-
-def error_event(seq: int, stream_id: str | None, message: str, code: str = "invalid_request_error",
-                param: str | None = None, response_id: str | None = None) -> bytes:
-    err: dict[str, Any] = {"type": code, "code": code, "message": message, "param": param}
-    fields: dict[str, Any] = {"error": err}
-    if response_id is not None:
-        fields["response_id"] = response_id
-    return _envelope("error", seq, stream_id, **fields)

@@ -2,7 +2,7 @@
 
 `build_app(door)` is the one place routes are registered; what every route
 shares (API keys, steering, the prompt and sampling) is `FrontDoor`
-(door.py), the OpenAI HTTP routes live in openai_http.py (its docstring:
+(door.py), the OpenAI HTTP routes live in openai_routes.py (its docstring:
 behaviours and errors), the WebSocket Responses door here.
 
 One aiohttp app on the router.  A WebSocket at /v1/responses carries any
@@ -63,15 +63,24 @@ from aiohttp.helpers import DEFAULT_CHUNK_SIZE
 
 from pddgw.api import logprobs as lpfmt
 from pddgw.api.door import Detokenizer, FrontDoor, Slot, key_protocol
-from pddgw.api.guard import GUARD, ConnectionGuard
-from pddgw.api.openai_http import (OpenAIRoutes, error_response, function_call_events, openai_not_found,
-                                   response_request, summary)
 from pddgw.api.errors import ApiError, brief
-from pddgw.api.responses import (CancelResponse, CreateResponse, completed_event,
-                                 created_event, delta_event, error_event, item_event, parse_client_event,
-                                 response_object)
-from pddgw.api.toolcalls import parse_calls
+from pddgw.api.guard import GUARD, ConnectionGuard
+from pddgw.api.openai_errors import error_response, openai_not_found
+from pddgw.api.openai_format import summary
+from pddgw.api.openai_parse import response_request
+from pddgw.api.openai_routes import OpenAIRoutes
+from pddgw.api.responses import CancelResponse, CreateResponse, parse_client_event
+from pddgw.api.responses_format import (
+    completed_event,
+    created_event,
+    delta_event,
+    error_event,
+    function_call_events,
+    item_event,
+    response_object,
+)
 from pddgw.api.tokenize import add_tokenize_routes
+from pddgw.api.toolcalls import parse_calls
 from pddgw.api.webchat import add_webchat_routes
 from pddgw.core.tokens import TokenRun
 from pddgw.metrics import metrics_route
@@ -92,7 +101,7 @@ def build_app(door: FrontDoor) -> web.Application:
     # Responses API, WebSocket mode (GET upgrade) and HTTP (POST, optionally SSE).
     r.add_get("/v1/responses", ResponsesSocket(door).handle)
     r.add_post("/v1/responses", openai.responses)
-    # OpenAI HTTP API (openai_http.py).
+    # OpenAI HTTP API (openai_routes.py).
     r.add_post("/v1/chat/completions", openai.chat_completions)
     r.add_post("/v1/completions", openai.completions)
     r.add_get("/v1/models", openai.models)

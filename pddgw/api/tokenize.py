@@ -33,8 +33,9 @@ import orjson
 from aiohttp import web
 
 from pddgw.api.door import ClientTooSlow
-from pddgw.api.openai_http import check_keys, error_response, json_body, parse_messages
 from pddgw.api.errors import ApiError, brief, optional
+from pddgw.api.openai_errors import error_response
+from pddgw.api.openai_parse import check_keys, json_body, parse_messages
 from pddgw.engines.types import RequestError
 
 if TYPE_CHECKING:

@@ -161,7 +161,8 @@ def grammar_for(req: ToolRequest, fmt: ToolFormat) -> tuple[str, str] | None:
         return None
     chosen = [t for t in req.tools if req.choice in ("required", t.name)]
     args_key = "parameters" if fmt == "llama3_json" else "arguments"
-    one = {"anyOf": [_call_schema(t, args_key) for t in chosen]} if len(chosen) > 1 else _call_schema(chosen[0], args_key)
+    one = ({"anyOf": [_call_schema(t, args_key) for t in chosen]} if len(chosen) > 1
+           else _call_schema(chosen[0], args_key))
     many = req.parallel and req.choice == "required"
     if fmt == "hermes":
         tag = {"type": "tag", "begin": "<tool_call>\n", "content": {"type": "json_schema", "json_schema": one},

@@ -33,7 +33,6 @@ from typing import NamedTuple
 
 from aiohttp import web
 
-
 # name -> content type; the only files served.
 _FILES = {
     "index.html": "text/html",

@@ -1,6 +1,6 @@
 """`n` choices through the real app (the embedded deployment, the tiny float64 model).
 
-Choice i samples with seed + i (openai_http.choice_seed), so a request for n
+Choice i samples with seed + i (openai_choices.choice_seed), so a request for n
 choices must equal n single requests with those seeds, token for token; the
 stream carries each choice's chunks with its `index`, each choice finishes, and
 usage counts the prompt once and every choice's tokens.  Choices after the first

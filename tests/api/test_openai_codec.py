@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import orjson
 import pytest
 
-from dataclasses import replace
-
-from pddgw.api.openai_http import ERRORS, error_body, parse_chat, parse_completion, parse_response
 from pddgw.api.errors import ApiError
+from pddgw.api.openai_errors import ERRORS, error_body
+from pddgw.api.openai_parse import parse_chat, parse_completion, parse_response
 from pddgw.core.sampling import COUNT_LIMIT, SEED_LIMIT, SamplingParams
 
 USER = [{"role": "user", "content": "hi"}]

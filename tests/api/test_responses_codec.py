@@ -5,8 +5,8 @@ from dataclasses import replace
 import orjson
 import pytest
 
-from pddgw.api.responses import (ApiError, CancelResponse, CreateResponse, completed_event, delta_event,
-                                 error_event, parse_client_event, response_object)
+from pddgw.api.responses import ApiError, CancelResponse, CreateResponse, parse_client_event
+from pddgw.api.responses_format import completed_event, delta_event, error_event, response_object
 from pddgw.core.sampling import COUNT_LIMIT, SamplingParams
 
 

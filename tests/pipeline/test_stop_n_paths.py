@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import pytest
 
-from pddgw.api.openai_http import choice_seed
+from pddgw.api.openai_choices import choice_seed
 from pddgw.config import ServerConfig
 from pddgw.core.sampling import SamplingParams
 from pddgw.harness.leaks import state_leftovers
