@@ -434,7 +434,7 @@ class RegimeConfig:
     """The emulated WAN in the paper's regime, in decode steps (`[net.regime]`).
 
     An emulation on small hardware must keep the paper's ratios, not its
-    absolute bandwidth (DESIGN.md §8): a tiny model's KV is 10^-3 of a 70B
+    absolute bandwidth (docs/architecture.md, The regime PDD lives in): a tiny model's KV is 10^-3 of a 70B
     model's per token and its decode step 10x+ shorter, so no fixed Gbps
     figure fits every model and machine.  When enabled, the embedded
     (one-process) deployment measures the decode step of the engine that

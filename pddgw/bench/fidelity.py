@@ -2,7 +2,7 @@
 
 `python -m pddgw.bench.fidelity [--json] [--requests N] [--conversations N] [--keep DIR]`
 
-The simulator's claim (DESIGN.md §8) is that it runs the real router,
+The simulator's claim (docs/architecture.md, The regime PDD lives in) is that it runs the real router,
 policy, state machine and workers, only on a virtual clock.  Checked end to
 end: one config.toml (router, P and RLD in cluster A, MD in cluster B;
 cost-model engines of a real model shape on H100/H200 profiles; a shaped

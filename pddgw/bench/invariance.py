@@ -3,7 +3,7 @@
 `python -m pddgw.bench.invariance [--json] [--quick] [--dtypes D,D] [--prompts N]
     [--output-len L] [--threads N] [--device cpu|cuda]`
 
-Invariant 1 of DESIGN.md (same output, any path) holds exactly only where
+Invariant 1 of docs/architecture.md (same output, any path) holds exactly only where
 every reduction a token goes through is computed in the same order on every
 path.  This bench measures how often that fails on the built-in tiny model
 (`weights.build_tiny(0)`, TorchEngine, greedy, EOS ignored), per dtype:

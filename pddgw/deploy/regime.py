@@ -1,6 +1,6 @@
 """The embedded deployment's WAN in the paper's regime, derived from a measured decode step.
 
-What makes PDD's choices right or wrong is dimensionless (DESIGN.md §8): how
+What makes PDD's choices right or wrong is dimensionless (docs/architecture.md, The regime PDD lives in): how
 many prompt tokens' KV cross the WAN per decode step, the WAN RTT in decode
 steps, the P-MD transfer budget in decode steps.  A fixed emulated bandwidth
 keeps them only for the one model and machine it was tuned on, so the

@@ -1,4 +1,4 @@
-"""What a quiet deployment shows, and waiting until it does (DESIGN.md §3, invariant 4).
+"""What a quiet deployment shows, and waiting until it does (docs/architecture.md, The five invariants: 4).
 
 The router's GET /debug/state document holds the router's in-flight
 counters and, per node, its KV blocks in use and in-flight entries

@@ -1,6 +1,6 @@
 """The single-node reference: what `pddgw generate --prompt-ids P --json` prints for a prompt.
 
-Invariant 1 (DESIGN.md §3) says every path streams exactly this.  Two ways
+Invariant 1 (docs/architecture.md, The five invariants) says every path streams exactly this.  Two ways
 to get it, the same numbers:
 
 * `generate_cli` / `generate_cli_many` run the command itself (one Python

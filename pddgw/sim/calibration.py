@@ -9,7 +9,7 @@ source reports prefill_tok_s (prompt tokens / prefill step), decode_ms (mean dec
 decode_tok_s (batch / mean decode step), latency_ms (prefill + every decode step) or user_tok_s
 (output tokens / that, one stream); large expert-parallel throughputs per node or GPU
 (`per_gpus`).  A model ending in "@fp8" is that profile with FP8 weights and KV.  The profiles'
-efficiencies and overheads are fitted to these rows only (README "Cost-model calibration");
+efficiencies and overheads are fitted to these rows only (docs/results/calibration.md);
 `python -m pddgw.bench.calibration` prints the table.
 """
 

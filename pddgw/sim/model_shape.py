@@ -25,7 +25,7 @@ layers.  Routed-expert weights may have their own precision
 DeepSeek-V4-Pro's KV, from its config.json: 30 CSA and 31 HCA layers, a
 128-token window, FP8 entries of 584 bytes and indexer keys of 132: 5,511.4
 bytes per token at the margin plus 4.56 MB of windows per request, so one
-64K-token request holds 365.8 MB and 80 of them 29.26 GB.  DESIGN.md's
+64K-token request holds 365.8 MB and 80 of them 29.26 GB.  The often-quoted
 ~23 GB (~4.4 KB per token) counts the compressed latent entries alone
 (30 x 584 / 4 + 31 x 584 / 128 = 4,521 B per token, 23.7 GB for 80): the CSA
 indexer's keys (30 x 132 / 4 = 990 B per token, +5.2 GB) and the windows

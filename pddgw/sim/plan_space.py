@@ -8,7 +8,7 @@ and parallelism shapes allowed.  It is TOML decoded with the config loader
 (`pddgw.config.build`): an unknown key or a bad value is an error naming the
 file and the dotted key.
 
-Deployment kinds (DESIGN.md §8: each one sized for its own hardware):
+Deployment kinds (each one sized for its own hardware: docs/architecture.md, The regime PDD lives in):
 
   same-dc         P and decode in cluster A, P-MD forced (homogeneous PD)
   naive-cross-dc  P in A, MD in B without a prefix cache, P-MD forced: the

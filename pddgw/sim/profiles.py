@@ -6,8 +6,8 @@ are not on any datasheet: the fraction of the FLOP/s peak a prefill reaches,
 the fraction of the HBM peak a decode reaches, a fixed cost per engine step
 and the fixed latency of one tensor-parallel all-reduce.  Those four are
 fitted to published end-to-end measurements (`python -m
-pddgw.bench.calibration` prints the comparison; the README's "Cost-model
-calibration" says where the fit holds and where it does not).
+pddgw.bench.calibration` prints the comparison; docs/results/calibration.md
+says where the fit holds and where it does not).
 
 `ModelProfile` (model_shape.py) is a decoder's shape as its Hugging Face
 `config.json` states it.  `model(name)` finds one: a dense profile defined
@@ -88,8 +88,8 @@ class HardwareProfile:
 #   ConnectX-6 200 Gb/s = 25 GB/s per GPU.
 #
 # Efficiencies, overheads and all-reduce latencies are fitted to the
-# published measurements in pddgw/sim/calibration.toml; the README's
-# "Cost-model calibration" lists the rows and the residuals:
+# published measurements in pddgw/sim/calibration.toml;
+# docs/results/calibration.md lists the rows and the residuals:
 #   bandwidth_efficiency 0.8: the HBM fraction weight-streaming GEMVs and
 #     decode attention sustain; one value fits the batch-1..8 decode rows of
 #     gpt-fast, LMDeploy and vLLM on all three parts.
@@ -109,7 +109,7 @@ class HardwareProfile:
 #     profile was found, so it inherits H100's.
 #
 #   Refreshed with FP8 and MoE measurements (pddgw/sim/calibration.toml,
-#     README "Cost-model calibration"): TensorRT-LLM's H100 FP8 first-token
+#     docs/results/calibration.md): TensorRT-LLM's H100 FP8 first-token
 #     latencies (Llama-2-70B TP4 and Llama-2-7B TP1 at 2K tokens) sit within
 #     6 % of 0.40 of the FP8 peak, and DeepSeek's own H800 prefill profile
 #     (EP32, 4K prompts, 16K tokens per GPU, communication hidden by two

@@ -242,7 +242,7 @@ def _assemble(sc: Scenario, results: dict[Job, dict[str, Any]], private: dict[st
         variants.append({"wan_gbps": w, "deployments": deps})
     prof = model_profile(sc.model)
     out: dict[str, Any] = {"scenario": sc.name, "seed": sc.seed, "model": sc.model, "model_name": prof.name,
-                           # DESIGN.md §8's yardstick: the KV of 80 concurrent 64K-token requests.
+                           # The regime's yardstick (docs/architecture.md): the KV of 80 concurrent 64K-token requests.
                            "kv_gb_80x64k": round(80 * prof.kv_bytes(65536) / 1e9, 3),
                            "baseline": sc.baseline_name, "slo": dataclasses.asdict(sc.slo), "variants": variants}
     if sc.bathtub.enabled:

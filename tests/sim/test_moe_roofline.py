@@ -93,7 +93,7 @@ def test_deepseek_v4_kv_is_a_function_of_length():
     for t in (1, 100, 127, 128, 129, 4096, 65536):
         assert PRO.kv_bytes(t) == v4_kv(61, 30, 31, t)
     assert PRO.kv_bytes(65536) == 4_559_872 + 351_928_320 + 9_269_248 == 365_757_440
-    # The 80 x 64K figure (DESIGN.md section 8 says ~23 GB): 29.26 GB with the indexer keys and windows.
+    # The 80 x 64K figure (often quoted as ~23 GB, docs/architecture.md): 29.26 GB with the indexer keys and windows.
     assert 80 * PRO.kv_bytes(65536) == 29_260_595_200
     # Without them (latent entries alone) it is the seed's number.
     assert 80 * 65536 * (30 * 584 / 4 + 31 * 584 / 128) == pytest.approx(23.7e9, rel=2e-3)
