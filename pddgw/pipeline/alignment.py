@@ -1,40 +1,21 @@
 """MD cache alignment: background work that keeps MD's prefix cache aligned with P's.
 
-When RLD finished a P-RLD-MD request before MD got its prompt KV, nobody
-waits for that KV any more, but MD still needs the conversation in its
-prefix cache or the next turn misses it all.  For each such request
-(`Alignments.start`), in order:
-  1. P is told to send what is left of the request's KV as background
-     traffic (`Demote`): live requests' transfers overtake it on the WAN.
-  2. Once MD has the prompt KV (its Ready), MD extends the output tokens on
-     hold (their KV is computed, nothing sampled) and the request is
-     released, leaving prompt and output in MD's cache.
-  3. Superseded: when the same conversation's next turn opens on the same
-     MD first (its prompt holds the first block this alignment moves), the
-     alignment is dropped - that turn's prefill sends MD what it lacks
-     anyway.  The turn's Submit names the dropped request (`supersedes`), so
-     MD frees it before matching the turn's prefix and keeps the blocks that
-     already arrived (`Engine.abort`): the turn finds them cached.
-  4. Shed: alignments are the first thing given up under pressure.  Each
-     books the KV bytes it may still move over the WAN (MD's missing range;
-     none once MD has the prompt KV), and their sum is bounded
-     (`policy.alignment_max_backlog_bytes`): an alignment that would cross
-     the bound sheds the oldest ones, itself last, until the rest fits.  A
-     shed alignment is cancelled like a superseded one (P stops sending, MD
-     keeps the blocks that arrived), counted in `counts["shed"]` and logged
-     once.  So background KV never piles up into a backlog that drains for
-     long after the last answer.
-  5. Tied to its nodes: an alignment holds resources on every node it
-     depends on (`depends`: MD, and P until MD has the prompt KV - P's
-     transfer, MD's importing session and blocks), and the failure of any of
-     them (its `NodeFailed` event, or P's link failing the `Demote`) ends it
-     at once: counted in `counts["failed"]`, logged (`md_alignment_failed`,
-     naming the node), and its cleanup frees what the request holds on the
-     nodes still reachable.  Nothing waits for the timeout to clean up.
-Each alignment runs as one task owned by the registry; `drain` waits for all
-(a graceful shutdown), `abandon` ends all while the links are still up (a
-router stopping without a drain, or a goodput probe settled early: the
-closing links would otherwise fail each one as a lost node).
+When RLD finished a P-RLD-MD request before MD got its prompt KV, MD still
+needs the conversation cached or the next turn misses it all.  For each such
+request (`Alignments.start`):
+  1. P sends what is left of the KV as background traffic (`Demote`).
+  2. Once MD has the prompt KV (Ready), MD extends the output tokens on hold
+     and the request is released, leaving prompt and output in MD's cache.
+  3. Superseded: when the conversation's next turn opens on the same MD
+     first, the alignment is dropped and the turn's Submit names it
+     (`supersedes`): MD frees it but keeps the blocks already arrived.
+  4. Shed: the KV bytes alignments may still move over the WAN are bounded
+     (`policy.alignment_max_backlog_bytes`); past the bound the oldest are
+     cancelled like superseded ones, so background KV never piles up.
+  5. Tied to its nodes (`depends`): the failure of any ends it at once and
+     its cleanup frees what the request holds on the nodes still reachable.
+Each alignment is one task owned by the registry; `drain` waits for all,
+`abandon` ends all while the links are still up.
 """
 
 from __future__ import annotations

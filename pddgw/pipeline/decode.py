@@ -1,65 +1,25 @@
 """The decode side of a node (RLD and MD run the same worker).
 
-Lifecycle of one request here (DecodeState, ordered):
-  1. IMPORTING  `open`: an import request on top of this node's cached prefix;
-                P's KV chunks land through `import_kv`.  (A re-drive,
-                `open_compute`, skips to HOLDING or DECODING and computes
-                the prompt here.)
-  2. HOLDING    `kv_done(decode=False)`: the prompt KV is complete and the
-                first token (computed by P) is extended, but nothing is
-                sampled: MD waits for RLD's token-ID handoff (`extend`).
-  3. DECODING   `kv_done(decode=True)`, the final `extend`, or `open_compute`:
-                tokens are sampled and emitted in order.
-  4. HANDING_OFF RLD only (`begin_handoff`; the rounds run in handoff.py):
-                catch-up chunks go to MD while RLD keeps decoding; at the
-                final round RLD stops (`freeze`), every token it made is
-                emitted, the rest goes to MD and the request is freed.
-  5. DONE       finished, handed off, failed or cancelled; blocks freed.
+States of one request here (`DecodeState`): IMPORTING (`open`; P's KV lands
+through `import_kv`), HOLDING (prompt KV complete, nothing sampled: MD waits
+for the handoff), DECODING (tokens sampled and emitted in order), HANDING_OFF
+(RLD only; rounds in handoff.py), DONE (blocks freed).  A re-drive
+(`open_compute`) skips to HOLDING or DECODING.  The request's lifecycle:
+docs/architecture.md.
 
-Position-keyed sampling makes the positions a node emits identical to what
-any other node would emit for the same request, so the router may merge
-overlapping streams.
+Invariants:
+  * position-keyed sampling makes what a node emits identical to what any
+    other node would emit, so the router may merge overlapping streams;
+  * each session owns its request's output stream from `open` on, so closing
+    the session leaves nothing registered in the AsyncEngine;
+  * every emitted position carries its `TokenLogprobs` when asked for (P's
+    first token with those P sent); handed-off tokens are never emitted here;
+  * one reader task per worker (the AsyncEngine step sink) emits a step's
+    tokens together, one `TokenRun` per request.
 
-P's KV lands without waiting for engine steps: the node's links receive each
-payload where `kv_destination` says (for a chunk of one whole block, the
-block itself in the engine's pool: `accept_kv` then only marks it present,
-on the loop); any other payload is copied into the pool on the engine thread
-between steps, every chunk that arrived meanwhile in one go (`import_kv`),
-never one chunk per step.
-
-Log-probabilities (a request whose sampling asks for them): every position
-this node emits carries its `TokenLogprobs` - P's first token with those P
-sent along (`kv_done`), the rest with the engine's.  Handed-off tokens
-(`extend`) have none here and are never emitted here.
-
-Each session owns its request's output stream from `open` on (`outputs`):
-closing the session closes the stream, so nothing stays registered in the
-AsyncEngine whatever point a request is cancelled at.
-
-One reader per worker, not one task per request: from DECODING (or a
-re-drive's open) on, a request's outputs are fed to the worker's step sink
-(`AsyncEngine` hands it every request's outputs of a step in one call), and
-one reader task records them and emits the step's tokens together, one
-`TokenRun` per request (`Emit` per run, or `EmitMany` once per step: the node
-sends one frame per router link per step).
-
-Stream interval (`engine.stream_interval`, vLLM's and SGLang's
-`--stream-interval`): a decoding request's tokens go out once it has gathered
-that many since the last run, and always when it ends here (finished, or
-frozen for the final handoff round: RLD's last run carries everything it
-made).  The first token a node decodes for a request goes out at once too
-(RLD's and a re-drive's first, MD's first after the handoff), so neither the
-time to the first decoded token nor the handoff's stall waits for a run to
-fill.  The engine still steps once per token and every decision here (the
-handoff's rounds, its step time) reads the tokens as they are made; only the
-runs to the router, and the work per run on the way to the client, are
-fewer.  On MD (`engine_runs`), where nothing reads a decoding request's
-tokens before its run goes out (MD decodes only after the handoff, and hands
-nothing on), the engine hands them out in the same runs
-(`EngineRequest.output_interval`): its first sampled token at once, then the
-interval's worth in the output of the step that completes a run.  Every run
-leaves at the same step as when the engine hands out each token, without an
-engine output, a hand-out and a record here per token.
+P's KV lands without waiting for engine steps where `kv_destination` allows
+(a whole block straight into the pool); other payloads are copied in between
+steps, all that arrived in one go.
 """
 
 from __future__ import annotations
@@ -144,8 +104,10 @@ class DecodeWorker:
     def __init__(self, aeng: AsyncEngine, emit: Emit, emit_many: EmitMany | None = None,
                  emit_now: EmitNow | None = None, stream_interval: int = 1, engine_runs: bool = False):
         self.aeng = aeng
-        # Tokens a decoding request gathers before they go out (module docstring), and how many
-        # the engine may hold back before it hands them out (1 unless `engine_runs`: MD).
+        # Tokens a decoding request gathers before they go out (vLLM's --stream-interval; the
+        # first decoded token and a request's last run go at once), and how many the engine
+        # may hold back before it hands them out (1 unless `engine_runs`: MD, where nothing
+        # reads a token before its run goes out).
         self.stream_interval = stream_interval
         self.engine_interval = stream_interval if engine_runs else 1
         self.engine = aeng.engine

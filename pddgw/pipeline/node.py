@@ -2,30 +2,17 @@
 
 The node never decides anything: it does what the router's messages say and
 reports back.  Links arrive from the router (control, token streams), from P
-(KV) and from RLD (handoffs); the node dials P -> decoders and RLD -> MD itself
-through `connect`.  Every inbound message is decoded and validated at the
-edge (net), dispatched here by type, and an error becomes an `Error` reply
-naming the problem: the node keeps serving.
-Metrics (`WorkerNode.metrics`, pddgw/metrics.py): engine stats and the KV
-bytes sent per peer link and class are read at scrape time; P observes each
-target's KV transfer time when its whole range is sent.
+(KV) and from RLD (handoffs); the node dials P -> decoders and RLD -> MD
+itself through `connect`.  Every inbound message is decoded and validated at
+the edge (net) and dispatched here by type; an error becomes an `Error` reply
+naming the problem, and the node keeps serving.  Metrics
+(`WorkerNode.metrics`) are read at scrape time.
 
-Drain (`drain`, on SIGTERM: deploy/serve.py), in order:
-  1. The node takes no new request (Submit, Prefill, PrefixQuery get an
-     `Error` of code "draining"; one it already pinned or holds is not new)
-     and tells every router it knows (`pm.Draining`, again with each load
-     poll), which routes nothing new here.
-  2. What is in flight gets most of the bound (`DRAIN_FINISH_SHARE`) to
-     finish: RLD's relays hand off to MD as usual, P's prefills end.  A
-     P-RLD-MD request whose KV lands on a draining MD is moved at once
-     instead of reported Ready (RLD, which still decodes it, finishes it:
-     no handoff to a node about to go).
-  3. What is left is moved: each open request ends with Error "draining" to
-     its router, which re-drives it from the tokens already emitted; a
-     prefill is stopped with the same error (the router prefills it
-     elsewhere).  A request whose router cannot be told is dropped (counted).
-One log line at the start (in-flight count), one at the end (finished /
-moved / dropped).
+Drain (`drain`, on SIGTERM): no new request is taken (Error "draining") and
+every known router is told (`pm.Draining`); what is in flight gets
+`DRAIN_FINISH_SHARE` of the bound to finish; what is left is moved (Error
+"draining" to its router, which re-drives it) or, if its router cannot be
+told, dropped and counted.  The steps in detail: docs/architecture.md.
 """
 
 from __future__ import annotations

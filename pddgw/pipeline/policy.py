@@ -3,41 +3,9 @@
 Every decision returns a frozen result that carries its inputs and a reason
 tag, and `as_log()` flattens it for one structured log line, so a surprising
 choice can be replayed from the log alone.  Only `SingularLimiter` keeps
-state (a token bucket, no clock).
-
-Pipeline choice (`choose_pipeline`), first matching rule wins:
-
-1. no healthy MD -> "P-RLD" (md_unavailable); no healthy RLD -> "P-MD"
-   (rld_unavailable); neither -> NoInstanceError.
-2. `PolicyConfig.pipeline` is not "auto" -> that pipeline (forced).
-3. singular traffic - at least `singular_min_uncached_tokens` prompt tokens
-   missing on MD, at most `singular_max_output_tokens` output tokens, RLD
-   has room and the limiter has credit -> "P-RLD" (singular).
-4. the missing KV crosses the WAN within `p_md_max_transfer_ms` (half an RTT
-   + bytes / bandwidth, behind the foreground bytes already queued) and MD is
-   below `md_busy_load` -> "P-MD" (fits_budget).
-5. RLD has no room for one more relay (`rld_load` > 1: relay slots or KV
-   share exhausted) -> "P-MD" (rld_full): the request waits for the WAN.
-6. the transfer fits but MD is busy -> "P-RLD-MD" (md_busy).
-7. otherwise -> "P-RLD-MD" (transfer_over_budget).
-
-MD choice with prefix affinity (`pick_cached`): among the MDs below
-`affinity_max_load` (all of them when none is), the one the router remembers
-holding the longest prefix of the prompt, if that prefix covers at least
-`affinity_min_match` of it; otherwise the least loaded (`pick_instance`).  A
-conversation's later turns stay where their KV is; first turns, which share
-only the system prompt, spread by load.
-
-Handoff mode (`choose_handoff_mode`): a loaded RLD prefers one-shot (it is
-released soonest), a loaded MD prefers catch-up with the smaller
-`catchup_threshold_md_loaded` (small extends keep MD's batches smooth); both
-loaded -> the heavier side decides; neither -> catch-up with
-`catchup_threshold`, which is a plain one-shot whenever fewer than threshold
-tokens were generated.
-
-Catch-up rounds (`plan_handoff_round`): RLD asks, between two decode steps,
-what to send given g generated and s already sent tokens, and how many
-tokens RLD makes during one round (its measured tokens per round trip).
+state (a token bucket, no clock).  The decisions: the pipeline
+(`choose_pipeline`), the MD by prefix affinity (`pick_cached`), the handoff
+mode (`choose_handoff_mode`) and each catch-up round (`plan_handoff_round`).
 """
 
 from __future__ import annotations
@@ -142,7 +110,8 @@ def pick_instance(reports: Iterable[InstanceLoad], role: Role,
 
 def pick_cached(reports: Sequence[InstanceLoad], held: Mapping[str, int], prompt_tokens: int,
                 cfg: PolicyConfig) -> str | None:
-    """The instance to open on for its cached prefix (module doc), or None when no roomy one
+    """The instance to open on for its cached prefix (among those below `affinity_max_load`,
+    all when none is), so a conversation's later turns stay where their KV is; None when no one
     holds `affinity_min_match` of the prompt (the caller takes the least loaded).  `held`:
     prompt tokens each instance is remembered to hold.  Ties: the less loaded, then the name."""
     roomy = [r for r in reports if r.load < cfg.affinity_max_load] or list(reports)
@@ -258,7 +227,18 @@ def is_singular_candidate(inputs: PipelineInputs, cfg: PolicyConfig) -> bool:
 
 def choose_pipeline(inputs: PipelineInputs, cfg: PolicyConfig, *,
                     singular_allowed: bool = True) -> PipelineDecision:
-    """Rules 1-7 of the module docstring.  `singular_allowed`: the rate cap's say."""
+    """The pipeline, first matching rule wins.  `singular_allowed`: the rate cap's say.
+
+    1. no healthy MD -> "P-RLD"; no healthy RLD -> "P-MD"; neither -> NoInstanceError.
+    2. `cfg.pipeline` not "auto" -> that pipeline (forced).
+    3. singular traffic (many prompt tokens missing on MD, few output tokens, RLD has room,
+       the limiter has credit) -> "P-RLD".
+    4. the missing KV crosses the WAN within `p_md_max_transfer_ms` (behind the foreground
+       bytes queued) and MD is below `md_busy_load` -> "P-MD" (fits_budget).
+    5. RLD has no room for one more relay -> "P-MD" (rld_full).
+    6. the transfer fits but MD is busy -> "P-RLD-MD" (md_busy).
+    7. otherwise -> "P-RLD-MD" (transfer_over_budget).
+    """
     # This request's KV lands after the foreground bytes queued ahead of it.
     transfer = estimate_transfer_ms(inputs.missing_kv_bytes + inputs.wan_backlog_bytes,
                                     inputs.bandwidth_bytes_per_s, inputs.rtt_ms)
@@ -365,6 +345,9 @@ class HandoffModeDecision:
 
 
 def choose_handoff_mode(inputs: HandoffInputs, cfg: PolicyConfig) -> HandoffModeDecision:
+    """A loaded RLD prefers one-shot (released soonest), a loaded MD catch-up with the smaller
+    `catchup_threshold_md_loaded`; both loaded: the heavier side decides; neither: catch-up
+    with `catchup_threshold` (a plain one-shot when fewer tokens were generated)."""
     md_loaded = inputs.md_load >= cfg.handoff_md_loaded
     rld_loaded = inputs.rld_load >= cfg.handoff_rld_loaded
     threshold = cfg.catchup_threshold_md_loaded if md_loaded else cfg.catchup_threshold

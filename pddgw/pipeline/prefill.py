@@ -1,28 +1,21 @@
 """The prefill side: compute the prompt KV and stream it on every path at once.
 
-Lifecycle of one request on P:
-  1. The prompt is added as a one-token request that keeps its KV after it
-     finishes (`retain_kv`); P's own prefix cache serves what it can.
-  2. As each step extends the computed range, every target's sender exports
-     the newly computed tokens from its start position on (RLD: everything
-     it does not cache; MD: only its missing tail) and sends them in chunks
-     of about `chunk_bytes`; the targets run in parallel, so a slow WAN never
-     holds back the local fabric.
-  3. As soon as a target has its whole range and the first output token is
-     sampled, it gets `done(first_token, its logprobs or None)` (RLD does
-     not wait for the WAN).
-     The KV is released only when every target is served (it is pinned while
-     in flight).  A target that fails is reported; the others go on.
-Transfers start as foreground traffic; `demote` turns what is left of a
-request's transfers into background traffic (nobody waits for them any
-more), frame by frame, so live requests' KV overtakes it on the wire.
+The prompt is added as a one-token request that keeps its KV (`retain_kv`);
+as each step extends the computed range, every target's sender exports the
+newly computed tokens of its range (RLD: all it does not cache; MD: its
+missing tail) and sends them in chunks (`tokens_per_chunk`).  The request's
+lifecycle: docs/architecture.md.
 
-Chunks are cut at block boundaries (absolute token positions), and when one
-block's KV makes a frame of a sensible size (within 4x of `chunk_bytes`)
-each chunk is exactly one block: a decoder with the same block size then
-receives it straight into that block of its pool, with no copy.  Until the
-prompt is complete only whole blocks go out (the partial last block waits
-for the next prefill step).
+Invariants:
+  * targets run in parallel: a slow WAN never holds back the local fabric;
+  * a target gets `done(first_token, logprobs)` as soon as it has its whole
+    range and the first token is sampled (RLD does not wait for the WAN);
+  * the KV stays pinned until every target is served; a failed target is
+    reported and the others go on;
+  * chunks are cut at block boundaries and only whole blocks go out until
+    the prompt is complete;
+  * `demote` turns what is left of a request's transfers into background
+    traffic, frame by frame.
 """
 
 from __future__ import annotations

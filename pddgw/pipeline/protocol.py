@@ -1,53 +1,20 @@
 """Pipeline messages: the control vocabulary of the PDD roles on node links.
 
 The net layer carries them like its own messages (fixed header, orjson
-metadata of the fields, the token IDs packed as the payload) and validates
-them at decode through `__post_init__`; their meaning lives here.  A
-request's sampling travels as one nested `SamplingParams` (`sampling`),
-decoded and validated by its own constructor (pddgw.core.sampling).
+metadata of the fields, token IDs packed as the payload) and validates them
+at decode through `__post_init__`; their meaning lives here.  A request's
+sampling travels as one nested `SamplingParams`, validated by its own
+constructor.  Who sends what, and which messages are answered:
+docs/protocol.md.
 
-Who sends what (requests are answered; the rest are one-way):
-
-  router -> P       PrefixQuery -> PrefixAnswer (net)     held blocks, pinned under the request id
-  router -> RLD/MD  Submit -> Opened                      open a request (import or compute, hold or
-                                                          not); Opened names its cached prefix, so
-                                                          MD's open doubles as its prefix query
-  router -> P       Prefill -> PrefillDone                compute, stream KV to targets, first token;
-                                                          bytes and wire seconds per target
-  router -> P       Demote                                its KV transfers become background traffic
-  P -> RLD/MD       KVChunk (net) ..., then KvDone        KV complete + first token (+ decode or hold)
-  MD -> router      Ready(detail="kv")                    prompt KV is in; waiting for the handoff
-  router -> RLD     HandOff -> HandedOff                  run the handoff rounds to MD `target`
-  RLD -> MD         Extend(start, ids, final) -> Ack      a handoff round (router -> any: a re-drive)
-  RLD -> router     HandoffRound                          for the request's timeline
-  RLD/MD -> router  TokenItem (net) ...                   output tokens, position-keyed; done ends
-                    or TokenBatch (net)                   an engine step's TokenItems of several
-                                                          requests (none with logprobs), split
-                                                          into its items at the router's edge
-  router -> any     Cancel (net)                          free everything of the request
-  RLD/P/MD -> router Draining                             SIGTERM: route nothing new here; what is
-                                                          in flight finishes or is moved (an Error
-                                                          code "draining") within timeout_s
-
-Log-probabilities (only for a request whose sampling asks for them,
-`logprobs` k in 0..20; nothing is sent otherwise): `Logprobs` pieces travel
-right before the message that carries their tokens, on the same link, in the
-same traffic class, so the receiver joins them at its edge:
-  P -> RLD/MD       Logprobs(position 0) then KvDone      P's first token (the decoder that emits
-                                                          position 0 forwards them)
-  RLD/MD -> router  Logprobs ... then TokenItem           exactly the TokenItem's positions, in
-                                                          pieces of at most MAX_LOGPROB_POSITIONS
-Prompt log-probabilities (a request whose sampling asks, `prompt_logprobs` k):
-the node that computes the prompt (P; a decoder on a compute Submit) keeps
-them (`PromptScores`) until the request's Cancel; the router asks for them
-once the request has ended, before its Cancels:
-  router -> P/RLD/MD  PromptLogprobsQuery(start) -> Logprobs   prompt tokens [start, start + n),
-                                                          `position` = the token's index in the
-                                                          prompt (>= 1; token 0 has none), n <=
-                                                          MAX_LOGPROB_POSITIONS; asked again from
-                                                          start + n until all are in
-Handed-off tokens (Extend) carry none: RLD sampled and emitted them with
-their logprobs, MD does not emit them again.
+Invariants:
+  * `Logprobs` pieces (only for a request that asks) travel right before the
+    message carrying their tokens, on the same link and traffic class, at
+    most MAX_LOGPROB_POSITIONS positions each, so the receiver joins them at
+    its edge;
+  * prompt logprobs stay on the node that computed the prompt (`PromptScores`)
+    until the router asks (`PromptLogprobsQuery`) after the request ended;
+  * handed-off tokens (`Extend`) carry no logprobs: RLD already emitted them.
 """
 
 from __future__ import annotations
@@ -215,7 +182,8 @@ class KvDone:
 @dataclass(frozen=True, slots=True)
 class PromptLogprobsQuery:
     """router -> the node that computed a request's prompt: its prompt logprobs from prompt
-    token `start` (>= 1) on; answered by one `Logprobs` piece (module docstring)."""
+    token `start` (>= 1) on; answered by one `Logprobs` piece of at most
+    MAX_LOGPROB_POSITIONS positions (`position`: the prompt index), asked again until all are in."""
 
     request_id: str
     start: int
@@ -228,7 +196,7 @@ class PromptLogprobsQuery:
 
 
 class PromptScores:
-    """A node's prompt logprobs kept for the router (module docstring): request id -> one
+    """A node's prompt logprobs kept for the router until its Cancel: request id -> one
     `TokenLogprobs` per prompt token 1..n-1.  Bounded: past `limit` requests (a router that
     never came back for them) the oldest go."""
 
@@ -264,8 +232,7 @@ class PromptScores:
 class Logprobs:
     """Log-probabilities of output positions [position, position + n) of a request.
 
-    Sent right before the message carrying those tokens (see the module
-    docstring).  `logprobs[i]` is the sampled token's at position + i;
+    Sent right before the message carrying those tokens (module docstring).  `logprobs[i]` is the sampled token's at position + i;
     `top_ids` / `top_logprobs` hold top_n alternatives per position, row by
     row, most probable first.  Values are finite, in [LOGPROB_FLOOR, 0]
     (-inf travels as the floor); the ids are the packed payload.

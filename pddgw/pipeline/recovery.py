@@ -1,29 +1,22 @@
 """What the loss of one of a request's nodes means for it: the router's recovery rule.
 
-The router's stream loop (router.py `_run_streams`) keeps one `Paths` per
-request in flight: which of its nodes still serve it, and whose prompt KV is
-still on its way from P.  When a node fails, `Paths.lost` marks it lost and
-answers what to do; the loop only carries the answer out (a message, a
-timeline entry, a cancel), so the rule is read, and tested, here alone.
+The router keeps one `Paths` per request in flight: which of its nodes still
+serve it, and whose prompt KV is still on its way from P.  When a node fails,
+`Paths.lost` marks it lost and answers what to do; the router only carries
+the answer out, so the rule is read, and tested, here alone.
 
 The rules, first match wins:
-
-1. MOOT: a node already lost whose loss did not end the loop: P (its link
-   watch and its Prefill reply both report it), RLD after MD took over from
-   it, MD after RLD went on alone.
-2. MD_FAILS_WITH_P: P is lost after RLD had its KV, while MD still waited
-   for its own: only MD's transfer died with P.  RLD goes on; MD's failure
-   follows (rule 5: RLD finishes alone).
-3. REDRIVE: any other loss of P (it was still prefilling, or a decoder
-   still waited for KV P's wire had not delivered).
-4. MD_TAKES_OVER: RLD is lost before any handoff began, after it emitted
-   tokens, while MD (alive, not yet holding the prompt KV) imports P's KV:
-   once the KV is in, MD takes over from the emitted tokens, so the transfer
-   in flight is reused rather than sent again.
-5. RLD_FINISHES: MD is lost while RLD is alive and still holds, or is
-   receiving, the KV (`RLD_CAN_FINISH`): RLD finishes the request alone.
-6. REDRIVE: anything else (a decoder lost after the handoff, RLD lost with
-   nothing for MD to take over): a new path from the emitted tokens.
+1. MOOT: a node already lost (P reported twice, RLD after MD took over, MD
+   after RLD went on alone).
+2. MD_FAILS_WITH_P: P lost after RLD had its KV while MD still waited for
+   its own: RLD goes on, MD's failure follows (rule 5).
+3. REDRIVE: any other loss of P.
+4. MD_TAKES_OVER: RLD lost before any handoff, after it emitted tokens, while
+   a live MD imports P's KV: MD takes over from the emitted tokens, reusing
+   the transfer in flight.
+5. RLD_FINISHES: MD lost while RLD is alive and holds or receives the KV
+   (`RLD_CAN_FINISH`): RLD finishes alone.
+6. REDRIVE: anything else: a new path from the emitted tokens.
 """
 
 from __future__ import annotations

@@ -1,63 +1,22 @@
 """Per-request state machine on the router, and the timeline it reports.
 
 One `RequestTracker` per request lives on the router's event loop.  Every
-state change goes through the transition table below and is timestamped with
-an injectable monotonic clock; the resulting `RequestRecord` is what
-`response.completed` reports under `"pddgw"` (pipeline, handoff mode and
-positions, TTFT, WAN KV bytes, handoff stall, the largest inter-token gap,
-states with timestamps).
+state change goes through `TRANSITIONS` (anything else is an
+`IllegalTransition`, a router bug) and is timestamped with an injectable
+monotonic clock; the resulting `RequestRecord` is what `response.completed`
+reports under `"pddgw"` (pipeline, handoff mode and positions, TTFT, WAN KV
+bytes, handoff stall, largest inter-token gap, states with timestamps).
 
-Every gap is between emissions, i.e. when the router sent tokens to the
-client: the handoff stall ends at MD's first token after the handoff (not at
-the handoff's ack), and `max_itl_ms` / `max_itl_position` name the longest
-wait of the whole request and the output position that ended it, so a
-request MD starved after a quick first token shows it in its own timeline.
+Invariants:
+  * every gap is measured between emissions to the client: the handoff stall
+    ends at MD's first token after the handoff, not at its ack;
+  * the `RequestState` order is the order of progress along the happy paths;
+    REDRIVING comes after the decode states (entered from any of them, and
+    leaving it moves backwards), the three terminal states are the largest;
+  * FAILED and CANCELLED are reachable from every non-terminal state;
+    terminal states have no exit.
 
-Lifecycle (the numbers are the steps, the names the states entered):
-
-1. RECEIVED - the router accepted and tokenized the request (tracker created).
-2. ROUTED - MD answered which prefix blocks it holds; the policy chose the
-   pipeline ("P-MD", "P-RLD-MD" or "P-RLD") and the instances (`route`).
-3. PREFILLING - P computes the prompt KV and streams it: all of it to RLD,
-   MD's missing blocks to MD (`advance(PREFILLING)`).
-4. Then by pipeline:
-   a. P-MD: MD imported the tail and decodes -> MD_DECODING (go to 7).
-   b. P-RLD-MD / P-RLD: RLD's KV landed, eager tokens stream ->
-      RLD_DECODING.  P-RLD finishes there -> FINISHED (go to 8).
-5. HANDOFF_PENDING - MD reports it holds the prompt KV (`md_ready`); the
-   policy picks one-shot or catch-up for the g tokens generated so far.
-6. Handoff rounds (`handoff_round(start, end, final)`, token IDs only):
-   a. catch-up: a non-final chunk -> CATCHING_UP; RLD keeps decoding; MD
-      extends the chunk; repeat (CATCHING_UP -> CATCHING_UP) with what RLD
-      made meanwhile until the remainder is under the threshold;
-   b. the final round (one-shot, or the end of catch-up): RLD stops at
-      position `end`, MD extends the remainder -> HANDING_OFF.  The
-      user-visible handoff stall is the longest gap between emissions from
-      the last one before this round to the first token emitted at `end`.
-7. MD_DECODING - MD decodes to the end (`advance(MD_DECODING)`).
-8. FINISHED (`finish`), or FAILED (`fail`, with the reason the client's
-   `error` event carries), or CANCELLED (`cancel`).  Terminal.
-
-Failure re-drives (each recorded with its reason):
-
-* MD or the WAN dies before the handoff completes (in RLD_DECODING,
-  HANDOFF_PENDING, CATCHING_UP or HANDING_OFF, where RLD still holds the KV):
-  `fall_back_to_rld` -> RLD_DECODING and RLD finishes locally; the reported
-  pipeline becomes "P-RLD".
-* A decoder dies after the handoff (MD_DECODING), an RLD dies, or P dies
-  while prefilling: `redrive` -> REDRIVING, and from there a new path from
-  the tokens already emitted: PREFILLING (another P, or P re-sending the
-  prompt KV to another MD or back to an RLD), or HANDOFF_PENDING when the
-  new MD already holds the whole prompt (token-ID handoff of the emitted
-  tokens).  Leaving REDRIVING moves backwards in the enum order.
-* RLD dies before the handoff while MD still imports P's KV (P-RLD-MD):
-  `redrive` -> REDRIVING, and once MD holds the KV, HANDOFF_PENDING and one
-  final round of the emitted tokens (sent by the router) -> HANDING_OFF ->
-  MD_DECODING: the transfer in flight is reused, not started again.
-
-The enum order is the order of progress along the happy paths; REDRIVING
-sits after the decode states because it is entered from any of them, and
-the three terminal states are the largest values.
+The request's lifecycle and its failure re-drives: docs/architecture.md.
 """
 
 from __future__ import annotations
