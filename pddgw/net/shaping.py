@@ -5,8 +5,7 @@ that crosses it: a NIC with two strict-priority classes (`Priority`).
 1. A frame queues in its class's FIFO; n bytes take n * 8 bits at the
    bandwidth of the moment (constant, or a step trace integrated across
    steps: `serialization_end`, `bits_between`).
-2. Foreground is a plain FIFO wire: a frame's end is known when it is queued
-   (`schedule`, arithmetic, no timer).
+2. Foreground is a plain FIFO wire: a frame's end is known when queued (`schedule`).
 3. Background frames fill the gaps, one `loop.call_at` timer per head frame; a
    foreground frame preempts it, the bits sent so far counting as done (no
    byte is sent twice).
