@@ -129,16 +129,11 @@ class Engine(ABC):
     def import_buffer(self, span: KVSpan) -> memoryview | None:
         """Thread-safe: where an arriving chunk's payload should be received, or None.
 
-        Called when a chunk's description has arrived and before its payload
-        has.  The answer is a writable, C-contiguous byte view of exactly
-        `span.nbytes` bytes: ideally the chunk's destination in the KV pool
-        itself (then `accept_kv` only marks the tokens present), otherwise a
-        buffer the import copies from.  None (unknown request, not importing,
-        a span this engine would refuse, or no such buffer): the caller
-        allocates, and `import_kv` reports what is wrong.  Pool memory handed
-        out here stays reserved for that payload (never freed, reused or read
-        by a step) until `accept_kv` or `import_kv` takes the chunk or the
-        returned view is dropped undelivered.
+        Called between a chunk's description and its payload.  -> a writable, C-contiguous
+        view of exactly `span.nbytes` bytes: ideally the destination in the KV pool (then
+        `accept_kv` only marks the tokens present), else a buffer to copy from.  None: the
+        caller allocates and `import_kv` reports what is wrong.  Pool memory handed out stays
+        reserved until `accept_kv` or `import_kv` takes the chunk or the view is dropped.
         """
         return None
 

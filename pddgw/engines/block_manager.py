@@ -107,11 +107,9 @@ class BlockManager:
     def match(self, hashes: Sequence[int], pinned: str | None = None) -> list[int]:
         """Blocks holding the leading run of `hashes` (no reference taken).
 
-        `pinned`: the key of a pin (a prefix query's), if there is one: where its blocks hold
-        the leading hashes (their own, `_hash`), they are the run's start - a held block is
-        never evicted nor its hash given to another - and only the hashes past them are looked
-        up.  The same answer; a 64K-token prompt admitted after its prefix query skips a
-        thousand look-ups in a table of millions of blocks (each a cache miss)."""
+        `pinned`: the key of a pin (a prefix query's); its blocks that hold the leading hashes
+        start the run without a look-up (a held block keeps its hash), which saves a 64K-token
+        prompt a thousand hash-table misses.  Same answer either way."""
         if not self.enable_prefix_caching or not hashes:
             return []
         start: list[int] = []

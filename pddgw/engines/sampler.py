@@ -143,8 +143,8 @@ def _keep(cand_p: torch.Tensor, cdf: torch.Tensor, counted: torch.Tensor, rows: 
     """How many candidates the filters keep (int64 [R, 1], >= 1), before clamping to the columns.
 
     cand_p [R, K] the candidates' probabilities (non-increasing), cdf [R, K] their cumsum,
-    counted [R, *] the probabilities min-p counts (the top-k candidates, or the whole row:
-    as each path always did).  top_p / min_p False: that filter keeps everything in this
+    counted [R, *] the probabilities min-p counts (the top-k candidates, or the whole row).
+    top_p / min_p False: that filter keeps everything in this
     batch (skipped: same result).  Where the top-p prefix does not end within the K
     columns its count is K + 1.
     """
@@ -211,11 +211,8 @@ def _cut_base(xmax: torch.Tensor) -> torch.Tensor:
     (`_drop`, `_tighter_cut`, level 2); NaN where x_max is not finite (its softmax is NaN:
     no token is cut).
 
-    p_j = exp((x_j - x_max) / T) * p_max up to a few ulps, so p_j >= ratio * p_max means
-    x_j >= x_max + T log(ratio); the margins (1e-6 of each term) cover that rounding and the
-    cast to the logits' dtype many times over.  Any cut selects a prefix of the order and
-    each level checks that the kept set ends inside it: a cut too high only sends its row
-    to the next level.
+    p_j >= ratio * p_max means x_j >= x_max + T log(ratio) up to a few ulps, which the margins
+    cover many times over.  A cut too high only sends its row to the next level.
     """
     return torch.add(xmax, xmax.abs(), alpha=-_CUT_MARGIN).add_(xmax - xmax)
 
@@ -300,10 +297,8 @@ def _blocked_probs(x: torch.Tensor, rows: _Rows, xs: torch.Tensor | None = None,
     """x [R, V] -> (probs float64 [R, V] = `_probs(x, rows)` bit for bit, and with `cut` [R] the
     flat indices (ascending) of xs [R, V] >= cut: `_at_least(xs, cut[:, None])`).
 
-    A few rows at a time (~4 MB of float64), in place in probs: x / T and its softmax while
-    the block is in the cache, and the cut compares the block's logits while they are there.
-    The softmax is a per-row kernel: blocks change nothing.  probs is this thread's scratch:
-    valid until its next call.
+    A few rows at a time (~4 MB of float64) while they are in the cache; the softmax is
+    per-row, so blocks change nothing.  probs is this thread's scratch, valid until its next call.
     """
     r, vocab = x.shape
     block = max(1, _BLOCK_BYTES // (8 * vocab))
@@ -350,12 +345,10 @@ def _tighter_cut(v: torch.Tensor, p: torch.Tensor, row: torch.Tensor, cut: torch
     """Level 1's cut [R] raised, from the candidates it selected: logits v [M] and probabilities
     p [M] of rows row [M].
 
-    Why: p_max / 4096 selects ~3x the top-p set on the engine bench's model, and the
-    candidates' sort is the costliest step after the softmax.  The candidates go in
-    quarter-octave buckets of p / p_max by their logit (bucket d: x_max - x in
-    [d, d + 1) * T ln(2) / 4); per top-p row, the cut is the lower edge of the first bucket
-    where their mass from the top reaches top_p + 1e-9 (the slack covers the other
-    summation order), or `cut` where none does.
+    Why: p_max / 4096 selects ~3x the top-p set on the engine bench's model, and sorting the
+    candidates is the costliest step after the softmax.  The cut is the lower edge of the first
+    quarter-octave bucket of p / p_max (by logit) where the mass from the top reaches
+    top_p + 1e-9, or `cut` where none does.
     """
     r = cut.shape[0]
     down = (sm.xmax.index_select(0, row) - v) / rows.width.index_select(0, row)          # [M] quarter octaves down
@@ -505,13 +498,9 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """x [S, V] -> int64 [S]: exactly torch.argmax(x, dim=-1), the first maximum of each row (its
     first NaN where it has one, as argmax treats NaN as the largest).
 
-    Why not argmax itself on the CPU: its row reduction is not vectorized there, 0.85 ms for
-    [32, 32000] float32 on one core, against 0.05 ms for amax, which is; the greedy pick was
-    then 1.5 % of a batch-32 decode step of the engine bench's model.  Two levels instead,
-    ~0.1 ms: the maximum of every chunk of 128 columns (amax), the first chunk holding the
-    row's maximum (argmax over [S, V / 128]), and the first maximum inside it (argmax over
-    [S, 128]).  The first chunk that holds the maximum holds its first occurrence, so the
-    result is argmax's, ties, -inf rows and NaN included.
+    Why: argmax's row reduction is not vectorized on the CPU (0.85 ms for [32, 32000] float32,
+    amax 0.05 ms).  Two levels instead, ~0.1 ms: amax per 128-column chunk, argmax over the
+    chunks, argmax inside the first chunk holding the maximum (which holds its first occurrence).
     """
     n, vocab = x.shape
     c = _ARGMAX_CHUNK

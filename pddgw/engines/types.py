@@ -69,16 +69,11 @@ class AddResult:
 class RequestOutput:
     """What one engine step did for one request (its token fields spelt as `TokenRun`'s).
 
-    ids are the tokens sampled this step, the first at output position
-    `position`.  num_computed_tokens counts the tokens whose KV is in the
-    cache (a P node streams KV out as it grows).  done: the request ended
-    here, for `reason` (None until then; "abort" too, which a decoder never
-    emits).  logprobs: one `TokenLogprobs` per new token when the request
-    asked for them (`SamplingParams.logprobs` not None), else empty.
-    prompt_logprobs: once, in the output of the step that computed the last
-    prompt token, of a request that asked (`SamplingParams.prompt_logprobs`
-    not None) and computed its prompt here: one `TokenLogprobs` per prompt
-    token 1..n-1 (token 0 has no context), else empty.
+    ids: the tokens sampled this step, the first at output position `position`.
+    num_computed_tokens: tokens whose KV is in the cache.  done: the request
+    ended here, for `reason`.  logprobs: one per new token when asked for.
+    prompt_logprobs: once, in the step that computed the last prompt token, one
+    per prompt token 1..n-1, when asked for and the prompt was computed here.
     """
 
     request_id: str

@@ -161,16 +161,11 @@ class BlockLayout:
     """Where vLLM's attention backend keeps each K and V element inside one block, learned
     from the backend itself.
 
-    vLLM's CPU backend packs a block's keys in an ISA-specific order (its "vec", "amx", ...
-    kernels read them vectorised), and GPU backends keep K and V in other planes, so no fixed
-    shape describes every cache.  `learn` writes a probe through the backend's own
-    cache-update op into a scratch block and records where every (token, kv head, dim)
-    element of K and of V landed: two int64 maps [block_size, kv_heads * head_dim] of
-    offsets into `cache[block]` flattened in its logical order.  Reading and writing tokens
-    are then a gather / scatter per layer, bit-exact, whatever the packing.  The cache's
-    first dimension must be the block (vLLM 0.32's per-layer views all are); where a block's
-    elements are not one contiguous run (K and V planes), whole blocks are gathered and put
-    back.  Data moves to the cache's device and dtype on the way in.
+    No fixed shape describes every backend's block (the CPU backend packs keys in an
+    ISA-specific order).  `learn` writes a probe through the backend's own cache-update op
+    and records two int64 maps [block_size, kv_heads * head_dim] of offsets into
+    `cache[block]`; reads and writes are then a gather / scatter per layer, bit-exact.  The
+    cache's first dimension must be the block.
     """
 
     def __init__(self, k_off: torch.Tensor, v_off: torch.Tensor):

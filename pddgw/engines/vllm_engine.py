@@ -134,14 +134,10 @@ _USER_BIND = os.environ.get(_BIND)      # set before pddgw started: the user's, 
 
 @contextlib.contextmanager
 def _cpu_bind(tp: int) -> Iterator[None]:
-    """While a TP > 1 engine starts on CPU: vLLM's multiprocessing executor binds each rank's
-    OpenMP threads to the cores VLLM_CPU_OMP_THREADS_BIND lists for it ("0,1,2|3,4,5").
-    Unbound, the ranks' threads and their spinning collectives share every core and a step
-    takes 100x longer; vLLM's "auto" wants a NUMA node per rank.  So: this process's allowed
-    cores split evenly in order, one left to this process (the engine core, the node's loop)
-    where there are more cores than ranks; unless the user set the variable.  vLLM caches
-    its environment once an engine has started: the cache is dropped so this engine reads
-    the value."""
+    """While a TP > 1 engine starts on CPU: set VLLM_CPU_OMP_THREADS_BIND (unless the user did)
+    to this process's allowed cores split evenly in order, one left to this process where
+    there are more cores than ranks.  Unbound, the ranks' spinning collectives share every
+    core and a step takes 100x longer.  vLLM's cached environment is dropped so it reads this."""
     import vllm.envs
     from vllm.platforms import current_platform
 

@@ -191,12 +191,9 @@ def served_model_name(path: str | None) -> str:
 def load_spec(path: str | None) -> tuple[ModelSpec, Tokenizer]:
     """A model's spec and tokenizer without its weights (what a router needs).
 
-    `path` None/""/"tiny" = the built-in tiny model with a `ByteTokenizer`; a
-    GGUF (module docstring) = its metadata's spec and tokenizer; else a
-    Hugging Face checkpoint directory; its eos ids, in the spec and the
-    tokenizer alike, as `tokenizer.special_ids` finds them (none: the model
-    serves, grammars are refused).  Without tokenizer.json the tokenizer is a
-    `ByteTokenizer`.  Any file that cannot be used is a WeightsError naming it.
+    `path` as the module docstring says; eos ids as `tokenizer.special_ids` finds them.
+    Without tokenizer.json the tokenizer is a `ByteTokenizer`.  Any file that cannot be
+    used is a WeightsError naming it.
     """
     if is_tiny(path):
         spec = tiny_spec()
@@ -267,15 +264,11 @@ def load_model(path: str | None, dtype: torch.dtype | str, device: str | torch.d
 
 
 class SharedModels:
-    """One load of each model for the engines of one process (the embedded deployment's P, RLD,
-    MD and its WAN probe), keyed by (path, dtype, device, tiny seed): the weights are read,
-    dequantized and held once instead of once per engine.
+    """One load of each model for the engines of one process, keyed by (path, dtype, device,
+    tiny seed): weights are read, dequantized and held once instead of once per engine.
 
-    Sharing keeps every node bit-identical: an engine only reads its model (the forward is a
-    pure function of its inputs and the KV cache passed to it, `LlamaModel.forward`), and the
-    oneDNN prepack (`LlamaModel.prepack`, called by every CPU engine) repacks only weights
-    written since the last pack, so the second engine's call keeps the first one's packed
-    copies.  Thread-safe: engines are built on worker threads.
+    Sharing keeps every node bit-identical: an engine only reads its model, and `prepack`
+    repacks only weights written since the last pack.  Thread-safe.
     """
 
     def __init__(self) -> None:
