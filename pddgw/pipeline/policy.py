@@ -125,9 +125,8 @@ def prefill_wait_tokens(backlog: int, dp_ranks: int, uncached: int) -> float:
     """How long a P makes a request wait for its first token, in prompt tokens of one rank: the
     tokens queued ahead of it spread over the instance's attention-DP ranks (each computes its
     own sequences' chunks in the same steps), then its own uncached tokens, which chunk on one
-    rank.  Counting the backlog whole made a DP16 P that holds a follow-up's 62K-token prefix
-    behind one 64K first turn look slower than recomputing 56K tokens on an idle P: on four
-    DP16 P instances every such turn moved, and first tokens took ~5 s instead of ~0.2 s."""
+    rank.  Why per rank: counted whole, a DP16 P holding a follow-up's prefix looked slower
+    than recomputing it elsewhere (measured first tokens: ~5 s instead of ~0.2 s)."""
     return backlog / max(1, dp_ranks) + uncached
 
 

@@ -232,9 +232,9 @@ class PromptScores:
 class Logprobs:
     """Log-probabilities of output positions [position, position + n) of a request.
 
-    Sent right before the message carrying those tokens (module docstring).  `logprobs[i]` is the sampled token's at position + i;
-    `top_ids` / `top_logprobs` hold top_n alternatives per position, row by
-    row, most probable first.  Values are finite, in [LOGPROB_FLOOR, 0]
+    Sent right before the message carrying those tokens (module docstring).
+    `logprobs[i]` is the sampled token's at position + i; `top_ids` / `top_logprobs`
+    hold top_n alternatives per position, row by row, most probable first.  Values are finite, in [LOGPROB_FLOOR, 0]
     (-inf travels as the floor); the ids are the packed payload.
     """
 
