@@ -64,7 +64,7 @@ async def _conversation(client: TestClient, conv: int, turns: int, out_tokens: i
                         results: list[dict], start_s: float) -> None:
     await asyncio.sleep(start_s)
     # An agent's system prompt with tool definitions: past the embedded WAN's ~713-token
-    # P-MD threshold (README, "The embedded default's WAN"), so first turns relay.
+    # P-MD threshold (docs/deployment.md, "The embedded default's WAN"), so first turns relay.
     history = tokens(rng, rng.randrange(900, 1500))
     async with await client.ws_connect("/v1/responses") as ws:
         for turn in range(turns):
@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, default in (("--conversations", 10), ("--turns", 6), ("--output-tokens", 160), ("--seed", 0)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--arrival-s", type=float, default=1.5, help="mean time between new conversations")
-    p.add_argument("--trace", help="replay a Mooncake-format trace (e.g. shared/traces/"
-                   "mooncake_synthetic_trace.jsonl) instead of the synthetic conversations")
+    p.add_argument("--trace", help="replay a Mooncake-format trace (e.g. data/traces/"
+                   "mooncake_synthetic_trace.jsonl.gz) instead of the synthetic conversations")
     p.add_argument("--requests", type=int, default=100, help="trace: how many requests")
     p.add_argument("--block-tokens", type=int, default=16, help="trace: tokens per 512-token block id")
     p.add_argument("--output-scale", type=float, default=1.0, help="trace: output length factor")

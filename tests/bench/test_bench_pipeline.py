@@ -7,7 +7,7 @@ import pytest
 
 from pddgw.bench import pipeline as bench
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def test_conversations_json(capsys):
@@ -23,7 +23,6 @@ def test_conversations_json(capsys):
     assert res["ttft_p50_ratio"] == round(pdd["ttft_p50_ms"] / naive["ttft_p50_ms"], 3)
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason="the shared Mooncake trace is not beside this checkout")
 def test_trace_replay_scales_blocks(capsys):
     reqs = bench.load_trace(str(TRACE), 3, 16, 0.1, seed=0)
     # Requests 0 and 1 of the trace share no block; their prompts share no prefix block.

@@ -29,7 +29,7 @@ def test_the_paper_scenario_runs_the_paper_model_on_the_planners_splits():
     a, b = (profiles.hardware(h).price_per_gpu_hour for h in ("H100-SXM", "H200-SXM"))
     assert 1.2 <= b / a <= 1.3
     # Each kind's split is `pddgw plan --plan scenarios/plan_paper.toml`'s winner (the comment in
-    # paper.toml, README "pddgw plan"): same-DC 72 H100 (216 USD/h), naive 24 H100 + 16 H200
+    # paper.toml, docs/results/planner.md): same-DC 72 H100 (216 USD/h), naive 24 H100 + 16 H200
     # (72 + 60 = 132), PDD 64 H100 + 16 H200 (192 + 60 = 252), all within 88 H100 + 32 H200.
     by_hw: dict[str, dict[str, int]] = {}
     for d in sc.deployments:

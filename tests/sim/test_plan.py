@@ -466,7 +466,7 @@ def test_the_json_report_names_the_winner_and_each_kinds_table(searched):
     assert (naive["candidates"], naive["pruned_probes"], len(naive["ranked"])) == (4, 0, 2)
     assert naive["ranked"][0]["roofline"]["limit"] == "wan"
     # Where naive's best gave out, by cause: at 2 req/s one window request has no first token past
-    # its TTFT deadline, so at most 7 of the window's 8 can meet the SLO (README).
+    # its TTFT deadline, so at most 7 of the window's 8 can meet the SLO (docs/simulator.md).
     top = naive["ranked"][0]
     fail = top["goodput_fail"]
     first = min((p for p in top["probes"] if p["simulated"] and p["rate"] > top["goodput_offered_rps"]),

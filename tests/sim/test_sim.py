@@ -220,9 +220,7 @@ def test_a_simulated_prompt_comes_with_its_hashes_and_id_bounds(monkeypatch):
 
 
 def test_mooncake_trace_blocks_share_prefixes():
-    trace = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
-    if not trace.exists():
-        pytest.skip("shared/traces is not beside this checkout")
+    trace = ROOT / "data" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
     convs = load_trace(trace, 3)
     assert [c.start_s for c in convs] == [0.0, 0.0, 0.04]
     assert [len(c.turns[0].prompt) for c in convs] == [40160, 36640, 23769]
