@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import orjson
-import pytest
 
 from pddgw.bench import pipeline as bench
 
