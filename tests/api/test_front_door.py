@@ -9,7 +9,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from pddgw.api import server
+from pddgw.api import responses_ws
 from pddgw.api.server import build_app
 from pddgw.config import Config, ServerConfig
 from pddgw.deploy.serve import Embedded
@@ -112,7 +112,7 @@ async def test_bad_create_gets_an_error_event_that_echoes_its_stream_id(door):
 
 async def test_a_bug_while_decoding_an_event_is_an_error_event_and_the_socket_keeps_serving(door, monkeypatch):
     _, client = door
-    real = server.parse_client_event
+    real = responses_ws.parse_client_event
     calls = []
 
     def breaks_once(raw, max_prompt):
@@ -121,7 +121,7 @@ async def test_a_bug_while_decoding_an_event_is_an_error_event_and_the_socket_ke
             raise KeyError("boom")
         return real(raw, max_prompt)
 
-    monkeypatch.setattr(server, "parse_client_event", breaks_once)
+    monkeypatch.setattr(responses_ws, "parse_client_event", breaks_once)
     ws = await client.ws_connect("/v1/responses")
     await ws.send_bytes(create(input="hi"))
     ev = orjson.loads((await ws.receive()).data)
