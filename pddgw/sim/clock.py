@@ -1,48 +1,17 @@
 """The virtual clock `pddgw sim` runs on.
 
-An asyncio loop whose time jumps to the next timer whenever nothing is
-ready, so every `asyncio.sleep`, timeout, heartbeat, shaped transfer and
-cost-model engine step takes virtual time and no wall time.
+An asyncio loop whose time jumps to the next timer whenever nothing is ready, so every
+`asyncio.sleep`, timeout, heartbeat, shaped transfer and cost-model engine step takes
+virtual time and no wall time.  The selector's `select(timeout)` polls the real selector
+without waiting; with nothing ready it advances the clock by `timeout` (exactly to the next
+timer); with no timer at all it waits for real, as only another thread could wake the loop.
 
-Why a small loop subclass and not `looptime` (the library the issue names,
-which does the same for tests): looptime polls the real selector, walks its
-executor-future set and spins a no-op cycle before each jump, to stay safe
-around threads and sockets.  A simulated deployment has neither (in-process
-links, engines that run inline), and that safety costs: 100 requests of the
-paper scenario (same-DC PD) took 23.3 s of wall time on looptime (0.9,
-noop_cycles=0) and 16.2 s on this loop, with identical results.  aiotools'
-VirtualClock patches the same two places (time and select) through
-`unittest.mock`, a test utility.  What is left is twenty lines:
-
-* `time()` returns the virtual clock;
-* `select(timeout)` polls the real selector without waiting (the self-pipe
-  still works for a thread that calls `call_soon_threadsafe`); with nothing
-  ready it advances the clock by `timeout` (exactly to the next timer) and
-  returns; with no timer at all it waits for real, as only another thread
-  could then wake the loop.
-
-Runs are deterministic as long as the code on the loop uses no threads and
-no real I/O, which holds for the cost-model engine and in-process links: the
-same scenario and seed give the same timings, run after run, in any process.
-
-`VirtualClockLoop` also runs its own iteration (`_run_once`), the stock one
-minus what a virtual clock never needs, with the same order and the same
-float arithmetic, so a run is the same to the last bit as on
-`ReferenceVirtualLoop` (the stock iteration over the virtual selector, kept
-for `pddgw.bench.simspeed` and the test that pins the equality):
-
-* the real selector is polled only before the clock jumps (nothing ready),
-  not every iteration, and only while something besides the loop's
-  self-pipe is registered: a thread's `call_soon_threadsafe` lands in the
-  ready queue either way (its self-pipe byte is drained at the next poll,
-  or never: a full pipe only drops wake-up bytes nobody needs);
-* the timer heap holds (when, handle) pairs: the heap's comparisons are
-  float comparisons in C instead of `TimerHandle.__lt__` calls (a run keeps
-  hundreds of timers: stream deadlines, request timeouts, users' think
-  times); a tie falls back to the handles' order, so timers leave the heap in
-  exactly the stock order;
-* ready handles run without the debug branch (the comment in `_run_once`
-  says why).
+Invariants: runs are deterministic while the code on the loop uses no threads and no real
+I/O (the cost-model engine and in-process links): same scenario and seed, same timings.
+`VirtualClockLoop`'s lean iteration gives the same result to the last bit as
+`ReferenceVirtualLoop` (the stock iteration, kept for `pddgw.bench.simspeed` and the test
+that pins the equality).  A loop subclass rather than `looptime`: on 100 requests of the
+paper scenario it took 16.2 s against looptime's 23.3 s, with identical results.
 """
 
 from __future__ import annotations
@@ -105,7 +74,10 @@ _MAX_SELECT_TIMEOUT = base_events.MAXIMUM_SELECT_TIMEOUT
 
 
 class VirtualClockLoop(ReferenceVirtualLoop):
-    """A selector loop on virtual time with a lean iteration (module docstring)."""
+    """A selector loop on virtual time with a lean iteration: the real selector is polled only
+    before the clock jumps and only while something besides the self-pipe is registered;
+    the timer heap holds (when, handle) pairs, compared as floats in C, ties in stock order.
+    """
 
     def call_at(self, when: float, callback: Callable[..., object], *args: Any,
                 context: contextvars.Context | None = None) -> asyncio.TimerHandle:
@@ -168,12 +140,9 @@ class VirtualClockLoop(ReferenceVirtualLoop):
                 h._run()
 
 
-# Collector thresholds during a simulated run (the default is (700, 10, 10)).  A paper-scenario
-# run holds thousands of 64K-token prompt tuples, millions of live objects, which the default
-# thresholds keep rescanning.  Measured on the same-DC goodput probe at 8 req/s (4,297 requests,
-# old and new side by side on 2 cores): 92.7 / 95.6 s of wall time with the defaults against
-# 77.8 s (1.22x); again later 121.2 s against 107.1 s (1.13x).  Identical results: it changes
-# only when garbage cycles are freed, never the virtual clock.
+# Collector thresholds during a simulated run (default (700, 10, 10)): a paper-scenario run holds
+# millions of live objects the defaults keep rescanning; 1.13-1.22x faster on the same-DC goodput
+# probe at 8 req/s.  Results are identical: only when cycles are freed changes.
 _SIM_GC_THRESHOLDS = (100_000, 50, 100)
 
 
@@ -184,9 +153,8 @@ def run_virtual(coro: Coroutine[Any, Any, T], loop_factory: type[asyncio.Abstrac
     got: list[T] = []
 
     async def main() -> None:
-        # The result leaves through `got`, not as the task's: on its way out the Runner formats
-        # its main task, result included (Python 3.11 restoring the SIGINT handler), and the
-        # repr of a goodput probe's RunResult, ~17K requests, took ~2 s of its ~100.
+        # The result leaves through `got`, not as the task's: the Runner formats its main task on
+        # exit (Python 3.11), and a goodput probe's RunResult repr takes ~2 s.
         got.append(await coro)
 
     try:

@@ -1,46 +1,22 @@
 """The cost-model engine: a real model's *time* on modeled GPUs, no model math.
 
-It lives in the sim layer beside the profiles and the roofline it prices
-steps with, so the engines package never imports the simulator; the engine
-registry (`pddgw.engines.base.engine_class`) imports this module lazily as
-its "costmodel" entry.
+`engine.implementation = "costmodel"` with `model.profile` (a model shape name or config.json
+path) and `engine.costmodel` (hardware and instance shape).  Everything but the forward pass
+is the real `PagedEngine` (BlockManager, prefix cache, chunked prefill, preemption, KV
+import/export bookkeeping).  The forward pass becomes:
 
-`engine.implementation = "costmodel"` with `model.profile` (a model shape:
-e.g. "llama3-70b", a shipped config.json name such as "deepseek-v4-pro", or
-a config.json path) and `engine.costmodel` (hardware profile and the
-instance's shape: tensor parallelism x attention data parallelism, expert
-parallelism, GPUs per node).  Everything but the forward pass is the real engine
-(`PagedEngine`): BlockManager, prefix cache, chunked prefill, extends,
-decodes, preemption, import/export bookkeeping.  The forward pass becomes:
+* its duration: the roofline of the scheduled batch (`roofline`), via `step_seconds()`;
+* its tokens: position i's token is drawn from the request's (seed, i) alone, uniform over
+  the non-EOS ids, so outputs run to max_tokens and every node produces the same token for
+  the same position (the same-output invariant holds on every path);
+* its logprobs: those of that uniform distribution;
+* its KV: exported chunks are `virtual` (full size, no data) in the profile's
+  `wire_kv_layout`, so links, the router and the pool count the same bytes.  V4's fixed
+  sliding window (`kv_window_bytes`) is held in the pool but not charged on links.
 
-* its duration: the roofline of the scheduled batch (`pddgw.sim.roofline`)
-  on the configured hardware, reported by `step_seconds()`; the driver
-  (`AsyncEngine`) releases the step's outputs once that time has passed on
-  the loop's clock, real or virtual;
-* its tokens: the token at output position i is drawn from the request's
-  (seed, i) alone (`sampler.position_uniform`), uniformly over the vocabulary
-  without the end-of-sequence ids, so outputs run to max_tokens as a trace
-  prescribes and every node produces the same token for the same position
-  (the same-output invariant holds on every path);
-* its log-probabilities, when a request asks for them: those of that same
-  distribution, uniform over the non-EOS ids: every token's is
-  -log(vocab - #EOS), the top alternatives are the lowest non-EOS ids (the
-  ties broken by id); so logprobs travel the same wire path as on a real
-  model, and a modeled deployment serves them rather than refusing;
-* its KV: exported chunks are `virtual` (the real model's size, no data), and
-  imports only mark tokens as arrived.  Links charge a virtual chunk its full
-  size, so a 64K-token prompt of a 70B model moves ~20 GiB over a shaped WAN
-  without a byte of it being allocated.  The chunk's layout is the profile's
-  `wire_kv_layout`: the model's own for GQA, for latent (MLA) and compressed
-  (DeepSeek-V4) KV a BF16 layout of the same bytes per token, so links, the
-  router's missing-KV estimate and the pool all count the same bytes.  For
-  V4 that is the marginal rate (compressed entries and indexer keys per
-  token); a request's fixed sliding window (`kv_window_bytes`, 4.6 MB for
-  V4-Pro, 1.2 % of a 64K request) is held in the pool but not charged on links.
-
-The pool size is what the GPUs hold after the weights (num_blocks = 0,
-`roofline.memory_fit`), so capacity pressure, preemption and prefix-cache
-eviction happen where they would on the real hardware.
+The pool is what the GPUs hold after the weights (`roofline.memory_fit`).  This module lives
+in the sim layer so the engines package never imports the simulator; the engine registry
+imports it lazily.  Model and assumptions: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -215,7 +191,7 @@ class CostModelEngine(PagedEngine):
         return out
 
     def _sample(self, seq: Sequence) -> Sampled:
-        """The token (and logprobs, if asked for) of seq's next output position (module docstring)."""
+        """The token (and logprobs, if asked for) of seq's next output position."""
         position = len(seq.tokens) - seq.num_prompt
         drawn = self._drawn
         got = drawn.get(seq.request_id)
@@ -228,7 +204,9 @@ class CostModelEngine(PagedEngine):
         return got[1][i], None if k is None else self._logprobs(k)
 
     def _logprobs(self, k: int | None) -> TokenLogprobs | None:
-        """The uniform distribution's logprobs (module docstring); None when not asked for."""
+        """The uniform distribution's logprobs, None when not asked for: every token's is
+        -log(vocab - #EOS), the top alternatives the lowest non-EOS ids.
+        """
         if k is None:
             return None
         top = self._top_ids[:k]

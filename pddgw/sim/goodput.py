@@ -1,12 +1,10 @@
-"""The SLA-goodput bisection both searches run: `pddgw sim` on a scenario's deployment, `pddgw plan`
-on each candidate.
+"""The SLA-goodput bisection both searches run: `pddgw sim` on a scenario's deployment,
+`pddgw plan` on each candidate.
 
-`bisect` walks `report.sla_goodput` over the rates, after a start and its neighbour where the
-roofline's capacity puts the goodput (`start_rate`); at each one the roofline's bound on the
-probe's attainment (`plan_bounds.attainment_bound`, passed in) is asked first, and a probe it
-puts below the target is not simulated and fails (a simulated probe never beats that bound, so
-the walk is the one the simulation takes).  The searches differ only in what they simulate and
-bound, so both pass those in (`Prober`); the records (`Probe`) and their JSON are the same.
+`bisect` walks `report.sla_goodput` over the rates, after a start and its neighbour
+(`start_rate`); a probe the roofline's attainment bound puts below the target is not
+simulated and fails (a simulated probe never beats that bound, so the walk is the same).
+The searches pass in what they simulate and bound (`Prober`); the records are the same.
 """
 
 from __future__ import annotations
@@ -50,15 +48,10 @@ Simulate = Callable[[float], tuple[report.Window, float, bool]]
 
 
 class Prober:
-    """One deployment's goodput probes, each rate simulated (or pruned by the roofline's bound on
-    its attainment, `bound`) at most once, in the order asked (`probes`).
-
-    `passes` answers from what is known where the bisection's own premise decides it (attainment
-    falls as the offered rate rises): a rate at or below a passing one passes, at or above a
-    failing one fails, without a simulation.  A search that probes a rate off the bisection's
-    path first (`pddgw plan`'s refuting probe) thus spends no simulation on what that probe
-    settled; a plain bisection never asks a rate its own probes decide, so for it every rate
-    is simulated (or pruned), as before."""
+    """One deployment's goodput probes, each rate simulated (or pruned by `bound`) at most once, in
+    the order asked (`probes`).  `passes` answers without simulating where monotonicity decides
+    (at or below a passing rate passes, at or above a failing one fails).
+    """
 
     def __init__(self, target: float, simulate: Simulate, bound: Callable[[float], float],
                  exhaustive: bool = False, on_probe: Callable[[Probe], None] | None = None):
@@ -86,7 +79,7 @@ class Prober:
         return p
 
     def passes(self, rate: float) -> bool:
-        """Whether the deployment holds the SLO's attainment at `rate` (class docstring)."""
+        """Whether the deployment holds the SLO's attainment at `rate`."""
         for p in self.probes:
             if p.rate == rate:
                 return p.attainment >= self.target
@@ -104,17 +97,12 @@ def grid(spec: GoodputSpec) -> list[float]:
 
 def bisect(spec: GoodputSpec, prober: Prober, start: float | None = None) -> tuple[float, float, tuple[Probe, ...]]:
     """-> (the goodput: requests per second within SLO at the highest passing offer, that offered
-    rate, every probe in the order run).  The highest passing offer is always simulated: its
-    window's requests within SLO are the goodput (if the premise failed there and it misses,
-    its numbers are still what is reported).
+    rate, every probe in the order run).  The highest passing offer is always simulated.
 
-    `start`, a rate of the bisection's grid (`grid`; `start_rate`), is
-    probed first, then its neighbour on the grid on the side its verdict leaves open (above a
-    pass, below a fail); the bisection then runs as without them, not simulating what they
-    settled (`Prober.passes`).  When the two bracket the goodput, that is every rate it asks:
-    two probes instead of the bisection's four or five, and none of the low rates it begins
-    with.  With attainment monotone in the rate, the answer is the same either way (the
-    grid's highest passing rate); a start off the mark costs at most two probes more."""
+    `start`, a rate of `grid`, goes first, then `bracket`'s neighbour; the bisection then skips
+    what they settled (`Prober.passes`).  With attainment monotone in the rate the answer is the
+    same either way; a start off the mark costs at most two probes more.
+    """
     if start is not None:
         bracket(spec, prober, start)
     offered, _ = report.sla_goodput(lambda r: 1.0 if prober.passes(r) else 0.0, prober.target,
@@ -134,14 +122,10 @@ def bracket(spec: GoodputSpec, prober: Prober, start: float) -> None:
 
 
 def start_rate(spec: GoodputSpec, capacity: Callable[[float], float]) -> float | None:
-    """Where a bisection should start (`bisect`): the highest rate of its grid that the
-    roofline's steady-state capacity at that rate (`plan_bounds.capacity`: requests per second
-    its slowest side carries, `capacity(rate)`) reaches, below the top: `rate_max` is meant
-    to fail, and a capacity that reaches it puts the goodput near it, so the search starts
-    one step below and probes the top second.  A deployment's goodput lies at or below its
-    capacity, most often within a step or two of the grid (16^(1/16) = 1.19 x each on the
-    paper scenario).  None where that says nothing: the capacity does not reach even
-    `rate_min`."""
+    """Where a bisection should start: the highest grid rate below `rate_max` that the roofline's
+    steady-state capacity at that rate reaches (`capacity(rate)`), or None when it does not
+    reach even `rate_min`.
+    """
     rates = grid(spec)
     return next((r for r in reversed(rates[:-1]) if capacity(r) >= r), None)
 

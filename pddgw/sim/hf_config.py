@@ -1,27 +1,17 @@
 """Model profiles from a Hugging Face `config.json`: the shipped ones or a user's own file.
 
-`profile_from_hf_config(d, name)` decodes one config at the edge: every key
-the cost model needs is read and checked here, an architecture it cannot
-price is refused naming the key, and what comes out is a `ModelProfile`.
-Supported `model_type`s:
+`profile_from_hf_config(d, name)` decodes one config at the edge: every key the cost model
+needs is checked here and an architecture it cannot price is refused naming the key.
+Supported `model_type`s: llama, qwen3 (dense GQA), qwen3_moe (GQA + MoE), deepseek_v3 and
+kimi_k2 (MLA + MoE), deepseek_v4 (sliding-window / CSA / HCA + MoE).
 
-  llama, qwen3         dense GQA
-  qwen3_moe            GQA + routed experts (Qwen3-235B-A22B)
-  deepseek_v3, kimi_k2 MLA + routed and shared experts after first_k_dense_replace
-  deepseek_v4          hybrid sliding-window / CSA / HCA attention + MoE
+Bytes per parameter: FP8 with `weight_block_size` [a, b] is 1 plus one scale per a x b block
+(4 bytes, or 1 with `scale_fmt` "ue8m0"); `expert_dtype` "fp4" makes routed experts MXFP4
+(0.53125); otherwise `torch_dtype` (BF16: 2).  KV precision is a serving choice: `kv_dtype`
+"auto" is FP8 for DeepSeek-V4 (SGLang's default pool for it), BF16 otherwise.
 
-Weight precision comes from `quantization_config`: FP8 with
-`weight_block_size` [a, b] costs 1 byte per parameter plus one scale per a x b
-block (4 bytes float32, 1 byte with `scale_fmt` "ue8m0"); `expert_dtype` "fp4"
-(DeepSeek-V4) makes routed experts MXFP4: half a byte per parameter plus one
-UE8M0 scale per 32 (0.53125); no quantization_config = `torch_dtype` (BF16: 2).
-The KV cache precision is a serving choice, not in the file: `kv_dtype`
-"auto" is FP8 for DeepSeek-V4 (SGLang's default packed pool for it) and BF16
-otherwise.
-
-`load_profile(name_or_path)` resolves a shipped name (model_configs/NAME.json,
-provenance in model_configs/SOURCES.md) or a path to a config.json (or to the
-directory holding one).
+`load_profile(name_or_path)` resolves a shipped name (model_configs/NAME.json, provenance in
+model_configs/SOURCES.md) or a path to a config.json or its directory.
 """
 
 from __future__ import annotations

@@ -1,39 +1,23 @@
 """A decoder's shape without weights: what FLOPs, bytes and KV the cost model charges it.
 
-`ModelProfile` is a decoder's shape as its Hugging Face `config.json` states
-it, without weights: enough for FLOPs, bytes and KV size, and for the
-`ModelSpec` the paged engine needs (`to_spec`).  Three attention families:
+`ModelProfile` is a decoder's shape as its Hugging Face `config.json` states it: enough for
+FLOPs, bytes and KV size, and for the paged engine's `ModelSpec` (`to_spec`).  Attention:
 
-  gqa  grouped-query attention (Llama, Qwen3, Qwen3-MoE): K and V of
-       num_kv_heads x head_dim per token per layer.
-  mla  multi-head latent attention (DeepSeek-V3, Kimi-K2): one latent of
-       kv_lora_rank plus a shared RoPE key of qk_rope_head_dim per token per
-       layer, whatever the head count.
-  v4   DeepSeek-V4's hybrid attention: every layer keeps the last
-       `sliding_window` tokens' 512-wide latent entries; a CSA layer
-       (compress ratio 4) adds one compressed entry per 4 tokens plus the
-       indexer's key for it and attends to the indexer's top-k of them; an
-       HCA layer (ratio 128) adds one entry per 128 tokens and attends to all.
-       The KV of a request is therefore not a constant per token:
+  gqa  K and V of num_kv_heads x head_dim per token per layer (Llama, Qwen3).
+  mla  one latent of kv_lora_rank + a RoPE key of qk_rope_head_dim per token per layer.
+  v4   DeepSeek-V4: a `sliding_window` of latent entries per layer, CSA layers (1 entry per
+       4 tokens + an indexer key, top-k attended), HCA layers (1 per 128, all attended).
        `kv_bytes(tokens)` is exact, `kv_bytes_per_token` the marginal rate.
 
-MoE layers (`num_experts` > 0): routed experts of which `experts_per_token`
-are active, `num_shared_experts` always active, after `first_k_dense` dense
-layers.  Routed-expert weights may have their own precision
-(`expert_bytes_per_param`: DeepSeek-V4 ships FP4 experts beside FP8 layers).
+MoE layers: `experts_per_token` of `num_experts` routed plus `num_shared_experts`, after
+`first_k_dense` dense layers; routed experts may have their own `expert_bytes_per_param`.
 
-DeepSeek-V4-Pro's KV, from its config.json: 30 CSA and 31 HCA layers, a
-128-token window, FP8 entries of 584 bytes and indexer keys of 132: 5,511.4
-bytes per token at the margin plus 4.56 MB of windows per request, so one
-64K-token request holds 365.8 MB and 80 of them 29.26 GB.  The often-quoted
-~23 GB (~4.4 KB per token) counts the compressed latent entries alone
-(30 x 584 / 4 + 31 x 584 / 128 = 4,521 B per token, 23.7 GB for 80): the CSA
-indexer's keys (30 x 132 / 4 = 990 B per token, +5.2 GB) and the windows
-(+0.36 GB) are KV a server holds and a transfer moves too.
+V4-Pro's KV is 5,511.4 B per token at the margin plus 4.56 MB of windows per request; the
+often-quoted ~4.4 KB per token leaves out the indexer keys and windows, which a server holds
+and a transfer moves too.
 
-Units: FLOP/s and bytes are decimal (1 TB = 1e12 B, 1 GB = 1e9 B), as on
-NVIDIA datasheets; KV sizes are exact byte counts.
-
+Units: FLOP/s and bytes are decimal (1 TB = 1e12 B), as on NVIDIA datasheets; KV sizes are
+exact byte counts.
 """
 
 from __future__ import annotations

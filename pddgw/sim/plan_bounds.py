@@ -1,60 +1,14 @@
 """The roofline's verdict on a candidate at a rate: which side cannot keep up, without simulating.
 
-A probe offers the workload at a rate: `pddgw sim`'s goodput probe
-(`probe.probe_workload`: open-loop conversations over warm-up + window, or a
-trace's head scaled to the rate), whose attainment counts the requests
-that arrive in its window [W0, W1).  Its demand (`Demand`) is what each of
-its requests asks of a deployment, counted as low as it can be:
+A probe's `Demand` is what each request of `pddgw sim`'s goodput probe asks, counted as low as
+it can be (infinite caches, answers to max_tokens), with the earliest and latest it can
+arrive.  A candidate's capacity per side (prefill, decode, kv, wan, relay, latency) is
+counted as high as it can be from the engines' own roofline (`roofline.step_cost`).
 
-  uncached  prompt tokens no cache can hold, with infinite caches: a first
-            turn misses all but the shared prefix, a follow-up turn misses
-            what it does not keep of the previous turn (a trace request: its
-            blocks no earlier request had).  P computes them; a prefix-caching
-            MD lacks them (without one, naive cross-DC PD, it lacks the prompt)
-  output    output tokens (the cost-model engine runs every answer to max_tokens)
-
-and when each request can arrive: at the earliest its conversation's start
-plus the think times before it (every earlier turn answered at once), at
-the latest that plus each earlier turn's whole SLO budget (ttft + tpot x
-its output tokens but the first).  A trace request arrives at its (scaled)
-timestamp.  A request is surely in the window when both lie in it, maybe
-in it when the two straddle it.
-
-A candidate's capacity is counted as high as it can be, from the same step
-roofline the engines run on (`pddgw.sim.roofline.step_cost`):
-
-  prefill  P instances x B / step(B tokens with no context), B =
-           max_num_batched_tokens x its DP ranks: the fastest a P turns prompt
-           tokens into KV
-  decode   the decoders (MD, and RLD for PDD) x n / step(n decodes at the
-           shortest context), n = as many sequences as max_num_seqs (per DP
-           rank) and their KV pool allow: the most output tokens per second
-  kv       the pools' tokens; a request holds at least its prompt's KV for
-           its output tokens but the first x the fastest decode step
-  wan      cross-DC kinds: bytes per second of the WAN (one pipe when it
-           is shared, one per P x MD pair when not) against the missing
-           KV.  PDD adds what RLD can carry instead: a request whose KV has
-           not crossed when its answer ends was decoded whole by a relay,
-           which holds one of rld_max_relays slots per RLD instance for its
-           output tokens but the first x the fastest RLD step
-  latency  a decode step at batch 1 longer than the TPOT SLO: no request
-           whose answer has two tokens or more meets it, at any rate
-
-`capacity` states each side in requests per second of this workload (the
-steady state, what the tables print).  `attainment_bound` is what prunes:
-a window request that meets its SLOs arrived in [W0, W1) and had its
-prefill by its arrival + ttft (P-MD kinds: its KV at MD too), its decode by
-that + tpot x its output tokens, so the window's requests meeting them fit,
-smallest first among those maybe in the window, into each side's capacity
-x (W1 - W0 + that budget); the least of those counts (`met_bound`) over the
-requests surely in the window bounds the probe's attainment (met / arrived
-<= met_bound / surely arrived).  A probe whose bound is below the SLO's
-attainment target is not simulated (it counts as failed); met_bound /
-(W1 - W0) bounds the requests per second within SLO, the probe's goodput.
-The latest arrivals take conversations whose every earlier turn met its
-SLO; a turn that missed it may push its conversation's next turns later,
-out of the window, which the planner's brute-force tests check does not
-move an optimum on a small space.
+Invariant: every bound here is an upper bound, so pruning never drops a candidate or probe
+the simulation would pass.  `capacity` is the steady state the tables print;
+`attainment_bound` is what prunes a probe (below the attainment target: not simulated).
+Derivation: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -74,12 +28,16 @@ from pddgw.sim.workload import Conversation
 
 @dataclass(frozen=True, slots=True)
 class Demand:
-    """What one probe's workload asks (module docstring): per request, in arrival order."""
+    """What one probe's workload asks, per request in arrival order.  `uncached`: prompt tokens in
+    no earlier request's blocks.  A request arrives at the earliest at its conversation's start
+    plus the think times before it, at the latest that plus each earlier turn's whole SLO
+    budget; it is surely in the window when both lie in it, maybe when they straddle it.
+    """
 
     uncached: tuple[int, ...]        # prompt tokens P computes, and a prefix-caching MD lacks
     prompt: tuple[int, ...]          # prompt tokens (naive: all of them cross)
     output: tuple[int, ...]          # output tokens
-    earliest: tuple[float, ...]      # the earliest each can arrive (module docstring)
+    earliest: tuple[float, ...]      # the earliest each can arrive
     latest: tuple[float, ...]        # the latest, every earlier turn of its conversation within SLO
     start_s: float                   # the probe's window of measured arrivals [start_s, end_s)
     end_s: float
@@ -302,14 +260,11 @@ def _sides(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> _Side
 def capacity(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> Bound:
     """Requests per second each side of `cand` carries in the steady state for the workload of `d`.
 
-    Besides the sides the bounds read (module docstring), an estimate the bounds leave out
-    (they count every cache as infinite): `p_kv`, the rate at which P's pools keep each
-    prompt from its prefill until its conversation's next turn (its answer at the fastest
-    decode step, then the think time), so that the next turn's prefill hits it.  Above it
-    P recomputes what the prefill side counts as cached: a DP16 H100 instance of V4-Pro
-    keeps 17 contexts of 64K, and four of them served ~3 req/s of the paper's workload with
-    ~8 s first tokens, against ~41 req/s on the prefill side.  `pddgw plan` orders its
-    candidates by the slowest side, this one included, and prints it."""
+    Adds `p_kv`, an estimate the bounds leave out: the rate at which P's pools keep each prompt
+    until its conversation's next turn.  Above it P recomputes what the prefill side counts as
+    cached (four DP16 H100 V4-Pro instances measured ~3 req/s with ~8 s first tokens, against
+    ~41 req/s on the prefill side); `pddgw plan` orders its candidates by it too.
+    """
     s = _sides(at, prof, cand, d)
 
     def rate(side: tuple[float, list[float]]) -> float:
@@ -343,7 +298,9 @@ def _fit(budget: float, uses: list[float]) -> int:
 
 
 def met_bound(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> int:
-    """The most of the window's requests that can meet every SLO (module docstring)."""
+    """The most of the window's requests that can meet every SLO: those maybe in the window fit,
+    smallest first, into each side's capacity x (window + SLO budget); the least count wins.
+    """
     s = _sides(at, prof, cand, d)
     if s.latency:
         return 0

@@ -3,63 +3,23 @@
 Lifecycle of one kind's search (`_KindSearch`):
 
   1. Enumerate the candidates within the budgets (`plan_space.candidates`).
-  2. Bound each one without simulating: run the goodput bisection of
-     `report.sla_goodput` with a probe that passes wherever the roofline
-     does not prune the rate (`plan_bounds`).  The offered rate it ends at
-     is at or above the one the real search ends at.  The real search, from
-     whatever start (step 3), ends at the grid's highest passing rate, since
-     attainment falls as the rate rises (the bisection's premise); every
-     grid rate up to it passes, so the roofline prunes none of them, and a
-     bisection that goes up at every rate not pruned never leaves a bracket
-     holding that rate but to go above it.  The real one ends on a rate of
-     the bisection's grid (`report.bisection_rates`) that the roofline does
-     not prune, so the most requests per second within SLO the roofline
-     allows at any such rate up to the bound's is an upper bound on the
-     goodput.
-  3. Order the candidates by the steady-state roofline's rate (its
-     slowest side, `plan_bounds.capacity`) per USD, best first (the most
-     promising first: the sooner the table holds strong results, the more
-     the next steps cut), and evaluate them in that order: the real
-     bisection, started where the roofline's capacity puts the goodput
-     (`goodput.start_rate`, as `pddgw sim` starts), each probe `pddgw
-     sim`'s goodput probe (`probe.run_probe`: open-loop conversations, the
-     window's requests counted) simulated on the virtual clock (`pddgw
-     sim`'s deployment, engines and control plane) unless the roofline
-     prunes its rate.  The goodput is `pddgw sim`'s: the window's requests per second
-     within SLO at the highest offered rate whose attainment holds.
-  4. Once `top` candidates are evaluated, drop every candidate left whose
-     bound per USD ranks below the top-th real result (it cannot enter the
-     table: branch and bound); stop when none is left.  With `jobs` workers
-     the m-th candidate reads the results of the first m - jobs only, so the
-     search is the same whichever evaluation ends first (`_KindSearch`).
-  5. Once `top` are evaluated, a candidate still left is first offered one
-     refuting probe: the highest rate of the bisection's grid at which a
-     fail would cap its goodput per USD below the top-th real result (its
-     goodput would then be a passing probe's at a lower grid rate, at most
-     the roofline's bound on requests per second within SLO there).  If it
-     fails there, it cannot enter the table and is not evaluated further
-     (`refuted`); if it passes, its bisection runs, without simulating
-     again what that pass settles (`goodput.Prober`: attainment falls as
-     the offered rate rises, the bisection's own premise), and stops as
-     soon as the cap of its lowest fail, now counting each simulated
-     lower rate's own requests per second within SLO instead of the
-     roofline's bound (`_below`), ranks below the table.  An overloaded probe
-     settles early (`probe.run_probe`), so a refutation costs less than a
-     bisection.  Where the bisection's start lies above the refuting rate,
-     the start goes first: a pass there settles the refuting rate, and a
-     contender passes its start anyway, so a refuting probe below it would
-     be one passing probe more.  As in the bisection (`goodput.bracket`), a
-     fail there is followed by its neighbour below, where the goodput most
-     often lies (`goodput.start_rate`), at or above the refuting rate (both
-     are grid rates): a pass there ends the bisection and settles the
-     refuting rate (two probes; the refuting probe before the neighbour took
-     three); a fail leaves the refuting probe next, if it is lower.
+  2. Bound each one without simulating: the goodput bisection with a probe that passes
+     wherever the roofline does not prune the rate (`plan_bounds`); an upper bound on the
+     real goodput, since attainment falls as the rate rises.
+  3. Order by roofline capacity per USD, best first, and evaluate in that order: the real
+     bisection (`pddgw sim`'s probe and goodput), started at `goodput.start_rate`, skipping
+     probes the roofline prunes.
+  4. Once `top` are evaluated, drop every candidate whose bound per USD ranks below the
+     top-th result (branch and bound).  With `jobs` workers the m-th candidate reads the
+     results of the first m - jobs only, so the outcome does not depend on timing.
+  5. A candidate still left is first offered one refuting probe, the highest grid rate at
+     which a fail caps its goodput per USD below the table; a fail drops it (`refuted`), a
+     pass continues its bisection, which stops once its cap ranks below the table (`_below`).
 
-`exhaustive = True` is the brute force the tests compare against: every
-candidate, every probe simulated, no pruning, no bound and no start (the plain
-bisection).  Ranking key:
-goodput per USD per hour, then the lower price, then the label, so ties
-resolve the same way in every mode and at any `jobs`.
+`exhaustive = True` is the brute force the tests compare against: every probe simulated, no
+pruning, no bound, no start.  Ranking key: goodput per USD-hour, then the lower price, then
+the label, so ties resolve the same in every mode and at any `jobs`.  Why each step is
+sound: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -247,11 +207,10 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
 class _KindSearch:
     """One kind's search (lifecycle steps 1-4) as a queue of candidates to evaluate, in order.
 
-    The m-th candidate evaluated starts only once the first m - jobs have ended, and its bar
-    (`beat`) and the cut (step 4) read exactly those results: the search takes the same steps
-    whatever order the evaluations end in (with jobs 1, each one after the last).  No batch
-    waits for its slowest: the next candidate waits only for the results it reads, and
-    meanwhile a free worker may take another kind's candidate (`_drive`)."""
+    The m-th candidate starts once the first m - jobs have ended, and its bar (`beat`) and the
+    cut read exactly those results, so the search is the same whatever order evaluations end in.
+    A free worker may meanwhile take another kind's candidate (`_drive`).
+    """
 
     def __init__(self, plan: Plan, kind: Kind, exhaustive: bool, jobs: int):
         self.plan, self.kind, self.exhaustive, self.jobs = plan, kind, exhaustive, max(1, jobs)

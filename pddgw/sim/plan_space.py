@@ -1,25 +1,19 @@
 """The search space of `pddgw plan`: a planner TOML decoded, and the candidate deployments it allows.
 
-A plan names a scenario (model, links, workload, SLOs; `pddgw sim`'s format;
-the plan may replace its `model`, workload (`[workload]` or a `trace`), `[slo]`,
-`[goodput]` search and WAN bandwidth) and the space to search: a hardware menu with prices per cluster, a GPU cap
-and a USD budget per cluster and in total, and per role the instance counts
-and parallelism shapes allowed.  It is TOML decoded with the config loader
-(`pddgw.config.build`): an unknown key or a bad value is an error naming the
-file and the dotted key.
+A plan names a scenario (`pddgw sim`'s format; the plan may replace its model, workload or
+trace, SLOs, goodput search and WAN bandwidth) and the space: a hardware menu with prices per
+cluster, GPU caps and USD budgets, and per role the instance counts and shapes allowed.
+Decoded with `pddgw.config.build`: an unknown key or bad value names the file and dotted key.
 
-Deployment kinds (each one sized for its own hardware: docs/architecture.md, The regime PDD lives in):
+Deployment kinds (docs/architecture.md, The regime PDD lives in):
 
   same-dc         P and decode in cluster A, P-MD forced (homogeneous PD)
-  naive-cross-dc  P in A, MD in B without a prefix cache, P-MD forced: the
-                  whole prompt KV crosses the WAN
+  naive-cross-dc  P in A, MD in B without a prefix cache, P-MD forced
   pdd             P and RLD in A, MD in B, the router's policy decides
 
-`candidates(plan, sc, kind)` enumerates every combination of (hardware,
-shape, count) per role of a kind, drops the (hardware, shape) pairs the
-model does not fit (weights + KV, as `pddgw sim` would refuse them), and
-keeps the combinations within the budgets; none left is a ConfigError that
-names the kind, the smallest deployment's needs and the budget.
+`candidates(plan, sc, kind)` enumerates (hardware, shape, count) per role, drops the pairs
+the model does not fit (as `pddgw sim` would) and keeps those within the budgets; none left
+is a ConfigError naming the kind, the smallest deployment's needs and the budget.
 """
 
 from __future__ import annotations

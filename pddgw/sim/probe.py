@@ -43,12 +43,10 @@ def _trace_head(path: str, limit: int, output_cap: int, seed: int) -> tuple[Conv
 def probe_workload(sc: Scenario, rate: float) -> ProbeWorkload:
     """The workload of one goodput probe at `rate` offered requests per second.
 
-    Agentic: conversations arrive open-loop at rate / mean turns for warmup_s + seconds, every
-    one plays all its turns, and the window is the arrivals of the last `seconds`.  A trace:
-    its first rate x seconds requests (at least min_requests, at most the trace's `requests`
-    when set) with their timestamps scaled so that they arrive at `rate` on average; the
-    window holds every one of them: [0, n / rate), n / rate seconds for n requests; a
-    `burst_s` gathers the scaled arrivals (`workload.gather`)."""
+    Agentic: open-loop conversations over warmup_s + seconds, the window the arrivals of the last
+    `seconds`.  A trace: its first rate x seconds requests (at least min_requests, at most
+    `requests`) scaled to arrive at `rate`, all in the window [0, n / rate).
+    """
     g = sc.goodput
     wl = sc.workload
     if wl.kind == "agentic":

@@ -108,13 +108,9 @@ class HardwareProfile:
 #     H200 has the same SMs and clocks as H100 and no published bf16 prefill
 #     profile was found, so it inherits H100's.
 #
-#   Refreshed with FP8 and MoE measurements (pddgw/sim/calibration.toml,
-#     docs/results/calibration.md): TensorRT-LLM's H100 FP8 first-token
-#     latencies (Llama-2-70B TP4 and Llama-2-7B TP1 at 2K tokens) sit within
-#     6 % of 0.40 of the FP8 peak, and DeepSeek's own H800 prefill profile
-#     (EP32, 4K prompts, 16K tokens per GPU, communication hidden by two
-#     micro-batches) implies ~0.33 of the FP8 peak end to end.  0.40 stays,
-#     now as the fraction of the peak the weights' precision runs at.
+#     It is the fraction of the peak the weights' precision runs at: TensorRT-LLM's H100
+#     FP8 first tokens sit within 6 % of 0.40 of the FP8 peak, DeepSeek's H800 prefill
+#     profile implies ~0.33 (pddgw/sim/calibration.toml, docs/results/calibration.md).
 #
 # H800 SXM5 (DeepSeek's own serving part): the H100 SXM die and HBM3 (same
 #   FP8 / BF16 peaks, 80 GB at 3.35 TB/s) with NVLink cut to 400 GB/s both

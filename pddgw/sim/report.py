@@ -1,21 +1,14 @@
 """From per-request results to the numbers a capacity plan needs.
 
-`summarize` reduces one run: latency percentiles (TTFT, TPOT, ITL, E2E),
-SLO attainment, where the tokens came from (RLD's share), which pipelines
-ran, WAN bytes and link utilisation, handoff stalls and catch-up rounds.
-`sla_goodput` finds the highest offered request rate at which at least
-`attainment` of the requests meet every SLO (failed requests miss), by
-bisection over rates between bounds; `bcr` is goodput per unit of cost,
-relative to a baseline deployment's.  Percentiles are nearest-rank, so they
-are values that occurred.
+`summarize` reduces one run: latency percentiles (TTFT, TPOT, ITL, E2E; nearest-rank, so
+values that occurred), SLO attainment, RLD's share of tokens, pipelines, WAN bytes and link
+utilisation, handoff stalls.  `sla_goodput` bisects for the highest offered rate at which at
+least `attainment` of the requests meet every SLO (failed requests miss); `bcr` is goodput
+per unit of cost relative to a baseline deployment's.
 
-Goodput is counted the paper's way (`window_goodput`): conversations arrive
-open-loop, each probe measures the requests that arrived inside a fixed
-window (after a warm-up, so that conversations overlap), and the SLA
-goodput is the rate of those that met every SLO, requests per second, at
-the highest offered rate whose attainment holds: between `attainment` x
-and 1 x the arrival rate the window saw (the offered rate, once
-conversations overlap).
+Goodput is counted the paper's way (`window_goodput`): open-loop arrivals, each probe judging
+the requests that arrived in a fixed window after a warm-up; the goodput is the rate of those
+that met every SLO at the highest offered rate whose attainment holds.
 """
 
 from __future__ import annotations
@@ -123,25 +116,15 @@ def window_goodput(requests: Sequence[RequestResult], slo: SloSpec, start_s: flo
 
 
 class WindowVerdict:
-    """Settles a goodput probe as soon as its window's outcome is known (a `cluster.Watch`).
+    """Settles a goodput probe as soon as its window's outcome is known (a `cluster.Watch`),
+    raising `cluster.Decided`; a probe never decided is judged by `window_goodput`.
 
-    Two ways, each raising `cluster.Decided` (the run stops there, nothing after it counts):
-
-    * **Out of reach.**  `most` bounds the requests that can arrive in [start_s, end_s) (every
-      turn of every conversation that starts before end_s, less each one that has arrived
-      outside the window: the warm-up's, and those after it).  A window request has missed once
-      it ended outside the SLO, or once a later arrival finds it past its TTFT deadline without
-      a first token.  With `missed` such requests the window's attainment is at most
-      (most - missed) / most, whatever the rest do (more arrivals only add to both counts), so
-      once that is below `target` the probe fails exactly as the whole run would.  `window()`
-      then reports that bound (requests = most, met = most - missed), its misses by cause as
-      far as seen (a request without a first token at its deadline counts as a TTFT miss until
-      it ends, then by `miss_cause`).
-    * **Complete.**  Once a request arrives at or after end_s no more window requests can come,
-      and once every window request has ended the window is what the whole run would measure:
-      the rest of the run (the conversations' later turns) only happens after them.  `window()`
-      is then exact, request for request `window_goodput` of the whole run.
-    A probe never decided is judged by `window_goodput`.
+    * Out of reach: `most` bounds the requests that can arrive in [start_s, end_s).  With
+      `missed` window requests past their SLO the attainment is at most (most - missed) / most
+      whatever the rest do; once that is below `target` the probe fails as the whole run would,
+      and `window()` reports that bound.
+    * Complete: once a request arrives at or after end_s and every window request has ended,
+      `window()` is exact: request for request `window_goodput` of the whole run.
     """
 
     def __init__(self, slo: SloSpec, target: float, start_s: float, end_s: float, most: int):
@@ -273,16 +256,11 @@ def sla_goodput(probe: Callable[[float], float], target: float, lo: float, hi: f
                 probes: int) -> tuple[float, list[tuple[float, float]]]:
     """Highest rate in [lo, hi] whose attainment (probe(rate)) is >= target.
 
-    Geometric bisection (rates span orders of magnitude) of `probes` probes: lo,
-    hi and probes - 2 midpoints; -> (goodput, the (rate, attainment) points
-    probed, in order).  0.0 when even `lo` fails.  The midpoints come first:
-    the bracket's ends are probed only when the midpoints leave them in doubt.
-    `hi` is meant to fail (the top of the range, above every goodput), so it is
-    probed only when every midpoint passed: a probe above the goodput runs its
-    whole warm-up before its window can fail it, the dearest probe of a
-    search.  `lo` is meant to pass, so it is probed only when every midpoint
-    failed.  With attainment monotone in the rate, the answer is that of
-    probing `lo` first and `hi` second.
+    Geometric bisection of `probes` probes (lo, hi and probes - 2 midpoints) -> (goodput, the
+    (rate, attainment) points probed, in order); 0.0 when even `lo` fails.  The midpoints come
+    first; `hi` is probed only when every midpoint passed (a probe above the goodput is the
+    dearest), `lo` only when every one failed.  With attainment monotone in the rate, the answer
+    is that of probing `lo` first and `hi` second.
     """
     points: list[tuple[float, float]] = []
 

@@ -1,73 +1,14 @@
 """One engine step's time on modeled GPUs: a roofline of FLOPs and HBM bytes, plus communication.
 
-A step computes a mixed batch: prefill chunks, extends (k tokens appended to
-a cached prefix) and decodes (1 token).  Each sequence in it is a `SeqWork`:
-`new` tokens computed now on top of `ctx` tokens whose KV already exists.
-An instance is `Parallel(tp, dp, ep)`: dp attention data-parallel ranks
-(DP-attention) of tp tensor-parallel GPUs each, gpus = tp * dp; the routed
-experts of a MoE are spread over ep GPUs (expert parallelism; ep = gpus by
-default, each expert's matrices split over the gpus / ep GPUs of its group).
-A dense model served as today is Parallel(tp): dp = 1, no experts.
+A step is a mixed batch of `SeqWork`s (`new` tokens computed on top of `ctx` tokens whose KV
+exists); an instance is `Parallel(tp, dp, ep)`, gpus = tp * dp.  Per GPU:
 
-  FLOPs (whole instance), T = sum(new) tokens in the step
-    linear     2 * P * T, P = `ModelProfile.active_params_per_token` (no
-               embedding lookup, LM head included, routed experts: the k a
-               token visits).  The LM head is charged for every new token,
-               although only the last one of a prefill chunk needs logits:
-               simpler, and it overstates a long chunk by vocab/params.
-    attention  sum over sequences of `ModelProfile.attention_flops(ctx, new)`:
-               GQA / MLA every key of the context and, causally, of the chunk;
-               DeepSeek-V4 the window, the indexer's top-k of the CSA
-               entries plus the indexer scoring all of them, every HCA entry.
-  bytes (HBM reads + writes)
-    dense weights   every weight but the routed experts, read once per step: the
-                    attention layers by each attention rank (DP-attention
-                    replicates them), per GPU attention_weight_bytes / tp; the
-                    embedding, LM head, dense MLPs and shared experts split over
-                    all the GPUs, per GPU (dense - attention) / gpus
-    routed experts  the experts the step's tokens visit: with uniform routing
-                    each MoE layer's T tokens visit E * (1 - (1 - k/E)^T)
-                    distinct experts on average (`distinct_experts`: k at
-                    T = 1, E as T grows), spread over the instance: per GPU
-                    num_moe_layers * distinct * expert_bytes / gpus
-    KV         sum over sequences of `ModelProfile.kv_read_bytes(ctx, new)`
-               (the cached KV read, the new tokens' KV written): split over
-               the dp ranks; within a rank over tp when the KV has heads to
-               split (GQA), replicated on each of the tp GPUs when it is one
-               latent (MLA, V4: the reason DP-attention exists)
-    Activations are ignored: a few % of a decode step's bytes for the
-    batches where bytes decide.
+    seconds = max(compute_s, memory_s) + comm_s + step_overhead_ms / 1e3
 
-  per GPU
-    compute_s = FLOPs / gpus / (peak * compute_efficiency), peak the FP8
-                tensor-core one when the weights are FP8 or FP4 (FP4 runs as
-                FP8 on Hopper) and the part has one, else BF16.  With dp > 1
-                a sequence lives on one attention rank, and the step waits
-                for its busiest: when the attention side (projections +
-                attention) of the step's largest chunk exceeds an even share
-                of the step's (its total / dp), that rank's excess over the
-                share is added, over its tp GPUs.  A lone 8K-token chunk on a
-                DP16 instance thus costs its attention on one rank, not a
-                sixteenth of it; steps whose chunks spread over the ranks,
-                and decode-only steps, are priced evenly.
-    memory_s  = bytes per GPU / (hbm_tb_s * 1e12 * bandwidth_efficiency)
-    comm_s    TP all-reduces inside an attention rank (tp > 1): one after
-              attention per layer, one after the MLP per dense layer (and per
-              MoE layer when ep = 1), each allreduce_latency_us plus, for a
-              ring, 2 * (tp - 1) / tp of its (T / dp) * D * 2-byte buffer
-              over interconnect_gb_s.  Expert parallelism (ep > 1): per MoE
-              layer a dispatch and a combine all-to-all; each GPU sends its
-              T / gpus tokens' hidden states to k experts, FP8 out (1 byte a
-              value, DeepEP's dispatch) and BF16 back (2 bytes): (ep - 1) / ep
-              of it leaves the GPU, the share bound for GPUs on other nodes
-              (ep > gpus_per_node) over scaleout_gb_s, the rest over NVLink,
-              the slower of the two deciding, plus 2 * allreduce_latency_us.
-  seconds = max(compute_s, memory_s) + comm_s + step_overhead_ms / 1e3
-
-Communication is not overlapped with compute (engines without
-compute/communication overlap, the common case; DeepSeek's two-micro-batch
-overlap would hide part of comm_s).  A step with no new tokens does no work
-and costs nothing, overhead included.
+compute_s, memory_s and comm_s are defined where they are computed (`_priced`,
+`_StepConsts.by_new`, `alltoall_s`, `step_cost`).  Communication is not overlapped with
+compute; activations are ignored (a few % of a decode step's bytes).  A step with no new
+tokens costs nothing, overhead included.  Model and assumptions: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -265,7 +206,10 @@ def _decode_attention(model: ModelProfile, lengths: list[int]) -> tuple[float, f
 
 
 def alltoall_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: int) -> float:
-    """One MoE layer's dispatch + combine on the slowest GPU (module docstring)."""
+    """One MoE layer's dispatch (FP8) + combine (BF16) on the slowest GPU: each GPU sends its
+    T / gpus tokens to k experts; (ep - 1) / ep of it leaves the GPU, the share bound off-node over
+    scaleout_gb_s, the rest over NVLink, the slower deciding, plus 2 * allreduce_latency_us.
+    """
     ep = par.expert_parallel
     if ep <= 1 or not model.num_experts or tokens <= 0:
         return 0.0
@@ -281,11 +225,10 @@ def alltoall_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: 
 
 
 class _StepConsts:
-    """What `step_cost` computes from the instance alone, and per step size (T = sum(new)):
-    every step of one engine prices the same (model, hardware, shape), and a size repeats
-    (decode batches), so only the attention and the sums are left per step.  Each value is
-    the very expression `step_cost` evaluated (same operands, same order): the costs are the
-    same to the last bit."""
+    """What `step_cost` computes from the instance alone, and per step size T (decode batches
+    repeat it).  Each value is the very expression `step_cost` evaluates, same operands and
+    order, so the costs are the same to the last bit.
+    """
 
     __slots__ = ("model", "hw", "par", "linear_per_token", "gpus", "kv_copies", "attn_per_tp", "compute_rate",
                  "memory_rate", "overhead_s", "_by_new", "_attn_dp", "_shared_bytes", "_expert_bytes")
@@ -303,8 +246,12 @@ class _StepConsts:
         self._by_new: dict[int, tuple[float, float, float]] = {}
 
     def by_new(self, new: int) -> tuple[float, float, float]:
-        """(dense + attention + expert bytes, shared + expert bytes, communication seconds) of
-        a step of `new` tokens."""
+        """(dense + attention + expert bytes, shared + expert bytes, communication seconds) of a step of
+        `new` tokens.  Routed experts: num_moe_layers * distinct_experts * expert_bytes.  TP (tp > 1):
+        one all-reduce per layer after attention and one per dense-MLP layer (and per MoE layer when
+        ep = 1), each allreduce_latency_us + 2 (tp - 1) / tp * buffer / interconnect, buffer
+        (T / dp) * hidden * 2 bytes; plus an all-to-all per MoE layer (`alltoall_s`).
+        """
         got = self._by_new.get(new)
         if got is not None:
             return got
@@ -346,8 +293,11 @@ def _new_tokens(w: SeqWork) -> int:
 
 
 def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, batch: Sequence[SeqWork]) -> StepCost:
-    """The modeled duration of one forward step of `batch` on one instance of `hw` GPUs split
-    as `tp` (a TP degree or a `Parallel`; formulas: module doc)."""
+    """The modeled duration of one forward step of `batch` on one instance of `hw` GPUs split as
+    `tp` (a TP degree or a `Parallel`).  With dp > 1 the step waits for its busiest attention
+    rank: when the largest chunk's attention (projections + attention) exceeds an even 1 / dp
+    share, the excess is added over that rank's tp GPUs.
+    """
     par = tp if type(tp) is Parallel else as_parallel(tp)
     work = [w for w in batch if w.new_tokens > 0]
     if not work:
@@ -356,7 +306,7 @@ def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, batc
     c = _step_consts(model, hw, par)
     attn_flops, kv = _attention(model, work)
     extra_s = 0.0
-    if par.dp > 1 and new > len(work):            # a chunk of more than one token: module doc
+    if par.dp > 1 and new > len(work):            # a chunk of more than one token: busiest rank
         big = max(work, key=_new_tokens)
         attn_linear = _attention_linear(model)
         own = attn_linear * big.new_tokens + _attention(model, (big,))[0]
@@ -377,8 +327,14 @@ def decode_step_cost(model: ModelProfile, hw: HardwareProfile, par: Parallel, le
 
 
 def _priced(c: _StepConsts, new: int, attn_flops: float, kv: float, extra_s: float) -> StepCost:
-    """The StepCost of a step of `new` tokens whose attention is (attn_flops, kv bytes), with
-    `extra_s` of busiest-rank compute (module doc)."""
+    """The StepCost of a step of `new` tokens whose attention is (attn_flops, kv bytes).
+
+    FLOPs = 2 * active_params_per_token * T + attention (LM head charged for every new token);
+    compute_s = FLOPs / gpus / (peak * compute_efficiency) + `extra_s` (busiest DP rank);
+    memory_s = per-GPU bytes / (hbm_tb_s * 1e12 * bandwidth_efficiency), attention weights read
+    per rank (/ tp), other dense weights and routed experts split over all GPUs, KV split over
+    dp and over tp only when it has heads (GQA; MLA and V4 latents are replicated per tp GPU).
+    """
     flops = c.linear_per_token * new + attn_flops
     base_bytes, other_bytes, comm_s = c.by_new(new)
     nbytes = base_bytes + kv * c.kv_copies

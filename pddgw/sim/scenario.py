@@ -137,15 +137,9 @@ class SloSpec:
 class GoodputSpec:
     """Search of SLA goodput per deployment: bisection over offered request rates.
 
-    One probe (pddgw.sim.probe.probe_workload, the planner's too): agentic
-    conversations arrive open-loop at `rate / mean turns` for `warmup_s +
-    seconds`, each plays all its turns closed-loop (think time after each
-    answer), and the requests that arrive in the last `seconds` are measured;
-    `warmup_s` lets conversations overlap so the load holds.  A trace's probe
-    takes its first rate x seconds requests (at least `min_requests`), their
-    timestamps scaled to arrive at `rate`, and measures them all.  Goodput is
-    the measured requests per second within SLO at the highest rate whose
-    attainment holds.
+    One probe (`probe.probe_workload`): agentic conversations arrive open-loop for `warmup_s +
+    seconds` and the requests arriving in the last `seconds` are measured; a trace's probe takes
+    its first rate x seconds requests (at least `min_requests`) scaled to `rate`.
     """
 
     enabled: bool = True

@@ -1,37 +1,21 @@
 """Workloads for `pddgw sim`: agentic multi-turn conversations, or a Mooncake trace.
 
-A workload is a list of `Conversation`s; each is a script of turns that a
-client plays against the router: wait for the conversation's start, send a
-turn, wait for its answer, think, send the next.
+A workload is a list of `Conversation`s, each a script of turns a client plays against the
+router: wait for its start, send a turn, wait for its answer, think, send the next.
 
-Agentic conversations (`agentic`) keep a context window of about
-`context_tokens`.  Turn 0 is the shared system prompt (`shared_prefix_tokens`,
-the same for every conversation: tool definitions) followed by the
-conversation's own fresh material.  Turn k keeps the first
-`hit_k * context` tokens of what the model saw and said in turn k-1 (its
-prompt, then its answer) and appends fresh tokens (a tool result, a file, a
-user message) up to the context length.  A cache that holds turn k-1 (MD
-keeps prompt and answer) therefore hits exactly `hit_k` of turn k's prompt;
-P, which never saw the answer, hits at most the previous prompt.  `hit_k` is
-drawn per turn from `hit_buckets`: (weight, low, high) bands, uniform within
-a band.  The paper's traffic (average hit ~90 %, 70-80 % of requests above
-95 %) is a heavy band at [0.95, 1) and a lighter one below it; the bathtub
-sweep uses one narrow band per point.
+Agentic (`agentic`): turn 0 is the shared system prompt plus fresh material; turn k keeps
+the first `hit_k * context` tokens of what the model saw and said in turn k-1 and appends
+fresh tokens up to `context_tokens`.  A cache holding turn k-1 (MD) thus hits exactly
+`hit_k` of turn k's prompt; P, which never saw the answer, at most the previous prompt.
+`hit_k` is drawn per turn from `hit_buckets` ((weight, low, high) bands, uniform within).
 
-Mooncake traces (`load_trace`): each request is a conversation of one turn
-at its timestamp.  Each hash id names a 512-token block of the prompt; every
-id maps to a fixed block of token ids (equal ids share a prefix), truncated
-to the request's input length.
+Mooncake traces (`load_trace`): one single-turn conversation per request at its timestamp;
+each hash id names a fixed 512-token block (equal ids share a prefix).
 
-Arrivals: conversations start as a Poisson process, or a gamma process with
-coefficient of variation `gamma_cv` (bursty when > 1), at `rate /
-mean turns` conversations per second, so that requests arrive at about
-`rate` per second once conversations overlap.  Conversations arrive
-open-loop (a slow deployment does not slow their arrival); the turns of one
-conversation are a closed loop (each waits for the previous answer and the
-think time).  `agentic` either stops at `requests` requests (the last
-conversation cut short) or, given `horizon_s`, starts conversations over
-that horizon with all their turns (a goodput probe's fixed arrival window).
+Arrivals are open-loop (Poisson, or gamma with `gamma_cv`) at `rate / mean turns`
+conversations per second; the turns of one conversation are a closed loop.  `agentic` stops
+at `requests` requests, or given `horizon_s` starts conversations over that horizon with all
+their turns (a goodput probe's fixed window).
 """
 
 from __future__ import annotations
@@ -53,8 +37,8 @@ from pddgw.engines.prompt_hashes import prompt_hashes
 TRACE_BLOCK_TOKENS = 512
 # Token ids drawn for prompts: clear of the byte range and of special ids.
 _TOKEN_LOW, _TOKEN_HIGH = 1000, 30000
-# One int object per drawn id, shared by every prompt: a 64K-token prompt's fresh ids were 64K
-# new ints (~1.8 MB), a third of a paper-scenario probe's memory.
+# One int object per drawn id, shared by every prompt: fresh ints per prompt would be ~1.8 MB
+# per 64K-token prompt, a third of a paper-scenario probe's memory.
 _INTERNED = np.array(range(_TOKEN_LOW, _TOKEN_HIGH), dtype=object)
 
 
@@ -167,14 +151,12 @@ def agentic(spec: AgenticSpec, seed: int, horizon_s: float | None = None) -> lis
 
 
 class PromptBuilder:
-    """Token ids of each turn of one conversation (see the module docstring).
+    """Token ids of each turn of one conversation.
 
-    With `block_size` (the simulator, whose nodes hash and range-check each prompt in this
-    process), a prompt comes with its chained block hashes and id bounds noted
-    (`engines.prompt_hashes.note`, `core.ids.note_bounds`): a turn keeps most of the previous
-    prompt, whose hashes the builder kept, so only the blocks past the kept part are hashed,
-    and every id is a drawn one or an earlier answer's, so none is scanned.  A 64K-token
-    follow-up cost ~5 ms of hashing and scanning; the values are the ones computed afresh."""
+    With `block_size` (the simulator), each prompt comes with its chained block hashes and id
+    bounds noted (`engines.prompt_hashes.note`, `core.ids.note_bounds`), hashing only the blocks
+    past the part kept from the previous prompt; the values equal those computed afresh.
+    """
 
     def __init__(self, conv: Conversation, shared_prefix: tuple[int, ...], block_size: int = 0):
         self.conv = conv
@@ -266,10 +248,9 @@ def load_trace(path: str | Path, limit: int = 0, *, output_cap: int = 0, speed: 
                burst_s: float = 0.0, seed: int = 0) -> list[Conversation]:
     """A Mooncake-format trace -> one-turn conversations at its timestamps (divided by `speed`).
 
-    Each hash id becomes a fixed block of 512 token ids drawn from (seed, id),
-    so equal ids at the start of two prompts are a shared prefix.  `burst_s` > 0 gathers
-    arrivals: every request of each `burst_s`-second span (after `speed`) arrives at the span's
-    start, the same requests at the same mean rate, many of them together.
+    Each hash id becomes a fixed block of 512 token ids drawn from (seed, id), so equal leading
+    ids are a shared prefix.  `burst_s` > 0 moves every arrival of each `burst_s` span to the
+    span's start: the same requests at the same mean rate, many together.
     """
     blocks: dict[int, list[int]] = {}
     convs: list[Conversation] = []
