@@ -4,33 +4,22 @@ Contract (`[server]` settings; every close and refusal is counted in /metrics as
 `pddgw:front_door_closed_total{reason}` / `pddgw:front_door_refused_total{reason}`):
 
 * `header_read_timeout_s`: a new connection whose first request head is not
-  complete by then is closed (`header_read_timeout`): a socket that sends
-  nothing, a partial head, a slowloris trickling header bytes.
+  complete by then is closed (`header_read_timeout`): silence, a partial head, a
+  slowloris trickling header bytes.
 * `keepalive_timeout_s`: a connection with no request in flight is closed this
   long after its last request ended (`keepalive_timeout`); this also bounds the
   head of a later request on a kept-alive connection.
 * `max_connections_per_client`: a connection from an address that already has
-  that many open is answered 429 and closed at once (`max_connections_per_client`);
-  it never reaches the app.
-* A malformed request head (too many headers, an over-long line ...): aiohttp
-  answers 400 and closes; the server log gets one line, no traceback
-  (`malformed_head`).
+  that many open is answered 429 and closed at once; it never reaches the app.
+* A malformed request head: aiohttp answers 400 and closes; the server log gets
+  one line, no traceback (`malformed_head`).
 
-A request body's minimum rate is read by the handler (`FrontDoor.read_body`), a
-WebSocket's first event by its route (server.py); both reuse `close_with`.
-
-Why a hand-written part: aiohttp has one timer (`keepalive_timeout`) for both a
-connection's first head and an idle kept-alive connection, closes silently
-(nothing to count), and has no per-address cap.  So `_GuardedServer`, a
-`web.Server`, takes aiohttp's `connection_made` / `connection_lost` callbacks
-(which every `RequestHandler` calls on its server), and `ConnectionGuard.middleware`
-tells it when a request reaches the app and when it ends; the timers are plain
-`loop.call_later` handles, one per connection at a time.  aiohttp's own keepalive
-timer stays on as a backstop, later than both of ours.  `FrontDoorRunner` is an
-`AppRunner` whose `_make_server` (BaseRunner's extension point) returns the
-guarded server: deploy/serve.py serves the front door with it.  Under
-aiohttp's test server (tests' `aiohttp_client`) the middleware finds no
-guarded connection and does nothing.
+A body's minimum rate is read by its handler (`FrontDoor.read_body`), a
+WebSocket's first event by its route (responses_ws.py); both reuse `close_with`.
+`_GuardedServer` (a `web.Server`) hears of each connection from aiohttp's
+`connection_made` / `connection_lost` callbacks, the middleware of each request's
+start and end; `FrontDoorRunner` serves the app with it (deploy/serve.py).  Under
+aiohttp's test server the middleware finds no guarded connection and does nothing.
 """
 
 from __future__ import annotations

@@ -3,28 +3,19 @@
 Contract (vLLM's `stop`, `include_stop_str_in_output`; OpenAI's `stop`):
 
   * `parse_stop(value)`: null, a string, or a list of at most `MAX_STOPS` non-empty
-    strings of at most `MAX_STOP_CHARS` characters each -> a tuple (duplicates
-    dropped, order kept); anything else -> ApiError naming `stop`.  OpenAI allows 4,
-    vLLM any number; the bounds keep the per-character work and the hold-back small.
-  * `StopMatcher.feed(text)` takes the output's text as it is produced, in pieces of
-    any size, and returns the text that may be released now.  A stop string is found
-    also when it spans pieces (token boundaries).  The output ends at the FIRST
-    character at which any stop string is complete (ties: the longest, i.e. the one
-    starting first): the text released ends right before it, or right after it with
-    `include`; `matched` is then that stop string and every later feed returns "".
-    Because the cut is the first complete occurrence in the text, it depends on the
-    text alone, never on how it was split into pieces (which tokens, which runs,
-    which node).  vLLM scans its stop list in order within one token's new text, so
-    it differs from this only when two stop strings complete within the same token.
-  * Hold-back (without `include`): text that could still be the start of a stop
-    string (the longest suffix that is a proper prefix of one) is held until it is
-    known not to be one, so a client never sees a stop string's head that is later
-    cut (vLLM holds back a fixed max(len(stop)) - 1 characters; this holds back at
-    most that many, and only while they could matter).  With `include` nothing is
-    held: what precedes a stop string is output either way.
-  * `check=False` feeds text without looking for stops in it (vLLM ignores stop
-    strings until more than `min_tokens` tokens exist); a stop completed by a later
-    piece is still found, one wholly inside unchecked text never is.
+    strings of at most `MAX_STOP_CHARS` characters -> a tuple (duplicates dropped,
+    order kept); anything else -> ApiError naming `stop`.
+  * `StopMatcher.feed(text)` takes the output's text in pieces of any size and returns
+    what may be released now.  The output ends at the FIRST character at which any
+    stop string is complete (ties: the one starting first), also across pieces: the
+    text released ends right before it, or right after it with `include`; `matched`
+    is then that string and every later feed returns "".  The cut depends on the
+    text alone, never on how it was split (tokens, runs, nodes).
+  * Without `include`, text that could still start a stop string (the longest suffix
+    that is a proper prefix of one) is held back until it cannot, so a client never
+    sees a stop string's head that is later cut; with `include` nothing is held.
+  * `check=False` feeds text without looking for stops in it (`min_tokens`): a stop
+    completed by a later piece is still found, one wholly inside it never is.
   * `flush()` at the end of an output that matched no stop: the held text.
 """
 

@@ -1,28 +1,16 @@
 """The web chat page: `/` and its static files, served by the router's front door.
 
 The page (pddgw/api/static/: index.html, app.js, style.css; plain files, no
-build step, nothing fetched from elsewhere) talks to the same WebSocket
-Responses mode as any client, at `/v1/responses` on the host that served it:
+build step, nothing fetched from elsewhere) speaks the WebSocket Responses
+mode at `/v1/responses` on the host that served it, like any client: one
+socket per page; each turn a `response.create` with the whole conversation
+(asking for `return_token_ids` and `pddgw.states`); each delta a span coloured
+by the role that produced it; `response.completed` shows the `pddgw` timeline.
+A browser cannot set Authorization on a WebSocket: the page sends its key as
+the `pddgw.key.*` subprotocol (door.key_protocol).
 
-1. It opens one socket and keeps it; each turn sends `response.create` with
-   the whole conversation as `input` messages (multi-turn: the router's
-   prefix-aware routing finds the earlier turns' KV on MD), asking for what
-   it shows beyond the lean default: `return_token_ids` and `pddgw.states`.
-2. Each `response.output_text.delta` becomes one span coloured by the role
-   that produced it (`pddgw.role`: rld or md), with its position and token
-   ids as data attributes.
-3. `response.completed` ends the turn: the answer joins the history and its
-   `pddgw` timeline (pipeline, handoff position and stall, WAN KV bytes,
-   TTFT, the states) is shown under it; an `error` event ends it with the message.
-
-Browsers cannot set an Authorization header on a WebSocket, and the front
-door accepts API keys only that way: with `[server] api_keys` set the page
-cannot connect (it says so).  For the same reason its pipeline / handoff
-selectors (the `pddgw` steering extension) work only with `[server]
-allow_request_steering = true`, never through an admin key.
-
-The files are read once from the package (so they ship in the wheel, see
-pyproject's package-data) and served from memory; only these names are
+The files are read once from the package (pyproject's package-data) and served
+from memory with a strict Content-Security-Policy; only these names are
 served, so no request path reaches the file system.
 """
 

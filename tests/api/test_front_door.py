@@ -6,6 +6,8 @@ a real TCP port, so `RawWs` can send frames no client library would.
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 
@@ -59,6 +61,30 @@ async def test_unmasked_client_frame_closes_with_1002_and_the_server_keeps_servi
     await ws.send(frame(TEXT, b"[]"), frame(opcode, payload, mask=False))
     assert await ws.close_code() == 1002
     assert [(e["type"], e["error"]["message"]) for e in ws.events] == [("error", "event must be a JSON object")]
+    assert await ws.at_eof()
+    assert side.door.active == 0
+    await completes(client)
+
+
+async def test_an_unmasked_frame_is_refused_from_its_head_split_over_writes(door):
+    side, client = door
+    ws = await raw(client)
+    await ws.send(frame(TEXT, b"[]"))
+    for b in frame(TEXT, create(input="hi", max_output_tokens=1), mask=False)[:2]:   # its head; no payload
+        await asyncio.sleep(0.05)
+        await ws.send(bytes([b]))
+    assert await ws.close_code() == 1002
+    assert [e["type"] for e in ws.events] == ["error"]
+    assert await ws.at_eof()
+    await completes(client)
+
+
+async def test_a_frame_sent_before_the_101_closes_with_1002(door):
+    side, client = door
+    ws = await RawWs.connect(client.server.host, client.server.port,
+                             early=frame(TEXT, create(input="hi", max_output_tokens=1)))
+    assert await ws.close_code() == 1002
+    assert ws.events == []
     assert await ws.at_eof()
     assert side.door.active == 0
     await completes(client)

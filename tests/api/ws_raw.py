@@ -46,12 +46,13 @@ class RawWs:
         self.events: list[dict] = []        # the server's text frames, decoded, in order
 
     @classmethod
-    async def connect(cls, host: str, port: int, path: str = "/v1/responses") -> RawWs:
+    async def connect(cls, host: str, port: int, path: str = "/v1/responses", early: bytes = b"") -> RawWs:
+        """`early`: bytes sent right behind the upgrade request, before the 101 (RFC 6455 4.1 forbids it)."""
         reader, writer = await asyncio.open_connection(host, port)
         key = base64.b64encode(os.urandom(16)).decode()
         writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
-                     .encode())
+                     .encode() + early)
         head = await reader.readuntil(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 101 "), head
         return cls(reader, writer)
