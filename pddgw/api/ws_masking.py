@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 _UNMASKED = "client frame not masked (RFC 6455 section 5.1)"
 _EARLY = "client frame sent before the handshake response (RFC 6455 section 4.1)"
@@ -121,7 +121,7 @@ class MaskCheck(asyncio.Protocol):
 
     # ---- the route's side ----
 
-    async def receive(self, ws: web.WebSocketResponse, deadline: float | None) -> Any:
+    async def receive(self, ws: web.WebSocketResponse, deadline: float | None) -> WSMessage | None:
         """`ws.receive()` (TimeoutError past `deadline`), or None once the connection has failed
         and every message completed before its bad frame has been received."""
         if self._failed():
