@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import structlog
 
@@ -60,7 +60,8 @@ class RequestDriver:
         self.router, self.fl, self.p, self.rld, self.md = router, fl, p, rld, md
         self.starts, self.holds, self.streams = starts, holds, streams
         self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.role_of: dict[str, Who] = {n.name: ("rld" if n is rld else "md") for n in (rld, md) if n is not None}
+        self.role_of: dict[str, Literal["rld", "md"]] = {n.name: ("rld" if n is rld else "md")
+                                                         for n in (rld, md) if n is not None}
         self.paths = Paths(has_rld=rld is not None, has_md=md is not None,
                            awaiting_kv={self.role_of[name] for name in starts})
         self.readers: dict[str, StreamReader] = {}
@@ -232,7 +233,7 @@ class RequestDriver:
         """Ask P to prefill; its reply (or failure) is an event.  Holds the WAN backlog the
         request queues and P's prefill backlog while it runs."""
         fl, p, r = self.fl, self.p, self.router
-        msg = pm.Prefill(request_id=fl.rid, targets=tuple(self.starts), starts=tuple(self.starts.values()),  # type: ignore[arg-type]
+        msg = pm.Prefill(request_id=fl.rid, targets=tuple(self.starts), starts=tuple(self.starts.values()),
                          prompt=fl.prompt, holds=self.holds, sampling=fl.sampling)
         wan = fl.ledger.take("wan", r, wan_backlog=sum((len(fl.prompt) - start) * r.kv_bytes_per_token
                                                        for name, start in self.starts.items()
