@@ -3,36 +3,17 @@
 `python -m pddgw.bench.engine [--json] [--quick] [--dtype D] [--threads N] [--repeats R]
     [--device cpu|cuda] [--cuda-graphs on|off] [--vllm-python PATH] [--vllm-eager] [--no-breakdown]`
 
-A random Llama (GQA, 32000-token vocab, logits well spread so greedy picks
-do not flip on float rounding) is saved once as a safetensors checkpoint and
-loaded by every side (`pddgw.harness.sides`).  After a warm-up, each repeat
-runs every case on every side, alternating which goes first; the best time
-of each counts:
+A random Llama checkpoint (logits spread so greedy picks do not flip on rounding) is loaded
+by every side (`pddgw.harness.sides`); after a warm-up each repeat runs every case on every
+side, alternating which goes first, and the best time counts.  Cases: greedy decode at
+b=1/8/32 (decode time from every request's first token to the last), sampled decode at
+b=8/32 (`ratio_greedy`), b=32 with penalties and a JSON-schema mask (`ratio_sampled`, pddgw
+only), and prefill (time to the first token).
 
-  decode b=1, 8, 32   B equal-length prompts, N greedy tokens each (EOS
-                      ignored); decode time runs from the moment every
-                      request has its first token to the last: B * (N - 1).
-  decode b=8, 32      the same prompts sampled (temperature 0.8, top-p 0.95,
-    sampled           no top-k, request i seeded SEED + i), right after the
-                      greedy case: `ratio_greedy` = sampled / greedy pddgw
-                      tok/s.  transformers samples with its own RNG
-                      (`tokens_match` None); vLLM runs greedy only.
-  decode b=32         pddgw only, right after the plain sampled case on its
-    +penalties,       prompts: repetition 1.1, presence 0.5, frequency 0.5;
-    +json_schema      a JSON-schema mask no output can end before N tokens.
-                      `ratio_sampled` = tok/s over the plain sampled row's.
-  prefill             B prompts of L tokens, one output token: time to the
-                      first token, B * L prompt tokens.
-
-Reported: tok/s of each side, pddgw / transformers and pddgw / vLLM, whether
-every request's greedy tokens were identical (`tokens_match`,
-`vllm_tokens_match`; expected in float32, in bfloat16 the sides round
-differently), and pddgw's per-step phases from one more run per case
-(`sides.Breakdown`; ms per decode step, or of the prefill step).
-
-vLLM: `--vllm-python DIR/bin/python` (default: env PDDGW_VLLM_PYTHON), one
-engine for every run (`sides.VllmSide`); without it the report says "vLLM:
-not available (--vllm-python not given)", or why it failed.
+Reported: tok/s per side and the ratios, whether greedy tokens matched (`tokens_match`,
+`vllm_tokens_match`; expected in float32 only), and pddgw's per-step phases
+(`sides.Breakdown`).  vLLM needs `--vllm-python` (or PDDGW_VLLM_PYTHON); without it the
+report says why it is absent.  Results: docs/results/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -2,28 +2,14 @@
 
 `python -m pddgw.bench.fidelity [--json] [--requests N] [--conversations N] [--keep DIR]`
 
-The simulator's claim (docs/architecture.md, The regime PDD lives in) is that it runs the real router,
-policy, state machine and workers, only on a virtual clock.  Checked end to
-end: one config.toml (router, P and RLD in cluster A, MD in cluster B;
-cost-model engines of a real model shape on H100/H200 profiles; a shaped
-`[[net.links]] name = "wan"`) runs simulated (`run_virtual(run_deployment(
-...))`) and as four `python -m pddgw serve` processes over real WebSocket
-links, the engines sleeping each step's modeled time, while
-`pddgw.harness.replay` plays the same `pddgw.sim.workload` conversations in
-real time (after one warm-up request on an unrelated prompt) and records
-what `pddgw.sim.cluster` records.  Compared: TTFT P50/P99, RLD's share of
-output tokens, mean E2E and the P-RLD-MD share (real / sim, within the
-tolerance, 15 % by default); every request's output ids (by `token_digest`:
-the cost-model engine draws token i from (seed, i) alone, so any difference
-is a bug); no KV block or pin left once idle.
-
-The numbers can agree because what the user waits for is modeled time
-(steps of a 32B model, tens of ms; WAN latency and serialization) and the
-real run only adds Python, loopback sockets and scheduling (~0.1-1 ms a hop).
-Pipeline choices that depend on timing (a request arriving while another's
-KV is on the WAN sees a backlog) may differ; the report counts the requests
-whose pipeline agrees.  `run_fidelity(...)` is the entry point for tests
-(tests/sim/test_fidelity.py runs a CI-sized version).
+One config.toml (router, P and RLD in cluster A, MD in B; cost-model engines; a shaped WAN
+link) runs simulated (`run_virtual(run_deployment(...))`) and as four `pddgw serve` processes
+over real links, the engines sleeping each step's modeled time, while `pddgw.harness.replay`
+plays the same conversations in real time.  Compared (real / sim, within 15 % by default):
+TTFT P50/P99, RLD's token share, mean E2E, the P-RLD-MD share; every request's output ids
+must be equal (tokens depend on (seed, i) alone), and no KV block or pin may be left.
+Timing-dependent pipeline choices may differ; the report counts the requests that agree.
+`run_fidelity(...)` is the entry point for tests.  Results: docs/results/fidelity.md.
 """
 
 from __future__ import annotations

@@ -3,46 +3,20 @@
 `python -m pddgw.bench.invariance [--json] [--quick] [--dtypes D,D] [--prompts N]
     [--output-len L] [--threads N] [--device cpu|cuda]`
 
-Invariant 1 of docs/architecture.md (same output, any path) holds exactly only where
-every reduction a token goes through is computed in the same order on every
-path.  This bench measures how often that fails on the built-in tiny model
-(`weights.build_tiny(0)`, TorchEngine, greedy, EOS ignored), per dtype:
+Invariant 1 of docs/architecture.md (same output, any path) holds exactly only where every
+reduction is computed in the same order on every path.  On the tiny model
+(`weights.build_tiny(0)`, TorchEngine, greedy, EOS ignored), per dtype, N seeded prompts run:
 
-  1. N seeded prompts of printable ASCII ids, lengths spread over a range.
-  2. Paths, each compared with (a) token by token:
-       alone    (a) each request alone in a fresh engine: the reference.
-       batch    (b) all N together, plus filler requests, in one engine:
-                    every prefill in one step, every decode step batched.
-       mixed        all N in one engine, one arriving per step: prefills
-                    share steps with the others' decodes.
-       extend   (c) fresh engine per request; (a)'s first g tokens given as
-                    `EngineRequest.output_token_ids`, computed in one
-                    extend (the token-ID handoff of P-MD / catch-up), then
-                    decoding on from position g.
-       chunked  (d) alone, with max_num_batched_tokens = a few tokens: the
-                    prompt prefilled in chunks.
-     Per path: the fraction of requests whose tokens differ from (a), the
-     mean and min first divergence (output position), and how many
-     positions had logits differing in any bit from (a)'s while the
-     contexts were still equal (up to and including the first divergence).
-  3. Ops: how often a row's result differs in any bit by batch composition,
-     over random inputs in the model dtype: linear oneDNN (the engine's
-     prepacked CPU GEMM, rows alone vs inside a larger M), linear F.linear
-     (the unpacked GEMM of CUDA and float64), rms_norm (rows alone vs in a
-     batch), decode attn (one sequence alone vs batched with a longer one:
-     a wider block table), extend vs decode (a token inside a multi-token
-     extend vs as a decode), chunked extend (an extend's last rows as their
-     own chunk vs inside the whole extend).
+  alone    each request alone in a fresh engine: the reference
+  batch    all N together plus fillers, every prefill in one step, decodes batched
+  mixed    all N in one engine, one arriving per step
+  extend   the reference's first g tokens given as `output_token_ids` (one extend), then on
+  chunked  alone, prefilled a few tokens per chunk
 
-What we found (CPU, 1 thread, 32 prompts x 256 tokens; rerun rather than
-trust these lines): GEMMs (oneDNN-prepacked, any M), RMSNorm, the greedy
-sampler and decode attention (whole blocks, always masked) are row-invariant
-bit for bit, so batch and mixed give identical logits (the unpacked
-F.linear, on CUDA and in float64, is not in float32).  Extend attention
-(paths c and d) is not: SDPA's result for a row depends on how many query
-rows share the call, so float32 logits differ in the last bits and a rare
-bfloat16 flip can move a near-tie argmax tens of tokens later; exact would
-need a batch-invariant attention kernel (as would cuBLAS / Triton GEMMs).
+Per path: the share of requests whose tokens differ from `alone`, the first divergence, and
+the positions whose logits differ in any bit while contexts were equal.  Ops: how often a
+row's result changes with batch composition (GEMMs, rms_norm, decode and extend attention).
+Results: docs/results/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -2,24 +2,16 @@
 
 `python -m pddgw.bench.kernels [--quick] [--json] [--dtype D] [--peak-tbps P]`
 
-Procedure (one model shape, default Llama-3-8B attention: 32 query heads,
-8 KV heads, head_dim 128, bfloat16, 16-token pages):
-  1. decode  for each batch B x context L: a paged cache whose pages are a
-             random permutation of the pool, B sequences of L tokens, one
-             query each.  Time `paged_decode_attention`; bytes moved = the
-             K and V of every token once + q + out + block tables, so
-             GB/s = bytes / time and the fraction of the device's HBM peak
-             (H200 4.8 TB/s) says how close to the roofline it runs.
-  2. extend  for each k new tokens on a cached prefix P (one sequence): time
-             `extend_attention`; FLOPs = 4 * H * D * sum over the k queries of
-             the keys each sees (QK^T and PV, causal), reported as TFLOP/s.
-  3. Both side by side with `torch.nn.functional.scaled_dot_product_attention`
-     on the same values, K/V gathered beforehand into contiguous
-     [B, KV heads, L, D] tensors (not timed), GQA via enable_gqa and the
-     causal mask aligned to the end (CausalBias lower-right).  `speedup` =
-     SDPA time / Triton time; `max_err` = max |Triton - SDPA|.
-Timings: triton.testing.do_bench (CUDA events, L2 flushed before each run),
-median of the repeats.  Without a GPU the benchmark says so and exits 0.
+One attention shape (default Llama-3-8B: 32 query heads, 8 KV heads, head_dim 128, bf16,
+16-token pages), pages a random permutation of the pool:
+  1. decode  B sequences x L tokens, one query each: `paged_decode_attention`'s GB/s (K and V
+             of every token once + q + out + block tables) and its share of the HBM peak.
+  2. extend  k new tokens on a cached prefix P: `extend_attention`'s TFLOP/s, FLOPs =
+             4 * H * D * sum over the k queries of the keys each sees.
+  3. SDPA on the same values gathered into contiguous [B, KV heads, L, D] (not timed),
+     causal mask aligned to the end: `speedup` = SDPA / Triton time, `max_err`.
+Timings: triton.testing.do_bench (L2 flushed), median of the repeats.  Without a GPU the
+benchmark says so and exits 0.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class _Decoder:
         self.link: Link | None = None
 
     async def _old_import(self, chunk: KVChunk) -> None:
-        """The import path before: each chunk copied into the pool by an engine call of its own."""
+        """The copying import path (`old`): each chunk copied into the pool by an engine call of its own."""
         s = self.node.decode.sessions.get(chunk.request_id)    # type: ignore[union-attr]
         if s is None or s.state != DecodeState.IMPORTING:
             raise RequestError(f"request {chunk.request_id!r} is not importing")

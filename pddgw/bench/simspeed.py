@@ -2,23 +2,17 @@
 
 `python -m pddgw.bench.simspeed [--json] [--requests N] [--repeat R] [--against DIR] [--cases a,b] [--calls]`
 
-Cases (fixed, deterministic), the PDD deployment at 10 Gbps unless named: `paper` (a few
-conversations: per-step costs weigh most), `paper-batched` (two-turn conversations all arriving at
-once: per-token costs weigh most), `dense70b` (long KV transfers over the shaped WAN) and
-`paper-probe` (same-DC PD with conversations arriving at 19 req/s, 30 x the requests: a goodput
-probe's load, hundreds of 64K-token contexts in flight, where per-prompt costs and the collector
-weigh too).  Each run goes through `sim.clock.run_virtual` where the tree has it, as `pddgw sim`
-runs (its collector settings included).  Variants, each case once per variant per repeat, interleaved, every
-run in a fresh process: `lean loop` (this tree on `VirtualClockLoop`, what `pddgw sim` runs),
-`stock loop` (this tree on `ReferenceVirtualLoop`, asyncio's own iteration) and, with
-`--against DIR`, the `pddgw` package under DIR on its own default loop.
+Cases (fixed, deterministic; PDD at 10 Gbps unless named): `paper` (per-step costs weigh
+most), `paper-batched` (per-token costs), `dense70b` (long KV transfers over the shaped WAN),
+`paper-probe` (same-DC PD at 19 req/s: a goodput probe's load).  Variants, interleaved, each
+run in a fresh process through `sim.clock.run_virtual`: `lean loop` (`VirtualClockLoop`, what
+`pddgw sim` runs), `stock loop` (`ReferenceVirtualLoop`) and, with `--against DIR`, the
+`pddgw` package under DIR.
 
-Per case and variant: the best wall and CPU time of the repeats, simulated requests per wall and per
-CPU second, the speed-up in CPU time over the baseline (`against` if given, else `stock loop`; CPU
-time, because wall time on a shared machine measures the neighbours too), and whether its requests
-came out identical to the baseline's (a digest of every request's tokens and timeline): a speed-up
-that changes results is a bug.  `--calls`: one more run under cProfile counting Python function
-calls, exact where the machine's noise drowns a 10 % time difference.
+Per case and variant: best wall and CPU time, simulated requests per second, the CPU-time
+speed-up over the baseline (CPU, since wall time on a shared machine measures the neighbours
+too), and whether the requests are identical to the baseline's (a speed-up that changes
+results is a bug).  `--calls`: a cProfile count of Python calls, exact where noise drowns 10 %.
 """
 
 from __future__ import annotations

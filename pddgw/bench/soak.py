@@ -3,27 +3,19 @@
 `python -m pddgw.bench.soak [--embedded] [--concurrency N] [--duration S] [--max-tokens N]
 [--faults SPEC] [--json] [--keep DIR]`
 
-1. Deployment: the 4-process PDD deployment on 127.0.0.1 (router, p0, rld0 in
-   cluster A; md0 in cluster B behind a TCP proxy this process owns, so the WAN
-   can be cut or slowed), or with `--embedded` one `python -m pddgw serve`
-   process (no faults).  Node logs (`<dir>/<node>.log`) stay with `--keep DIR`
-   or when the run fails.
-2. Load (`pddgw.harness.client.run_load`): `--concurrency` clients send greedy
-   requests back to back for `--duration` seconds: multi-turn conversations
-   (first turns P-RLD-MD, next turns P-MD) and, with probability
-   `--singular-share`, a long uncached prompt with a short answer; then what is
-   in flight has `--grace` seconds to end.  `--faults` (see --help) come at
-   seconds from the start of the load.
-3. Checks: every request ends completed, with an error (by its code) or lost (no
-   end by the grace period, or its socket dropped); its streamed and completed
-   tokens are what `pddgw generate` gives (`--reference`; an error's: a prefix),
-   positions once and in order; then nothing is in use (KV blocks, pins,
-   in-flight entries) on any node the router reaches within `--quiet-timeout`,
-   else it leaked.  Also every process's RSS after the warm-up and at the end,
-   TTFT P50/P99, throughput.  Exit status: see --help.
+1. Deployment: the 4-process PDD deployment on 127.0.0.1 (md0 in cluster B behind a TCP
+   proxy this process owns, so the WAN can be cut or slowed), or `--embedded` (no faults).
+   Node logs stay with `--keep DIR` or when the run fails.
+2. Load (`pddgw.harness.client.run_load`): `--concurrency` clients send greedy multi-turn
+   conversations (and, with `--singular-share`, long uncached prompts) for `--duration`
+   seconds, then `--grace` seconds to end; `--faults` fire at seconds from the start.
+3. Checks: every request completed, errored (by code) or lost; its tokens are
+   `pddgw generate`'s (`--reference`; an error's a prefix), positions once and in order;
+   then nothing in use on any reachable node within `--quiet-timeout`, else a leak.
+   Also RSS per process, TTFT P50/P99, throughput.  Exit status: see --help.
 
-float64 by default: in float32 a near-tie flip by batch composition would look
-like a wrong token.  `run_soak(SoakOptions(...))` is the entry point for tests.
+float64 by default: in float32 a near-tie flip by batch composition would look like a wrong
+token.  `run_soak(SoakOptions(...))` is the entry point for tests.
 """
 
 from __future__ import annotations
