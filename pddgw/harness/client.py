@@ -1,29 +1,18 @@
 """Load clients of the router's /v1/responses WebSocket: one response, closed-loop load, a whole run.
 
-`respond` sends one `response.create` (token ids in, a binary frame; token
-ids out: `return_token_ids`) and reads its events into an `Answer` until
-`response.completed` or `error` (`final`), or until the socket closes
-(`closed`).  The answer is filled in place as events arrive, so a caller
-that cancels a response still holds what streamed before the cancel.
-Times are the event loop's clock.
+`respond` sends one `response.create` (token ids in and out) and fills an `Answer` in place
+until `response.completed`, `error` or the socket closes, so a cancelled caller keeps what
+streamed.  Times are the event loop's clock.
 
-`converse(i, ...)` is client i: until `stop_at` it sends greedy requests
-back to back on one WebSocket, each an `Outcome` (appended when sent,
-filled as it streams): conversations (the `shared` system prompt, a context
-of its own, then turns that re-send the conversation so far plus a short
-message; a turn that does not complete ends it) and, with probability
-`singular_share`, a long uncached prompt with a short answer.
+`converse(i, ...)` is client i: until `stop_at`, greedy requests back to back on one socket,
+each an `Outcome`: conversations (the `shared` system prompt, then turns re-sending the
+conversation so far) and, with probability `singular_share`, a long uncached prompt.
+`ask` reads one response into an Outcome: "completed", "error" (its code) or "lost".
 
-`ask(ws, outcome)` reads one response into an Outcome: "completed", "error"
-(its code) or left "lost" (`lost_reason` "socket_closed" when the socket
-dropped under it; a cancelled one stays lost: `check_outcomes` says "timeout").
-Once the deployment stopped, `references` gets what `pddgw generate` gives
-for each distinct (prompt, max tokens), and `check_outcomes` compares:
-streamed tokens equal (errors: are a prefix of) the reference, a
-completion's output ids equal the streamed ones, positions came once in
-order.  `run_load` is the soak's whole run: deployment, warm-up, load,
-faults, grace period, leak check, stop, references and checks.
-Prompt ids are printable bytes of the tiny model's vocabulary, [32, 127).
+`check_outcomes` compares against `references` (what `pddgw generate` gives): streamed tokens
+equal the reference (an error's: a prefix), a completion's ids equal the streamed ones,
+positions came once in order.  `run_load` is the soak's whole run.  Prompt ids are printable
+bytes of the tiny model's vocabulary, [32, 127).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """A deployment under test, on this event loop: its processes, the WAN proxy in front of md0, their RSS.
 
-`Deployment(directory, toml)` is the 4-process PDD deployment of `toml`
-(`harness.cluster`) with md0 behind a `FaultProxy` (`proxy`: cut, slow and
-heal the WAN); `Deployment(directory, None, dtype)` one `pddgw serve`
-process (the embedded default).  `start()`, then faults (`kill`, `sigterm`,
-`restart`), `sample_rss` after the warm-up and at the end (`rss()` -> per
-process), `stop()`.
-
-Faults on a schedule against it: a schedule is comma-separated
-`SECONDS:ACTION=TARGET[@ARG]` items, seconds from the start of the load
-(`parse_faults`; `OptionError` names a bad one):
+`Deployment(directory, toml)` is the 4-process PDD deployment of `toml` with md0 behind a
+`FaultProxy`; `Deployment(directory, None, dtype)` one `pddgw serve` process.  `start()`,
+faults, `sample_rss`, `stop()`.  A fault schedule is comma-separated
+`SECONDS:ACTION=TARGET[@ARG]` items from the start of the load (`parse_faults`; `OptionError`
+names a bad one):
      kill=NODE[@S]   SIGKILL worker NODE (p0, rld0, md0); with @S start it again S seconds later
      restart=NODE    start a killed worker again (waits for its /health)
      sigterm=NODE    graceful restart: SIGTERM worker NODE (it drains within `[server]
@@ -19,10 +14,8 @@ Faults on a schedule against it: a schedule is comma-separated
      heal=wan        the WAN back (undoes cut and slow)
    e.g. "10:kill=rld0@5,20:cut=wan,25:heal=wan,30:slow=wan@2,40:heal=wan".
 
-`apply_faults` sleeps until each fault is due and applies it; every action
-(and every restart it leads to) becomes a `FaultRecord` (when, on the load's
-clock and on the node logs' UTC clock, and what happened).  Restarts run as
-tasks in `pending`, so the caller can wait for the node to come back.
+`apply_faults` applies each fault when due; every action and restart becomes a `FaultRecord`
+(on the load's clock and the logs' UTC clock).  Restarts run as tasks in `pending`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """Batches of requests timed on pddgw's TorchEngine, transformers' `generate` and vLLM, same weights.
 
-A side's `run(prompts, output_len, sampling=None)` -> `Run`: seconds until
-every request had its first token, to the end, and the output ids.
-`sampling` is a `Sampling` (None: greedy); pddgw also takes a `Variant` that
-asks more of its sampler (`request_params`), and `PddgwSide.breakdown` times
-one more run by phase (`PhaseTimer`).  `started` loads every side from one
-`build_checkpoint` (a seeded random Llama) and warms it up; `time_cases` runs
-each `Case` on every side, interleaved, and keeps the best times (what they
-mean is `pddgw.bench.engine`'s).
+A side's `run(prompts, output_len, sampling=None)` -> `Run`: seconds until every request had
+its first token, to the end, and the output ids (`sampling` None: greedy; pddgw also takes a
+`Variant`, and `PddgwSide.breakdown` times one run by phase).  `started` loads every side from
+one `build_checkpoint` and warms it up; `time_cases` runs each `Case` on every side,
+interleaved, keeping the best times (their meaning: `pddgw.bench.engine`).
 
-`VllmSide` runs vLLM in its own virtual environment (scripts/make_vllm_env.sh
-DIR): pddgw/harness/vllm_side.py under DIR/bin/python (its protocol is that
-file's docstring) loads the checkpoint once (skip_tokenizer_init, prefix
-caching off) and runs greedy batches timed inside its process.  It gets the
-same thread count, unpinned (OMP_NUM_THREADS=N, VLLM_CPU_OMP_THREADS_BIND=nobind,
-either kept if set: pinned to core 0, vLLM stalled for seconds per run on a
-busy 2-core machine).  Where it cannot start or answer, `VllmUnavailable`
-says why with its log's tail (PDDGW_VLLM_LOG=FILE keeps the whole log).
+`VllmSide` runs pddgw/harness/vllm_side.py under vLLM's own python (scripts/make_vllm_env.sh;
+protocol: that file's docstring) with the same thread count, unpinned (pinned to core 0,
+vLLM stalled for seconds per run on a busy 2-core machine).  Where it cannot start or answer,
+`VllmUnavailable` says why with its log's tail (PDDGW_VLLM_LOG=FILE keeps the whole log).
 """
 
 from __future__ import annotations
@@ -390,7 +383,7 @@ def make_prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[in
 
 
 def case_prompts(todo: Sequence[Case], vocab: int) -> list[list[list[int]]]:
-    """Prompts per case: one set per `prompt_key`, salted by its order (greedy cases as before)."""
+    """Prompts per case: one set per `prompt_key`, salted by its order of first use."""
     salts: dict[tuple[str, int, int], int] = {}
     for c in todo:
         salts.setdefault(c.prompt_key, len(salts))

@@ -4,9 +4,8 @@
 A plain script: it imports only the standard library and vLLM (never pddgw),
 because it runs in vLLM's virtual environment (scripts/make_vllm_env.sh).
 
-Protocol: one JSON object per line on stdin, one reply per line on the
-original stdout.  Everything else the process prints (vLLM logs to stdout)
-is moved to stderr first, so the reply stream stays clean.
+Protocol: one JSON object per line on stdin, one reply per line on the original stdout
+(everything else the process prints is moved to stderr).
   1. -> {"model": DIR, "dtype": "float32", "max_model_len": M,
          "max_num_seqs": B, "max_num_batched_tokens": T, "enforce_eager": bool}
      <- {"ok": true, "vllm_version": ..., "torch_version": ...,
@@ -19,10 +18,8 @@ is moved to stderr first, so the reply stream stays clean.
      greedy, N tokens each, EOS ignored.  Repeated as often as asked.
   3. -> {"op": "quit"} (or end of stdin) -> exit 0.
 
-Threads: the parent sets OMP_NUM_THREADS and VLLM_CPU_OMP_THREADS_BIND
-("nobind" unless given; "0" = one thread pinned to core 0, "0-3" = four) in
-this process's environment.  With one device and VLLM_ENABLE_V1_MULTIPROCESSING=0
-(set by the parent) scheduler and model run in this one process.
+The parent sets OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND ("nobind", "0", "0-3") and
+VLLM_ENABLE_V1_MULTIPROCESSING=0, so scheduler and model run in this one process.
 """
 
 import json
