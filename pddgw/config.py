@@ -62,11 +62,10 @@ class ModelConfig:
 class CostModelConfig:
     """The hardware a cost-model engine instance models (`implementation = "costmodel"`).
 
-    An instance is tensor_parallel x data_parallel GPUs (pddgw.sim.roofline.Parallel):
-    `data_parallel` attention ranks (DP-attention) of `tensor_parallel` GPUs each, the
-    routed experts of a MoE spread over `expert_parallel` of them; more GPUs than
-    `gpus_per_node` make the instance span nodes (its expert all-to-all then crosses the
-    scale-out network).  A dense model: tensor_parallel alone, as before.
+    An instance is `data_parallel` attention ranks of `tensor_parallel` GPUs each
+    (`pddgw.sim.roofline.Parallel`), routed experts over `expert_parallel` of them; beyond
+    `gpus_per_node` the expert all-to-all crosses the scale-out network.  A dense model:
+    tensor_parallel alone.
     """
 
     # A pddgw.sim.profiles.HARDWARE name (e.g. "H100-SXM", "H200-SXM", "A100-80G").
@@ -433,18 +432,12 @@ class ShapingConfig:
 class RegimeConfig:
     """The emulated WAN in the paper's regime, in decode steps (`[net.regime]`).
 
-    An emulation on small hardware must keep the paper's ratios, not its
-    absolute bandwidth (docs/architecture.md, The regime PDD lives in): a tiny model's KV is 10^-3 of a 70B
-    model's per token and its decode step 10x+ shorter, so no fixed Gbps
-    figure fits every model and machine.  When enabled, the embedded
-    (one-process) deployment measures the decode step of the engine that
-    runs MD at start and derives, in units of that step s and the KV bytes
-    per token b:  WAN bandwidth = b * tokens_per_step / s, one-way latency =
-    rtt_steps * s / 2, and the policy's P-MD budget (budget_steps * s) and
-    link priors (that bandwidth and RTT).  It fills in the `[[net.links]]`
-    entry "wan" only when that entry sets no gbps, latency_ms or trace: an
-    explicit WAN always wins.  A multi-process deployment shapes its links
-    as configured (its WAN is real, or emulated explicitly).
+    An emulation on small hardware keeps the paper's ratios, not its bandwidth
+    (docs/architecture.md, The regime PDD lives in).  When enabled, the embedded deployment
+    measures MD's decode step s at start and, with b KV bytes per token, derives: bandwidth =
+    b * tokens_per_step / s, one-way latency = rtt_steps * s / 2, P-MD budget = budget_steps * s
+    (`deploy/regime.py`).  It fills the "wan" link only when that sets no gbps, latency_ms or
+    trace; a multi-process deployment shapes its links as configured.
     """
 
     enabled: bool = True

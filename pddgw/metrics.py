@@ -1,43 +1,22 @@
 """Prometheus metrics: the router's request metrics and every worker node's engine and link metrics.
 
-Names follow vLLM's with a `pddgw:` prefix (vLLM's `vllm:time_to_first_token_seconds`
-is `pddgw:time_to_first_token_seconds` here); what PDD adds (pipelines,
-handoffs, per-link KV) uses the same style.  Each process role object owns
-its own `CollectorRegistry` (never the global default one): a `Router` has a
-`RouterMetrics`, a `WorkerNode` a `NodeMetrics`, so several deployments in
-one process (tests, the embedded mode) never collide.
+Names follow vLLM's with a `pddgw:` prefix (`pddgw:time_to_first_token_seconds`).  Each role
+object owns its own `CollectorRegistry`, never the global one (`RouterMetrics`, `NodeMetrics`,
+`FrontDoorMetrics`), so several deployments in one process never collide.
 
-Two kinds of series:
-
-* Observed as it happens (prometheus-client Counters and Histograms): TTFT,
-  inter-token latency, E2E, queue time, tokens, handoffs, KV transfer times
-  (the per-run ones, inter-token latency and tokens, are counted locally and
-  applied when the registry is collected: exact at every scrape, cheaper per token).
-* Read at scrape time (custom collectors): the router's pipeline counters
-  (`Router.counts`, a `RouterCounts`), running / waiting requests, and each node's engine stats
-  (KV usage, prefix cache, running / waiting) and per-link KV bytes.  Engine
-  stats are read on the engine's thread (`AsyncEngine.call`), so a scrape
-  first awaits `refresh()` on every source, then renders; the loop never blocks.
-
-The front door's own series (`FrontDoorMetrics`, in the router's registry):
-refusals and read-timeout closes by reason, admitted requests and open
-client connections.
-
-A scrape (`scrape(sources)`) merges the families of several sources by name
-(node series carry `node` and `role` labels, so they never clash): the
-embedded deployment's router `/metrics` includes every in-process worker
-(`RouterMetrics.include`).  A multi-process router shows only its own
-series; each worker serves its node's at its own `/metrics`.
+Series are either observed as they happen (Counters, Histograms; per-token ones counted
+locally and applied at collection) or read at scrape time by custom collectors (pipeline
+counters, engine stats, per-link KV bytes).  A scrape first awaits `refresh()` on every
+source (engine stats are read on the engine's thread), then renders: the loop never blocks.
+`scrape(sources)` merges several sources' families by name (node series carry `node` and
+`role` labels): the embedded router's /metrics includes every in-process worker.
 
 Lifecycle of one request's series on the router (`Router.run`):
-  1. each run of tokens sent to the client: `generation_tokens` (+ by role);
-     the first also `time_to_first_token_seconds` and `prompt_tokens`
-     (the prompt is prefilled by then), the others `inter_token_latency_seconds`
-     (one observation per delivered run of tokens: the gap since the previous run);
-  2. when the request leaves the router (finished, failed or cancelled):
-     `e2e_request_latency_seconds`, `request_queue_time_seconds` (time in the
-     room queue, 0 when it never waited), its outcome, its handoff (mode, stall)
-     and its WAN KV bytes.
+  1. each run of tokens sent: `generation_tokens`; the first also
+     `time_to_first_token_seconds` and `prompt_tokens`, the others
+     `inter_token_latency_seconds` (the gap since the previous run);
+  2. when it leaves the router (any outcome): `e2e_request_latency_seconds`,
+     `request_queue_time_seconds`, its outcome, handoff (mode, stall) and WAN KV bytes.
 """
 
 from __future__ import annotations
@@ -165,12 +144,9 @@ class RouterMetrics:
         self.router = router
         self.registry = reg = CollectorRegistry()
         self._extra: list[MetricsSource] = []
-        # Per-run observations are kept here and applied to their series when the registry is
-        # collected (this collector is registered first, so it runs before the series it feeds
-        # render), or once `_MAX_PENDING` runs are waiting: a run costs an append and an add
-        # instead of a histogram observation and two counter increments (each a lock and a
-        # few calls).  Applied in order, one observation each, so every value at a scrape is
-        # exactly what observing at once would have made it.
+        # Per-run observations wait here (an append instead of a locked observation) and are
+        # applied in order at collection (this collector runs first) or at `_MAX_PENDING`:
+        # every value at a scrape is exactly what observing at once would have made it.
         self._itl_pending: list[float] = []
         self._tokens_pending: dict[str, int] = {}
         reg.register(_Collector(self._flush))

@@ -1,25 +1,16 @@
 """Putting nodes together: the embedded all-in-one process, or one node of many.
 
-Topology: a node in one cluster talks to a node in another over the link
-named "wan" in `[[net.links]]` (shaped when configured: WAN emulation),
-within a cluster over the unshaped fabric.  Links: router -> every worker
-(control and token streams), P -> every decoder (KV), RLD -> every MD
-(handoffs).  `pddgw serve` with no config is the embedded default: router,
-P and RLD in cluster A, MD in cluster B, in-process links, one process.
+Topology: nodes in different clusters talk over the `[[net.links]]` link named "wan" (shaped
+when configured), within a cluster over the unshaped fabric.  Links: router -> every worker,
+P -> every decoder (KV), RLD -> every MD (handoffs).  `pddgw serve` with no config is the
+embedded default: router, P and RLD in cluster A, MD in cluster B, one process.
 
-SIGTERM / SIGINT drains before the process exits, within `[server]
-drain_timeout_s` (a rolling restart loses nothing): a worker stops taking
-requests, tells its routers (`pm.Draining`: they route nothing new to it),
-lets what is in flight finish and moves the rest (WorkerNode.drain); its
-/health answers 503 "draining".  The router's front door admits nothing new
-(503) and waits for every admitted request to end (api/door.py `Drain`),
-then for the background MD alignments, in what is left of the bound.  One
-log line at the start of a drain, one at the exit.
-
-After the drain a node closes its links at once and all together (no close
-waits for a peer that is gone or answers promptly: net/wsproto.py), and
-`pddgw serve` ends the process without the interpreter's teardown
-(`exit_process`): an idle worker is gone within ~1 s of SIGTERM.
+SIGTERM / SIGINT drains within `[server] drain_timeout_s`, so a rolling restart loses
+nothing: a worker stops taking requests, tells its routers (`pm.Draining`), finishes or
+moves what is in flight (`WorkerNode.drain`) and answers /health 503 "draining"; the router's
+front door admits nothing new and waits for admitted requests, then MD alignments.  Then a
+node closes all its links at once and `exit_process` skips the interpreter's teardown: an
+idle worker is gone within ~1 s of SIGTERM.
 """
 
 from __future__ import annotations
