@@ -1,16 +1,12 @@
 """The published LLM-serving measurements the cost model answers to, and what it predicts for each.
 
-The rows live in calibration.toml next to this module (one `[[measurement]]` table each, its
-source named from `[sources]`): engine, GPU, parallelism, model, batch, prompt and output lengths
-as the source states them, and the published number.  `predict` replays the measured work with
-`pddgw.sim.roofline.step_cost` on the `pddgw.sim.profiles` hardware: one prefill step of all
-prompts, then output - 1 decode steps of the whole batch, the context one token longer each.  A
-source reports prefill_tok_s (prompt tokens / prefill step), decode_ms (mean decode step),
-decode_tok_s (batch / mean decode step), latency_ms (prefill + every decode step) or user_tok_s
-(output tokens / that, one stream); large expert-parallel throughputs per node or GPU
-(`per_gpus`).  A model ending in "@fp8" is that profile with FP8 weights and KV.  The profiles'
-efficiencies and overheads are fitted to these rows only (docs/results/calibration.md);
-`python -m pddgw.bench.calibration` prints the table.
+The rows live in calibration.toml beside this module (one `[[measurement]]` each, its source
+named in `[sources]`), with the work as the source states it and the published number.
+`predict` replays that work with `roofline.step_cost`: one prefill step of all prompts, then
+output - 1 decode steps of the whole batch.  Kinds: prefill_tok_s, decode_ms, decode_tok_s,
+latency_ms (prefill + every decode step), user_tok_s; `per_gpus` for per-node or per-GPU
+throughputs.  A model ending in "@fp8" has FP8 weights and KV.  The profiles' efficiencies
+are fitted to these rows only (docs/results/calibration.md).
 """
 
 from __future__ import annotations

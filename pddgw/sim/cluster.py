@@ -1,16 +1,11 @@
 """One simulated run: a deployment, a workload, a virtual clock.
 
-`run_deployment` builds the deployment exactly as `pddgw serve` with no
-config builds the embedded one (`deploy.serve.Embedded`: the real router,
-policy, state machine, P and decode workers over in-process links, shaped
-per `[[net.links]]`), with cost-model engines, on the running loop.  A client
-per conversation plays its turns against `Router.run`, as the front door
-would, and records what a user sees: arrival, each emitted token run, the
-end.  Nothing here branches the control plane: on a virtual loop
-(`pddgw.sim.clock`) every sleep, timeout, shaped transfer and engine step
-takes virtual time, so a cluster of tens of GPUs runs in seconds.  A
-`Watch` sees each request arrive and end and may stop the run once what it
-is for is settled (a goodput probe's verdict, `pddgw.sim.report`).
+`run_deployment` builds the deployment as `pddgw serve` builds the embedded one
+(`deploy.serve.Embedded`: the real router, policy, state machine and workers over in-process
+links, shaped per `[[net.links]]`) with cost-model engines, on the running loop.  A client per
+conversation plays its turns against `Router.run` and records what a user sees.  Nothing here
+branches the control plane: on a virtual loop every sleep, timeout, transfer and engine step
+takes virtual time.  A `Watch` may stop the run once what it is for is settled.
 """
 
 from __future__ import annotations

@@ -191,7 +191,8 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
     try:
         if at_rate is not None:
             # A start above the refuting rate goes first, with the neighbour its verdict leaves
-            # open, as in the bisection (lifecycle step 5); then the refuting rate, unless settled.
+            # open: a pass there settles the refuting rate, and a contender passes its start
+            # anyway.  Then the refuting rate, unless settled.
             if start is not None and start > at_rate:
                 bracket(g, prober, start)
             prober.passes(at_rate)

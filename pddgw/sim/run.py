@@ -91,11 +91,10 @@ def _bounds(sc: Scenario, job: Job) -> tuple[Candidate | None, Setting]:
 
 
 def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
-    """The SLA-goodput bisection of one deployment (`goodput.bisect`), started where the
-    roofline's capacity puts the goodput (`goodput.start_rate`), probes the roofline proves out
-    of reach not simulated, as `pddgw plan` prunes them (`plan_bounds.deployment_bound`; a
-    deployment the bounds cannot read starts at the grid's midpoint and has every probe
-    simulated)."""
+    """The SLA-goodput bisection of one deployment (`goodput.bisect`), started at
+    `goodput.start_rate`, skipping probes the roofline proves out of reach as `pddgw plan` does;
+    a deployment the bounds cannot read starts at the grid's midpoint, every probe simulated.
+    """
     g = sc.goodput
     cand, at = _bounds(sc, job)
     prof = model_profile(sc.model)
@@ -132,8 +131,8 @@ def _goodput_job(sc: Scenario, job: Job, progress: bool) -> dict[str, Any]:
 
 def run_job(sc: Scenario, job: Job, progress: bool = False) -> dict[str, Any]:
     """One job -> its JSON-able result (plus `_ttft`/`_wall_s`, kept out of the report).  With
-    `progress`, each goodput probe prints one line to stderr as it ends (a search of the paper
-    scenario runs for minutes per deployment; the line says where that time goes)."""
+    `progress`, each goodput probe prints one line to stderr as it ends.
+    """
     if job.kind == "goodput":
         return _goodput_job(sc, job, progress)
     if job.kind == "bathtub":
@@ -160,10 +159,9 @@ def _jobs(sc: Scenario) -> list[Job]:
 
 
 def _longest_first(sc: Scenario, job: Job) -> tuple[bool, float, int]:
-    """A sort key that puts the longest jobs first: the goodput searches, each several probes
-    in a row, the longest by far; among them the highest rate the roofline lets the deployment
-    carry (its probes simulate about that many requests per second), then the most nodes
-    (each request crosses more of them)."""
+    """A sort key, longest jobs first: goodput searches, by the highest rate the roofline lets the
+    deployment carry, then by node count.
+    """
     if job.kind != "goodput":
         return True, 0.0, 0
     cand, at = _bounds(sc, job)
