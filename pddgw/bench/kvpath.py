@@ -106,7 +106,7 @@ async def _peer_main(secret: str, shape: dict, decoders: dict[str, str]) -> None
 
 
 class _Decoder:
-    """A decoder node behind its server, on the production or the old import path."""
+    """A decoder node behind its server, on the production or the copying (`old`) import path."""
 
     def __init__(self, name: str, shape: Shape, cfg: NetConfig, production: bool) -> None:
         async def no_dial(peer: str) -> Link:
