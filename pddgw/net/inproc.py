@@ -98,7 +98,7 @@ class InProcLink(LinkBase):
             done = max(done, pipe.put_nowait((it, 0, 0, n), n))
         return done
 
-    def _send_at_once(self, msg: m.Message, priority: PriorityLike) -> bool:
+    def _send_at_once(self, msg: m.Message, priority: PriorityLike, corr: int = 0, flags: int = 0) -> bool:
         """`send` of a frame that would not suspend: any frame but KV on an open link whose
         peer reads, handed over at once (unshaped) or booked as a control frame whose
         serialization needs no sleep (shaped) - `_send_frame`, `_transmit` and `put` step by
@@ -113,7 +113,7 @@ class InProcLink(LinkBase):
             # where it was by the time the call returns: nothing to count.
             if priority != Priority.FOREGROUND:
                 return False
-            other._receive(self._prepare(msg, 0, 0))
+            other._receive(self._prepare(msg, corr, flags))
             return True
         if pipe.closed:
             return False
@@ -131,7 +131,7 @@ class InProcLink(LinkBase):
             return False                  # a slow wire: the sender sleeps for it (`ShapedPipe.put`)
         self.stats.frames_sent += 1
         self.stats.bytes_sent += n
-        shaper.control(n, now, pipe, (msg, 0, 0, n))
+        shaper.control(n, now, pipe, (msg, corr, flags, n))
         return True
 
     def _transmit_nowait(self, msg: m.Message, corr: int = 0, flags: int = 0) -> None:

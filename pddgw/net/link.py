@@ -392,10 +392,11 @@ class LinkBase(Link):
     def _transmit_nowait(self, msg: m.Message, corr: int = 0, flags: int = 0) -> None:
         """Send one small frame without waiting (heartbeats); silently dropped if not open."""
 
-    def _send_at_once(self, msg: m.Message, priority: PriorityLike) -> bool:
+    def _send_at_once(self, msg: m.Message, priority: PriorityLike, corr: int = 0, flags: int = 0) -> bool:
         """Send a frame the transport takes without waiting, synchronously: exactly what
-        `send` would do when nothing in it suspends, minus its coroutines.  False (nothing
-        done): `send` takes its general path.  A transport with no such case keeps this."""
+        `_send_frame` would do when nothing in it suspends, minus its coroutines.  False
+        (nothing done): the caller takes the general path.  A transport with no such case
+        keeps this."""
         return False
 
     def _heard_since(self, since: float) -> bool:
@@ -453,8 +454,13 @@ class LinkBase(Link):
         corr = self._next_corr
         fut: asyncio.Future[m.Message] = self._loop.create_future()
         self._pending[corr] = fut
+        what = f"request {type(msg).__name__}"
         try:
-            reply = await self._timed(self._exchange(msg, corr, fut), t, f"request {type(msg).__name__}")
+            # Most frames are taken at once: then only the reply is waited for, by a timer on it.
+            if self._send_at_once(msg, Priority.FOREGROUND, corr):
+                reply = await self._reply(fut, t, what)
+            else:
+                reply = await self._timed(self._exchange(msg, corr, fut), t, what)
         finally:
             self._pending.pop(corr, None)
         if isinstance(reply, m.Error):
@@ -464,6 +470,18 @@ class LinkBase(Link):
     async def _exchange(self, msg: m.Message, corr: int, fut: asyncio.Future[m.Message]) -> m.Message:
         await self._send_frame(msg, corr, 0)
         return await fut
+
+    async def _reply(self, fut: asyncio.Future[m.Message], timeout: float, what: str) -> m.Message:
+        """`fut` awaited, failed with LinkTimeout `timeout` from now unless answered."""
+        timer = self._loop.call_later(timeout, self._expire, fut, what, timeout)
+        try:
+            return await fut
+        finally:
+            timer.cancel()
+
+    def _expire(self, fut: asyncio.Future, what: str, timeout: float) -> None:
+        if not fut.done():
+            fut.set_exception(LinkTimeout(f"{what} to {self.peer}: no completion within {timeout}s"))
 
     def stream(self, request_id: str, *, timeout: float | None = None) -> LinkStream:
         if self._state == LinkState.CLOSED:
@@ -710,7 +728,8 @@ class LinkBase(Link):
             code = e.code if isinstance(e, RemoteError) else type(e).__name__
             reply = m.Error(rid, code, str(e)[: m.MAX_TEXT_CHARS])
         try:
-            await self._timed(self._send_frame(reply, corr, _FLAG_REPLY), self.cfg.send_timeout_s, "reply")
+            if not self._send_at_once(reply, Priority.FOREGROUND, corr, _FLAG_REPLY):
+                await self._timed(self._send_frame(reply, corr, _FLAG_REPLY), self.cfg.send_timeout_s, "reply")
         except LinkError as e:
             log.debug("reply not sent", peer=self.peer, error=str(e))
 
