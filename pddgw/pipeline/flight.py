@@ -7,9 +7,10 @@ holds as `Reservation`s in its `Ledger`: each adds its amounts when taken and
 takes them back on `release`, at most once.  Invariants:
   * a key is held at most once (taking a held key again is a no-op), so a
     node involved twice counts once;
-  * every exit of a request ends in `Ledger.release_all` (the router's
-    `_release`), so no path can leave a counter raised; releasing early (a
-    prefill done, a handoff ended) is only ever sooner, never instead.
+  * every exit of a request (and of each failed attempt) ends in
+    `Ledger.release_all`, in `Router.release`, so no path can leave a counter
+    raised; releasing early (a prefill done, a handoff ended) is only ever
+    sooner, never instead.
 """
 
 from __future__ import annotations

@@ -29,16 +29,8 @@ from pddgw.net.errors import LinkError, LinkTimeout
 from pddgw.net.link import LinkStream
 from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.alignment import AlignKey
-from pddgw.pipeline.events import (
-    Event,
-    HandoffEnded,
-    KvReady,
-    NodeFailed,
-    PrefillFinished,
-    RoundSent,
-    StreamReader,
-    Tokens,
-)
+from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, PrefillFinished, RoundSent,
+                                   StreamReader, Tokens)
 from pddgw.pipeline.flight import Flight, NodeLost, cancel_all
 from pddgw.pipeline.handoff import drive_handoff
 from pddgw.pipeline.placement import NodeHandle
