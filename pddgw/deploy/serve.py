@@ -32,7 +32,7 @@ import structlog
 from aiohttp import web
 
 from pddgw.api.door import FrontDoor
-from pddgw.api.guard import FrontDoorRunner
+from pddgw.api.guard import GuardedSite
 from pddgw.api.server import build_app
 from pddgw.config import Config, ConfigError, NodeConfig, StartupError
 from pddgw.engines.kv_pool import DTYPES
@@ -359,11 +359,11 @@ async def _serve_app(app: web.Application, host: str, port: int, cfg: Config, re
     from pddgw.net.tls import front_door_context, server_context
 
     ssl_ctx = front_door_context(cfg.net.tls) if front_door else server_context(cfg.net.tls) if tls else None
-    # The front door's connections go through its guard (api/guard.py: read timeouts, per-address cap).
-    runner_cls = FrontDoorRunner if front_door else web.AppRunner
-    runner = runner_cls(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
+    # The front door's connections go through its guard (api/guard.py: read timeouts, per-address cap).
+    site = (GuardedSite(runner, host, port, ssl_context=ssl_ctx) if front_door
+            else web.TCPSite(runner, host, port, ssl_context=ssl_ctx))
     try:
         await site.start()
     except OSError as e:
@@ -374,7 +374,7 @@ async def _serve_app(app: web.Application, host: str, port: int, cfg: Config, re
         reason = _BIND_HINTS.get(e.errno, (e.strerror or str(e)).lower())
         raise StartupError(f"cannot listen on {host}:{port}: {reason}") from None
     scheme = ("https" if ssl_ctx is not None else "http")
-    log.info("serving", host=host, port=runner.addresses[0][1], scheme=scheme)
+    log.info("serving", host=host, port=site.port, scheme=scheme)
     if ready is not None:
         ready.set()
     stop = asyncio.Event()

@@ -4,7 +4,7 @@
   requests with bodies past 64 KiB and under 32 `response.create` on one
   WebSocket: exactly 4 admitted, 28 refused at once (429 /
   `rate_limit_exceeded`).  These run the embedded deployment in-process behind
-  `FrontDoorRunner` on a real 127.0.0.1 socket, with the router's `run` held
+  `GuardedSite` on a real 127.0.0.1 socket, with the router's `run` held
   at a gate, so "at once" is exact: the 28 answers come while the 4 cannot end.
 * Read timeouts against a real `pddgw serve` process with 1 s settings: a
   silent socket, a partial head, slowloris sockets, a partial body, an idle
@@ -32,7 +32,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from pddgw.api.guard import FrontDoorRunner
+from pddgw.api.guard import GuardedSite
 from pddgw.api.server import build_app
 from pddgw.config import Config, ConfigError, ServerConfig, load_config
 from pddgw.deploy.serve import Embedded
@@ -107,12 +107,11 @@ class Gated:
 async def gated() -> AsyncIterator[Gated]:
     emb = Embedded(Config(server=ServerConfig(max_concurrent_requests=LIMIT)))
     side = await emb.start()
-    runner = FrontDoorRunner(build_app(side.door), access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    runner = web.AppRunner(build_app(side.door), access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = GuardedSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = runner.addresses[0][1]
-    g = Gated(side, f"http://127.0.0.1:{port}")
+    g = Gated(side, f"http://127.0.0.1:{site.port}")
     try:
         yield g
     finally:
