@@ -7,7 +7,7 @@ models (openai_routes.py), tokenize / detokenize (tokenize.py), the web chat
 page, /metrics, GET /health and /debug/state.
 
 Middlewares, in order: the connection guard (guard.py: read timeouts, the
-per-address cap; deploy/serve.py serves the app with its `FrontDoorRunner`),
+per-address cap; deploy/serve.py serves the app through its `GuardedSite`),
 OpenAI-shaped 404 / 405 answers and the refusal log line (openai_errors.py),
 and draining: while the router drains (SIGTERM: `door.drain`) a request that
 would start a generation (a generating POST, a WebSocket upgrade) is refused
