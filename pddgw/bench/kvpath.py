@@ -42,11 +42,10 @@ from pddgw.engines.weights import build_random
 from pddgw.harness.engines import Decoding
 from pddgw.harness.peer import bench_net, raw_rate, run_peer, running_peer, serve_peer
 from pddgw.logs import setup_logging
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.link import Link
 from pddgw.net.ws import WsServer
 from pddgw.net.ws import connect as ws_connect
-from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.decode import DecodeState
 from pddgw.pipeline.node import WorkerNode
 from pddgw.pipeline.prefill import tokens_per_chunk
@@ -144,13 +143,13 @@ class _Decoder:
         assert self.link is not None
         landed0, copied0 = self.engine.kv_bytes_landed, self.engine.kv_bytes_copied
         async with self.link.stream(rid, timeout=300) as st:
-            await self.link.request(pm.Submit(rid, kv="import", hold=True, prompt=prompt, sampling=SAMPLING))
+            await self.link.request(m.Submit(rid, kv="import", hold=True, prompt=prompt, sampling=SAMPLING))
             t0 = time.perf_counter()
-            done = await p_link.request(pm.Prefill(rid, targets=(self.name,), starts=(0,), prompt=prompt,
+            done = await p_link.request(m.Prefill(rid, targets=(self.name,), starts=(0,), prompt=prompt,
                                                    holds=(True,), sampling=SAMPLING), timeout=300)
             ready = await st.__anext__()
             t1 = time.perf_counter()
-        assert isinstance(done, pm.PrefillDone) and done.errors == ("",), done
+        assert isinstance(done, m.PrefillDone) and done.errors == ("",), done
         assert isinstance(ready, m.Ready) and ready.detail == "kv", ready
         kv = await self.node.aeng.call(lambda: bytes(self.engine.export_kv(rid, 0, len(prompt)).payload))
         await self.link.request(m.Cancel(rid))

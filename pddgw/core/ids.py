@@ -1,7 +1,7 @@
 """What a long token-id tuple holds (exact ints? smallest, largest), found once per tuple object.
 
 A 64K-token prompt meets several range checks in one process: every message
-that carries it (`net.messages`) and every engine that admits it
+that carries it (`pddgw.messages`) and every engine that admits it
 (`engines.base.check_request`), each ~3 ms of `set(map(type))`, `min` and
 `max`.  Its facts are kept by the tuple's identity (`core.identity_memo`: why
 identity, and its bounds).  Short tuples (a decode step's tokens) are checked

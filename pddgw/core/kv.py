@@ -29,7 +29,7 @@ from pddgw.core.errors import check as _check
 
 DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
 DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-MAX_REQUEST_ID_CHARS = 256          # = net.messages.MAX_ID_CHARS: a hostile peer cannot make us hold much
+MAX_REQUEST_ID_CHARS = 256          # = messages.MAX_ID_CHARS: a hostile peer cannot make us hold much
 _RANGE_LIMIT = 1 << 31              # token / layer indices and shape sizes are int32 on every side
 _MAX_SPAN_BYTES = 1 << 40
 
@@ -147,7 +147,7 @@ class KVChunk:
     payload: Buffer = field(repr=False)
     seq: int = 0                   # chunk index within its transfer (the sender's numbering)
     last: bool = False             # final chunk of the transfer; ends a `Link.stream`
-    tag: Literal["kv_chunk"] = "kv_chunk"      # the message tag on the wire (net.messages)
+    tag: Literal["kv_chunk"] = "kv_chunk"      # the message tag on the wire (pddgw.messages)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.span, KVSpan), "span must be a KVSpan")

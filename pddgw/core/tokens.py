@@ -1,7 +1,7 @@
 """Output tokens at a position: the one value every layer from the decoder to the API passes on.
 
 A `TokenRun` is what a decode worker emits per request per engine step; the
-wire's `TokenItem` (net.messages) is built from it and turned back into one
+wire's `TokenItem` (pddgw.messages) is built from it and turned back into one
 in exactly one place each.  `TokenLogprobs` is one position's
 log-probabilities, as an engine computes them.
 """

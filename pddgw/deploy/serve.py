@@ -6,7 +6,7 @@ P -> every decoder (KV), RLD -> every MD (handoffs).  `pddgw serve` with no conf
 embedded default: router, P and RLD in cluster A, MD in cluster B, one process.
 
 SIGTERM / SIGINT drains within `[server] drain_timeout_s`, so a rolling restart loses
-nothing: a worker stops taking requests, tells its routers (`pm.Draining`), finishes or
+nothing: a worker stops taking requests, tells its routers (`m.Draining`), finishes or
 moves what is in flight (`WorkerNode.drain`) and answers /health 503 "draining"; the router's
 front door admits nothing new and waits for admitted requests, then MD alignments.  Then a
 node closes all its links at once and `exit_process` skips the interpreter's teardown: an
@@ -39,13 +39,12 @@ from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.base import create_engine, engine_class
 from pddgw.engines.weights import SharedModels, load_spec_for, served_model_name
 from pddgw.metrics import metrics_route
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.inproc import InProcNetwork
 from pddgw.net.link import KvSink, Link
 from pddgw.net.ws import WsServer
 from pddgw.net.ws import connect as ws_connect
-from pddgw.pipeline import protocol as pm
 from pddgw.deploy import regime
 from pddgw.pipeline.node import WorkerNode
 from pddgw.pipeline.router import NodeHandle, Router
@@ -127,8 +126,8 @@ class RouterSide:
             if not n.healthy:       # a down link would hold the query until its timeout
                 return {"node": n.name, "role": n.role, "healthy": False, "error": f"link {n.link.state.name}"}
             try:
-                st = await n.link.request(pm.StateQuery(n.name), timeout=self.cfg.net.request_timeout_s)
-                assert isinstance(st, pm.NodeState)
+                st = await n.link.request(m.StateQuery(n.name), timeout=self.cfg.net.request_timeout_s)
+                assert isinstance(st, m.NodeState)
                 return {**st.to_dict(), "healthy": True}
             except LinkError as e:
                 return {"node": n.name, "role": n.role, "healthy": False, "error": str(e)}

@@ -1,8 +1,7 @@
 """Node links: typed messages in binary frames over WebSocket or in-process links.
 
-Knows nothing about models or roles.  Entry points:
+Knows nothing about models or roles: it carries `pddgw.messages` by their shapes.  Entry points:
 
-* `messages` — the typed messages (`KVChunk`, `TokenIds`, `TokenItem`, ...).
 * `Link` — the contract every link keeps (send / send_all / request / stream);
   `Priority` — the traffic class of what is sent (foreground overtakes background).
 * `WsServer`, `connect` — WebSocket links between processes (auth, TLS, stripes).
@@ -23,7 +22,7 @@ from pddgw.net.errors import (
 )
 from pddgw.net.inproc import InProcLink, InProcNetwork, inproc_pair
 from pddgw.net.link import Handler, KvSink, Link, LinkState, LinkStats, LinkStream, Priority, PriorityLike
-from pddgw.net.messages import (
+from pddgw.messages import (
     Ack,
     Cancel,
     Error,

@@ -22,7 +22,7 @@ import hmac
 import secrets
 import struct
 
-from pddgw.net.messages import Hello
+from pddgw.messages import Hello
 
 _DOMAIN = b"pddgw-link-auth-v1"
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import FrameError, FrameTooLarge
 
 MAGIC = b"PD"
@@ -127,48 +127,19 @@ _BATCH_META = ("request_ids", "positions", "counts", "done", "reasons")
 
 
 def _schema(cls: type) -> _Schema:
-    hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name != "tag"]
     if cls is m.KVChunk:
         order = tuple(f.name for f in dataclasses.fields(m.KVSpan)) + ("seq", "last")
         return _Schema(cls, order, frozenset(order), "raw", "payload")
     if cls is m.TokenBatch:
         return _Schema(cls, _BATCH_META, frozenset(_BATCH_META), "batch", "items")
-    packed, packed_field = "", ""
-    if cls in (m.TokenIds, m.TokenItem):
-        packed, packed_field = "i", "ids"
-    elif cls is m.PrefixQuery:
-        packed, packed_field = "Q", "hashes"
-    assert not packed or typing.get_origin(hints[packed_field]) is tuple
+    packed, packed_field = m.PACKED.get(cls, ("", ""))
+    assert not packed or typing.get_origin(typing.get_type_hints(cls)[packed_field]) is tuple
     order = tuple(n for n in names if n != packed_field)
     return _Schema(cls, order, frozenset(order), packed, packed_field, _nested(cls))
 
 
 _SCHEMAS: dict[int, _Schema] = {kind: _schema(cls) for kind, cls in m.KINDS.items()}
-
-
-def register(kind: int, cls: type, packed_field: str = "") -> None:
-    """Carry a message type defined above the net layer (the pipeline's vocabulary).
-
-    Like the built-in messages: a frozen dataclass validated in `__post_init__`,
-    other fields in the orjson metadata (dataclass fields nested), `packed_field` (a tuple of ints) as the
-    int32 payload.  Kinds are protocol numbers; registering one twice is an error.
-    """
-    if kind in m.KINDS or cls in m.KIND_OF:
-        if m.KINDS.get(kind) is cls:
-            return
-        raise ValueError(f"frame kind {kind} or class {cls.__name__} is already registered")
-    if not 0 < kind < 256:
-        raise ValueError(f"frame kind {kind} outside 1..255")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "tag"]
-    if packed_field and typing.get_origin(hints[packed_field]) is not tuple:
-        raise ValueError(f"{cls.__name__}.{packed_field} must be a tuple of ints to be packed")
-    order = tuple(n for n in names if n != packed_field)
-    _SCHEMAS[kind] = _Schema(cls, order, frozenset(order), "i" if packed_field else "", packed_field,
-                             _nested(cls))
-    m.KINDS[kind] = cls
-    m.KIND_OF[cls] = kind
 _ITEM_SIZE = {"i": 4, "Q": 8, "batch": 4}
 
 

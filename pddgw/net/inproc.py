@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from pddgw.config import NetConfig, ShapingConfig
 from pddgw.net import frames
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed
 from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, Priority, PriorityLike, sink_buffer, wait_until
 from pddgw.net.shaping import MIN_SLEEP_S, ShapedPipe, Shaper

@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import structlog
 
 from pddgw.config import NetConfig
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed, LinkError, LinkTimeout, RemoteError
 
 log = structlog.get_logger("pddgw.net")

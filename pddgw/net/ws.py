@@ -30,7 +30,7 @@ from aiohttp import WSMsgType, web
 
 from pddgw.config import ConfigError, NetConfig, ShapingConfig
 from pddgw.net import auth, frames
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import AuthError, CloseCode, FrameError, FrameTooLarge, LinkClosed, LinkError, LinkTimeout
 from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, Priority, PriorityLike, ServiceMeter
 from pddgw.net.shaping import ShapedPipe

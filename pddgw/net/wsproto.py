@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 
 from pddgw.net import frames
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import AuthError, CloseCode, FrameError, FrameTooLarge, LinkClosed, LinkTimeout
 from pddgw.net.link import KvSink, sink_buffer
 from pddgw.net.mask import masked_copy, unmask_inplace

@@ -28,7 +28,7 @@ import structlog
 
 from pddgw.net.errors import LinkError
 from pddgw.net.link import Link
-from pddgw.pipeline import protocol as pm
+from pddgw import messages as m
 from pddgw.pipeline.events import Event, KvReady, NodeFailed
 
 log = structlog.get_logger(__name__)
@@ -160,7 +160,7 @@ class Alignments:
             async with asyncio.timeout(self.timeout):
                 if p is not None:
                     try:
-                        await p.send(pm.Demote(rid), timeout=self.control_timeout)
+                        await p.send(m.Demote(rid), timeout=self.control_timeout)
                     except LinkError as e:
                         # P is unreachable: what it had not sent is lost with it (step 5).
                         raise _NodeGone(f"P: Demote failed: {e}") from None
@@ -173,7 +173,7 @@ class Alignments:
                         raise _NodeGone(f"{getattr(ev.node, 'name', ev.node)}: {ev.why}")
                 if len(output_ids) > 1:
                     # Position 0 (P's token) is on MD already.
-                    await md.request(pm.Extend(rid, 1, False, output_ids[1:]), timeout=self.control_timeout)
+                    await md.request(m.Extend(rid, 1, False, output_ids[1:]), timeout=self.control_timeout)
                 self.counts["completed"] += 1
         except _NodeGone as e:
             self.counts["failed"] += 1

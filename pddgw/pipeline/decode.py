@@ -36,7 +36,7 @@ from pddgw.engines.async_engine import AsyncEngine, EngineStopped, RequestStream
 from pddgw.core.sampling import SamplingParams
 from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, RequestOutput
-from pddgw.pipeline.protocol import PromptScores
+from pddgw.pipeline.prompt_scores import PromptScores
 
 log = structlog.get_logger(__name__)
 

@@ -16,8 +16,7 @@ from typing import Any
 
 from pddgw.core.roles import Role
 from pddgw.core.tokens import TokenLogprobs, TokenRun
-from pddgw.net import messages as m
-from pddgw.pipeline import protocol as pm
+from pddgw import messages as m
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +37,7 @@ class Tokens(FromNode):
 class PrefillFinished(FromNode):
     """P computed the prompt and served every target (or reports which failed)."""
 
-    done: pm.PrefillDone
+    done: m.PrefillDone
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +49,14 @@ class KvReady(FromNode):
 class RoundSent(FromNode):
     """RLD sent MD a handoff round."""
 
-    round: pm.HandoffRound
+    round: m.HandoffRound
 
 
 @dataclass(frozen=True, slots=True)
 class HandoffEnded(FromNode):
     """RLD's handoff finished (`handed` = MD's position) or had nothing to hand off (None)."""
 
-    handed: pm.HandedOff | None
+    handed: m.HandedOff | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +87,14 @@ class StreamReader:
         self.node = node
         self.role = role
         self.top_n = top_n
-        self._pieces: list[pm.Logprobs] = []
+        self._pieces: list[m.Logprobs] = []
 
     def event(self, msg: m.Message) -> Event | None:
         """A stream message -> its event (None: nothing the loop acts on).
 
         A stream raises on an `Error` (the pump turns it into `NodeFailed`)."""
         match msg:
-            case pm.Logprobs():
+            case m.Logprobs():
                 if self.top_n is None:
                     raise StreamError(f"request {msg.request_id}: logprobs nobody asked for")
                 if msg.top_n != self.top_n:
@@ -109,7 +108,7 @@ class StreamReader:
                                                   self._join(msg), self.role))
             case m.Ready():
                 return KvReady(self.node)
-            case pm.HandoffRound():
+            case m.HandoffRound():
                 return RoundSent(self.node, msg)
         return None
 

@@ -30,7 +30,7 @@ import structlog
 from pddgw.config import PolicyConfig
 from pddgw.net.errors import RemoteError
 from pddgw.net.link import Link
-from pddgw.pipeline import protocol as pm
+from pddgw import messages as m
 from pddgw.pipeline.decode import DecodeWorker
 from pddgw.pipeline.policy import HandoffInputs, choose_handoff_mode, plan_handoff_round
 
@@ -40,7 +40,7 @@ log = structlog.get_logger(__name__)
 # ---- router side ------------------------------------------------------------------------
 async def drive_handoff(rid: str, rld: Link, md_name: str, policy: PolicyConfig, generated: int,
                         rld_load: float, md_load: float, rtt_ms: float, timeout: float,
-                        force_mode: str | None = None) -> pm.HandedOff | None:
+                        force_mode: str | None = None) -> m.HandedOff | None:
     """Steps 1-2 of the router side -> RLD's HandedOff, or None when RLD had
     nothing left to hand off (it finished first: RLD refuses with code "request").
     Any other failure propagates: a round MD did not take may have frozen RLD,
@@ -49,7 +49,7 @@ async def drive_handoff(rid: str, rld: Link, md_name: str, policy: PolicyConfig,
         policy = dataclasses.replace(policy, handoff_mode=force_mode)
     decision = choose_handoff_mode(HandoffInputs(generated, rld_load, md_load), policy)
     log.info("handoff_decision", request_id=rid, **decision.as_log())
-    msg = pm.HandOff(rid, md_name, decision.mode, decision.threshold,
+    msg = m.HandOff(rid, md_name, decision.mode, decision.threshold,
                      max(policy.catchup_max_chunk, decision.threshold), policy.catchup_max_rounds,
                      round(rtt_ms, 3), decision.reason == "forced")
     try:
@@ -59,7 +59,7 @@ async def drive_handoff(rid: str, rld: Link, md_name: str, policy: PolicyConfig,
             raise
         log.info("handoff_skipped", request_id=rid, reason=str(e))
         return None
-    assert isinstance(reply, pm.HandedOff), reply
+    assert isinstance(reply, m.HandedOff), reply
     return reply
 
 
@@ -72,13 +72,13 @@ def round_sender(rid: str, router: Link, md: Link) -> SendRound:
 
     async def send(start: int, ids: tuple[int, ...], final: bool) -> None:
         # The router hears of the round before MD can emit anything after it.
-        await router.send(pm.HandoffRound(rid, start, start + len(ids), final))
-        await md.request(pm.Extend(rid, start, final, ids))
+        await router.send(m.HandoffRound(rid, start, start + len(ids), final))
+        await md.request(m.Extend(rid, start, final, ids))
 
     return send
 
 
-async def relay_handoff(dec: DecodeWorker, msg: pm.HandOff, send: SendRound) -> pm.HandedOff:
+async def relay_handoff(dec: DecodeWorker, msg: m.HandOff, send: SendRound) -> m.HandedOff:
     """Steps 1-3 of the RLD side; -> the position MD continues from.
 
     `send(start, ids, final)` returns once MD has extended the round.  Output
@@ -100,7 +100,7 @@ async def relay_handoff(dec: DecodeWorker, msg: pm.HandOff, send: SendRound) -> 
             end = await dec.freeze(rid)
             await send(sent, tuple(s.tokens[sent:end]), True)
             await dec.close(rid)
-            return pm.HandedOff(rid, end)
+            return m.HandedOff(rid, end)
         before, t0 = len(s.tokens), loop.time()
         await send(sent, tuple(s.tokens[sent:chunk.end]), False)
         per_round = float(len(s.tokens) - before)      # measured: what RLD made meanwhile

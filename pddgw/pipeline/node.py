@@ -9,7 +9,7 @@ naming the problem, and the node keeps serving.  Metrics
 (`WorkerNode.metrics`) are read at scrape time.
 
 Drain (`drain`, on SIGTERM): no new request is taken (Error "draining") and
-every known router is told (`pm.Draining`); what is in flight gets
+every known router is told (`m.Draining`); what is in flight gets
 `DRAIN_FINISH_SHARE` of the bound to finish; what is left is moved (Error
 "draining" to its router, which re-drives it) or, if its router cannot be
 told, dropped and counted.  The steps in detail: docs/architecture.md.
@@ -30,10 +30,9 @@ from pddgw.engines.base import Engine
 from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.engines.types import CapacityError, KVChunk, KVSpan, RequestError
 from pddgw.metrics import NodeMetrics
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.link import Link, LinkState
-from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.decode import DecodeWorker
 from pddgw.pipeline.handoff import relay_handoff, round_sender
 from pddgw.pipeline.prefill import KVTarget, PrefillWorker
@@ -43,7 +42,7 @@ log = structlog.get_logger(__name__)
 Connect = Callable[[str], Awaitable[Link]]
 _CANCELLED_KEPT = 4096
 # Messages nobody waits a reply for: their failures are reported to the request's router.
-_ONE_WAY = (KVChunk, pm.KvDone, pm.Logprobs)
+_ONE_WAY = (KVChunk, m.KvDone, m.Logprobs)
 # Share of the drain bound in-flight requests get to finish before the rest is moved.
 DRAIN_FINISH_SHARE = 0.75
 
@@ -85,7 +84,7 @@ class WorkerNode:
         self._pins: dict[str, Link] = {}          # prefix pins, by request, with the asking link
         self._watched: dict[Link, asyncio.Task[None]] = {}
         self._peers: dict[str, Link] = {}
-        self._prefills: dict[str, asyncio.Task[pm.PrefillDone]] = {}
+        self._prefills: dict[str, asyncio.Task[m.PrefillDone]] = {}
         # P's first-token logprobs, from their Logprobs message until the KvDone right behind it.
         self._first_logprobs: dict[str, TokenLogprobs] = {}
         self.kv_bytes_in_flight = 0
@@ -135,10 +134,10 @@ class WorkerNode:
         return out
 
     # ---- state for /health and /debug/state -------------------------------------
-    async def state(self) -> pm.NodeState:
+    async def state(self) -> m.NodeState:
         st = await self.aeng.call(self.engine.stats)
         sessions = len(self.decode.sessions) if self.decode is not None else 0
-        return pm.NodeState(self.name, self.role, st.used_blocks, st.num_blocks, st.cached_blocks,
+        return m.NodeState(self.name, self.role, st.used_blocks, st.num_blocks, st.cached_blocks,
                             st.running + st.waiting + st.importing + st.retained, len(self._prefills),
                             max(sessions, len(self._open)), st.pins, self.aeng.pending, st.prefix_hit_tokens,
                             st.prefix_query_tokens)
@@ -191,9 +190,9 @@ class WorkerNode:
                 self._routers.add(link)
                 if self.drain_timeout_s is not None:      # a router that missed it hears it now
                     with contextlib.suppress(LinkError):
-                        await link.send(pm.Draining(self.name, self.drain_timeout_s))
+                        await link.send(m.Draining(self.name, self.drain_timeout_s))
                 return await self.load()
-            case pm.StateQuery():
+            case m.StateQuery():
                 return await self.state()
             case m.PrefixQuery(request_id=rid, hashes=hashes):
                 self._refuse_new(rid)
@@ -205,10 +204,10 @@ class WorkerNode:
                     await self._unpin(rid)
                     raise RequestError(f"request {rid!r} was cancelled")
                 return m.PrefixAnswer(rid, held)
-            case pm.Submit():
+            case m.Submit():
                 self._refuse_new(msg.request_id)
                 return await self._submit(link, msg)
-            case pm.Prefill():
+            case m.Prefill():
                 self._refuse_new(msg.request_id)
                 return await self._run_prefill(msg)
             case KVChunk(span=KVSpan(request_id=rid)):
@@ -222,31 +221,31 @@ class WorkerNode:
                     return None
                 await self._decoder().import_kv(msg)
                 return None
-            case pm.KvDone(request_id=rid) if rid in self._cancelled or self._past_import(rid):
+            case m.KvDone(request_id=rid) if rid in self._cancelled or self._past_import(rid):
                 # P's frames still in flight when the request was cancelled here, or from an
                 # earlier attempt of a request re-driven here since (like its KVChunks): taken
                 # as this attempt's, it failed the re-driven request ("not importing").
                 return None
-            case pm.KvDone(request_id=rid, first_token=first, hold=hold):
+            case m.KvDone(request_id=rid, first_token=first, hold=hold):
                 return await self._kv_done(rid, first, hold)
-            case pm.Logprobs(request_id=rid) if rid in self._cancelled or self._past_import(rid):
+            case m.Logprobs(request_id=rid) if rid in self._cancelled or self._past_import(rid):
                 return None        # in flight when the request was cancelled here, like its KvDone
-            case pm.Logprobs(request_id=rid, position=0, logprobs=(_,)) if rid in self._open:
+            case m.Logprobs(request_id=rid, position=0, logprobs=(_,)) if rid in self._open:
                 self._first_logprobs[rid] = msg.entries()[0]      # P's first token; KvDone follows
                 return None
-            case pm.Demote(request_id=rid):
+            case m.Demote(request_id=rid):
                 if self.prefill is not None:
                     self.prefill.demote(rid)
                 return None
-            case pm.Extend(request_id=rid, start=start, ids=ids, final=final):
+            case m.Extend(request_id=rid, start=start, ids=ids, final=final):
                 await self._decoder().extend(rid, start, ids, final)
                 return m.Ack(rid, start + len(ids))
-            case pm.HandOff():
+            case m.HandOff():
                 return await self._hand_off(msg)
             case m.Cancel(request_id=rid):
                 await self._cancel(rid)
                 return None
-            case pm.PromptLogprobsQuery():
+            case m.PromptLogprobsQuery():
                 return (self.prefill or self._decoder()).scored.piece(msg)
         raise RequestError(f"{self.role} node {self.name} does not handle {type(msg).__name__}")
 
@@ -275,7 +274,7 @@ class WorkerNode:
         if self._pins.pop(rid, None) is not None:
             await self.aeng.call(self.engine.unpin, rid)
 
-    async def _submit(self, link: Link, msg: pm.Submit) -> pm.Opened:
+    async def _submit(self, link: Link, msg: m.Submit) -> m.Opened:
         dec = self._decoder()
         rid = msg.request_id
         for old in msg.supersedes:
@@ -296,7 +295,7 @@ class WorkerNode:
             raise RequestError(f"request {rid!r} was cancelled while opening")
         self._open[rid] = _Open(link)
         self._watch(link)
-        return pm.Opened(rid, cached)
+        return m.Opened(rid, cached)
 
     def _watch(self, link: Link) -> None:
         """When a router link closes for good, free what was opened or pinned through it."""
@@ -325,7 +324,7 @@ class WorkerNode:
         elif hold:
             await op.router.send(m.Ready(rid, "kv"))
 
-    async def _hand_off(self, msg: pm.HandOff) -> pm.HandedOff:
+    async def _hand_off(self, msg: m.HandOff) -> m.HandedOff:
         rid = msg.request_id
         op = self._open.get(rid)
         if op is None:
@@ -334,7 +333,7 @@ class WorkerNode:
         self._open.pop(rid, None)
         return done
 
-    async def _run_prefill(self, msg: pm.Prefill) -> pm.PrefillDone:
+    async def _run_prefill(self, msg: m.Prefill) -> m.PrefillDone:
         if self.prefill is None:
             raise RequestError(f"{self.role} node {self.name} does not prefill")
         rid = msg.request_id
@@ -364,7 +363,7 @@ class WorkerNode:
             # blocks are computed and sent, and must not stay unevictable while MD decodes.
             await self._unpin(rid)
         ts = [res.targets[t.name] for t in targets]
-        return pm.PrefillDone(rid, res.first_token, res.cached_tokens,
+        return m.PrefillDone(rid, res.first_token, res.cached_tokens,
                               tuple(t.sent_bytes for t in ts), tuple(t.error or "" for t in ts),
                               tuple(t.service_s for t in ts))
 
@@ -388,10 +387,10 @@ class WorkerNode:
         async def done(first_token: int, first_lp: TokenLogprobs | None) -> None:
             # In the KV's class: a background transfer's end must not overtake its last chunks.
             if first_lp is not None:
-                # Right before KvDone, in its class: the decoder joins them (protocol.py).
-                for piece in pm.logprob_pieces(rid, 0, (first_lp,)):
+                # Right before KvDone, in its class: the decoder joins them (messages/logprobs.py).
+                for piece in m.logprob_pieces(rid, 0, (first_lp,)):
                     await link.send(piece, priority=target.priority)
-            await link.send(pm.KvDone(rid, first_token, hold), priority=target.priority)
+            await link.send(m.KvDone(rid, first_token, hold), priority=target.priority)
 
         target = KVTarget(name, start, send, done)
         return target
@@ -430,7 +429,7 @@ class WorkerNode:
         seen = self._inflight()
         at_start = len(seen)
         log.info("drain_started", node=self.name, role=self.role, inflight=at_start, timeout_s=timeout_s)
-        sent = await asyncio.gather(*(link.send(pm.Draining(self.name, timeout_s))      # all at once
+        sent = await asyncio.gather(*(link.send(m.Draining(self.name, timeout_s))      # all at once
                                       for link in self._routers if link.state == LinkState.OPEN),
                                     return_exceptions=True)
         for r in sent:
@@ -555,8 +554,8 @@ class WorkerNode:
                 if run.reason == "error":
                     await op.router.send(m.Error(run.request_id, "decode", run.error[:4000]))
                 else:
-                    # Their logprobs first, on the same link: the router joins them at its edge (protocol.py).
-                    for piece in pm.logprob_pieces(run.request_id, run.position, run.logprobs):
+                    # Their logprobs first, on the same link: the router joins them at its edge (messages/logprobs.py).
+                    for piece in m.logprob_pieces(run.request_id, run.position, run.logprobs):
                         await op.router.send(piece)
                     await op.router.send(_item(run))
             except LinkError as e:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import structlog
 
 from pddgw.config import Config, NodeConfig
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import LinkClosed, LinkError, RemoteError
 from pddgw.net.link import Link, LinkState
 from pddgw.pipeline.affinity import PrefixIndex

@@ -38,7 +38,7 @@ class NoInstanceError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class InstanceLoad:
-    """The policy's view of one instance's load: its last `net.messages.LoadReport` (what the
+    """The policy's view of one instance's load: its last `messages.LoadReport` (what the
     node says) joined with what the router knows (role, sequence slots, health)."""
 
     instance: str

@@ -33,7 +33,7 @@ from pddgw.core.sampling import SamplingParams
 from pddgw.core.tokens import TokenLogprobs
 from pddgw.engines.types import EngineRequest, KVChunk, RequestError
 from pddgw.net.link import Priority
-from pddgw.pipeline.protocol import PromptScores
+from pddgw.pipeline.prompt_scores import PromptScores
 
 log = structlog.get_logger(__name__)
 

@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Literal
 
 import structlog
 
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import LinkError, LinkTimeout
 from pddgw.net.link import LinkStream
-from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.alignment import AlignKey
 from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, PrefillFinished, RoundSent,
                                    StreamReader, Tokens)
@@ -174,7 +173,7 @@ class RequestDriver:
         if self.handoff is not None:
             self.handoff.cancel()
 
-    def on_prefill_done(self, done: pm.PrefillDone) -> None:
+    def on_prefill_done(self, done: m.PrefillDone) -> None:
         """Count the WAN's bytes; a target P failed to serve is that decoder's failure."""
         self._count_wan(done)
         rld, md, paths = self.rld, self.md, self.paths
@@ -206,7 +205,7 @@ class RequestDriver:
             paths.handoff = True
             self.handoff = asyncio.create_task(self._hand_off(rld, md))
 
-    def on_round_sent(self, r: pm.HandoffRound) -> None:
+    def on_round_sent(self, r: m.HandoffRound) -> None:
         if self.fl.tracker.state in (RequestState.HANDOFF_PENDING, RequestState.CATCHING_UP):
             self.fl.tracker.handoff_round(r.start, r.end, r.final)
 
@@ -225,7 +224,7 @@ class RequestDriver:
         """Ask P to prefill; its reply (or failure) is an event.  Holds the WAN backlog the
         request queues and P's prefill backlog while it runs."""
         fl, p, r = self.fl, self.p, self.router
-        msg = pm.Prefill(request_id=fl.rid, targets=tuple(self.starts), starts=tuple(self.starts.values()),
+        msg = m.Prefill(request_id=fl.rid, targets=tuple(self.starts), starts=tuple(self.starts.values()),
                          prompt=fl.prompt, holds=self.holds, sampling=fl.sampling)
         wan = fl.ledger.take("wan", r, wan_backlog=sum((len(fl.prompt) - start) * r.kv_bytes_per_token
                                                        for name, start in self.starts.items()
@@ -235,7 +234,7 @@ class RequestDriver:
         try:
             p.up()
             done = await p.link.request(msg, timeout=r.timeout)
-            assert isinstance(done, pm.PrefillDone), done
+            assert isinstance(done, m.PrefillDone), done
             self.events.put_nowait(PrefillFinished(p, done))
         except LinkError as e:
             p.note_draining(e)
@@ -245,7 +244,7 @@ class RequestDriver:
             r.end_prefill(fl)
             backlog.release()
 
-    def _count_wan(self, done: pm.PrefillDone) -> None:
+    def _count_wan(self, done: m.PrefillDone) -> None:
         """Count the KV bytes that crossed the WAN, and feed the estimator the wire's rate."""
         r = self.router
         seconds = done.send_seconds or (0.0,) * len(self.starts)
@@ -262,7 +261,7 @@ class RequestDriver:
         emitted = fl.merger.emitted_tokens
         fl.tracker.handoff_round(1, len(emitted), True)
         try:
-            await md.link.request(pm.Extend(fl.rid, 1, True, emitted[1:]), timeout=self.router.control_timeout)
+            await md.link.request(m.Extend(fl.rid, 1, True, emitted[1:]), timeout=self.router.control_timeout)
         except LinkError as e:
             self.events.put_nowait(NodeFailed(md, f"takeover refused: {e}"))
 

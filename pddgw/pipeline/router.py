@@ -37,10 +37,9 @@ from pddgw.core.sampling import SamplingParams
 from pddgw.core.tokens import TokenLogprobs
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.metrics import RouterCounts, RouterMetrics
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import LinkError, RemoteError
 from pddgw.net.link import Link, LinkStream
-from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.admission import Overloaded, RoomQueue
 from pddgw.pipeline.alignment import Alignments
 from pddgw.pipeline.estimator import LinkEstimator
@@ -123,7 +122,7 @@ class Router:
     async def on_link_message(self, link: Link, msg: m.Message) -> m.Message | None:
         """A worker's message outside any request stream: its drain; anything else (a late
         token of an ended request) is dropped."""
-        if isinstance(msg, pm.Draining):
+        if isinstance(msg, m.Draining):
             for node in self.nodes.values():
                 if node.link is link:
                     node.heard_draining()
@@ -195,7 +194,7 @@ class Router:
 
     async def _fetch_prompt_logprobs(self, fl: Flight) -> tuple[TokenLogprobs, ...]:
         """The prompt logprobs from the node that computed the prompt, piece by piece
-        (protocol.py); before the Cancels, which drop them there."""
+        (pddgw/messages/logprobs.py); before the Cancels, which drop them there."""
         node, n = fl.scorer, len(fl.prompt) - 1
         k = min(fl.sampling.prompt_logprobs or 0, self.spec.vocab_size)
         out: list[TokenLogprobs] = []
@@ -204,11 +203,11 @@ class Router:
                 raise RouterError(f"request {fl.rid}: no node computed its prompt logprobs")
             start = len(out) + 1
             try:
-                piece = await node.link.request(pm.PromptLogprobsQuery(fl.rid, start), timeout=self.control_timeout)
+                piece = await node.link.request(m.PromptLogprobsQuery(fl.rid, start), timeout=self.control_timeout)
             except LinkError as e:
                 raise RouterError(f"request {fl.rid}: its prompt logprobs were lost with "
                                   f"{node.role} {node.name}: {e}", "unavailable") from None
-            if (not isinstance(piece, pm.Logprobs) or piece.position != start or piece.top_n != k
+            if (not isinstance(piece, m.Logprobs) or piece.position != start or piece.top_n != k
                     or len(piece.logprobs) > n - len(out)):
                 raise RouterError(f"request {fl.rid}: {node.role} {node.name} answered its prompt "
                                   f"logprobs query from {start} with {type(piece).__name__} "
@@ -393,7 +392,7 @@ class Router:
 
     async def _submit(self, node: NodeHandle, fl: Flight, kv: str, hold: bool,
                       supersedes: tuple[str, ...] = ()) -> int:
-        msg = pm.Submit(request_id=fl.rid, kv=kv, hold=hold, prompt=fl.prompt,  # type: ignore[arg-type]
+        msg = m.Submit(request_id=fl.rid, kv=kv, hold=hold, prompt=fl.prompt,  # type: ignore[arg-type]
                         supersedes=supersedes, sampling=fl.sampling)
         try:
             node.up()
@@ -407,7 +406,7 @@ class Router:
             raise NodeLost(node, f"refused the request: {e}") from None
         except LinkError as e:
             raise NodeLost(node, f"unreachable: {e}") from None
-        assert isinstance(reply, pm.Opened), reply
+        assert isinstance(reply, m.Opened), reply
         fl.holds_room = True
         return reply.cached_tokens
 
@@ -428,7 +427,7 @@ class Router:
             await self._submit(node, fl, "compute", bool(emitted))
             if emitted:
                 try:
-                    await node.link.request(pm.Extend(fl.rid, 0, True, emitted), timeout=self.control_timeout)
+                    await node.link.request(m.Extend(fl.rid, 0, True, emitted), timeout=self.control_timeout)
                 except LinkError as e:
                     raise NodeLost(node, f"re-drive refused: {e}") from None
             fl.tracker.advance(RequestState.PREFILLING, f"re-drive on {node.name}")

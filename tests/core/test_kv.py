@@ -11,7 +11,7 @@ import pytest
 from pddgw.core.kv import KVChunk, KVSpan
 from pddgw.core.roles import ROLES, NodeRole, Role
 from pddgw.net import frames
-from pddgw.net import messages as m
+from pddgw import messages as m
 
 SPAN = KVSpan.of("r", tokens=(16, 24), layers=(1, 3), num_kv_heads=2, head_dim=4, dtype="float16")
 

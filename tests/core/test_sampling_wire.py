@@ -10,7 +10,7 @@ import pytest
 from pddgw.core.sampling import SamplingParams
 from pddgw.net import frames
 from pddgw.net.errors import FrameError
-from pddgw.pipeline import protocol as pm
+from pddgw import messages as m
 
 FULL = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=2**63 - 1, stop_token_ids=(3, 4),
                       ignore_eos=True, min_p=0.05, logprobs=2, repetition_penalty=1.25, presence_penalty=-0.5,
@@ -20,8 +20,8 @@ FULL = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=2*
 GRAMMAR = SamplingParams(max_tokens=9, seed=5, grammar=("json_schema", '{"type": "object"}'))
 
 
-def submit(sp: SamplingParams = FULL) -> pm.Submit:
-    return pm.Submit(request_id="r", kv="import", hold=False, prompt=(1, 2), sampling=sp)
+def submit(sp: SamplingParams = FULL) -> m.Submit:
+    return m.Submit(request_id="r", kv="import", hold=False, prompt=(1, 2), sampling=sp)
 
 
 def test_every_field_differs_from_its_default_and_crosses_the_wire_whole():
@@ -29,7 +29,7 @@ def test_every_field_differs_from_its_default_and_crosses_the_wire_whole():
     assert all(getattr(FULL, f.name) != getattr(default, f.name) for f in dataclasses.fields(SamplingParams)
                if f.name != "grammar")
     for sp in (FULL, GRAMMAR):
-        for msg in (submit(sp), pm.Prefill(request_id="r", targets=("md0",), starts=(0,), prompt=(1, 2),
+        for msg in (submit(sp), m.Prefill(request_id="r", targets=("md0",), starts=(0,), prompt=(1, 2),
                                            holds=(False,), sampling=sp)):
             got = frames.decode(frames.encode_bytes(msg)).msg
             assert got == msg and got.sampling == sp and type(got.sampling) is SamplingParams
@@ -112,4 +112,4 @@ def test_the_nested_object_must_have_exactly_its_fields():
         with pytest.raises(FrameError, match="Submit.sampling must be a JSON object"):
             frames.decode(_with_meta(frame, meta))
     with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
-        pm.Submit(request_id="r", kv="import", hold=False, prompt=(1,), sampling={"max_tokens": 3})
+        m.Submit(request_id="r", kv="import", hold=False, prompt=(1,), sampling={"max_tokens": 3})

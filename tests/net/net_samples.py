@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pddgw.net import messages as m
+from pddgw import messages as m
 
 SPAN = m.KVSpan("req-1", 2, 4, 16, 24, "float16", (2, 2, 8, 2, 4))
 

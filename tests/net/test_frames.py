@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Literal
 
 import orjson
 import pytest
@@ -12,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from net_samples import SPAN, every_message, kv_payload, same
 
+from pddgw import messages as m
 from pddgw.net import frames
-from pddgw.net import messages as m
 from pddgw.net.errors import FrameError, FrameTooLarge
 from pddgw.net.wsproto import ws_header_size
 
@@ -209,29 +207,3 @@ def test_fuzz_well_framed_hostile_metadata(kind, data, payload):
     _decode_total(_frame(kind, raw, payload))
 
 
-@dataclass(frozen=True, slots=True)
-class _Probe:
-    """A message type defined above the net layer, as the pipeline defines its own."""
-
-    request_id: str
-    ids: tuple[int, ...]
-    note: str = ""
-    tag: Literal["probe"] = "probe"
-
-    def __post_init__(self) -> None:
-        m._text(self.request_id, "request_id")
-        m._int_tuple(self, "ids", self.ids, 16, m.TOKEN_ID_LIMIT)
-
-
-def test_registered_kinds_travel_like_builtin_ones():
-    frames.register(199, _Probe, "ids")
-    frames.register(199, _Probe, "ids")                  # idempotent
-    with pytest.raises(ValueError, match="already registered"):
-        frames.register(200, _Probe, "ids")
-    with pytest.raises(ValueError, match="already registered"):
-        frames.register(10, _Probe)
-    data = frames.encode_bytes(_Probe("r", (1, 2, 3), "x"))
-    assert frames.decode(data).msg == _Probe("r", (1, 2, 3), "x")
-    assert data.endswith(struct.pack("<3i", 1, 2, 3))
-    with pytest.raises(FrameError, match="_Probe: ids: more than 16"):
-        frames.decode(_frame(199, b'{"request_id":"r","note":""}', struct.pack("<17i", *range(17))))

@@ -10,7 +10,7 @@ import pytest
 from net_samples import every_message, kv_payload, same
 
 from pddgw.config import NetConfig, ShapingConfig
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed, LinkTimeout, RemoteError
 from pddgw.net.inproc import InProcNetwork
 from pddgw.net.link import Link, LinkState

@@ -25,7 +25,7 @@ import itertools
 import pytest
 
 from pddgw.config import NetConfig, ShapingConfig
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import CloseCode
 from pddgw.net.inproc import InProcNetwork, wire_size
 from pddgw.net.link import LinkState, Priority

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from pddgw.config import NetConfig, ShapingConfig
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import LinkClosed
 from pddgw.net.inproc import InProcNetwork, inproc_pair, wire_size
 from pddgw.net.link import Priority

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from pddgw.config import NetConfig, ShapingConfig
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import LinkTimeout
 from pddgw.net.inproc import InProcNetwork, wire_size
 from pddgw.sim.clock import run_virtual

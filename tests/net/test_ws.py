@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from pddgw.config import NetConfig, TlsConfig
 from pddgw.net import auth, frames, wsproto
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import AuthError, CloseCode, LinkClosed
 from pddgw.net.link import LinkState
 from pddgw.net.tls import server_context

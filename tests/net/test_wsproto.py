@@ -16,7 +16,7 @@ import orjson
 
 from pddgw.config import NetConfig
 from pddgw.net import frames, wsproto
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import CloseCode
 from pddgw.net.ws import WsLink
 from pddgw.net.wsproto import HANDSHAKE_MAX, OP_PING, ConnState, WsConnection, ws_header

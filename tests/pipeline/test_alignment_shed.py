@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 
 from pddgw.config import PolicyConfig
 from pddgw.engines.types import SamplingParams
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.pipeline.alignment import Alignments
 from pddgw.deploy.serve import Embedded
 from pddgw.pipeline.events import KvReady

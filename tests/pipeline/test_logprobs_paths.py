@@ -22,10 +22,9 @@ from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.engines.types import EngineRequest, SamplingParams
 from pddgw.engines.weights import build_tiny
 from pddgw.net import frames
-from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.events import StreamError, StreamReader, Tokens
 from pddgw.pipeline.ordering import StreamMerger
-from pddgw.net import messages as m
+from pddgw import messages as m
 
 from .pdd_client import chat
 from .test_embedded import deploy, make_cfg, prompt_of  # noqa: F401  (deploy is a fixture)
@@ -145,23 +144,23 @@ def entry(i: int, k: int = 2) -> TokenLogprobs:
 
 
 def test_logprobs_message_round_trips_and_is_bounded():
-    pieces = pm.logprob_pieces("r", 5, [entry(i) for i in range(pm.MAX_LOGPROB_POSITIONS + 3)])
-    assert [(p.position, len(p.logprobs)) for p in pieces] == [(5, pm.MAX_LOGPROB_POSITIONS),
-                                                                (5 + pm.MAX_LOGPROB_POSITIONS, 3)]
+    pieces = m.logprob_pieces("r", 5, [entry(i) for i in range(m.MAX_LOGPROB_POSITIONS + 3)])
+    assert [(p.position, len(p.logprobs)) for p in pieces] == [(5, m.MAX_LOGPROB_POSITIONS),
+                                                                (5 + m.MAX_LOGPROB_POSITIONS, 3)]
     for p in pieces:
         assert frames.decode(frames.encode_bytes(p)).msg == p
-    assert [e for p in pieces for e in p.entries()] == [entry(i) for i in range(pm.MAX_LOGPROB_POSITIONS + 3)]
-    floor = pm.logprob_pieces("r", 0, [TokenLogprobs(float("-inf"), (1,), (float("-inf"),))])[0]
+    assert [e for p in pieces for e in p.entries()] == [entry(i) for i in range(m.MAX_LOGPROB_POSITIONS + 3)]
+    floor = m.logprob_pieces("r", 0, [TokenLogprobs(float("-inf"), (1,), (float("-inf"),))])[0]
     assert floor.logprobs == (-9999.0,) and floor.top_logprobs == (-9999.0,)
     for bad in [dict(logprobs=(0.5,)), dict(logprobs=(float("nan"),)), dict(logprobs=()),
-                dict(logprobs=(-1.0,) * (pm.MAX_LOGPROB_POSITIONS + 1)), dict(top_n=21),
+                dict(logprobs=(-1.0,) * (m.MAX_LOGPROB_POSITIONS + 1)), dict(top_n=21),
                 dict(top_ids=(1, 2, 3)), dict(top_logprobs=(True, -1.0))]:
         fields = dict(request_id="r", position=0, top_n=2, logprobs=(-1.0,), top_logprobs=(-1.0, -2.0),
                       top_ids=(1, 2)) | bad
         with pytest.raises(ValueError):
-            pm.Logprobs(**fields)
+            m.Logprobs(**fields)
     # Sampling fields carry the request's k (None: none).
-    sub = pm.Submit(request_id="r", kv="import", hold=False, prompt=(1,), sampling=SamplingParams(logprobs=4))
+    sub = m.Submit(request_id="r", kv="import", hold=False, prompt=(1,), sampling=SamplingParams(logprobs=4))
     assert frames.decode(frames.encode_bytes(sub)).msg.sampling.logprobs == 4
     with pytest.raises(ValueError):
         SamplingParams(logprobs=21)
@@ -169,7 +168,7 @@ def test_logprobs_message_round_trips_and_is_bounded():
 
 def test_router_edge_joins_pieces_with_their_tokens_and_refuses_mismatches():
     r = StreamReader("md0", "md", top_n=2)
-    for p in pm.logprob_pieces("r", 3, [entry(3), entry(4)]):
+    for p in m.logprob_pieces("r", 3, [entry(3), entry(4)]):
         assert r.event(p) is None
     ev = r.event(m.TokenItem("r", 3, (7, 8)))
     assert ev == Tokens("md0", TokenRun("r", 3, (7, 8), logprobs=(entry(3), entry(4)), role="md"))
@@ -177,9 +176,9 @@ def test_router_edge_joins_pieces_with_their_tokens_and_refuses_mismatches():
                                                                                    role="md"))
     bad = [
         ([], m.TokenItem("r", 0, (1,))),                                             # missing
-        (pm.logprob_pieces("r", 1, [entry(1)]), m.TokenItem("r", 0, (1,))),          # wrong position
-        (pm.logprob_pieces("r", 0, [entry(0)]), m.TokenItem("r", 0, (1, 2))),        # too few
-        (pm.logprob_pieces("r", 0, [entry(0, 3)]), None),                            # wrong k
+        (m.logprob_pieces("r", 1, [entry(1)]), m.TokenItem("r", 0, (1,))),          # wrong position
+        (m.logprob_pieces("r", 0, [entry(0)]), m.TokenItem("r", 0, (1, 2))),        # too few
+        (m.logprob_pieces("r", 0, [entry(0, 3)]), None),                            # wrong k
     ]
     for pieces, item in bad:
         r = StreamReader("md0", "md", top_n=2)
@@ -188,7 +187,7 @@ def test_router_edge_joins_pieces_with_their_tokens_and_refuses_mismatches():
                 r.event(p)
             r.event(item)
     with pytest.raises(StreamError):                                                 # nobody asked
-        StreamReader("md0", "md").event(pm.logprob_pieces("r", 0, [entry(0)])[0])
+        StreamReader("md0", "md").event(m.logprob_pieces("r", 0, [entry(0)])[0])
 
 
 def test_merger_passes_the_first_sources_logprobs_once_in_order():

@@ -19,10 +19,9 @@ from pddgw.engines.block_manager import chain_hashes
 from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import SamplingParams
 from pddgw.engines.weights import build_tiny
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import RemoteError
 from pddgw.net.inproc import InProcNetwork
-from pddgw.pipeline import protocol as pm
 from pddgw.pipeline.node import WorkerNode
 
 PROMPT = tuple(range(10, 74))      # 64 tokens: 4 blocks of 16
@@ -60,8 +59,8 @@ async def node(model):
     await net.close()
 
 
-def submit(rid: str) -> pm.Submit:
-    return pm.Submit(request_id=rid, kv="import", hold=False, prompt=PROMPT,
+def submit(rid: str) -> m.Submit:
+    return m.Submit(request_id=rid, kv="import", hold=False, prompt=PROMPT,
                      sampling=SamplingParams(max_tokens=4))
 
 
@@ -69,7 +68,7 @@ async def test_a_kv_chunk_md_cannot_import_fails_the_request_at_once(node):
     md, router, p = await node("md")
     stream = router.stream("r1", timeout=30)
     opened = await router.request(submit("r1"))
-    assert opened == pm.Opened("r1", 0)
+    assert opened == m.Opened("r1", 0)
     spec = md.engine.kv_layout
     # A chunk with the wrong number of KV heads: MD's pool cannot take it.
     heads = spec.num_kv_heads + 1

@@ -117,7 +117,7 @@ def test_the_estimate_follows_a_shaped_links_bandwidth_steps():
     import asyncio
 
     from pddgw.config import NetConfig, ShapingConfig
-    from pddgw.net import messages as m
+    from pddgw import messages as m
     from pddgw.net.inproc import InProcNetwork, wire_size
     from pddgw.sim.clock import run_virtual
 

@@ -22,7 +22,7 @@ from pddgw.engines.types import SamplingParams
 from pddgw.engines.weights import build_tiny
 from pddgw.pipeline.decode import DecodeWorker
 from pddgw.pipeline.ordering import StreamMerger
-from pddgw.pipeline import protocol as pm
+from pddgw import messages as m
 from pddgw.pipeline.handoff import relay_handoff
 from pddgw.pipeline.prefill import KVTarget, PrefillWorker
 
@@ -126,7 +126,7 @@ def test_p_rld_md_handoff(model, mode, threshold, temperature):
             await c.md.extend("r1", start, ids, final)
 
         # Forced: rounds go on whatever RLD's rate (the tiny model out-decodes any round trip).
-        msg = pm.HandOff("r1", "md", mode, threshold, max(4, threshold), 8, 0.0, forced=True)
+        msg = m.HandOff("r1", "md", mode, threshold, max(4, threshold), 8, 0.0, forced=True)
         at = (await asyncio.wait_for(relay_handoff(c.rld, msg, send), 30)).position
         await asyncio.wait_for(c.finished.wait(), 30)
         rld = tokens_of(c.events["rld"])
@@ -212,12 +212,12 @@ def test_redrive_from_emitted_tokens(model):
 def test_every_sampling_field_crosses_the_wire():
     """A request's sampling parameters reach P and the decoders whole (min_p once got lost)."""
     from pddgw.net import frames
-    from pddgw.pipeline import protocol as pm
+    from pddgw import messages as m
 
     sp = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=11, stop_token_ids=(3, 4),
                         ignore_eos=True, min_p=0.05, logprobs=2)
-    for msg in (pm.Submit(request_id="r", kv="import", hold=False, prompt=(1, 2), sampling=sp),
-                pm.Prefill(request_id="r", targets=("md0",), starts=(0,), prompt=(1, 2), holds=(False,),
+    for msg in (m.Submit(request_id="r", kv="import", hold=False, prompt=(1, 2), sampling=sp),
+                m.Prefill(request_id="r", targets=("md0",), starts=(0,), prompt=(1, 2), holds=(False,),
                            sampling=sp)):
         assert frames.decode(frames.encode_bytes(msg)).msg.sampling == sp
     with pytest.raises(ValueError, match=r"min_p must be a number in \[0, 1\]"):

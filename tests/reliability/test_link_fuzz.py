@@ -30,10 +30,9 @@ from hypothesis import strategies as st
 from pddgw.harness.launch import Processes
 from pddgw.harness.ports import free_port
 from pddgw.net import auth, frames
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.errors import CloseCode
 from pddgw.net.wsproto import HANDSHAKE_MAX
-from pddgw.pipeline import protocol as pm
 
 SECRET = "fuzz-test-secret-0123456789"
 MAX_FRAME = 32 << 20           # large on purpose: before the fix a claim this size was allocated
@@ -230,11 +229,11 @@ def authenticated(port: int) -> Raw:
     return r
 
 
-def ask_state(r: Raw, seq: int) -> pm.NodeState:
-    r.send_msg(pm.StateQuery("md0"), corr=seq + 1, seq=seq)
+def ask_state(r: Raw, seq: int) -> m.NodeState:
+    r.send_msg(m.StateQuery("md0"), corr=seq + 1, seq=seq)
     reply = r.recv_msg()
     assert reply.head.is_reply and reply.head.corr == seq + 1
-    assert isinstance(reply.msg, pm.NodeState)
+    assert isinstance(reply.msg, m.NodeState)
     return reply.msg
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from pddgw.config import ConfigError, NetConfig, PolicyConfig, ShapingConfig
 from pddgw.sim.costmodel_engine import CostModelEngine
-from pddgw.net import messages as m
+from pddgw import messages as m
 from pddgw.net.inproc import InProcNetwork, wire_size
 from pddgw.sim import clock, report
 from pddgw.sim.clock import run_virtual
