@@ -12,6 +12,7 @@ built-in tiny model.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import tomllib
 import types
 import typing
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pddgw.core.errors import check as _check
-from pddgw.core.roles import NodeRole
+from pddgw.core.roles import Pipeline, Role
 
 
 class ConfigError(ValueError):
@@ -198,7 +199,7 @@ class PolicyConfig:
 
     # "auto" = decide per request; a fixed value forces every request onto one
     # pipeline (e.g. "P-MD" is the naive cross-DC PD baseline).
-    pipeline: Literal["auto", "P-MD", "P-RLD-MD", "P-RLD"] = "auto"
+    pipeline: Pipeline | Literal["auto"] = "auto"
     # P-MD only if MD's missing KV crosses the WAN (half an RTT + bytes/bandwidth)
     # within this many ms; otherwise RLD covers the wait (P-RLD-MD).
     p_md_max_transfer_ms: float = 200.0
@@ -298,7 +299,7 @@ class NodeConfig:
     """One node of a multi-node deployment (`pddgw serve --node NAME`)."""
 
     name: str
-    role: NodeRole
+    role: Role
     # Nodes in different clusters talk over the shaped WAN link, within a
     # cluster over the fabric link.
     cluster: str = "A"
@@ -494,7 +495,7 @@ class TlsConfig:
             _check(bool(self.front_cert_file or self.cert_file),
                    "front_door needs front_cert_file and front_key_file (or cert_file and key_file)")
 
-    def for_node(self, name: str) -> "TlsConfig":
+    def for_node(self, name: str) -> TlsConfig:
         """The paths with `{node}` replaced by `name`."""
         fields = ("cert_file", "key_file", "ca_file", "front_cert_file", "front_key_file")
         return dataclasses.replace(self, **{f: getattr(self, f).replace("{node}", name) for f in fields})
@@ -589,9 +590,9 @@ class Config:
         _check(not dup, f"duplicate node name(s): {', '.join(sorted(dup))}")
         if self.nodes:
             roles = {n.role for n in self.nodes}
-            _check("prefill" in roles, "nodes: no prefill node")
-            _check("rld" in roles or "md" in roles, "nodes: need at least one rld or md node")
-            _check([n.role for n in self.nodes].count("router") == 1, "nodes: exactly one router")
+            _check(Role.PREFILL in roles, "nodes: no prefill node")
+            _check(Role.RLD in roles or Role.MD in roles, "nodes: need at least one rld or md node")
+            _check([n.role for n in self.nodes].count(Role.ROUTER) == 1, "nodes: exactly one router")
 
     def node(self, name: str) -> NodeConfig:
         for n in self.nodes:
@@ -611,6 +612,15 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _choices(tp: Any) -> tuple[Any, ...]:
+    """The values a Literal or an Enum type admits (() for any other type)."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tuple(m.value for m in tp)
+    return ()
+
+
 def _convert(tp: Any, value: Any, key: str) -> Any:
     """Convert one TOML value to field type `tp`; raise ConfigError naming key."""
     origin = typing.get_origin(tp)
@@ -619,11 +629,17 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {type(value).__name__}")
         return build(tp, value, key)
-    if origin is Literal:
-        if value not in args:
-            allowed = ", ".join(repr(a) for a in args)
-            raise ConfigError(f"{key}: {value!r} is not one of {allowed}")
-        return value
+    if origin is Literal or (isinstance(tp, type) and issubclass(tp, enum.Enum)):
+        allowed = _choices(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(repr(a) for a in allowed)}")
+        return value if origin is Literal else tp(value)
+    if origin in (types.UnionType, typing.Union) and all(_choices(a) for a in args):
+        for arm in args:
+            if value in _choices(arm):
+                return _convert(arm, value, key)
+        allowed = ", ".join(repr(c) for a in args for c in _choices(a))
+        raise ConfigError(f"{key}: {value!r} is not one of {allowed}")
     if origin in (types.UnionType, typing.Union):
         errors = []
         for arm in args:

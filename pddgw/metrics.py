@@ -31,6 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from pddgw.core.roles import PIPELINES, Pipeline
+
 if TYPE_CHECKING:
     from pddgw.engines.types import EngineStats
 
@@ -50,7 +52,6 @@ STALL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.
 # Token runs the router counts locally before applying them to its series (RouterMetrics.__init__).
 _MAX_PENDING = 1024
 
-PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
 PRIORITIES = ("foreground", "background")      # net.link.Priority, by value
 
 
@@ -62,7 +63,7 @@ class MetricsSource(Protocol):
     async def refresh(self) -> None: ...
 
 
-_PIPELINE_FIELDS = {"P-MD": "p_md", "P-RLD-MD": "p_rld_md", "P-RLD": "p_rld"}    # PIPELINES -> RouterCounts
+_PIPELINE_FIELDS = {Pipeline.P_MD: "p_md", Pipeline.P_RLD_MD: "p_rld_md", Pipeline.P_RLD: "p_rld"}    # PIPELINES -> RouterCounts
 
 
 @dataclass(slots=True)
@@ -86,31 +87,41 @@ class RouterCounts:
 
     def as_dict(self) -> dict[str, int]:
         """{"P-MD": n, "P-RLD-MD": n, "P-RLD": n, "redrives": n, "fallbacks": n, "rld_full": n}."""
-        return {**{p: self.pipeline(p) for p in PIPELINES}, "redrives": self.redrives,
+        return {**{p.value: self.pipeline(p) for p in PIPELINES}, "redrives": self.redrives,
                 "fallbacks": self.fallbacks, "rld_full": self.rld_full}
 
 
 class RoomView(Sized, Protocol):
-    refused: int
+    @property
+    def refused(self) -> int: ...
 
 
 class RouterView(Protocol):
     """What the router's series read of a `pipeline.router.Router` at scrape time."""
 
-    counts: RouterCounts
-    room: RoomView
-    live: int
-    alignments: Sized
+    @property
+    def counts(self) -> RouterCounts: ...
+    @property
+    def room(self) -> RoomView: ...
+    @property
+    def live(self) -> int: ...
+    @property
+    def alignments(self) -> Sized: ...
 
 
 class RecordView(Protocol):
     """What `RouterMetrics.ended` reads of a `pipeline.state.RequestRecord`."""
 
-    total_ms: float
-    final_state: Any                                  # a RequestState (its name is the outcome)
-    states: tuple[tuple[str, float, str], ...]        # (state name, t_ms, reason)
-    handoff_mode: str | None                          # "one-shot" | "catch-up" (state.HandoffMode)
-    handoff_stall_ms: float | None
+    @property
+    def total_ms(self) -> float: ...
+    @property
+    def final_state(self) -> Any: ...                 # a RequestState (its name is the outcome)
+    @property
+    def states(self) -> tuple[tuple[str, float, str], ...]: ...   # (state name, t_ms, reason)
+    @property
+    def handoff_mode(self) -> str | None: ...          # "one-shot" | "catch-up" (state.HandoffMode)
+    @property
+    def handoff_stall_ms(self) -> float | None: ...
 
 
 class _Collector:

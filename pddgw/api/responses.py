@@ -32,6 +32,7 @@ import orjson
 from pddgw.api.errors import QUOTE_LEN, ApiError, brief, optional, text_content
 from pddgw.api.toolcalls import parse_tools
 from pddgw.core.errors import FieldError
+from pddgw.core.roles import PIPELINES, Pipeline
 from pddgw.core.sampling import COUNT_LIMIT, MAX_LOGPROBS, SamplingParams
 
 MAX_METADATA_KEYS = 16
@@ -51,7 +52,7 @@ class CreateResponse:
     stream_id: str | None = None
     model: str | None = None
     # pddgw extension: force this request's pipeline / handoff mode (tests, benchmarks).
-    pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
+    pipeline: Pipeline | None = None
     handoff_mode: Literal["one-shot", "catch-up"] | None = None
     states: bool = False             # `pddgw.states`: the state timeline in the summary
     return_token_ids: bool = False   # token ids in each delta's `pddgw` and the summary's output_token_ids
@@ -110,7 +111,7 @@ class Extension:
     """A request's `pddgw` extension: the pipeline / handoff mode it forces (None: the policy's;
     forcing needs an admin key) and whether its summary carries the state timeline (anyone)."""
 
-    pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
+    pipeline: Pipeline | None = None
     handoff_mode: Literal["one-shot", "catch-up"] | None = None
     states: bool = False
 
@@ -123,11 +124,11 @@ def parse_extension(d: dict[str, Any]) -> Extension:
     if not isinstance(ext, dict) or set(ext) - {"pipeline", "handoff_mode", "states"}:
         raise ApiError("'pddgw' may only set 'pipeline', 'handoff_mode' and 'states'", "pddgw")
     pipeline, mode = ext.get("pipeline"), ext.get("handoff_mode")
-    if pipeline not in (None, "P-MD", "P-RLD-MD", "P-RLD"):
+    if pipeline is not None and pipeline not in PIPELINES:
         raise ApiError("pddgw.pipeline must be 'P-MD', 'P-RLD-MD' or 'P-RLD'", "pddgw.pipeline")
     if mode not in (None, "one-shot", "catch-up"):
         raise ApiError("pddgw.handoff_mode must be 'one-shot' or 'catch-up'", "pddgw.handoff_mode")
-    return Extension(pipeline, mode, bool(optional(ext, "states", bool, name="pddgw.states")))
+    return Extension(None if pipeline is None else Pipeline(pipeline), mode, bool(optional(ext, "states", bool, name="pddgw.states")))
 
 
 def return_token_ids(d: dict[str, Any]) -> bool:

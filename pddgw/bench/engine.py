@@ -141,7 +141,7 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
         ours, s = tps[(c, "pddgw")], c.sampling
 
         def matched(name: str) -> bool | None:
-            return None if s is not None or (c, name) not in s_of else (c, name) not in differ
+            return None if s is not None or (c, name) not in s_of else (c, name) not in differ  # noqa: B023
 
         rows.append(Row(
             c.label, c.kind, c.batch, c.prompt_len, c.output_len, c.measured_tokens, s_of[(c, "pddgw")],

@@ -28,7 +28,7 @@ MEMO: IdentityMemo[Facts] = IdentityMemo(keep=256, keep_items=1 << 21)
 def _facts(values: Sequence[int]) -> Facts:
     if set(map(type, values)) != {int}:
         return False, 0, 0
-    return True, min(values), max(values)  # type: ignore[call-overload]
+    return True, min(values), max(values)
 
 
 def id_facts(values: Sequence[int]) -> Facts:

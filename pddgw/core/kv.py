@@ -21,11 +21,12 @@ Contract:
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 from pddgw.core.errors import check as _check
+
+T = TypeVar("T")
 
 DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
 DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -119,19 +120,16 @@ class KVSpan:
         return 0 if self.virtual else self.nbytes
 
 
-def _from_span(*names: str) -> Callable[[type], type]:
-    """Class decorator: a read-only property `name` returning `self.span.name`, for each name
-    (none may shadow what the class defines itself)."""
-    def add(cls: type) -> type:
-        for name in names:
-            assert not hasattr(cls, name), name
-            setattr(cls, name, property(operator.attrgetter(f"span.{name}"), doc=f"`span.{name}`"))
-        return cls
-    return add
+class _SpanField(Generic[T]):
+    """A read-only attribute of a KVChunk forwarded from its `span`."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._get = operator.attrgetter(f"span.{name}")
+
+    def __get__(self, obj: object, owner: type | None = None) -> T:
+        return self._get(obj)
 
 
-@_from_span("request_id", "token_start", "token_end", "layer_start", "layer_end", "num_tokens", "dtype",
-            "shape", "virtual", "nbytes", "payload_nbytes")
 @dataclass(frozen=True, slots=True)
 class KVChunk:
     """One chunk of a request's KV: `span` and exactly `span.payload_nbytes` bytes of `payload`.
@@ -140,7 +138,7 @@ class KVChunk:
     tensor memory: `memoryview(t.view(torch.uint8).numpy())`).  `seq` and
     `last` are the sender's numbering within a transfer; an engine's export
     leaves them 0 / False and the sender sets them (`dataclasses.replace`).
-    The span's fields most readers want are forwarded read-only (`_from_span`).
+    The span's fields most readers want are forwarded read-only.
     """
 
     span: KVSpan
@@ -148,6 +146,18 @@ class KVChunk:
     seq: int = 0                   # chunk index within its transfer (the sender's numbering)
     last: bool = False             # final chunk of the transfer; ends a `Link.stream`
     tag: Literal["kv_chunk"] = "kv_chunk"      # the message tag on the wire (pddgw.messages)
+
+    request_id = _SpanField[str]()
+    token_start = _SpanField[int]()
+    token_end = _SpanField[int]()
+    layer_start = _SpanField[int]()
+    layer_end = _SpanField[int]()
+    num_tokens = _SpanField[int]()
+    dtype = _SpanField[str]()
+    shape = _SpanField[tuple[int, ...]]()
+    virtual = _SpanField[bool]()
+    nbytes = _SpanField[int]()
+    payload_nbytes = _SpanField[int]()
 
     def __post_init__(self) -> None:
         _check(isinstance(self.span, KVSpan), "span must be a KVSpan")

@@ -98,7 +98,7 @@ def write_keys(directory: str | Path, cfg: Config, force: bool = False, days: in
     except OSError as e:
         raise ConfigError(f"cannot create {d}: {e.strerror}") from None
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pddgw deployment CA")])

@@ -31,21 +31,22 @@ from typing import Any, NoReturn
 import structlog
 from aiohttp import web
 
+from pddgw import messages as m
 from pddgw.api.door import FrontDoor
 from pddgw.api.guard import GuardedSite
 from pddgw.api.server import build_app
 from pddgw.config import Config, ConfigError, NodeConfig, StartupError
-from pddgw.engines.kv_pool import DTYPES
+from pddgw.core.roles import Role
+from pddgw.deploy import regime
 from pddgw.engines.base import create_engine, engine_class
+from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.weights import SharedModels, load_spec_for, served_model_name
 from pddgw.metrics import metrics_route
-from pddgw import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.inproc import InProcNetwork
 from pddgw.net.link import KvSink, Link
 from pddgw.net.ws import WsServer
 from pddgw.net.ws import connect as ws_connect
-from pddgw.deploy import regime
 from pddgw.pipeline.node import WorkerNode
 from pddgw.pipeline.router import NodeHandle, Router
 
@@ -58,8 +59,8 @@ FABRIC = "fabric"
 def embedded_nodes(cfg: Config) -> tuple[NodeConfig, ...]:
     """The default topology: router, P, RLD in cluster A; MD in cluster B with its own block size."""
     md_engine = dataclasses.replace(cfg.engine, block_size=cfg.engine.block_size * 2)
-    return (NodeConfig("router", "router", "A"), NodeConfig("p0", "prefill", "A"),
-            NodeConfig("rld0", "rld", "A"), NodeConfig("md0", "md", "B", engine=md_engine))
+    return (NodeConfig("router", Role.ROUTER, "A"), NodeConfig("p0", Role.PREFILL, "A"),
+            NodeConfig("rld0", Role.RLD, "A"), NodeConfig("md0", Role.MD, "B", engine=md_engine))
 
 
 def with_topology(cfg: Config) -> Config:

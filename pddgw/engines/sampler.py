@@ -116,7 +116,7 @@ class _Rows(NamedTuple):
     mass: torch.Tensor      # float64 [R, 1] top_p + 1e-9, the mass the speculative levels' floors aim at
 
     @staticmethod
-    def of(params: Sequence[SamplingParams], positions: Sequence[int], vocab: int, dev: torch.device) -> "_Rows":
+    def of(params: Sequence[SamplingParams], positions: Sequence[int], vocab: int, dev: torch.device) -> _Rows:
         # The floats in one host -> device copy, the draws among them (`position_uniform` on the
         # host: 0.7 us a row, against ~20 tensor ops for `position_uniforms`).
         temp = [p.temperature for p in params]
@@ -129,7 +129,7 @@ class _Rows(NamedTuple):
                              device=dev)
         return _Rows(temp, top_p, min_p, top_k[:, None], u[:, None], drop, width, mass[:, None])
 
-    def take(self, index: torch.Tensor) -> "_Rows":
+    def take(self, index: torch.Tensor) -> _Rows:
         return _Rows(*(t.index_select(0, index) for t in self))
 
 
@@ -288,7 +288,7 @@ class _Softmax(NamedTuple):
     xmax: torch.Tensor      # float64 [R] the largest logit
     base: torch.Tensor      # float64 [R] `_cut_base(xmax)`
 
-    def take(self, index: torch.Tensor) -> "_Softmax":
+    def take(self, index: torch.Tensor) -> _Softmax:
         return _Softmax(*(t.index_select(0, index) for t in self))
 
 
@@ -543,7 +543,7 @@ class TokenCounts:
         self.top = max(out.values(), default=0)
         self._seen = len(tokens)
 
-    def sync(self, tokens: Sequence[int]) -> "TokenCounts":
+    def sync(self, tokens: Sequence[int]) -> TokenCounts:
         """Count tokens[seen:], the output tokens appended since the last call."""
         if len(tokens) < self._seen:
             raise RuntimeError(f"a sequence's tokens went from {self._seen} to {len(tokens)}: they only grow")

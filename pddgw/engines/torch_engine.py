@@ -80,7 +80,7 @@ class TorchEngine(PagedEngine):
 
     @classmethod
     def from_config(cls, config: Config, engine: EngineConfig | None = None,
-                    models: SharedModels | None = None) -> tuple["TorchEngine", Tokenizer]:
+                    models: SharedModels | None = None) -> tuple[TorchEngine, Tokenizer]:
         """Load the configured model (from `models` when given: shared with the process's other
         engines); `engine` overrides config.engine (per-node settings)."""
         ecfg = engine or config.engine

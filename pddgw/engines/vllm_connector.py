@@ -59,7 +59,7 @@ class StagedKV:
 
     @classmethod
     def in_shared_memory(cls, token_start: int, shape: tuple[int, ...], dtype: torch.dtype,
-                         name: str) -> "StagedKV":
+                         name: str) -> StagedKV:
         numel = math.prod(shape)
         if numel == 0:
             return cls(token_start, torch.empty(shape, dtype=dtype))      # nothing to load, ever
@@ -173,7 +173,7 @@ class BlockLayout:
 
     @classmethod
     def learn(cls, layer: Any, cache: torch.Tensor, block_size: int, kv_heads: int, head_dim: int,
-              scratch_block: int) -> "BlockLayout":
+              scratch_block: int) -> BlockLayout:
         dev = cache.device
         n = block_size * kv_heads * head_dim
         codes = torch.arange(n, dtype=torch.long, device=dev)

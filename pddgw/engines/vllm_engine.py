@@ -227,7 +227,7 @@ class VllmEngine(TrackedEngine):
     # ---- construction -------------------------------------------------------------
     @classmethod
     def from_config(cls, config: Config, engine: EngineConfig | None = None,
-                    models: Any = None) -> tuple["VllmEngine", Any]:
+                    models: Any = None) -> tuple[VllmEngine, Any]:
         """`models` is not used: vLLM loads its own weights."""
         ecfg = engine or config.engine
         vcfg = ecfg.vllm

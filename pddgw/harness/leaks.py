@@ -90,7 +90,7 @@ async def wait_until_quiet(state: State, timeout_s: float, interval_s: float = 0
         try:
             doc = await state()
             left = state_leftovers(doc)
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, KeyError, ValueError) as e:
             left = {"router": {"state": f"unreachable: {e!r}"[:200]}}
         waited = time.monotonic() - t0
         if (not left and not _unreached(doc, expect_healthy)) or waited > timeout_s:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pddgw.core.errors import check as _check
 from pddgw.core.ids import TOKEN_ID_LIMIT
@@ -60,12 +60,12 @@ class Logprobs:
                      for i, lp in enumerate(self.logprobs))
 
 
-def _floats(obj: object, name: str, values: object, count_limit: int) -> None:
+def _floats(obj: object, name: str, values: Any, count_limit: int) -> None:
     """A tuple of at most `count_limit` log-probabilities: finite, in [LOGPROB_FLOOR, 0]."""
-    _check(type(values) in (tuple, list) and len(values) <= count_limit,  # type: ignore[arg-type]
+    _check(type(values) in (tuple, list) and len(values) <= count_limit,
            f"{name} must list at most {count_limit} numbers")
     out = []
-    for v in values:  # type: ignore[union-attr]
+    for v in values:
         _check(type(v) in (int, float) and math.isfinite(v) and LOGPROB_FLOOR <= v <= 0,
                f"{name}: {v!r} is not a log-probability in [{LOGPROB_FLOOR}, 0]")
         out.append(float(v))

@@ -12,20 +12,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pddgw.core.errors import check as _check
+from pddgw.core.roles import ROLES, Role
 from pddgw.core.ids import TOKEN_ID_LIMIT, in_range
-from pddgw.messages.fields import (
-    MAX_BATCH_ITEMS,
-    MAX_HASHES,
-    MAX_ID_CHARS,
-    MAX_TARGETS,
-    MAX_TEXT_CHARS,
-    MAX_TOKEN_IDS,
-    _flag,
-    _int_tuple,
-    _number,
-    _text,
-    _uint,
-)
+from pddgw.messages.fields import (MAX_BATCH_ITEMS, MAX_HASHES, MAX_ID_CHARS, MAX_TARGETS, MAX_TEXT_CHARS,
+                                   MAX_TOKEN_IDS, _flag, _int_tuple, _number, _text, _uint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +168,7 @@ class NodeState:
     """A node's KV pool and what it has in flight (`/debug/state`)."""
 
     node: str
-    role: str
+    role: Role
     kv_blocks_in_use: int
     kv_blocks_total: int
     kv_blocks_cached: int
@@ -193,7 +183,8 @@ class NodeState:
 
     def __post_init__(self) -> None:
         _text(self.node, "node")
-        _text(self.role, "role")
+        _check(self.role in ROLES, f"role must be one of {', '.join(ROLES)}")
+        object.__setattr__(self, "role", Role(self.role))
         for name in ("kv_blocks_in_use", "kv_blocks_total", "kv_blocks_cached", "requests", "transfers",
                      "sessions", "pins", "streams", "prefix_hit_tokens", "prefix_query_tokens"):
             _uint(getattr(self, name), name)

@@ -88,6 +88,7 @@ class _Schema:
 
     def __post_init__(self) -> None:
         order = self.meta_order
+        get: Callable[[Any], tuple[Any, ...]]
         if len(order) > 1:
             get = operator.attrgetter(*order)
         elif order:
@@ -228,8 +229,9 @@ def frame_size(msg: m.Message) -> int:
         }))
         payload = memoryview(msg.payload).nbytes  # type: ignore[union-attr]
     elif schema.packed == "batch":
-        meta_len = len(_batch_meta(msg))  # type: ignore[arg-type]
-        payload = 4 * sum(len(it.ids) for it in msg.items)  # type: ignore[union-attr]
+        batch = typing.cast(m.TokenBatch, msg)
+        meta_len = len(_batch_meta(batch))
+        payload = 4 * sum(len(it.ids) for it in batch.items)
     else:
         meta_len = len(orjson.dumps(dict(zip(schema.meta_order, schema.values(msg)))))
         payload = len(getattr(msg, schema.packed_field)) * _ITEM_SIZE[schema.packed] if schema.packed else 0

@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, TypeVar
@@ -506,11 +506,11 @@ class LinkBase(Link):
 
     # -- internals -------------------------------------------------------------
 
-    def _spawn(self, coro: Awaitable, name: str,
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str,
                done: Callable[[asyncio.Task], None] | None = None) -> asyncio.Task:
         """A task of this link (cancelled with it); `done` replaces the callback that forgets it
         and must forget it itself (one callback per task: a request is served per task)."""
-        task = self._loop.create_task(coro, name=f"link {self.local}->{self.peer} {name}")  # type: ignore[arg-type]
+        task = self._loop.create_task(coro, name=f"link {self.local}->{self.peer} {name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard if done is None else done)
         return task

@@ -236,8 +236,8 @@ class WsConnection(asyncio.BufferedProtocol):
             if head.meta_len == 0:
                 self._step()
         elif st == _META:
+            assert self._head is not None
             head = self._head
-            assert head is not None
             self._unmask_acc(frames.HEADER_SIZE)
             try:
                 self._meta = frames.parse_meta(head, bytes(self._acc[frames.HEADER_SIZE:]))
@@ -397,9 +397,10 @@ class WsConnection(asyncio.BufferedProtocol):
         """The next frame during the handshake; AuthError if the peer closes with AUTH_FAILED."""
         if not self._hs_frames:
             self._hs_waiter = self._loop.create_future()
+            waits: list[asyncio.Future[Any]] = [self._hs_waiter, self.closed]
             try:
                 async with asyncio.timeout(timeout):
-                    await asyncio.wait([self._hs_waiter, self.closed], return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             except TimeoutError:
                 raise LinkTimeout(f"handshake with {self.peer}: nothing within {timeout}s") from None
             finally:

@@ -42,7 +42,7 @@ class PrefixIndex:
 
     def match(self, instance: str, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` remembered on `instance`."""
-        held = self._held.get(instance, {})
+        held = self._held.get(instance) or OrderedDict()
         n = 0
         for h in hashes:
             if h not in held:

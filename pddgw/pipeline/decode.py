@@ -346,7 +346,7 @@ class DecodeWorker:
             while True:
                 while self._steps:
                     step = self._steps.popleft()
-                    if type(step) is tuple:
+                    if isinstance(step, tuple):
                         runs, failed = step
                     else:
                         runs, failed = [], []

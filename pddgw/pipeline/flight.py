@@ -21,13 +21,14 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pddgw.core.roles import Pipeline, Role
 from pddgw.core.sampling import SamplingParams
 from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.engines.prompt_hashes import prompt_hashes
 from pddgw.metrics import RouterMetrics
 from pddgw.pipeline.events import StreamReader
 from pddgw.pipeline.ordering import StreamMerger
-from pddgw.pipeline.state import RequestState, RequestTracker, Role
+from pddgw.pipeline.state import HandoffMode, RequestState, RequestTracker
 
 Emit = Callable[[TokenRun], Awaitable[None]]
 
@@ -108,8 +109,8 @@ class Flight:
     # Work that outlives the response (MD cache alignment); it releases the request.
     background: asyncio.Task[None] | None = None
     # Per-request overrides of the policy (None = decide).
-    force_pipeline: str | None = None
-    force_handoff: str | None = None
+    force_pipeline: Pipeline | None = None
+    force_handoff: HandoffMode | None = None
     # The prompt's chained block hashes, per block size.
     hashes: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # Prompt tokens the chosen P caches (what it need not compute).
@@ -149,14 +150,15 @@ class Flight:
         if got.ids:
             state = tr.state
             if state == RequestState.PREFILLING:
-                tr.advance(RequestState.MD_DECODING if got.role == "md" else RequestState.RLD_DECODING)
-            elif got.role == "md" and state == RequestState.HANDING_OFF:
+                tr.advance(RequestState.MD_DECODING if got.role == Role.MD else RequestState.RLD_DECODING)
+            elif got.role == Role.MD and state == RequestState.HANDING_OFF:
                 tr.advance(RequestState.MD_DECODING)
             for run in self.merger.push(got):
                 prev = tr.last_emission_t
-                count = len(run.ids)
-                now = tr.tokens_emitted(run.position, count, run.role)
-                metrics.emitted(run.role, count, now, prev, tr.t0, len(self.prompt))
+                count, role = len(run.ids), run.role
+                assert role is not None               # the merger's runs name their decoder
+                now = tr.tokens_emitted(run.position, count, role)
+                metrics.emitted(role, count, now, prev, tr.t0, len(self.prompt))
                 await self.emit(run)
         if got.done and got.reason in ("stop", "length"):
             self.merger.seal(got.end)

@@ -33,6 +33,7 @@ from pddgw.net.link import Link
 from pddgw import messages as m
 from pddgw.pipeline.decode import DecodeWorker
 from pddgw.pipeline.policy import HandoffInputs, choose_handoff_mode, plan_handoff_round
+from pddgw.pipeline.state import HandoffMode
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +41,7 @@ log = structlog.get_logger(__name__)
 # ---- router side ------------------------------------------------------------------------
 async def drive_handoff(rid: str, rld: Link, md_name: str, policy: PolicyConfig, generated: int,
                         rld_load: float, md_load: float, rtt_ms: float, timeout: float,
-                        force_mode: str | None = None) -> m.HandedOff | None:
+                        force_mode: HandoffMode | None = None) -> m.HandedOff | None:
     """Steps 1-2 of the router side -> RLD's HandedOff, or None when RLD had
     nothing left to hand off (it finished first: RLD refuses with code "request").
     Any other failure propagates: a round MD did not take may have frozen RLD,

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 import structlog
 
+from pddgw import messages as m
+from pddgw.core.roles import Role
+from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.base import Engine
-from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.engines.types import CapacityError, KVChunk, KVSpan, RequestError
 from pddgw.metrics import NodeMetrics
-from pddgw import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.link import Link, LinkState
 from pddgw.pipeline.decode import DecodeWorker
@@ -69,7 +70,7 @@ class _Open:
 
 
 class WorkerNode:
-    def __init__(self, name: str, role: str, engine: Engine, connect: Connect,
+    def __init__(self, name: str, role: Role, engine: Engine, connect: Connect,
                  kv_chunk_bytes: int = 1 << 20, stream_interval: int = 1):
         self.name = name
         self.role = role
@@ -77,9 +78,9 @@ class WorkerNode:
         self.engine = engine
         self._connect = connect
         self.metrics = NodeMetrics(name, role, lambda: self.aeng.call(self.engine.stats), self.kv_sent)
-        self.prefill = PrefillWorker(self.aeng, kv_chunk_bytes, self.metrics.transfer) if role == "prefill" else None
+        self.prefill = PrefillWorker(self.aeng, kv_chunk_bytes, self.metrics.transfer) if role == Role.PREFILL else None
         self.decode = (DecodeWorker(self.aeng, self._emit, self._emit_many, self._emit_now, stream_interval,
-                                    engine_runs=role == "md") if role in ("rld", "md") else None)
+                                    engine_runs=role == Role.MD) if role in (Role.RLD, Role.MD) else None)
         self._open: dict[str, _Open] = {}
         self._pins: dict[str, Link] = {}          # prefix pins, by request, with the asking link
         self._watched: dict[Link, asyncio.Task[None]] = {}
@@ -107,8 +108,8 @@ class WorkerNode:
     async def stop(self) -> None:
         for task in list(self._watched.values()):
             task.cancel()
-        for task in list(self._prefills.values()):
-            task.cancel()
+        for prefill in list(self._prefills.values()):
+            prefill.cancel()
         for rid in list(self._open):
             await self._cancel(rid)
         await asyncio.gather(*(link.close() for link in self._peers.values()))
@@ -227,7 +228,8 @@ class WorkerNode:
                 # as this attempt's, it failed the re-driven request ("not importing").
                 return None
             case m.KvDone(request_id=rid, first_token=first, hold=hold):
-                return await self._kv_done(rid, first, hold)
+                await self._kv_done(rid, first, hold)
+                return None
             case m.Logprobs(request_id=rid) if rid in self._cancelled or self._past_import(rid):
                 return None        # in flight when the request was cancelled here, like its KvDone
             case m.Logprobs(request_id=rid, position=0, logprobs=(_,)) if rid in self._open:
@@ -348,7 +350,7 @@ class WorkerNode:
             raise RequestError(f"request {rid!r} was cancelled")
         task = asyncio.current_task()
         assert task is not None
-        self._prefills[rid] = task   # type: ignore[assignment]
+        self._prefills[rid] = task
         try:
             res = await self.prefill.prefill(rid, msg.prompt, msg.sampling, targets)
         except asyncio.CancelledError:

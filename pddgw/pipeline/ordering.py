@@ -111,8 +111,8 @@ class StreamMerger:
             # pending map - the source's run itself unless it ends the source's stream (what
             # is emitted says nothing of that).
             tokens += token_ids
-            self._roles += (role,) * n  # type: ignore[arg-type]
-            self._counts[role] = self._counts.get(role, 0) + n  # type: ignore[index]
+            self._roles += (role,) * n
+            self._counts[role] = self._counts.get(role, 0) + n
             if not run.done and run.request_id == self.request_id:
                 return [run]
             return [TokenRun(self.request_id, position, tuple(token_ids), logprobs=logprobs, role=role)]

@@ -26,16 +26,16 @@ from dataclasses import dataclass
 
 import structlog
 
-from pddgw.config import Config, NodeConfig
 from pddgw import messages as m
+from pddgw.config import Config, NodeConfig
+from pddgw.core.roles import Role
 from pddgw.net.errors import LinkClosed, LinkError, RemoteError
 from pddgw.net.link import Link, LinkState
 from pddgw.pipeline.affinity import PrefixIndex
 from pddgw.pipeline.estimator import LinkEstimator
 from pddgw.pipeline.flight import Flight, NoRoom
-from pddgw.pipeline.policy import (InstanceLoad, PipelineDecision, PipelineInputs, SingularLimiter,
-                                   decide_pipeline, pick_cached, pick_instance, prefill_wait_tokens,
-                                   relay_pressure)
+from pddgw.pipeline.policy import (InstanceLoad, PipelineDecision, PipelineInputs, SingularLimiter, decide_pipeline,
+                                   pick_cached, pick_instance, prefill_wait_tokens, relay_pressure)
 
 log = structlog.get_logger("pddgw.pipeline.router")
 
@@ -135,7 +135,7 @@ class Placement:
         # Which MD holds which prompt blocks, for `pick_md`; None where it never picks by it (one
         # MD, or affinity off: the set of nodes is fixed), which spares a 64K-token request a
         # thousand LRU moves in a table of millions.
-        affine = cfg.policy.prefix_affinity and sum(n.role == "md" for n in nodes.values()) > 1
+        affine = cfg.policy.prefix_affinity and sum(n.role == Role.MD for n in nodes.values()) > 1
         self.md_index = PrefixIndex() if affine else None
 
     def pick(self, role: str, fl: Flight, skip: Set[str] = frozenset()) -> NodeHandle | None:
@@ -187,13 +187,13 @@ class Placement:
         pol = self.cfg.policy
         limit = self.prefill_limit()
         routable = [n for n in self.nodes.values()
-                    if n.role == "prefill" and n.routable and n.name not in fl.excluded]
+                    if n.role == Role.PREFILL and n.routable and n.name not in fl.excluded]
         full = {n.name for n in routable if n.prefills >= limit}
         if routable and len(full) == len(routable):
             raise self.prefills_full(limit)
         cands = [n for n in routable if n.name not in full]
         if not (pol.prefix_affinity and len(cands) > 1):
-            node = self.pick("prefill", fl, full)
+            node = self.pick(Role.PREFILL, fl, full)
             if node is not None:
                 fl.involve(node)               # counted at once: concurrent picks spread out
                 fl.ledger.take("prefill", node, prefills=1)
@@ -225,13 +225,13 @@ class Placement:
         """The MD to open on: with `prefix_affinity`, the one holding the longest prefix the
         router remembers (`policy.pick_cached`); else the least loaded."""
         pol = self.cfg.policy
-        cands = [n for n in self.nodes.values() if n.role == "md" and n.routable and n.name not in fl.excluded]
+        cands = [n for n in self.nodes.values() if n.role == Role.MD and n.routable and n.name not in fl.excluded]
         if not (pol.prefix_affinity and len(cands) > 1):
-            return self.pick("md", fl)
+            return self.pick(Role.MD, fl)
         assert self.md_index is not None                 # several MD and affinity on
         held = {n.name: self.md_index.match(n.name, fl.block_hashes(n.block_size)) * n.block_size for n in cands}
         name = pick_cached([n.report() for n in cands], held, len(fl.prompt), pol)
-        return self.pick("md", fl) if name is None else self.nodes[name]
+        return self.pick(Role.MD, fl) if name is None else self.nodes[name]
 
     def decide(self, fl: Flight, p: NodeHandle, md: NodeHandle | None, md_cached: int,
                rld: NodeHandle | None, wan_backlog: int) -> PipelineDecision:

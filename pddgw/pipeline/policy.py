@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pddgw.config import PolicyConfig
-from pddgw.core.roles import Role
-from pddgw.pipeline.state import HandoffMode, Pipeline
+from pddgw.core.roles import Pipeline, Role
+from pddgw.pipeline.state import HandoffMode
 
 __all__ = [
     "PolicyConfig", "InstanceLoad", "InstanceChoice", "NoInstanceError", "pick_instance", "pick_cached",
@@ -250,20 +250,20 @@ def choose_pipeline(inputs: PipelineInputs, cfg: PolicyConfig, *,
     if inputs.md_load is None and inputs.rld_load is None:
         raise NoInstanceError("no healthy MD and no healthy RLD")
     if inputs.md_load is None:
-        return out("P-RLD", "md_unavailable")
+        return out(Pipeline.P_RLD, "md_unavailable")
     if inputs.rld_load is None:
-        return out("P-MD", "rld_unavailable")
+        return out(Pipeline.P_MD, "rld_unavailable")
     if cfg.pipeline != "auto":
         return out(cfg.pipeline, "forced")
     rld_room = inputs.rld_load <= 1.0
     if candidate and rld_room and singular_allowed:
-        return out("P-RLD", "singular")
+        return out(Pipeline.P_RLD, "singular")
     fits = transfer <= cfg.p_md_max_transfer_ms
     if fits and inputs.md_load < cfg.md_busy_load:
-        return out("P-MD", "fits_budget")
+        return out(Pipeline.P_MD, "fits_budget")
     if not rld_room:
-        return out("P-MD", "rld_full")
-    return out("P-RLD-MD", "md_busy" if fits else "transfer_over_budget")
+        return out(Pipeline.P_MD, "rld_full")
+    return out(Pipeline.P_RLD_MD, "md_busy" if fits else "transfer_over_budget")
 
 
 class SingularLimiter:

@@ -188,7 +188,7 @@ class PrefillWorker:
 
         while sent < n:
             async with progress.cond:
-                await progress.cond.wait_for(lambda: sendable() > sent or progress.finished)
+                await progress.cond.wait_for(lambda: sendable() > sent or progress.finished)  # noqa: B023
                 upto = sendable()
             if upto <= sent:
                 raise RequestError(f"request {rid!r} ended on P before tokens [{sent}, {n}) were computed")
@@ -202,7 +202,7 @@ class PrefillWorker:
                 bounds.append((a, b))
                 a = b
             chunks = await self.aeng.call(
-                lambda: [self.engine.export_kv(rid, a, b) for a, b in bounds])
+                lambda: [self.engine.export_kv(rid, a, b) for a, b in bounds])  # noqa: B023
             target.service_s += await target.send(chunks)
             target.sent_bytes += sum(c.nbytes for c in chunks)
             sent = upto

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Literal
 
+from pddgw.core.roles import Role
 from pddgw.pipeline.state import RLD_HOLDS_KV, RequestState
-
-Who = Literal["p", "rld", "md"]
 
 # Where RLD can finish a request alone: it holds the KV and decodes, or P is still sending
 # it the KV (the request moves on to RLD_DECODING first).  Not HANDING_OFF: RLD has stopped
@@ -46,13 +44,13 @@ class Recovery(IntEnum):
 
 @dataclass(slots=True)
 class Paths:
-    """Which of one request's nodes still serve it.  `awaiting_kv`: the decoders ("rld",
-    "md") whose prompt KV P has not yet been confirmed to deliver (their first token, or
+    """Which of one request's nodes still serve it.  `awaiting_kv`: the decoders (Role.RLD,
+    Role.MD) whose prompt KV P has not yet been confirmed to deliver (their first token, or
     MD's Ready); `md_ready`: MD holds the prompt KV; `handoff`: a handoff or takeover runs."""
 
     has_rld: bool
     has_md: bool
-    awaiting_kv: set[Who] = field(default_factory=set)
+    awaiting_kv: set[Role] = field(default_factory=set)
     p_alive: bool = True
     rld_alive: bool = field(init=False)       # from has_rld / has_md, until lost
     md_alive: bool = field(init=False)
@@ -62,18 +60,18 @@ class Paths:
     def __post_init__(self) -> None:
         self.rld_alive, self.md_alive = self.has_rld, self.has_md
 
-    def lost(self, who: Who, state: RequestState, emitted: int) -> Recovery:
+    def lost(self, who: Role, state: RequestState, emitted: int) -> Recovery:
         """`who` failed while the request is in `state` with `emitted` tokens out: mark it
         lost and say what recovers the request (the module docstring's rules)."""
-        if who == "p":
+        if who == Role.PREFILL:
             if not self.p_alive:
                 return Recovery.MOOT
             self.p_alive = False
-            if (self.rld_alive and self.md_alive and "rld" not in self.awaiting_kv
-                    and "md" in self.awaiting_kv):
+            if (self.rld_alive and self.md_alive and Role.RLD not in self.awaiting_kv
+                    and Role.MD in self.awaiting_kv):
                 return Recovery.MD_FAILS_WITH_P
             return Recovery.REDRIVE
-        if who == "rld":
+        if who == Role.RLD:
             if not self.rld_alive:
                 return Recovery.MOOT
             self.rld_alive = False

@@ -20,20 +20,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import structlog
 
 from pddgw import messages as m
+from pddgw.core.roles import Role
 from pddgw.net.errors import LinkError, LinkTimeout
 from pddgw.net.link import LinkStream
 from pddgw.pipeline.alignment import AlignKey
-from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, PrefillFinished, RoundSent,
-                                   StreamReader, Tokens)
+from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, PrefillFinished, RoundSent, StreamReader,
+                                   Tokens)
 from pddgw.pipeline.flight import Flight, NodeLost, cancel_all
 from pddgw.pipeline.handoff import drive_handoff
 from pddgw.pipeline.placement import NodeHandle
-from pddgw.pipeline.recovery import Paths, Recovery, Who
+from pddgw.pipeline.recovery import Paths, Recovery
 from pddgw.pipeline.state import RequestState
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class RequestDriver:
         self.router, self.fl, self.p, self.rld, self.md = router, fl, p, rld, md
         self.starts, self.holds, self.streams = starts, holds, streams
         self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.role_of: dict[str, Literal["rld", "md"]] = {n.name: ("rld" if n is rld else "md")
+        self.role_of: dict[str, Role] = {n.name: (Role.RLD if n is rld else Role.MD)
                                                          for n in (rld, md) if n is not None}
         self.paths = Paths(has_rld=rld is not None, has_md=md is not None,
                            awaiting_kv={self.role_of[name] for name in starts})
@@ -132,7 +133,7 @@ class RequestDriver:
 
     def on_node_failed(self, node: NodeHandle, why: str) -> None:
         fl = self.fl
-        who: Who = "p" if node is self.p else self.role_of[node.name]
+        who = Role.PREFILL if node is self.p else self.role_of[node.name]
         recovery = self.paths.lost(who, fl.tracker.state, fl.merger.next_position)
         if recovery is Recovery.MOOT:
             return

@@ -32,12 +32,13 @@ from dataclasses import dataclass
 
 import structlog
 
+from pddgw import messages as m
 from pddgw.config import Config
+from pddgw.core.roles import Pipeline, Role
 from pddgw.core.sampling import SamplingParams
 from pddgw.core.tokens import TokenLogprobs
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.metrics import RouterCounts, RouterMetrics
-from pddgw import messages as m
 from pddgw.net.errors import LinkError, RemoteError
 from pddgw.net.link import Link, LinkStream
 from pddgw.pipeline.admission import Overloaded, RoomQueue
@@ -49,7 +50,7 @@ from pddgw.pipeline.ordering import StreamMerger
 from pddgw.pipeline.placement import NodeHandle, Placement
 from pddgw.pipeline.policy import NoInstanceError, PipelineDecision
 from pddgw.pipeline.request_driver import RequestDriver
-from pddgw.pipeline.state import RequestRecord, RequestState, RequestTracker
+from pddgw.pipeline.state import HandoffMode, RequestRecord, RequestState, RequestTracker
 
 __all__ = ["MAX_ATTEMPTS", "Emit", "NodeHandle", "Outcome", "Router", "RouterError", "StopRequest",
            "new_request_id"]
@@ -144,19 +145,19 @@ class Router:
         if isinstance(reply, m.LoadReport):
             node.load = reply
         stats = node.link.stats
-        if node.role == "md" and stats.pongs > node.pongs_seen:
+        if node.role == Role.MD and stats.pongs > node.pongs_seen:
             # Each heartbeat round trip once: re-feeding the last one would weigh it many times.
             node.pongs_seen = stats.pongs
             self.wan.observe_rtt(stats.rtt_s * 1000.0)
 
     # ---- one request ----------------------------------------------------------------
     async def run(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams, emit: Emit,
-                  pipeline: str | None = None, handoff_mode: str | None = None) -> Outcome:
+                  pipeline: Pipeline | str | None = None, handoff_mode: HandoffMode | None = None) -> Outcome:
         """Serve one request; `pipeline` / `handoff_mode` override the policy for it.  `emit`
         raising StopRequest ends it early, finished (see there)."""
         tracker = RequestTracker(rid, clock=asyncio.get_running_loop().time)
         fl = Flight(rid, prompt, sampling, tracker, StreamMerger(rid), emit,
-                    force_pipeline=pipeline, force_handoff=handoff_mode)
+                    force_pipeline=None if pipeline is None else Pipeline(pipeline), force_handoff=handoff_mode)
         self.live += 1
         try:
             async with asyncio.timeout(self.timeout):
@@ -253,7 +254,7 @@ class Router:
         while True:
             try:
                 # Nothing emitted yet and a P left: the full PDD path again (another P / decoder).
-                if attempt == 0 or (fl.merger.next_position == 0 and self.place.pick("prefill", fl)):
+                if attempt == 0 or (fl.merger.next_position == 0 and self.place.pick(Role.PREFILL, fl)):
                     await self._pdd(fl)
                 else:
                     await self._redrive(fl)
@@ -294,7 +295,7 @@ class Router:
 
     async def _pdd(self, fl: Flight) -> None:
         """The full PDD path: open it (`_open_path`), then drive it (request_driver.py)."""
-        for roles, what in ((("prefill",), "prefill node"), (("md", "rld"), "MD or RLD node")):
+        for roles, what in (((Role.PREFILL,), "prefill node"), ((Role.MD, Role.RLD), "MD or RLD node")):
             if not await self.place.await_node(fl, roles, self.node_wait_s):
                 raise RouterError(f"no healthy {what} for this request (a down one is waited for "
                                   f"up to server.node_wait_s = {self.node_wait_s:g} s)", "unavailable")
@@ -320,11 +321,11 @@ class Router:
         if p is None:
             raise RouterError("no healthy prefill node", "unavailable")
         fl.p_cached_tokens = min(len(fl.prompt), p_held * p.block_size)
-        rld = self.place.pick("rld", fl)
+        rld = self.place.pick(Role.RLD, fl)
         decision = self._decide(fl, p, md, md_cached, rld)
         pipeline = decision.pipeline
-        use_md = md if pipeline in ("P-MD", "P-RLD-MD") else None
-        use_rld = rld if pipeline in ("P-RLD-MD", "P-RLD") else None
+        use_md = md if pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD) else None
+        use_rld = rld if pipeline in (Pipeline.P_RLD_MD, Pipeline.P_RLD) else None
         if decision.reason == "rld_full":
             self.counts.rld_full += 1
         starts: dict[str, int] = {}
@@ -332,7 +333,7 @@ class Router:
         if use_rld is not None:
             rld_cached = await self._open_rld(fl, use_rld, streams, md_after=use_md is not None)
             if rld_cached is None:
-                pipeline, use_rld = "P-MD", None
+                pipeline, use_rld = Pipeline.P_MD, None
             else:
                 starts[use_rld.name] = rld_cached
                 holds.append(False)
@@ -343,7 +344,7 @@ class Router:
             if self.place.md_index is not None:
                 self.place.md_index.record(use_md.name, fl.block_hashes(use_md.block_size))
             starts[use_md.name] = md_cached
-            holds.append(pipeline == "P-RLD-MD")
+            holds.append(pipeline == Pipeline.P_RLD_MD)
         if fl.tracker.state == RequestState.RECEIVED:
             fl.tracker.route(pipeline, decision.reason)
         self.counts.add_pipeline(pipeline)
@@ -412,12 +413,12 @@ class Router:
 
     async def _redrive(self, fl: Flight) -> None:
         """Restart from the emitted tokens on a healthy decoder (MD first), recomputing their KV."""
-        node = self.place.pick("md", fl) or self.place.pick("rld", fl)
+        node = self.place.pick(Role.MD, fl) or self.place.pick(Role.RLD, fl)
         if node is None:
             raise RouterError(f"request {fl.rid}: no healthy decode node left", "unavailable")
         emitted = fl.merger.emitted_tokens
         stream = node.link.stream(fl.rid, timeout=self.timeout)
-        reader = fl.reader(node, "md" if node.role == "md" else "rld", self.spec.vocab_size)
+        reader = fl.reader(node, Role.MD if node.role == Role.MD else Role.RLD, self.spec.vocab_size)
         fl.involve(node)
         fl.scorer = node
         try:

@@ -28,11 +28,9 @@ from enum import IntEnum
 from typing import Any, Literal
 
 # Which node produced a token (the delta's `"pddgw": {"role": ...}`); re-exported for the pipeline.
-from pddgw.core.roles import ROLES, Role  # noqa: F401
+from pddgw.core.roles import PIPELINES, ROLES, Pipeline, Role
 
-Pipeline = Literal["P-MD", "P-RLD-MD", "P-RLD"]
 HandoffMode = Literal["one-shot", "catch-up"]
-PIPELINES: tuple[Pipeline, ...] = ("P-MD", "P-RLD-MD", "P-RLD")
 
 
 class RequestState(IntEnum):
@@ -95,7 +93,7 @@ class IllegalTransition(RuntimeError):
         detail = f": {why}" if why else ""
         super().__init__(f"request {request_id}: illegal transition {src.name} -> {dst.name}{detail}")
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
         # Crosses process boundaries intact (the simulator runs jobs in worker processes).
         return (IllegalTransition, (self.request_id, self.src, self.dst, self.why))
 
@@ -195,7 +193,7 @@ class RequestRecord:
             "max_itl_ms": self.max_itl_ms,
             "max_itl_position": self.max_itl_position,
             "output_tokens": self.output_tokens,
-            "tokens_by_role": dict(self.tokens_by_role),
+            "tokens_by_role": {str(r): n for r, n in self.tokens_by_role},
             "fallback_reason": self.fallback_reason,
             "redrives": [{"reason": r, "position": p, "t_ms": t} for r, p, t in self.redrives],
             "error": self.error,
@@ -326,7 +324,7 @@ class RequestTracker:
                                     "RLD no longer holds the KV; re-drive instead")
         self.advance(S.RLD_DECODING, f"fallback: {reason}")
         self._fallback = reason
-        self._pipeline = "P-RLD"
+        self._pipeline = Pipeline.P_RLD
         self._episode = []
 
     def redrive(self, reason: str) -> None:

@@ -122,7 +122,7 @@ class CostModelEngine(PagedEngine):
 
     @classmethod
     def from_config(cls, config: Config, engine: EngineConfig | None = None,
-                    models: Any = None) -> tuple["CostModelEngine", ByteTokenizer]:
+                    models: Any = None) -> tuple[CostModelEngine, ByteTokenizer]:
         """`models` is not used: a cost model has no weights."""
         ecfg = engine or config.engine
         prof = model_profile(config.model)

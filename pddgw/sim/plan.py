@@ -119,7 +119,7 @@ def format_report(plan: Plan, results: dict[str, KindResult]) -> str:
                   format_table(HEADS, [_row(i + 1, e) for i, e in enumerate(r.ranked)])]
         rest = _rest(r)
         if rest:
-            lines += [f"-- also evaluated, below the table (goodput per $100/h: the bound of those refuted) --",
+            lines += ["-- also evaluated, below the table (goodput per $100/h: the bound of those refuted) --",
                       format_table(HEADS, [_row(len(r.ranked) + i + 1, e) for i, e in enumerate(rest)])]
     best = winner(results)
     gp = best.goodput_rps or 0.0

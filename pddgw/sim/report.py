@@ -203,7 +203,7 @@ def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:
     itl = [g for r in ok for g in r.itl_s]
     rld = sum(r.rld_tokens for r in reqs)
     md = sum(r.md_tokens for r in reqs)
-    pipelines = Counter(r.pipeline or "failed" for r in reqs)
+    pipelines = Counter(str(r.pipeline or "failed") for r in reqs)
     stalls = [r.handoff_stall_ms for r in ok if r.handoff_stall_ms is not None]
     handoffs = [r for r in ok if r.handoff_mode is not None]
     rounds = Counter(r.catchup_rounds for r in handoffs if r.handoff_mode == "catch-up")

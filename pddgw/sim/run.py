@@ -251,7 +251,7 @@ def _assemble(sc: Scenario, results: dict[Job, dict[str, Any]], private: dict[st
             b = results[_job(sc, "bathtub", bt.baseline, sc.bathtub_wan(), h)]
 
             def benefit(q: str) -> float | None:
-                x, y = a["ttft_s"][q], b["ttft_s"][q]
+                x, y = a["ttft_s"][q], b["ttft_s"][q]  # noqa: B023
                 return None if x is None or not y else round(1.0 - x / y, 4)
 
             points.append({"hit": h, "md_prefix_hit_mean": a["md_prefix_hit_mean"],
@@ -416,7 +416,7 @@ def _overrides(sc: Scenario, args: argparse.Namespace) -> Scenario:
                              ("--trace-burst-s", "burst_s", args.trace_burst_s)):
         if value is not None:
             wl = _flag(flag, value, lambda: dataclasses.replace(
-                wl, trace=dataclasses.replace(wl.trace, **{key: value})))
+                wl, trace=dataclasses.replace(wl.trace, **{key: value})))  # noqa: B023
     if args.requests is not None:
         wl = _flag("--requests", args.requests, lambda: dataclasses.replace(
             wl, agentic=dataclasses.replace(wl.agentic, requests=args.requests),

@@ -4,14 +4,14 @@ value an engine exports is the value a link delivers."""
 from __future__ import annotations
 
 import dataclasses
-import typing
 
+import orjson
 import pytest
 
-from pddgw.core.kv import KVChunk, KVSpan
-from pddgw.core.roles import ROLES, NodeRole, Role
-from pddgw.net import frames
 from pddgw import messages as m
+from pddgw.core.kv import KVChunk, KVSpan
+from pddgw.core.roles import PIPELINES, ROLES, Pipeline, Role
+from pddgw.net import frames
 
 SPAN = KVSpan.of("r", tokens=(16, 24), layers=(1, 3), num_kv_heads=2, head_dim=4, dtype="float16")
 
@@ -67,5 +67,8 @@ def test_the_exported_chunk_is_the_delivered_chunk():
 
 
 def test_roles_are_one_vocabulary():
-    assert ROLES == typing.get_args(Role) == ("prefill", "rld", "md")
-    assert typing.get_args(NodeRole) == ("router", "prefill", "rld", "md")
+    assert ROLES == (Role.PREFILL, Role.RLD, Role.MD) == ("prefill", "rld", "md")
+    assert tuple(Role) == ("router", "prefill", "rld", "md")
+    assert PIPELINES == tuple(Pipeline) == ("P-MD", "P-RLD-MD", "P-RLD")
+    assert orjson.dumps({"role": Role.MD, "pipeline": Pipeline.P_RLD_MD}) == b'{"role":"md","pipeline":"P-RLD-MD"}'
+    assert f"{Role.PREFILL}/{Pipeline.P_MD}" == "prefill/P-MD"

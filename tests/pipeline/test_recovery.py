@@ -8,6 +8,7 @@ from pddgw.pipeline.recovery import RLD_CAN_FINISH, Paths, Recovery
 from pddgw.pipeline.state import RequestState as S
 
 R = Recovery
+ALIVE = {"prefill": "p_alive", "rld": "rld_alive", "md": "md_alive"}
 
 
 def p_rld_md(awaiting=("rld", "md"), **kw) -> Paths:
@@ -23,11 +24,11 @@ def test_rld_can_finish_where_it_holds_or_receives_the_kv_and_still_decodes():
 
 @pytest.mark.parametrize("paths, who, state, emitted, want", [
     # P lost
-    (p_rld_md(awaiting=("md",)), "p", S.RLD_DECODING, 3, R.MD_FAILS_WITH_P),
-    (p_rld_md(awaiting=("rld", "md")), "p", S.PREFILLING, 0, R.REDRIVE),     # RLD lacks its KV too
-    (p_rld_md(awaiting=()), "p", S.RLD_DECODING, 3, R.REDRIVE),             # MD had its KV already
-    (p_rld_md(awaiting=("md",), md_alive=False), "p", S.RLD_DECODING, 3, R.REDRIVE),
-    (Paths(has_rld=False, has_md=True, awaiting_kv={"md"}), "p", S.PREFILLING, 0, R.REDRIVE),
+    (p_rld_md(awaiting=("md",)), "prefill", S.RLD_DECODING, 3, R.MD_FAILS_WITH_P),
+    (p_rld_md(awaiting=("rld", "md")), "prefill", S.PREFILLING, 0, R.REDRIVE),     # RLD lacks its KV too
+    (p_rld_md(awaiting=()), "prefill", S.RLD_DECODING, 3, R.REDRIVE),             # MD had its KV already
+    (p_rld_md(awaiting=("md",), md_alive=False), "prefill", S.RLD_DECODING, 3, R.REDRIVE),
+    (Paths(has_rld=False, has_md=True, awaiting_kv={"md"}), "prefill", S.PREFILLING, 0, R.REDRIVE),
     # RLD lost
     (p_rld_md(awaiting=()), "rld", S.RLD_DECODING, 5, R.MD_TAKES_OVER),
     (p_rld_md(awaiting=(), md_ready=True), "rld", S.RLD_DECODING, 5, R.REDRIVE),   # handoff is next
@@ -47,14 +48,14 @@ def test_rld_can_finish_where_it_holds_or_receives_the_kv_and_still_decodes():
 ])
 def test_the_rule(paths, who, state, emitted, want):
     assert paths.lost(who, state, emitted) is want
-    assert not getattr(paths, f"{who}_alive")
+    assert not getattr(paths, ALIVE[who])
 
 
-@pytest.mark.parametrize("who, first", [("p", R.MD_FAILS_WITH_P), ("rld", R.MD_TAKES_OVER),
+@pytest.mark.parametrize("who, first", [("prefill", R.MD_FAILS_WITH_P), ("rld", R.MD_TAKES_OVER),
                                         ("md", R.RLD_FINISHES)])
 def test_a_node_lost_again_is_moot_and_the_others_keep_their_state(who, first):
     state = S.RLD_DECODING
-    paths = p_rld_md(awaiting=("md",) if who == "p" else ())
+    paths = p_rld_md(awaiting=("md",) if who == "prefill" else ())
     assert paths.lost(who, state, 3) is first
     alive = (paths.p_alive, paths.rld_alive, paths.md_alive)
     assert paths.lost(who, state, 3) is R.MOOT

@@ -379,7 +379,7 @@ def test_the_search_starts_at_the_highest_grid_rate_the_roofline_capacity_reache
         for wan in (10.0, 100.0):
             cand = deployment_bound(sc, dep, wan if sc.uses_wan(dep) else None)
             at = Setting(sc, wan if sc.uses_wan(dep) else None, dep.policy.rld_max_relays)
-            starts[dep.name, wan] = round(start_rate(sc.goodput, lambda r: capacity(at, prof, cand, demand(sc, r)).rate), 4)
+            starts[dep.name, wan] = round(start_rate(sc.goodput, lambda r: capacity(at, prof, cand, demand(sc, r)).rate), 4)  # noqa: B023
     assert starts == {("same-dc-pd", 10.0): 22.6274, ("same-dc-pd", 100.0): 22.6274,
                       ("naive-cross-dc", 10.0): 3.3636, ("naive-cross-dc", 100.0): 11.3137,
                       ("pdd", 10.0): 22.6274, ("pdd", 100.0): 22.6274}

@@ -246,7 +246,7 @@ def test_the_bisection_rates_are_every_rate_the_search_can_probe():
                                              math.sqrt(128), 16.0]
     assert bisection_rates(1.0, 16.0, 2) == bisection_rates(1.0, 16.0, 1) == [1.0, 16.0]
     for passing in (0.0, 1.0, 3.0, 5.0, 12.0, 99.0):
-        _, points = report.sla_goodput(lambda r: float(r <= passing), 0.9, 1.0, 16.0, 5)
+        _, points = report.sla_goodput(lambda r: float(r <= passing), 0.9, 1.0, 16.0, 5)  # noqa: B023
         assert {r for r, _ in points} <= set(bisection_rates(1.0, 16.0, 5))
 
 

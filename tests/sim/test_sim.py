@@ -165,7 +165,7 @@ def test_goodput_bisection_finds_the_highest_passing_rate():
     # Whatever the order, a monotone attainment's answer is the highest passing rate of the grid.
     grid = bisection_rates(1.0, 16.0, 6)
     for passing in [0.5, *grid, *(r * 1.01 for r in grid), 99.0]:
-        assert report.sla_goodput(lambda r: float(r <= passing), 0.9, 1.0, 16.0, 6)[0] == max(
+        assert report.sla_goodput(lambda r: float(r <= passing), 0.9, 1.0, 16.0, 6)[0] == max(  # noqa: B023
             (r for r in grid if r <= passing), default=0.0)
     assert report.bcr(11.5, 95.5, 9.0, 100.0) == pytest.approx((11.5 / 95.5) / (9.0 / 100.0))
 
