@@ -79,7 +79,8 @@ def test_local_example_loads():
     assert cfg.net.secret_file == "local-keys/link-secret" and not cfg.net.secret
     tls = cfg.net.tls
     assert tls.enabled and tls.mutual and not tls.front_door
-    assert tls.for_node("md0").cert_file == "local-keys/md0.crt" and tls.for_node("md0").key_file == "local-keys/md0.key"
+    assert (tls.for_node("md0").cert_file == "local-keys/md0.crt"
+            and tls.for_node("md0").key_file == "local-keys/md0.key")
     assert tls.for_node("md0").ca_file == "local-keys/ca.crt"
     wan = cfg.net.shaping("wan")
     assert wan is not None and (wan.gbps, wan.latency_ms) == (0.5, 1.0)

@@ -48,7 +48,8 @@ def test_dry_run_runs_what_it_can_and_exits_2(tmp_path):
     assert _statuses(report) == ([("wheels", "skipped"), ("preflight", "passed"), ("collect", "passed")]
                                  + [(s, "skipped") for s in GPU_STEPS])
     steps = {s["name"]: s for s in report["steps"]}
-    assert steps["wheels"]["stdout_tail"] == f"no wheels in {tmp_path / 'no-wheels'}: the interpreter's own packages are used\n"
+    assert steps["wheels"]["stdout_tail"] == (f"no wheels in {tmp_path / 'no-wheels'}: "
+                                              "the interpreter's own packages are used\n")
     assert steps["preflight"]["json"]["torch"] == torch.__version__
     assert steps["preflight"]["json"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert steps["collect"]["tests"]["collected"] > 0

@@ -160,7 +160,7 @@ class Engine(ABC):
     def check_integrity(self) -> None:
         """Raise AssertionError unless free + cached + used == total and ref counts agree."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 (optional hook; default does nothing)
         """Release what the engine holds beyond its Python objects (worker processes, files);
         called once, last, on the engine's thread.  Nothing by default."""
 

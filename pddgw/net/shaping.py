@@ -317,7 +317,7 @@ class Shaper:
         whose bits is on the wire leaves the queue; one already partly sent
         finishes (its far end holds its first bytes; a frame is never cut)."""
         self._complete_until(now)
-        for i, f in enumerate(self._bg):
+        for i, f in enumerate(self._bg):  # noqa: B007 (i is used after the loop)
             if f.done is done:
                 break
         else:

@@ -65,13 +65,13 @@ class Demand:
     @property
     def maybe(self) -> tuple[int, ...]:
         """Requests that can arrive in the window."""
-        return tuple(i for i, (e, l) in enumerate(zip(self.earliest, self.latest))
-                     if e < self.end_s and l >= self.start_s)
+        return tuple(i for i, (e, late) in enumerate(zip(self.earliest, self.latest))
+                     if e < self.end_s and late >= self.start_s)
 
     @property
     def surely(self) -> int:
         """How many requests arrive in the window whenever every earlier turn met its SLO."""
-        return sum(self.start_s <= e and l < self.end_s for e, l in zip(self.earliest, self.latest))
+        return sum(self.start_s <= e and late < self.end_s for e, late in zip(self.earliest, self.latest))
 
     def mean(self, xs: tuple[int, ...]) -> float:
         return sum(xs) / len(xs)

@@ -261,7 +261,8 @@ class _StepConsts:
         comm_s = 0.0
         if par.tp > 1:
             buffer = new / par.dp * model.hidden_size * ACTIVATION_BYTES
-            per_call = hw.allreduce_latency_us / 1e6 + (2 * (par.tp - 1) / par.tp) * buffer / (hw.interconnect_gb_s * 1e9)
+            per_call = (hw.allreduce_latency_us / 1e6
+                        + (2 * (par.tp - 1) / par.tp) * buffer / (hw.interconnect_gb_s * 1e9))
             ep_layers = model.num_moe_layers if par.expert_parallel > 1 else 0
             comm_s = (2 * model.num_layers - ep_layers) * per_call
         comm_s += model.num_moe_layers * alltoall_s(model, hw, par, new)

@@ -250,7 +250,8 @@ def load_scenario(path: str | Path) -> Scenario:
     if wl.kind == "trace":
         if not wl.trace.path:
             raise ConfigError(f"{p}: workload.trace.path: a trace workload needs a path")
-        wl = dataclasses.replace(wl, trace=dataclasses.replace(wl.trace, path=str((p.parent / wl.trace.path).resolve())))
+        wl = dataclasses.replace(wl, trace=dataclasses.replace(wl.trace,
+                                                               path=str((p.parent / wl.trace.path).resolve())))
     return dataclasses.replace(sc, deployments=deps, workload=wl)
 
 

@@ -262,5 +262,6 @@ def load_trace(path: str | Path, limit: int = 0, *, output_cap: int = 0, speed: 
             prompt += blocks[h]
         prompt = prompt[: max(1, r.input_length)]
         out = max(1, min(r.output_length, output_cap) if output_cap else r.output_length)
-        convs.append(Conversation(len(convs), gather(r.t_s / speed, burst_s), r.line, (Turn(len(prompt), out, prompt=tuple(prompt)),)))
+        convs.append(Conversation(len(convs), gather(r.t_s / speed, burst_s), r.line,
+                                  (Turn(len(prompt), out, prompt=tuple(prompt)),)))
     return convs

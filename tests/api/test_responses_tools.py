@@ -190,7 +190,8 @@ def test_function_call_items_join_the_assistant_message_before_them():
         {"role": "assistant", "content": "let me look", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
             {"id": "c2", "type": "function", "function": {"name": "noop", "arguments": {}}}]},
-        {"role": "tool", "content": "3 C", "tool_call_id": "c1"}, {"role": "tool", "content": "ok", "tool_call_id": "c2"})
+        {"role": "tool", "content": "3 C", "tool_call_id": "c1"},
+        {"role": "tool", "content": "ok", "tool_call_id": "c2"})
     assert (req.tools.choice, req.tools.parallel, [t.name for t in req.tools.tools]) == ("noop", False,
                                                                                          ["get_weather", "noop"])
     assert req.sampling.grammar is None         # the forced call's grammar is the door's (the template's format)

@@ -21,7 +21,8 @@ def named(text, fmt):
 
 def test_hermes():
     assert named('ok <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-                 '<tool_call>{"name": "b", "arguments": {}}</tool_call>', "hermes") == ("ok", [("a", {"x": 1}), ("b", {})])
+                 '<tool_call>{"name": "b", "arguments": {}}</tool_call>',
+                 "hermes") == ("ok", [("a", {"x": 1}), ("b", {})])
     assert named("<tool_call>{broken</tool_call>", "hermes") == ("<tool_call>{broken</tool_call>", [])
 
 
@@ -60,8 +61,10 @@ def test_forced_grammars_compile(fmt):
 
 def test_parse_tools_refusals_name_the_field():
     assert parse_tools({}) is None
-    for d, param in (({"tool_choice": "required"}, "tool_choice"), ({**TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-                     ({"tools": TOOLS["tools"] * 2}, "tools"), ({**TOOLS, "parallel_tool_calls": 1}, "parallel_tool_calls"),
+    for d, param in (({"tool_choice": "required"}, "tool_choice"),
+                     ({**TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+                     ({"tools": TOOLS["tools"] * 2}, "tools"),
+                     ({**TOOLS, "parallel_tool_calls": 1}, "parallel_tool_calls"),
                      ({"tools": [{"type": "web"}]}, "tools[0]")):
         with pytest.raises(ApiError) as e:
             parse_tools(d)

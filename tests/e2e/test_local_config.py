@@ -111,5 +111,5 @@ def test_readme_commands_start_the_local_config_and_chat(tmp_path):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
-    for name, p in procs:
+    for name, _ in procs:
         assert "Traceback" not in (tmp_path / f"{name}.log").read_text(), name

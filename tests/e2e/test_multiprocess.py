@@ -51,7 +51,7 @@ async def test_every_path_streams_what_one_node_generates(cluster, temperature, 
     expected = generate_one_node(prompt, n, temperature, seed)
     async with aiohttp.ClientSession() as s:
         ws = await ws_to(cluster, s)
-        for i, (pipeline, mode) in enumerate(CASES):
+        for _, (pipeline, mode) in enumerate(CASES):
             r = await chat(ws, prompt_token_ids=prompt, max_output_tokens=n, temperature=temperature,
                            seed=seed, pddgw={"pipeline": pipeline, "handoff_mode": mode})
             assert r.final["type"] == "response.completed", (pipeline, mode, r.final)

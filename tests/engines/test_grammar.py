@@ -73,7 +73,8 @@ def test_adjust_logits_masks_only_the_rows_with_a_grammar(grammars):
 
 def test_sampling_params_bound_the_grammar():
     assert SamplingParams(grammar=["regex", "a+"]).grammar == ("regex", "a+")
-    for bad, what in ((("lark", "x"), "kind"), (("regex", ""), "1 to"), (("regex", "a" * (MAX_GRAMMAR_CHARS + 1)), "1 to"),
+    for bad, what in ((("lark", "x"), "kind"), (("regex", ""), "1 to"),
+                      (("regex", "a" * (MAX_GRAMMAR_CHARS + 1)), "1 to"),
                       (("regex",), "two strings")):
         with pytest.raises(FieldError, match=what) as e:
             SamplingParams(grammar=bad)
@@ -106,7 +107,8 @@ def test_the_random_tiny_model_ends_with_valid_json_and_max_tokens_still_caps():
     for seed in range(4):
         eng.add_request(EngineRequest(f"r{seed}", tuple(b"hello"), SamplingParams(max_tokens=200, temperature=1.0,
                                                                                  seed=seed, grammar=spec)))
-    eng.add_request(EngineRequest("short", tuple(b"hello"), SamplingParams(max_tokens=5, temperature=1.0, grammar=spec)))
+    eng.add_request(EngineRequest("short", tuple(b"hello"), SamplingParams(max_tokens=5, temperature=1.0,
+                                                                           grammar=spec)))
     outs: dict[str, list[int]] = {}
     reasons = {}
     while eng.has_work():

@@ -574,7 +574,8 @@ def test_adjusting_touches_only_the_rows_that_ask_and_a_batch_equals_its_rows_al
 def test_sampling_params_refuse_out_of_range_values_naming_the_field():
     from pddgw.core.errors import FieldError
 
-    for kw, field in [({"repetition_penalty": 0.0}, "repetition_penalty"), ({"presence_penalty": 2.1}, "presence_penalty"),
+    for kw, field in [({"repetition_penalty": 0.0}, "repetition_penalty"),
+                      ({"presence_penalty": 2.1}, "presence_penalty"),
                       ({"frequency_penalty": -2.1}, "frequency_penalty"), ({"logit_bias": {1: 100.5}}, "logit_bias"),
                       ({"logit_bias": {-1: 1}}, "logit_bias"), ({"min_tokens": 65}, "min_tokens"),
                       ({"min_tokens": -1}, "min_tokens"), ({"temperature": 2.01}, "temperature")]:

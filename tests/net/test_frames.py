@@ -54,7 +54,8 @@ def test_token_ids_are_packed_int32_and_fit_five_bytes_a_token():
     head, payload = frames.encode(msg)
     assert bytes(payload) == struct.pack("<100i", *range(1000, 1100))
     frame_len = len(head) + len(payload)
-    assert frame_len == frames.HEADER_SIZE + len(b'{"request_id":"0123456789abcdef0123456789abcdef","start":4096}') + 400
+    assert frame_len == frames.HEADER_SIZE + len(b'{"request_id":"0123456789abcdef0123456789abcdef",'
+                                                 b'"start":4096}') + 400
     # On the wire, with the WebSocket header and the client's mask key.
     assert frame_len + ws_header_size(frame_len, masked=True) <= 5 * 100
 

@@ -104,7 +104,7 @@ async def make_pair(request):
 async def test_every_kind_one_way_both_directions(make_pair):
     p = await make_pair()
     kinds = [x for x in every_message() if not isinstance(x, m.Ping | m.Pong)]
-    for a, b, peer in ((p.client, p.server, p.speer), (p.server, p.client, p.cpeer)):
+    for a, _, peer in ((p.client, p.server, p.speer), (p.server, p.client, p.cpeer)):
         for msg in kinds:
             await a.send(msg)
         # A TokenBatch is split at the receiving edge: its items arrive as if sent alone.

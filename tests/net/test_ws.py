@@ -134,7 +134,8 @@ async def test_unauthenticated_peers_are_cut_off(ws_server, attack, code, event)
 
 
 async def test_oversized_frame_after_auth_closes_1009_then_reconnects(ws_server):
-    server, url = await ws_server(cfg_for(max_frame_bytes=256 << 10, kv_frame_bytes=256 << 10, max_control_bytes=64 << 10))
+    server, url = await ws_server(cfg_for(max_frame_bytes=256 << 10, kv_frame_bytes=256 << 10,
+                                          max_control_bytes=64 << 10))
     link = await connect(url, "cli", cfg_for(max_frame_bytes=4 << 20))    # a misconfigured peer
     span = m.KVSpan("big", 0, 1, 0, 128, "float16", (1, 2, 128, 8, 128))  # 512 KiB
     with capture_logs() as logs:
@@ -184,7 +185,7 @@ async def test_tls_link_carries_kv_intact(ws_server, pki):
     span = m.KVSpan("t", 0, 2, 0, 64, "bfloat16", (2, 2, 64, 4, 64))
     payload = bytes(i % 253 for i in range(span.nbytes))
 
-    async def echo(l, msg):
+    async def echo(server_link, msg):
         return msg
 
     for wl in server.links:

@@ -41,7 +41,7 @@ async def deploy(aiohttp_client):
         return ws, side, client
 
     yield start
-    for emb, side, client in started:
+    for emb, side, _ in started:
         await side.router.drain()
         state = await side.state()
         await emb.stop()

@@ -28,8 +28,9 @@ PROMPT = prompt_of(120)
 
 
 def params(n: int) -> SamplingParams:
-    # Exactly n letters inside a JSON object, then EOS: every path runs n + 10 tokens (EOS included), ended by the grammar.
-    return SamplingParams(max_tokens=n + 40, temperature=0.9, seed=5, grammar=("regex", '\\{"v": "[a-z]{%d}"\\}' % n))
+    # Exactly n letters inside a JSON object, then EOS: every path runs n + 10 tokens (EOS included),
+    # ended by the grammar.
+    return SamplingParams(max_tokens=n + 40, temperature=0.9, seed=5, grammar=("regex", f'\\{{"v": "[a-z]{{{n}}}"\\}}'))
 
 
 def local_grammar(prompt, sp: SamplingParams) -> list[int]:

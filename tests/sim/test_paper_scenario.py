@@ -1,4 +1,5 @@
-"""scenarios/paper.toml on the seed's model: DeepSeek-V4-Pro, the planner's splits and their prices, instances that fit."""
+"""scenarios/paper.toml on the seed's model: DeepSeek-V4-Pro, the planner's splits and their prices,
+instances that fit."""
 
 from __future__ import annotations
 
