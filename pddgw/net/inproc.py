@@ -20,7 +20,8 @@ from pddgw.config import NetConfig, ShapingConfig
 from pddgw.net import frames
 from pddgw import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed
-from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, Priority, PriorityLike, sink_buffer, wait_until
+from pddgw.net.link import Handler, KvSink, LinkState, Priority, PriorityLike
+from pddgw.net.mux import LinkBase, sink_buffer, wait_until
 from pddgw.net.shaping import MIN_SLEEP_S, ShapedPipe, Shaper
 from pddgw.net.wsproto import ws_header_size
 

@@ -32,7 +32,8 @@ from pddgw.config import ConfigError, NetConfig, ShapingConfig
 from pddgw.net import auth, frames
 from pddgw import messages as m
 from pddgw.net.errors import AuthError, CloseCode, FrameError, FrameTooLarge, LinkClosed, LinkError, LinkTimeout
-from pddgw.net.link import Handler, KvSink, LinkBase, LinkState, Priority, PriorityLike, ServiceMeter
+from pddgw.net.link import Handler, KvSink, LinkState, Priority, PriorityLike
+from pddgw.net.mux import LinkBase, ServiceMeter
 from pddgw.net.shaping import ShapedPipe
 from pddgw.net.tls import client_context, server_context
 from pddgw.net.wsproto import HANDSHAKE_MAX, ConnState, WsConnection, ws_header_size
