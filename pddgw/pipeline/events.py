@@ -5,7 +5,7 @@ handoff) turn what they get into these at the edge - a decoder's stream
 messages through `StreamReader` (which turns each wire TokenItem, joined
 with the Logprobs pieces sent right before it and checked, into the
 `TokenRun` the router merges), replies and link failures directly - so the
-loop in router.py matches on meaning, not on wire types.  `node` is the
+loop in request_driver.py matches on meaning, not on wire types.  `node` is the
 router's handle of the node it came from.
 """
 
