@@ -63,7 +63,8 @@ class MetricsSource(Protocol):
     async def refresh(self) -> None: ...
 
 
-_PIPELINE_FIELDS = {Pipeline.P_MD: "p_md", Pipeline.P_RLD_MD: "p_rld_md", Pipeline.P_RLD: "p_rld"}    # PIPELINES -> RouterCounts
+_PIPELINE_FIELDS = {Pipeline.P_MD: "p_md", Pipeline.P_RLD_MD: "p_rld_md",
+                    Pipeline.P_RLD: "p_rld"}    # PIPELINES -> RouterCounts
 
 
 @dataclass(slots=True)
@@ -180,7 +181,8 @@ class RouterMetrics:
                                         "Longest gap the client saw across a request's final handoff round.",
                                         STALL_BUCKETS, ["mode"])
         self.wan_kv_bytes = _counter(reg, "wan_kv_bytes",
-                                     "KV bytes P sent across the WAN for requests (reports after a response ended too).")
+                                     "KV bytes P sent across the WAN for requests "
+                                     "(reports after a response ended too).")
         self.front_door = FrontDoorMetrics(reg)
         # Children looked up once: `labels()` takes a lock and a dict lookup per call.
         self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ("rld", "md")}
@@ -260,7 +262,8 @@ class RouterMetrics:
         for name, value, doc in (("redrives", r.counts.redrives, "Requests re-driven after a lost node."),
                                  ("fallbacks", r.counts.fallbacks,
                                   "P-RLD-MD requests RLD finished alone (MD or WAN lost)."),
-                                 ("rld_full", r.counts.rld_full, "Requests that found the relay pool full (went P-MD).")):
+                                 ("rld_full", r.counts.rld_full,
+                                  "Requests that found the relay pool full (went P-MD).")):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
         yield CounterMetricFamily(PREFIX + "request_queue_refused", "Requests refused at a room-queue bound.",
                                   value=r.room.refused)

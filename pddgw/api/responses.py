@@ -128,7 +128,8 @@ def parse_extension(d: dict[str, Any]) -> Extension:
         raise ApiError("pddgw.pipeline must be 'P-MD', 'P-RLD-MD' or 'P-RLD'", "pddgw.pipeline")
     if mode not in (None, "one-shot", "catch-up"):
         raise ApiError("pddgw.handoff_mode must be 'one-shot' or 'catch-up'", "pddgw.handoff_mode")
-    return Extension(None if pipeline is None else Pipeline(pipeline), mode, bool(optional(ext, "states", bool, name="pddgw.states")))
+    return Extension(None if pipeline is None else Pipeline(pipeline), mode,
+                     bool(optional(ext, "states", bool, name="pddgw.states")))
 
 
 def return_token_ids(d: dict[str, Any]) -> bool:

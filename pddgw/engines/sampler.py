@@ -166,7 +166,6 @@ def _draw(cand: torch.Tensor, cdf: torch.Tensor, keep: torch.Tensor, rows: _Rows
 def _sorted_rows(x: torch.Tensor, probs: torch.Tensor, rows: _Rows, k_bound: int, top_p: bool,
                  min_p: bool) -> torch.Tensor:
     """Candidates by topk of `_order_keys` (k_bound > 0) or a stable full sort (0) -> int64 [R]."""
-    vocab = x.shape[1]
     if k_bound and x.dtype != torch.float64:    # (float64 has no room for the id in a key: full sort)
         cand = torch.topk(_order_keys(x), k_bound, dim=-1).indices                       # [R, K] distinct keys
     else:
@@ -424,7 +423,6 @@ def _prefix_draw(xs: torch.Tensor, sm: _Softmax, cut: torch.Tensor, flat: torch.
     exact: the kept set ends within the prefix, so the id is the full sort's, bit for
     bit; elsewhere the id is meaningless.
     """
-    vocab = xs.shape[1]
     cand, cand_p, n = _prefix_candidates(xs, sm, cut, flat, rows, cap, tighten and top_p)  # [R, W] x 2, [R]
     cdf = cand_p.cumsum(dim=-1)                                                # [R, W]: the full cdf's prefix
     # min-p counted over the whole row: a permutation of the full sort's p, the same count.

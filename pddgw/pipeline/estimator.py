@@ -42,7 +42,8 @@ class RobustEwma:
         med = statistics.median(self._window)
         w, v, k = self._window, self.value, self.shift
         # A shift needs a few samples to tell it from an outlier: windows under 3 never shift.
-        if w.maxlen is not None and len(w) == w.maxlen >= 3 and (all(s > v * (1 + k) for s in w) or all(s < v * (1 - k) for s in w)):
+        if w.maxlen is not None and len(w) == w.maxlen >= 3 and (all(s > v * (1 + k) for s in w)
+                                                                 or all(s < v * (1 - k) for s in w)):
             self.value = med
         else:
             self.value += self.alpha * (med - self.value)

@@ -175,7 +175,7 @@ class Router:
             raise
         except TimeoutError:
             fl.tracker.fail(f"no completion within {self.timeout:.0f} s")
-            raise RouterError(f"request {rid} did not complete within {self.timeout:.0f} s", "timeout")
+            raise RouterError(f"request {rid} did not complete within {self.timeout:.0f} s", "timeout") from None
         except RouterError as e:
             if not fl.tracker.terminal:
                 fl.tracker.fail(str(e))

@@ -232,7 +232,8 @@ def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:
         "handoffs": len(handoffs),
         "handoff_modes": dict(Counter(r.handoff_mode for r in handoffs)),
         "handoff_stall_ms": {**_pcts(stalls, 1.0, 2), "max": round(max(stalls), 2) if stalls else None},
-        "catchup_rounds": {"median": percentile([r.catchup_rounds for r in handoffs if r.handoff_mode == "catch-up"], 50),
+        "catchup_rounds": {"median": percentile([r.catchup_rounds for r in handoffs
+                                                 if r.handoff_mode == "catch-up"], 50),
                            "histogram": {str(k): v for k, v in sorted(rounds.items())}},
         "alignments": run.alignments,
         "rld_full": run.rld_full,

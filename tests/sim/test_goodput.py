@@ -285,7 +285,8 @@ def test_the_roofline_prunes_a_probe_out_of_reach_and_the_search_ends_where_it_w
     whole = run_job(sc, job)
     # Simulated, it fails too (settled early: its attainment is then the verdict's bound).
     assert whole["probes"][1]["simulated"] and whole["probes"][1]["attainment"] < 0.9
-    assert (whole["goodput_rps"], whole["goodput_offered_rps"]) == (pruned["goodput_rps"], pruned["goodput_offered_rps"])
+    assert (whole["goodput_rps"], whole["goodput_offered_rps"]) == (pruned["goodput_rps"],
+                                                                    pruned["goodput_offered_rps"])
     for a, b in zip(pruned["probes"][:1], whole["probes"][:1]):
         assert {**a, "attainment_bound": 1.0} == {**b, "attainment_bound": 1.0}
     assert pruned["_requests"] < whole["_requests"]
@@ -379,7 +380,8 @@ def test_the_search_starts_at_the_highest_grid_rate_the_roofline_capacity_reache
         for wan in (10.0, 100.0):
             cand = deployment_bound(sc, dep, wan if sc.uses_wan(dep) else None)
             at = Setting(sc, wan if sc.uses_wan(dep) else None, dep.policy.rld_max_relays)
-            starts[dep.name, wan] = round(start_rate(sc.goodput, lambda r: capacity(at, prof, cand, demand(sc, r)).rate), 4)  # noqa: B023
+            starts[dep.name, wan] = round(start_rate(sc.goodput,
+                                                     lambda r: capacity(at, prof, cand, demand(sc, r)).rate), 4)  # noqa: B023
     assert starts == {("same-dc-pd", 10.0): 22.6274, ("same-dc-pd", 100.0): 22.6274,
                       ("naive-cross-dc", 10.0): 3.3636, ("naive-cross-dc", 100.0): 11.3137,
                       ("pdd", 10.0): 22.6274, ("pdd", 100.0): 22.6274}

@@ -319,7 +319,8 @@ def test_the_pruned_search_finds_the_brute_force_optimum(searched):
     # 11.3 and 16, not the midpoints 4 and 8 first).
     assert (len(calls["pruned"]), len(calls["brute"])) == (18, 40)
     assert sum(r.bounded_out for r in pruned.values()) == 1
-    assert [(round(p.rate, 4), p.window.requests) for p in pruned["same-dc"].ranked[1].probes] == [(8.0, 35), (11.3137, 54)]
+    assert [(round(p.rate, 4), p.window.requests)
+            for p in pruned["same-dc"].ranked[1].probes] == [(8.0, 35), (11.3137, 54)]
 
 
 def test_the_roofline_never_prunes_a_probe_that_would_pass(searched):
@@ -499,7 +500,8 @@ def test_a_start_above_the_refuting_rate_is_probed_first(monkeypatch, goodput_at
     first, and a pass there settles the refuting rate without simulating it; a fail there is
     followed by its neighbour below (above the refuting rate), whose pass settles it too."""
     plan = load_plan(TINY)
-    cand = next(c for c in candidates(plan, LLAMA8B, "same-dc") if c.label() == "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1")
+    cand = next(c for c in candidates(plan, LLAMA8B, "same-dc")
+                if c.label() == "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1")
     asked: list[float] = []
     monkeypatch.setattr(plan_search, "simulate_probe", _threshold_probe(goodput_at, asked))
     monkeypatch.setattr(plan_search, "start_rate", lambda spec, capacity: 8.0)
