@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pddgw.core.errors import check as _check
 
@@ -37,9 +37,9 @@ _MAX_SPAN_BYTES = 1 << 40
 Buffer = bytes | bytearray | memoryview
 
 
-def _index(v: object, name: str) -> None:
+def _index(v: Any, name: str) -> None:
     _check(type(v) is int, f"{name} must be an integer")
-    _check(0 <= v < _RANGE_LIMIT, f"{name} out of range [0, {_RANGE_LIMIT})")  # type: ignore[operator]
+    _check(0 <= v < _RANGE_LIMIT, f"{name} out of range [0, {_RANGE_LIMIT})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,6 +144,15 @@ _SCHEMAS: dict[int, _Schema] = {kind: _schema(cls) for kind, cls in m.KINDS.item
 _ITEM_SIZE = {"i": 4, "Q": 8, "batch": 4}
 
 
+def _kv_meta(chunk: m.KVChunk) -> bytes:
+    span = chunk.span
+    return orjson.dumps({
+        "request_id": span.request_id, "layer_start": span.layer_start, "layer_end": span.layer_end,
+        "token_start": span.token_start, "token_end": span.token_end, "dtype": span.dtype,
+        "shape": span.shape, "virtual": span.virtual, "seq": chunk.seq, "last": chunk.last,
+    })
+
+
 def _batch_meta(msg: m.TokenBatch) -> bytes:
     items = msg.items
     return orjson.dumps({"request_ids": [it.request_id for it in items], "positions": [it.position for it in items],
@@ -176,18 +185,14 @@ def encode(msg: m.Message, *, corr: int = 0, seq: int = 0, flags: int = 0) -> tu
     kind = m.KIND_OF[type(msg)]
     schema = _SCHEMAS[kind]
     if schema.packed == "raw":
-        span = msg.span  # type: ignore[union-attr]
-        meta = orjson.dumps({
-            "request_id": span.request_id, "layer_start": span.layer_start, "layer_end": span.layer_end,
-            "token_start": span.token_start, "token_end": span.token_end, "dtype": span.dtype,
-            "shape": span.shape, "virtual": span.virtual, "seq": msg.seq,  # type: ignore[union-attr]
-            "last": msg.last,  # type: ignore[union-attr]
-        })
-        payload = memoryview(msg.payload).cast("B")  # type: ignore[union-attr]
+        chunk = typing.cast(m.KVChunk, msg)              # the schema says which message it is
+        meta = _kv_meta(chunk)
+        payload = memoryview(chunk.payload).cast("B")
     elif schema.packed == "batch":
-        meta = _batch_meta(msg)  # type: ignore[arg-type]
+        batch = typing.cast(m.TokenBatch, msg)
+        meta = _batch_meta(batch)
         arr = array("i")
-        for it in msg.items:  # type: ignore[union-attr]
+        for it in batch.items:
             arr.extend(it.ids)
         if _BIG_ENDIAN:
             arr.byteswap()
@@ -220,14 +225,9 @@ def frame_size(msg: m.Message) -> int:
     kind = m.KIND_OF[type(msg)]
     schema = _SCHEMAS[kind]
     if schema.packed == "raw":
-        span = msg.span  # type: ignore[union-attr]
-        meta_len = len(orjson.dumps({
-            "request_id": span.request_id, "layer_start": span.layer_start, "layer_end": span.layer_end,
-            "token_start": span.token_start, "token_end": span.token_end, "dtype": span.dtype,
-            "shape": span.shape, "virtual": span.virtual, "seq": msg.seq,  # type: ignore[union-attr]
-            "last": msg.last,  # type: ignore[union-attr]
-        }))
-        payload = memoryview(msg.payload).nbytes  # type: ignore[union-attr]
+        chunk = typing.cast(m.KVChunk, msg)
+        meta_len = len(_kv_meta(chunk))
+        payload = memoryview(chunk.payload).nbytes
     elif schema.packed == "batch":
         batch = typing.cast(m.TokenBatch, msg)
         meta_len = len(_batch_meta(batch))

@@ -72,7 +72,7 @@ class NodeHandle:
         return self.cfg.name
 
     @property
-    def role(self) -> str:
+    def role(self) -> Role:
         return self.cfg.role
 
     @property
@@ -112,7 +112,7 @@ class NodeHandle:
     def report(self) -> InstanceLoad:
         """The policy's view of this node's last load report (idle until one arrived)."""
         ld = self.load or m.LoadReport(self.name, 0, 0, 1, 1)
-        return InstanceLoad(self.name, self.role, max(ld.running, self.inflight), ld.waiting,  # type: ignore[arg-type]
+        return InstanceLoad(self.name, self.role, max(ld.running, self.inflight), ld.waiting,
                             self.max_num_seqs, ld.total_blocks - ld.free_blocks, ld.total_blocks, self.routable)
 
     async def cancel(self, rid: str, why: str, timeout: float) -> None:
@@ -138,9 +138,9 @@ class Placement:
         affine = cfg.policy.prefix_affinity and sum(n.role == Role.MD for n in nodes.values()) > 1
         self.md_index = PrefixIndex() if affine else None
 
-    def pick(self, role: str, fl: Flight, skip: Set[str] = frozenset()) -> NodeHandle | None:
+    def pick(self, role: Role, fl: Flight, skip: Set[str] = frozenset()) -> NodeHandle | None:
         choice = pick_instance([n.report() for n in self.nodes.values() if n.role == role],
-                               role, exclude=fl.excluded | skip if skip else fl.excluded)  # type: ignore[arg-type]
+                               role, exclude=fl.excluded | skip if skip else fl.excluded)
         return None if choice is None else self.nodes[choice.instance]
 
     def prefill_limit(self) -> int:

@@ -20,33 +20,55 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
 from pddgw import messages as m
+from pddgw.config import Config
+from pddgw.engines.model_spec import ModelSpec
+from pddgw.metrics import RouterCounts, RouterMetrics
 from pddgw.core.roles import Role
 from pddgw.net.errors import LinkError, LinkTimeout
 from pddgw.net.link import LinkStream
-from pddgw.pipeline.alignment import AlignKey
+from pddgw.pipeline.alignment import AlignKey, Alignments
 from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, PrefillFinished, RoundSent, StreamReader,
                                    Tokens)
 from pddgw.pipeline.flight import Flight, NodeLost, cancel_all
 from pddgw.pipeline.handoff import drive_handoff
-from pddgw.pipeline.placement import NodeHandle
+from pddgw.pipeline.estimator import LinkEstimator
+from pddgw.pipeline.placement import NodeHandle, Placement
 from pddgw.pipeline.recovery import Paths, Recovery
 from pddgw.pipeline.state import RequestState
 
-if TYPE_CHECKING:
-    from pddgw.pipeline.router import Router
-
 log = structlog.get_logger("pddgw.pipeline.router")
+
+
+class RouterSide(Protocol):
+    """What a driver uses of the router that runs it (pipeline/router.py's `Router`)."""
+
+    cfg: Config
+    spec: ModelSpec
+    nodes: dict[str, NodeHandle]
+    place: Placement
+    wan: LinkEstimator
+    metrics: RouterMetrics
+    counts: RouterCounts
+    alignments: Alignments
+    timeout: float
+    control_timeout: float
+    kv_bytes_per_token: int
+    wan_backlog: int
+
+    def crosses_wan(self, p: NodeHandle, target: str) -> bool: ...
+    def end_prefill(self, fl: Flight, wake: bool = True) -> None: ...
+    async def release(self, fl: Flight, wake: bool = True) -> None: ...
 
 
 class RequestDriver:
     """One PDD attempt of one request (see the module docstring)."""
 
-    def __init__(self, router: Router, fl: Flight, p: NodeHandle, starts: dict[str, int],
+    def __init__(self, router: RouterSide, fl: Flight, p: NodeHandle, starts: dict[str, int],
                  holds: tuple[bool, ...], rld: NodeHandle | None, md: NodeHandle | None,
                  streams: dict[str, LinkStream]) -> None:
         self.router, self.fl, self.p, self.rld, self.md = router, fl, p, rld, md

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import secrets
 from dataclasses import dataclass
+from typing import Literal
 
 import structlog
 
@@ -391,9 +392,9 @@ class Router:
             self.room.wake()      # it fit: the next one in line may too
         return cached
 
-    async def _submit(self, node: NodeHandle, fl: Flight, kv: str, hold: bool,
+    async def _submit(self, node: NodeHandle, fl: Flight, kv: Literal["import", "compute"], hold: bool,
                       supersedes: tuple[str, ...] = ()) -> int:
-        msg = m.Submit(request_id=fl.rid, kv=kv, hold=hold, prompt=fl.prompt,  # type: ignore[arg-type]
+        msg = m.Submit(request_id=fl.rid, kv=kv, hold=hold, prompt=fl.prompt,
                         supersedes=supersedes, sampling=fl.sampling)
         try:
             node.up()
