@@ -67,7 +67,8 @@ if prof is not None:
     prof.disable()
 h = hashlib.blake2b(digest_size=12)
 for r in res.requests:
-    h.update(repr((r.rid, r.arrival_s, r.output_tokens, r.output_digest, r.ttft_s, r.e2e_s, r.pipeline,
+    pipeline = r.pipeline and str(r.pipeline)            # an enum member or a plain str: its value
+    h.update(repr((r.rid, r.arrival_s, r.output_tokens, r.output_digest, r.ttft_s, r.e2e_s, pipeline,
                    r.handoff_mode, r.rld_tokens, r.md_tokens, r.error, tuple(r.itl_s))).encode())
 h.update(repr((res.duration_s, res.drain_s, res.wan_kv_bytes)).encode())
 print(json.dumps({"wall_s": wall, "cpu_s": cpu, "requests": len(res.requests), "digest": h.hexdigest(),
