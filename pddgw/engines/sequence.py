@@ -21,7 +21,7 @@ from enum import IntEnum
 
 from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
 from pddgw.core.sampling import SamplingParams
-from pddgw.engines.sampler import TokenCounts
+from pddgw.engines.penalties import TokenCounts
 from pddgw.engines.types import EngineRequest, FinishReason, KVSource
 
 

@@ -21,7 +21,8 @@ from pddgw.engines.base import register_engine
 from pddgw.engines.grammar import Grammars
 from pddgw.engines.kv_pool import DTYPE_NAMES, DTYPES, KVPool, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.paged import PagedEngine, Sampled
-from pddgw.engines.sampler import adjust_logits, logprobs, sample, sample_ids
+from pddgw.engines.penalties import adjust_logits
+from pddgw.engines.sampler import logprobs, sample, sample_ids
 from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.step_inputs import IncrementalInputs, ListInputs

@@ -29,7 +29,8 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from pddgw.engines.grammar import Constraint, Grammars
-from pddgw.engines.sampler import TokenHistory, adjust_logits, sample_ids
+from pddgw.engines.penalties import TokenHistory, adjust_logits
+from pddgw.engines.sampler import sample_ids
 from pddgw.engines.types import RequestError
 from pddgw.core.sampling import SamplingParams
 

@@ -11,7 +11,7 @@ from pddgw.config import EngineConfig
 from pddgw.core.errors import FieldError
 from pddgw.core.sampling import MAX_GRAMMAR_CHARS, SamplingParams
 from pddgw.engines.grammar import Grammars, check_spec, mask_rows
-from pddgw.engines.sampler import TokenHistory, adjust_logits
+from pddgw.engines.penalties import TokenHistory, adjust_logits
 from pddgw.engines.tokenizer import ByteTokenizer
 from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import EngineRequest, RequestError

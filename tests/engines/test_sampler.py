@@ -503,7 +503,7 @@ def test_logprobs_on_device_are_small_tensors():
 
 # ---- penalties, logit_bias, min_tokens (`adjust_logits`), against hand computations -------------------------
 
-from pddgw.engines.sampler import TokenHistory, adjust_logits  # noqa: E402
+from pddgw.engines.penalties import TokenHistory, adjust_logits  # noqa: E402
 
 PEN_ROW = [0.5, -1.0, 2.0, 0.0, 3.0, -2.0]            # float64: every step below is exact
 INF = float("-inf")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import pddgw.engines.torch_engine as torch_engine_mod
-from pddgw.engines.sampler import TokenCounts, TokenHistory, adjust_logits, sample
+from pddgw.engines.penalties import TokenCounts, TokenHistory, adjust_logits
+from pddgw.engines.sampler import sample
 from pddgw.engines.types import EngineRequest, SamplingParams
 from tests.engines.conftest import make_engine, run_to_end
 
