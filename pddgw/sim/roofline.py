@@ -3,12 +3,16 @@
 A step is a mixed batch of `SeqWork`s (`new` tokens computed on top of `ctx` tokens whose KV
 exists); an instance is `Parallel(tp, dp, ep)`, gpus = tp * dp.  Per GPU:
 
-    seconds = max(compute_s, memory_s) + comm_s + step_overhead_ms / 1e3
+    seconds = max(compute_s, memory_s, a2a_wire_s) + serial_comm_s + step_overhead_ms / 1e3
 
-compute_s, memory_s and comm_s are defined where they are computed (`_priced`,
-`_StepConsts.by_new`, `alltoall_s`, `step_cost`).  Communication is not overlapped with
-compute; activations are ignored (a few % of a decode step's bytes).  A step with no new
-tokens costs nothing, overhead included.  Model and assumptions: docs/simulator.md.
+compute_s, memory_s and the communication terms are defined where they are computed
+(`_priced`, `_StepConsts.by_new`, `alltoall_s`, `step_cost`).  An expert-parallel step's
+all-to-all bytes (a2a_wire_s) overlap its compute, as the engines that serve these models run
+it (DeepSeek's inference system: two micro-batches in prefill, a 5-stage pipeline in decode;
+SGLang's two-batch overlap; vLLM's dual-batch overlap); the tensor-parallel all-reduces and
+every exchange's fixed latency stay serial (serial_comm_s).  Activations are ignored (a few %
+of a decode step's bytes).  A step with no new tokens costs nothing, overhead included.
+Model and assumptions: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ class StepCost:
     bytes: float           # HBM bytes read+written, total over the instance
     compute_s: float
     memory_s: float
-    comm_s: float
+    comm_s: float          # what communication adds to max(compute_s, memory_s): not hidden behind them
     bound: Literal["compute", "memory"]
 
 
@@ -206,10 +210,17 @@ def _decode_attention(model: ModelProfile, lengths: list[int]) -> tuple[float, f
 
 
 def alltoall_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: int) -> float:
-    """One MoE layer's dispatch (FP8) + combine (BF16) on the slowest GPU: each GPU sends its
-    T / gpus tokens to k experts; (ep - 1) / ep of it leaves the GPU, the share bound off-node over
-    scaleout_gb_s, the rest over NVLink, the slower deciding, plus 2 * allreduce_latency_us.
-    """
+    """One MoE layer's dispatch + combine on the slowest GPU: its wire time
+    (`alltoall_wire_s`) plus 2 * allreduce_latency_us (one launch and handshake each way)."""
+    if par.expert_parallel <= 1 or not model.num_experts or tokens <= 0:
+        return 0.0
+    return 2 * hw.allreduce_latency_us / 1e6 + alltoall_wire_s(model, hw, par, tokens)
+
+
+def alltoall_wire_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: int) -> float:
+    """The bytes of one MoE layer's dispatch (FP8) + combine (BF16) on the slowest GPU: each GPU
+    sends its T / gpus tokens to k experts; (ep - 1) / ep of it leaves the GPU, the share bound
+    off-node over scaleout_gb_s, the rest over NVLink, the slower deciding."""
     ep = par.expert_parallel
     if ep <= 1 or not model.num_experts or tokens <= 0:
         return 0.0
@@ -220,8 +231,7 @@ def alltoall_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: 
     if remote and not hw.scaleout_gb_s:
         raise ValueError(f"{hw.name} has no scale-out bandwidth for an expert-parallel group of {ep} GPUs "
                          f"across {par.nodes} nodes")
-    wire = max(local / (hw.interconnect_gb_s * 1e9), remote / (hw.scaleout_gb_s * 1e9) if remote else 0.0)
-    return 2 * hw.allreduce_latency_us / 1e6 + wire
+    return max(local / (hw.interconnect_gb_s * 1e9), remote / (hw.scaleout_gb_s * 1e9) if remote else 0.0)
 
 
 class _StepConsts:
@@ -243,14 +253,22 @@ class _StepConsts:
         self.compute_rate = hw.peak_flops(model.fp8_compute) * hw.compute_efficiency
         self.memory_rate = hw.hbm_tb_s * 1e12 * hw.bandwidth_efficiency
         self.overhead_s = hw.step_overhead_ms / 1e3
-        self._by_new: dict[int, tuple[float, float, float]] = {}
+        self._by_new: dict[int, tuple[float, float, float, float]] = {}
 
-    def by_new(self, new: int) -> tuple[float, float, float]:
-        """(dense + attention + expert bytes, shared + expert bytes, communication seconds) of a step of
-        `new` tokens.  Routed experts: num_moe_layers * distinct_experts * expert_bytes.  TP (tp > 1):
-        one all-reduce per layer after attention and one per dense-MLP layer (and per MoE layer when
-        ep = 1), each allreduce_latency_us + 2 (tp - 1) / tp * buffer / interconnect, buffer
-        (T / dp) * hidden * 2 bytes; plus an all-to-all per MoE layer (`alltoall_s`).
+    def by_new(self, new: int) -> tuple[float, float, float, float]:
+        """(dense + attention + expert bytes, shared + expert bytes, serial communication seconds,
+        overlapped communication seconds) of a step of `new` tokens.  Routed experts:
+        num_moe_layers * distinct_experts * expert_bytes.  Serial: with tp > 1 one all-reduce per
+        layer after attention and one per dense-MLP layer (and per MoE layer when ep = 1), each
+        allreduce_latency_us + 2 (tp - 1) / tp * buffer / interconnect, buffer (T / dp) * hidden
+        * 2 bytes; with ep > 1 the all-to-alls' 2 * allreduce_latency_us per MoE layer.
+        Overlapped: the all-to-alls' wire time per MoE layer (`alltoall_wire_s`).
+
+        The all-reduce stays serial because none of these engines overlaps it: SGLang's two-batch
+        and vLLM's dual-batch overlap hide the expert-parallel dispatch and combine only, and
+        DeepSeek serves attention data-parallel (no all-reduce).  The fixed latencies stay serial
+        because what overlaps is bytes moving while the other micro-batch computes, not the
+        launch and handshake each exchange starts with.
         """
         got = self._by_new.get(new)
         if got is not None:
@@ -258,15 +276,18 @@ class _StepConsts:
         model, hw, par = self.model, self.hw, self.par
         experts = (model.num_moe_layers * distinct_experts(model.num_experts, model.experts_per_token, new)
                    * self._expert_bytes)
-        comm_s = 0.0
+        serial_s = 0.0
         if par.tp > 1:
             buffer = new / par.dp * model.hidden_size * ACTIVATION_BYTES
             per_call = (hw.allreduce_latency_us / 1e6
                         + (2 * (par.tp - 1) / par.tp) * buffer / (hw.interconnect_gb_s * 1e9))
             ep_layers = model.num_moe_layers if par.expert_parallel > 1 else 0
-            comm_s = (2 * model.num_layers - ep_layers) * per_call
-        comm_s += model.num_moe_layers * alltoall_s(model, hw, par, new)
-        got = (self._attn_dp + self._shared_bytes + experts, self._shared_bytes + experts, comm_s)
+            serial_s = (2 * model.num_layers - ep_layers) * per_call
+        wire_s = 0.0
+        if par.expert_parallel > 1 and model.num_experts:
+            serial_s += model.num_moe_layers * 2 * hw.allreduce_latency_us / 1e6
+            wire_s = model.num_moe_layers * alltoall_wire_s(model, hw, par, new)
+        got = (self._attn_dp + self._shared_bytes + experts, self._shared_bytes + experts, serial_s, wire_s)
         if len(self._by_new) >= 4096:
             self._by_new.clear()
         self._by_new[new] = got
@@ -335,17 +356,22 @@ def _priced(c: _StepConsts, new: int, attn_flops: float, kv: float, extra_s: flo
     memory_s = per-GPU bytes / (hbm_tb_s * 1e12 * bandwidth_efficiency), attention weights read
     per rank (/ tp), other dense weights and routed experts split over all GPUs, KV split over
     dp and over tp only when it has heads (GQA; MLA and V4 latents are replicated per tp GPU).
+    seconds = max(compute_s, memory_s, overlapped comm) + serial comm + step overhead
+    (`_StepConsts.by_new` says which communication is which); comm_s is what the two add to
+    max(compute_s, memory_s).
     """
     flops = c.linear_per_token * new + attn_flops
-    base_bytes, other_bytes, comm_s = c.by_new(new)
+    base_bytes, other_bytes, serial_s, wire_s = c.by_new(new)
     nbytes = base_bytes + kv * c.kv_copies
     per_gpu_bytes = c.attn_per_tp + (other_bytes + kv * c.kv_copies) / c.gpus
     compute_s = flops / c.gpus / c.compute_rate
     if extra_s:
         compute_s += extra_s
     memory_s = per_gpu_bytes / c.memory_rate
+    busy_s = compute_s if compute_s > memory_s else memory_s
+    comm_s = serial_s + (wire_s - busy_s if wire_s > busy_s else 0.0)
     return StepCost(
-        seconds=max(compute_s, memory_s) + comm_s + c.overhead_s,
+        seconds=busy_s + comm_s + c.overhead_s,
         flops=flops,
         bytes=nbytes,
         compute_s=compute_s,
