@@ -105,6 +105,21 @@ def distinct_experts(num_experts: int, k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - k / num_experts) ** tokens)
 
 
+def distinct_groups(num_experts: int, k: int, groups: float) -> float:
+    """Expected groups (GPUs, nodes) of num_experts / groups experts each that one token's k
+    distinct experts land in, routing uniform: groups * (1 - C(E - m, k) / C(E, k)), m = E /
+    groups (a group is missed when all k experts fall among the E - m outside it)."""
+    if num_experts <= 0 or k <= 0 or groups <= 0:
+        return 0.0
+    outside = num_experts - num_experts / groups
+    missed = 1.0
+    for i in range(k):
+        if outside - i <= 0:
+            return float(groups)
+        missed *= (outside - i) / (num_experts - i)
+    return groups * (1.0 - missed)
+
+
 def _per_profile(fn: Callable[[ModelProfile], _V]) -> Callable[[ModelProfile], _V]:
     """Memoize `fn` per profile object: `lru_cache` would hash the whole frozen profile (every
     field, twice a step), an identity check is one dict look-up.  Entries hold their profile,
@@ -209,25 +224,42 @@ def _decode_attention(model: ModelProfile, lengths: list[int]) -> tuple[float, f
     return model.attention_flops(0, 1) * total, total * model.kv_bytes_per_token
 
 
-def alltoall_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: int) -> float:
+def alltoall_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: int, normal: bool = False) -> float:
     """One MoE layer's dispatch + combine on the slowest GPU: its wire time
     (`alltoall_wire_s`) plus 2 * allreduce_latency_us (one launch and handshake each way)."""
     if par.expert_parallel <= 1 or not model.num_experts or tokens <= 0:
         return 0.0
-    return 2 * hw.allreduce_latency_us / 1e6 + alltoall_wire_s(model, hw, par, tokens)
+    return 2 * hw.allreduce_latency_us / 1e6 + alltoall_wire_s(model, hw, par, tokens, normal)
 
 
-def alltoall_wire_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: int) -> float:
-    """The bytes of one MoE layer's dispatch (FP8) + combine (BF16) on the slowest GPU: each GPU
-    sends its T / gpus tokens to k experts; (ep - 1) / ep of it leaves the GPU, the share bound
-    off-node over scaleout_gb_s, the rest over NVLink, the slower deciding."""
+def alltoall_wire_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: int,
+                    normal: bool = False) -> float:
+    """The bytes of one MoE layer's dispatch (FP8) + combine (BF16) on the slowest GPU, each GPU
+    sending its T / gpus tokens over NVLink inside its node and over scaleout_gb_s to the
+    others, the slower deciding.  Copies of a token, with N = ep / gpn nodes of gpn GPUs:
+
+      low-latency mode (decode): one per expert, k (gpn - 1) / ep over NVLink, k (N - 1) / N
+          over the NIC.
+      normal mode (a step with a prefill chunk): DeepEP's, per the DeepSeek-V3 technical report
+          (arXiv 2412.19437, sec. 3.2.2): one per distinct remote node over the NIC,
+          `distinct_groups`(E, k, N) (N - 1) / N, then forwarded over NVLink to each distinct GPU
+          of that node hosting one of its experts, as inside its own node: `distinct_groups`(E,
+          k, ep) (gpn - 1) / gpn (every node: the expected GPUs hit but the one it lands on);
+          the combine returns the same way, reduced in the node first.
+    """
     ep = par.expert_parallel
     if ep <= 1 or not model.num_experts or tokens <= 0:
         return 0.0
-    per_gpu = tokens / par.gpus * model.experts_per_token * model.hidden_size * (DISPATCH_BYTES + ACTIVATION_BYTES)
+    per_copy = tokens / par.gpus * model.hidden_size * (DISPATCH_BYTES + ACTIVATION_BYTES)
     gpn = min(par.gpus_per_node, ep)
-    local = per_gpu * (gpn - 1) / ep
-    remote = per_gpu * (ep - gpn) / ep
+    k = model.experts_per_token
+    if normal:
+        nodes = ep / gpn
+        local = per_copy * distinct_groups(model.num_experts, k, ep) * (gpn - 1) / gpn
+        remote = per_copy * distinct_groups(model.num_experts, k, nodes) * (nodes - 1) / nodes
+    else:
+        local = per_copy * k * (gpn - 1) / ep
+        remote = per_copy * k * (ep - gpn) / ep
     if remote and not hw.scaleout_gb_s:
         raise ValueError(f"{hw.name} has no scale-out bandwidth for an expert-parallel group of {ep} GPUs "
                          f"across {par.nodes} nodes")
@@ -253,9 +285,10 @@ class _StepConsts:
         self.compute_rate = hw.peak_flops(model.fp8_compute) * hw.compute_efficiency
         self.memory_rate = hw.hbm_tb_s * 1e12 * hw.bandwidth_efficiency
         self.overhead_s = hw.step_overhead_ms / 1e3
-        self._by_new: dict[int, tuple[float, float, float, float]] = {}
+        # by_new's values, [0] for decode-only steps, [1] for steps with a chunk (normal mode).
+        self._by_new: tuple[dict[int, tuple[float, float, float, float]], ...] = ({}, {})
 
-    def by_new(self, new: int) -> tuple[float, float, float, float]:
+    def by_new(self, new: int, normal: bool) -> tuple[float, float, float, float]:
         """(dense + attention + expert bytes, shared + expert bytes, serial communication seconds,
         overlapped communication seconds) of a step of `new` tokens.  Routed experts:
         num_moe_layers * distinct_experts * expert_bytes.  Serial: with tp > 1 one all-reduce per
@@ -270,7 +303,8 @@ class _StepConsts:
         because what overlaps is bytes moving while the other micro-batch computes, not the
         launch and handshake each exchange starts with.
         """
-        got = self._by_new.get(new)
+        cache = self._by_new[normal]
+        got = cache.get(new)
         if got is not None:
             return got
         model, hw, par = self.model, self.hw, self.par
@@ -286,11 +320,11 @@ class _StepConsts:
         wire_s = 0.0
         if par.expert_parallel > 1 and model.num_experts:
             serial_s += model.num_moe_layers * 2 * hw.allreduce_latency_us / 1e6
-            wire_s = model.num_moe_layers * alltoall_wire_s(model, hw, par, new)
+            wire_s = model.num_moe_layers * alltoall_wire_s(model, hw, par, new, normal)
         got = (self._attn_dp + self._shared_bytes + experts, self._shared_bytes + experts, serial_s, wire_s)
-        if len(self._by_new) >= 4096:
-            self._by_new.clear()
-        self._by_new[new] = got
+        if len(cache) >= 4096:
+            cache.clear()
+        cache[new] = got
         return got
 
 
@@ -335,7 +369,7 @@ def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, batc
         share = (attn_linear * new + attn_flops) / par.dp
         if own > share:
             extra_s = (own - share) / par.tp / c.compute_rate
-    return _priced(c, new, attn_flops, kv, extra_s)
+    return _priced(c, new, attn_flops, kv, extra_s, new > len(work))
 
 
 def decode_step_cost(model: ModelProfile, hw: HardwareProfile, par: Parallel, lengths: list[int]) -> StepCost:
@@ -345,10 +379,10 @@ def decode_step_cost(model: ModelProfile, hw: HardwareProfile, par: Parallel, le
     if not lengths:
         return _IDLE
     attn_flops, kv = _decode_attention(model, lengths)
-    return _priced(_step_consts(model, hw, par), len(lengths), attn_flops, kv, 0.0)
+    return _priced(_step_consts(model, hw, par), len(lengths), attn_flops, kv, 0.0, False)
 
 
-def _priced(c: _StepConsts, new: int, attn_flops: float, kv: float, extra_s: float) -> StepCost:
+def _priced(c: _StepConsts, new: int, attn_flops: float, kv: float, extra_s: float, normal: bool) -> StepCost:
     """The StepCost of a step of `new` tokens whose attention is (attn_flops, kv bytes).
 
     FLOPs = 2 * active_params_per_token * T + attention (LM head charged for every new token);
@@ -361,7 +395,7 @@ def _priced(c: _StepConsts, new: int, attn_flops: float, kv: float, extra_s: flo
     max(compute_s, memory_s).
     """
     flops = c.linear_per_token * new + attn_flops
-    base_bytes, other_bytes, serial_s, wire_s = c.by_new(new)
+    base_bytes, other_bytes, serial_s, wire_s = c.by_new(new, normal)
     nbytes = base_bytes + kv * c.kv_copies
     per_gpu_bytes = c.attn_per_tp + (other_bytes + kv * c.kv_copies) / c.gpus
     compute_s = flops / c.gpus / c.compute_rate
