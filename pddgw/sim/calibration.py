@@ -2,11 +2,13 @@
 
 The rows live in calibration.toml beside this module (one `[[measurement]]` each, its source
 named in `[sources]`), with the work as the source states it and the published number.
-`predict` replays that work with `roofline.step_cost`: one prefill step of all prompts, then
-output - 1 decode steps of the whole batch.  Kinds: prefill_tok_s, decode_ms, decode_tok_s,
+`predict` replays that work with `roofline.step_cost`: one prefill step of all prompts (each
+computing its prompt - cached tokens on top of a cached prefix), then output - 1 decode steps of
+the whole batch.  Kinds: prefill_tok_s, decode_ms, decode_tok_s,
 latency_ms (prefill + every decode step), user_tok_s; `per_gpus` for per-node or per-GPU
-throughputs.  A model ending in "@fp8" has FP8 weights and KV.  The profiles' efficiencies
-are fitted to these rows only (docs/results/calibration.md).
+throughputs.  A model ending in "@fp8" has FP8 weights and KV.  A row whose hardware or model
+the profiles do not know (yet) is not predicted: `unavailable` says why.  The profiles'
+efficiencies are fitted to these rows only (docs/results/calibration.md).
 """
 
 from __future__ import annotations
@@ -45,8 +47,14 @@ class Measurement:
     ep: int = 0
     # The published throughput is per this many GPUs (8: per node); 0 = the whole instance.
     per_gpus: int = 0
+    # Prompt tokens per sequence whose KV was already cached (prefix hits): the prefill step
+    # computes prompt - cached tokens on top of them, while a throughput still counts the whole
+    # prompt, as a source that counts cache hits in its input tokens does.
+    cached: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.cached < self.prompt:
+            raise ValueError(f"cached must be in [0, prompt {self.prompt}), got {self.cached}")
         if self.kind != "prefill_tok_s" and self.output < 2:
             raise ValueError(f"a {self.kind} measurement needs output >= 2 (at least one decode step)")
         if self.per_gpus and self.kind not in ("prefill_tok_s", "decode_tok_s"):
@@ -101,6 +109,17 @@ def model_profile(name: str) -> ModelProfile:
     return prof
 
 
+def unavailable(m: Measurement) -> str | None:
+    """Why m cannot be predicted (its hardware or model is not a profile yet), or None when it can."""
+    if m.hardware not in profiles.HARDWARE:
+        return f"hardware {m.hardware!r} is not in pddgw.sim.profiles.HARDWARE"
+    try:
+        model_profile(m.model)
+    except KeyError:
+        return f"model {m.model!r} is not a pddgw.sim.profiles model or shipped config"
+    return None
+
+
 def predict(m: Measurement) -> tuple[float, float, str]:
     """(predicted value in the unit of m.kind, predicted seconds, bound) for the measured work."""
     return predict_with_comm(m)[:3]
@@ -109,7 +128,7 @@ def predict(m: Measurement) -> tuple[float, float, str]:
 def predict_with_comm(m: Measurement) -> tuple[float, float, str, float]:
     """predict's (value, seconds, bound) and the communication seconds of those steps."""
     model, hw, par = model_profile(m.model), profiles.hardware(m.hardware), Parallel(tp=m.tp, dp=m.dp, ep=m.ep)
-    prefill = step_cost(model, hw, par, [SeqWork(m.prompt, 0)] * m.batch)
+    prefill = step_cost(model, hw, par, [SeqWork(m.prompt - m.cached, m.cached)] * m.batch)
     # Decode step i (0-based) feeds output token i back in, on top of the prompt and the i earlier outputs.
     decodes = [step_cost(model, hw, par, [SeqWork(1, m.prompt + i)] * m.batch) for i in range(m.output - 1)]
     steps = [prefill] if m.kind == "prefill_tok_s" else decodes
