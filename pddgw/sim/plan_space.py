@@ -3,7 +3,7 @@
 A plan names a scenario (`pddgw sim`'s format; the plan may replace its model, workload or
 trace, SLOs, goodput search and WAN bandwidth) and the space: a hardware menu with prices per
 cluster, GPU caps and USD budgets, and per role the instance counts and shapes allowed.
-Decoded with `pddgw.config.build`: an unknown key or bad value names the file and dotted key.
+Decoded with `pddgw.config_build.build`: an unknown key or bad value names the file and dotted key.
 
 Deployment kinds (docs/architecture.md, The regime PDD lives in):
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pddgw.config import ConfigError, PolicyConfig, load_toml
+from pddgw.config import ConfigError, PolicyConfig
+from pddgw.config_build import load_toml
 from pddgw.core.errors import check as _check
 from pddgw.sim.profiles import HARDWARE, ModelProfile, hardware
 from pddgw.sim.scenario import (DeploymentSpec, GoodputSpec, NodeGroup, Scenario, SloSpec, WorkloadSpec, group_fit,

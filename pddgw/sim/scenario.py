@@ -1,7 +1,7 @@
 """Scenario files for `pddgw sim`: deployments, links, workload, SLOs, sweeps.
 
 A scenario is TOML decoded into the frozen dataclasses below with the same
-loader as config.toml (`pddgw.config.build`), so an unknown key or a bad
+loader as config.toml (`pddgw.config_build.build`), so an unknown key or a bad
 value is an error that names the file and the dotted key.  Each deployment
 becomes an ordinary `Config` (`deployment_config`): the simulator runs the
 real router, policy and workers of that config, only on a virtual clock and
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Literal
 
 from pddgw.config import (Config, ConfigError, CostModelConfig, EngineConfig, LogConfig, ModelConfig, NetConfig,
-                          NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, check_stream_interval, load_config,
-                          load_toml)
+                          NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, check_stream_interval, load_config)
+from pddgw.config_build import load_toml
 from pddgw.core.errors import check as _check
 from pddgw.sim.costmodel_engine import parallel
 from pddgw.sim.model_shape import ModelProfile

@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from pddgw.config import Config, ConfigError, PolicyConfig, build
+from pddgw.config import Config, ConfigError, PolicyConfig
+from pddgw.config_build import build
 from pddgw.pipeline.policy import (
     HandoffInputs,
     InstanceLoad,

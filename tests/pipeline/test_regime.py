@@ -15,7 +15,8 @@ import pytest
 
 from pddgw.api.server import build_app
 from pddgw.config import (Config, ConfigError, EngineConfig, ModelConfig, NetConfig, PolicyConfig, RegimeConfig,
-                          ShapingConfig, build, load_config)
+                          ShapingConfig, load_config)
+from pddgw.config_build import build
 from pddgw.engines.base import create_engine
 from pddgw.deploy import regime
 from pddgw.deploy.serve import Embedded, with_topology
