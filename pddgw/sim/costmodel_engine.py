@@ -130,6 +130,7 @@ class CostModelEngine(PagedEngine):
             hw = profiles.hardware(ecfg.costmodel.hardware)
         except KeyError as e:
             raise ConfigError(f"engine.costmodel.hardware: {e.args[0]}") from None
+        prof = profiles.as_run(prof, hw, ecfg.costmodel.fp4_on_non_native)
         eng = cls(prof, hw, ecfg, config.model.max_model_len)
         return eng, ByteTokenizer(eng.spec.vocab_size)
 

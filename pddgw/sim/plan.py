@@ -38,7 +38,7 @@ from pddgw.sim.plan_bounds import Bound, Setting, capacity
 from pddgw.sim.plan_search import Evaluation, KindResult, _Workloads, search, upper_bound, winner
 from pddgw.sim.plan_space import KINDS, Plan, candidates, load_plan
 from pddgw.sim.plan_write import config_toml, deployments_toml, serve_comment, serve_config
-from pddgw.sim.profiles import model
+from pddgw.sim.profiles import model, uncalibrated, uncalibrated_line
 from pddgw.sim.run import sim_parser
 from pddgw.tables import format_table
 
@@ -69,9 +69,16 @@ def evaluation_json(e: Evaluation) -> dict[str, Any]:
                         "expert_parallel": g.expert_parallel} for g in c.groups]}
 
 
+def _uncalibrated(plan: Plan) -> dict[str, str]:
+    """The menu's parts with no calibration row (`profiles.uncalibrated`)."""
+    return uncalibrated(opt.hardware for cs in plan.spec.clusters for opt in cs.hardware)
+
+
 def report_json(plan: Plan, results: dict[str, KindResult]) -> dict[str, Any]:
     best = winner(results)
-    return {"plan": plan.spec.name, "scenario": plan.scenario.name, "model": plan.scenario.model,
+    guessed = _uncalibrated(plan)
+    return {"plan": plan.spec.name, **({"uncalibrated_hardware": guessed} if guessed else {}),
+            "scenario": plan.scenario.name, "model": plan.scenario.model,
             "wan_gbps": plan.wan_gbps, "slo": {"ttft_s": plan.slo.ttft_s, "tpot_ms": plan.slo.tpot_ms,
                                                "e2e_s": plan.slo.e2e_s, "attainment": plan.slo.attainment},
             "winner": {"kind": best.candidate.kind, **evaluation_json(best)},
@@ -112,6 +119,8 @@ def format_report(plan: Plan, results: dict[str, KindResult]) -> str:
     wan = f"WAN {plan.wan_gbps:g} Gbps" if plan.wan_gbps is not None else "links as configured"
     lines = [f"pddgw plan {plan.spec.name}: scenario {sc.name}, model {sc.model}, {wan}; SLO ttft <= "
              f"{plan.slo.ttft_s} s, tpot <= {plan.slo.tpot_ms} ms, >= {plan.slo.attainment:.0%} of requests"]
+    if _uncalibrated(plan):
+        lines.append(uncalibrated_line(_uncalibrated(plan)))
     for kind, r in results.items():
         lines += ["", f"== {kind}: {r.candidates} candidates, {r.evaluated} evaluated ({r.refuted} refuted by one "
                       f"probe), {r.pruned} pruned by the roofline at every rate, {r.bounded_out} bounded out; "
@@ -138,6 +147,8 @@ def format_dry_run(plan: Plan) -> str:
              f"uncached prompt tokens of {d.mean(d.prompt):.0f}, {d.mean(d.output):.0f} output tokens; the "
              "steady-state roofline per side (req/s) and the most requests per second within SLO the bisection "
              "could reach where the roofline allows"]
+    if _uncalibrated(plan):
+        lines.append(uncalibrated_line(_uncalibrated(plan)))
     for kind in plan.spec.kinds:
         rows = []
         for c in candidates(plan, prof, kind):

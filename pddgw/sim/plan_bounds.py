@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pddgw.sim.costmodel_engine import parallel
 from pddgw.sim.plan_space import Candidate, Plan
-from pddgw.sim.profiles import ModelProfile, hardware
+from pddgw.sim.profiles import HardwareProfile, ModelProfile, as_run, hardware
 from pddgw.sim.roofline import SeqWork, step_cost
 from pddgw.sim.scenario import DeploymentSpec, NodeGroup, Scenario, group_fit
 from pddgw.sim.probe import probe_workload
@@ -174,12 +174,18 @@ def prefill_tokens_per_s(prof: ModelProfile, g: NodeGroup) -> float:
     max_num_batched_tokens tokens on each DP rank, with no context (the least attention any
     prefill does)."""
     b = g.max_num_batched_tokens * g.data_parallel
-    return b / step_cost(prof, hardware(g.hardware), parallel(g.costmodel()), [SeqWork(1, 0)] * b).seconds
+    return b / step_cost(*_as_run(prof, g), parallel(g.costmodel()), [SeqWork(1, 0)] * b).seconds
 
 
 @functools.lru_cache(maxsize=4096)
 def decode_step_s(prof: ModelProfile, g: NodeGroup, batch: int, context: int) -> float:
-    return step_cost(prof, hardware(g.hardware), parallel(g.costmodel()), [SeqWork(1, context)] * batch).seconds
+    return step_cost(*_as_run(prof, g), parallel(g.costmodel()), [SeqWork(1, context)] * batch).seconds
+
+
+def _as_run(prof: ModelProfile, g: NodeGroup) -> tuple[ModelProfile, HardwareProfile]:
+    """The model as the group's hardware serves it (`profiles.as_run`), and that hardware."""
+    hw = hardware(g.hardware)
+    return as_run(prof, hw, g.costmodel().fp4_on_non_native), hw
 
 
 def decode_tokens_per_s(prof: ModelProfile, g: NodeGroup, context: int) -> float:

@@ -27,7 +27,7 @@ from typing import Literal
 from pddgw.config import ConfigError, PolicyConfig
 from pddgw.config_build import load_toml
 from pddgw.core.errors import check as _check
-from pddgw.sim.profiles import HARDWARE, ModelProfile, hardware
+from pddgw.sim.profiles import HARDWARE, ModelProfile, check_prices, price
 from pddgw.sim.scenario import (DeploymentSpec, GoodputSpec, NodeGroup, Scenario, SloSpec, WorkloadSpec, group_fit,
                                 load_scenario)
 
@@ -41,7 +41,7 @@ class HardwareOption:
     """One entry of a cluster's hardware menu."""
 
     hardware: str
-    price_per_gpu_hour: float = 0.0      # USD; 0 = the hardware profile's price
+    price_per_gpu_hour: float = 0.0      # USD; 0 = the plan's [prices], the scenario's, prices.toml's
     gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
@@ -51,7 +51,8 @@ class HardwareOption:
 
     @property
     def price(self) -> float:
-        return self.price_per_gpu_hour or hardware(self.hardware).price_per_gpu_hour
+        """USD per GPU-hour (`load_plan` sets price_per_gpu_hour from the [prices] tables)."""
+        return self.price_per_gpu_hour or price(self.hardware)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +150,12 @@ class PlanSpec:
     goodput: GoodputSpec | None = None   # None = the scenario's
     policy: PolicyConfig | None = None   # PDD's router policy; None = the default
     search: SearchSpec = field(default_factory=SearchSpec)
+    # USD per GPU-hour by hardware name, over the scenario's [prices] and pddgw/sim/prices.toml.
+    prices: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(bool(self.scenario), "scenario: name the scenario TOML (model, links, workload, SLOs)")
+        check_prices(self.prices)
         _check(bool(self.kinds) and len(set(self.kinds)) == len(self.kinds), "kinds must be distinct and not empty")
         _check(self.wan_gbps >= 0 and self.usd_per_hour >= 0, "wan_gbps and usd_per_hour must be >= 0")
         names = [c.name for c in self.clusters]
@@ -197,6 +201,18 @@ def load_plan(path: str | Path, trace: str = "", wan_gbps: float = 0.0) -> Plan:
         wl = dataclasses.replace(wl, kind="trace", trace=dataclasses.replace(wl.trace, path=trace_path))
     sc = dataclasses.replace(sc, model=model or sc.model, workload=wl, slo=spec.slo or sc.slo,
                              goodput=spec.goodput or sc.goodput)
+    prices = {**sc.prices, **spec.prices}
+    clusters = []
+    for cs in spec.clusters:
+        menu = []
+        for opt in cs.hardware:
+            try:
+                menu.append(dataclasses.replace(opt, price_per_gpu_hour=opt.price_per_gpu_hour
+                                                or price(opt.hardware, prices)))
+            except KeyError as e:
+                raise ConfigError(f"{p}: {e.args[0]}") from None
+        clusters.append(dataclasses.replace(cs, hardware=tuple(menu)))
+    spec = dataclasses.replace(spec, clusters=tuple(clusters))
     wan = wan_gbps or spec.wan_gbps or (sc.wan_gbps[0] if sc.wan_gbps else None)
     if not any(s.name == "wan" for s in sc.links) and any(k != "same-dc" for k in spec.kinds):
         raise ConfigError(f"{p}: scenario {spec.scenario}: cross-DC kinds need a [[links]] entry named \"wan\"")
@@ -267,7 +283,7 @@ def role_options(plan: Plan, prof: ModelProfile, kind: Kind, role: str, cluster:
                             expert_parallel=shape.expert_parallel, gpus_per_node=opt.gpus_per_node,
                             max_num_seqs=rs.max_num_seqs, max_num_batched_tokens=rs.max_num_batched_tokens,
                             prefix_cache=not (kind == "naive-cross-dc" and role == "md"),
-                            price_per_gpu_hour=opt.price)
+                            price_per_gpu_hour=opt.price, fp4_on_non_native=plan.scenario.fp4_on_non_native)
             tried.append(f"{shape.gpus} x {opt.hardware} {shape.label()}")
             if group_fit(prof, one).kv_tokens < plan.scenario.block_size:     # what check_fit refuses
                 continue

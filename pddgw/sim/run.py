@@ -30,7 +30,8 @@ from pddgw.sim.plan_bounds import Setting, attainment_bound, capacity, demand, d
 from pddgw.sim.plan_space import Candidate
 from pddgw.sim.probe import run_probe
 from pddgw.sim.profiles import model as model_profile
-from pddgw.sim.scenario import Scenario, deployment_config, deployment_price, load_scenario
+from pddgw.sim.profiles import uncalibrated, uncalibrated_line
+from pddgw.sim.scenario import Scenario, deployment_config, deployment_hardware, deployment_price, load_scenario
 from pddgw.sim.workload import AgenticSpec, Conversation, agentic, load_trace, shared_prefix
 from pddgw.tables import format_table
 
@@ -243,6 +244,9 @@ def _assemble(sc: Scenario, results: dict[Job, dict[str, Any]], private: dict[st
                            # The regime's yardstick (docs/architecture.md): the KV of 80 concurrent 64K-token requests.
                            "kv_gb_80x64k": round(80 * prof.kv_bytes(65536) / 1e9, 3),
                            "baseline": sc.baseline_name, "slo": dataclasses.asdict(sc.slo), "variants": variants}
+    guessed = uncalibrated(h for d in sc.deployments for h in deployment_hardware(d))
+    if guessed:
+        out["uncalibrated_hardware"] = guessed
     if sc.bathtub.enabled:
         bt = sc.bathtub
         points = []
@@ -326,6 +330,8 @@ def format_report(rep: dict[str, Any], private: dict[str, Any]) -> str:
         lines += ["", "== the paper's numbers next to ours ==",
                   format_table(heads, [[p["metric"], p["published"], *p["ours"]] for p in rep["published"]])]
     mains = [r for r in private["runs"] if r[0].startswith("main ")]
+    if "uncalibrated_hardware" in rep:
+        lines += ["", uncalibrated_line(rep["uncalibrated_hardware"])]
     lines += ["", f"simulated {private['simulated_requests']} requests in {private['wall_s']} s of wall time: "
                   f"{private['sim_requests_per_wall_s']} requests per wall-clock second"]
     lines += [f"  {name}: {n} requests in {wall} s of wall time" for name, n, wall in mains]

@@ -23,7 +23,7 @@ from pddgw.config_build import load_toml
 from pddgw.core.errors import check as _check
 from pddgw.sim.costmodel_engine import parallel
 from pddgw.sim.model_shape import ModelProfile
-from pddgw.sim.profiles import HARDWARE, MODELS, hardware, model
+from pddgw.sim.profiles import FP4_MODES, HARDWARE, MODELS, Fp4Mode, as_run, check_prices, hardware, model, price
 from pddgw.sim.roofline import Fit, memory_fit
 from pddgw.sim.workload import AgenticSpec
 
@@ -46,14 +46,17 @@ class NodeGroup:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     prefix_cache: bool = True
-    # USD per GPU-hour; 0 = the hardware profile's price.
+    # USD per GPU-hour; 0 = the scenario's [prices], else prices.toml (`profiles.price`).
     price_per_gpu_hour: float = 0.0
+    # FP4 weights on a part without FP4 tensor cores: "" = the scenario's (`Scenario.fp4_on_non_native`).
+    fp4_on_non_native: Fp4Mode | Literal[""] = ""
 
     def __post_init__(self) -> None:
         _check(self.count >= 1, "count must be >= 1")
         _check(self.hardware in HARDWARE, f"hardware {self.hardware!r} is not one of {sorted(HARDWARE)}")
         _check(self.tensor_parallel >= 1, "tensor_parallel must be >= 1")
         _check(self.price_per_gpu_hour >= 0, "price_per_gpu_hour must be >= 0")
+        _check(self.fp4_on_non_native in ("", *FP4_MODES), f"fp4_on_non_native must be one of {FP4_MODES}")
         # The engine's own checks (expert_parallel divides the GPUs, ranges), with this group's keys.
         self.costmodel()
 
@@ -61,7 +64,7 @@ class NodeGroup:
         """The engine.costmodel section of this group's instances."""
         return CostModelConfig(hardware=self.hardware, tensor_parallel=self.tensor_parallel,
                                data_parallel=self.data_parallel, expert_parallel=self.expert_parallel,
-                               gpus_per_node=self.gpus_per_node)
+                               gpus_per_node=self.gpus_per_node, fp4_on_non_native=self.fp4_on_non_native or "w4a16")
 
     @property
     def seqs_per_instance(self) -> int:
@@ -78,8 +81,9 @@ class NodeGroup:
 
     @property
     def price(self) -> float:
-        """USD per hour for the whole group."""
-        return self.gpus * (self.price_per_gpu_hour or hardware(self.hardware).price_per_gpu_hour)
+        """USD per hour for the whole group (`load_scenario` sets price_per_gpu_hour from the
+        scenario's [prices]; unset, prices.toml's)."""
+        return self.gpus * (self.price_per_gpu_hour or price(self.hardware))
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +207,11 @@ class Scenario:
     deployments: tuple[DeploymentSpec, ...] = ()
     # Published numbers printed next to ours: metric name -> value.
     published: dict[str, float] = field(default_factory=dict)
+    # USD per GPU-hour by hardware name, over pddgw/sim/prices.toml's (`profiles.price`).
+    prices: dict[str, float] = field(default_factory=dict)
+    # FP4 weights on a part without FP4 tensor cores (`profiles.as_run`): "w4a16" keeps FP4
+    # bytes and computes in BF16, "fp8_repack" runs an FP8 copy of the checkpoint.
+    fp4_on_non_native: Fp4Mode = "w4a16"
 
     def __post_init__(self) -> None:
         _check(bool(self.deployments), "no [[deployments]]")
@@ -215,6 +224,8 @@ class Scenario:
         _check(all(g > 0 for g in self.wan_gbps), "wan_gbps must be > 0")
         _check(self.kv_frame_mb > 0, "kv_frame_mb must be > 0")
         check_stream_interval(self.stream_interval)
+        check_prices(self.prices)
+        _check(self.fp4_on_non_native in FP4_MODES, f"fp4_on_non_native must be one of {FP4_MODES}")
 
     @property
     def baseline_name(self) -> str:
@@ -246,6 +257,8 @@ def load_scenario(path: str | Path) -> Scenario:
     # Relative paths inside a scenario are relative to the scenario file.
     deps = tuple(dataclasses.replace(d, config=str((p.parent / d.config).resolve())) if d.config else d
                  for d in sc.deployments)
+    deps = tuple(dataclasses.replace(d, nodes=with_prices(p, d.nodes, sc.prices, sc.fp4_on_non_native))
+                 for d in deps)
     wl = sc.workload
     if wl.kind == "trace":
         if not wl.trace.path:
@@ -253,6 +266,21 @@ def load_scenario(path: str | Path) -> Scenario:
         wl = dataclasses.replace(wl, trace=dataclasses.replace(wl.trace,
                                                                path=str((p.parent / wl.trace.path).resolve())))
     return dataclasses.replace(sc, deployments=deps, workload=wl)
+
+
+def with_prices(where: Path, groups: tuple[NodeGroup, ...], prices: dict[str, float],
+                fp4_on_non_native: Fp4Mode) -> tuple[NodeGroup, ...]:
+    """`groups` with each one's USD per GPU-hour and FP4 choice set (`profiles.price` of the
+    scenario's [prices]); ConfigError naming the key of a part that has no price."""
+    out = []
+    for g in groups:
+        try:
+            usd = g.price_per_gpu_hour or price(g.hardware, prices)
+        except KeyError as e:
+            raise ConfigError(f"{where}: {e.args[0]}") from None
+        out.append(dataclasses.replace(g, price_per_gpu_hour=usd,
+                                       fp4_on_non_native=g.fp4_on_non_native or fp4_on_non_native))
+    return tuple(out)
 
 
 def _with_wan(links: tuple[ShapingConfig, ...], wan_gbps: float | None) -> tuple[ShapingConfig, ...]:
@@ -298,7 +326,9 @@ def deployment_config(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None 
 def group_fit(prof: ModelProfile, g: NodeGroup) -> Fit:
     """How one instance of the group divides its memory (`roofline.memory_fit` of its shape)."""
     cm = g.costmodel()
-    return memory_fit(prof, hardware(g.hardware), parallel(cm), cm.gpu_memory_utilization, g.seqs_per_instance)
+    hw = hardware(g.hardware)
+    return memory_fit(as_run(prof, hw, cm.fp4_on_non_native), hw, parallel(cm), cm.gpu_memory_utilization,
+                      g.seqs_per_instance)
 
 
 def check_fit(sc: Scenario, dep: DeploymentSpec, g: NodeGroup) -> None:
@@ -310,6 +340,7 @@ def check_fit(sc: Scenario, dep: DeploymentSpec, g: NodeGroup) -> None:
         raise ConfigError(f"model: {e.args[0]}") from None
     hw = hardware(g.hardware)
     cm = g.costmodel()
+    prof = as_run(prof, hw, cm.fp4_on_non_native)
     fit = group_fit(prof, g)
     if fit.kv_tokens < sc.block_size:
         shape = (f"{g.count} x {g.gpus_per_instance} x {g.hardware} (tensor_parallel {g.tensor_parallel} "
@@ -319,6 +350,14 @@ def check_fit(sc: Scenario, dep: DeploymentSpec, g: NodeGroup) -> None:
             f"{prof.weight_bytes / 1e9:.1f} GB, {fit.weights_gb:.1f} GB per GPU, of {hw.hbm_gb:g} GB HBM x "
             f"{cm.gpu_memory_utilization:g} = {fit.usable_gb:.1f} GB usable, leaves {fit.kv_gb:.1f} GB per GPU "
             f"for KV ({fit.kv_tokens} tokens for {g.max_num_seqs} sequences per rank); use more GPUs per instance")
+
+
+def deployment_hardware(dep: DeploymentSpec) -> list[str]:
+    """The hardware names a deployment's instances run on."""
+    if dep.config:
+        cfg = load_config(dep.config)
+        return [cfg.engine_for(n).costmodel.hardware for n in cfg.nodes if n.role != "router"]
+    return [g.hardware for g in dep.nodes]
 
 
 def deployment_price(sc: Scenario, dep: DeploymentSpec) -> tuple[float, int]:

@@ -27,7 +27,7 @@ def test_the_paper_scenario_runs_the_paper_model_on_the_planners_splits():
                                                                                    (0.22, 0.75, 0.95)))
     wan = next(s for s in sc.links if s.name == "wan")
     assert wan.latency_ms * 2 == 30.0 and wan.shared
-    a, b = (profiles.hardware(h).price_per_gpu_hour for h in ("H100-SXM", "H200-SXM"))
+    a, b = (profiles.price(h) for h in ("H100-SXM", "H200-SXM"))
     assert 1.2 <= b / a <= 1.3
     # Each kind's split is `pddgw plan --plan scenarios/plan_paper.toml`'s winner (the comment in
     # paper.toml, docs/results/planner.md): same-DC 72 H100 (216 USD/h), naive 24 H100 + 16 H200

@@ -99,7 +99,7 @@ def test_lookups_name_the_known_profiles():
     assert {"H100-SXM", "H200-SXM", "A100-80G"} <= set(profiles.HARDWARE)
     assert {"llama3-70b", "qwen3-32b", "llama3-8b"} <= set(profiles.MODELS)
     with pytest.raises(KeyError, match="H100-SXM"):
-        profiles.hardware("B200")
+        profiles.hardware("GB300")
     with pytest.raises(KeyError, match="llama3-70b"):
         profiles.model("gpt-5")
 
