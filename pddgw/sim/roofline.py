@@ -165,11 +165,12 @@ def _v4_consts(model: ModelProfile) -> tuple[int, ...]:
             model.index_topk, 4 * model.num_heads * model.head_dim, 2 * model.index_n_heads * model.index_head_dim)
 
 
-def _v4_attention(model: ModelProfile, his: list[int], chunks: Sequence[SeqWork]) -> tuple[float, float]:
-    """(attention FLOPs, KV bytes) of a step: `ModelProfile.attention_flops` and
-    `kv_read_bytes` summed over the sequences, with the constants hoisted (the sim prices
-    every step; tests pin the two paths equal).  `his`: each decode's length with its new
-    token (context + 1), `chunks`: the sequences of more than one new token."""
+def _v4_attention(model: ModelProfile, his: list[int], chunks: Sequence[SeqWork]) -> tuple[float, float, float]:
+    """(attention FLOPs, KV bytes, the indexer's share of the FLOPs) of a step:
+    `ModelProfile.attention_flops` and `kv_read_bytes` summed over the sequences, with the
+    constants hoisted (the sim prices every step; tests pin the two paths equal).  `his`: each
+    decode's length with its new token (context + 1), `chunks`: the sequences of more than one
+    new token."""
     layers, window, e, i, csa, hca, k, per_entry, per_index = _v4_consts(model)
     c, h = V4_CSA_RATIO, V4_HCA_RATIO
     # Decodes (the common case) summed per term in C (map over builtins): every term is an
@@ -199,21 +200,25 @@ def _v4_attention(model: ModelProfile, his: list[int], chunks: Sequence[SeqWork]
         scored += sum_floor(hi, c) - sum_floor(lo, c)
         nbytes += (layers * min(hi, window + new - 1) * e + csa * (comp * i + min(comp, k * new) * e)
                    + hca * (hi // h) * e)
-    return float(per_entry * entries + per_index * csa * scored), float(nbytes)
+    return float(per_entry * entries + per_index * csa * scored), float(nbytes), float(per_index * csa * scored)
 
 
-def _attention(model: ModelProfile, work: Sequence[SeqWork]) -> tuple[float, float]:
-    """(attention FLOPs, KV bytes read and written) of a step's sequences."""
+def _attention(model: ModelProfile, work: Sequence[SeqWork]) -> tuple[float, float, float]:
+    """(attention FLOPs, KV bytes read and written, FLOPs of them run at the GEMM peak) of a
+    step's sequences.  The core (QK^T, softmax, PV) runs in BF16 whatever the weights
+    (DeepSeek-V3 technical report, arXiv 2412.19437, sec. 3.3.1: attention operators kept at
+    BF16 / FP32; FlashMLA computes in BF16, an FP8 KV cache dequantized to it); DeepSeek-V4's
+    indexer scores its FP8 keys in FP8 (DeepSeek-V3.2's lightning indexer), at the GEMMs' peak."""
     if model.attention == "v4":
         return _v4_attention(model, [w.context_tokens + 1 for w in work if w.new_tokens == 1],
                              [w for w in work if w.new_tokens != 1])
     # gqa / mla: one per-pair constant and a linear KV; summed inline (the sim calls this every step).
     per_pair = model.attention_flops(0, 1)
     flops = per_pair * sum(w.new_tokens * (w.context_tokens + (w.new_tokens + 1) / 2) for w in work)
-    return flops, float(sum(w.context_tokens + w.new_tokens for w in work)) * model.kv_bytes_per_token
+    return flops, float(sum(w.context_tokens + w.new_tokens for w in work)) * model.kv_bytes_per_token, 0.0
 
 
-def _decode_attention(model: ModelProfile, lengths: list[int]) -> tuple[float, float]:
+def _decode_attention(model: ModelProfile, lengths: list[int]) -> tuple[float, float, float]:
     """`_attention` of decodes whose sequences are `lengths` tokens long with the new one: the
     same sums term for term.  A decode's GQA / MLA term is 1 * (context + 2 / 2) = its length
     as a float, and a float sum of integers below 2^53 is exact, so summing the integers first
@@ -221,7 +226,7 @@ def _decode_attention(model: ModelProfile, lengths: list[int]) -> tuple[float, f
     if model.attention == "v4":
         return _v4_attention(model, lengths, ())
     total = float(sum(lengths))
-    return model.attention_flops(0, 1) * total, total * model.kv_bytes_per_token
+    return model.attention_flops(0, 1) * total, total * model.kv_bytes_per_token, 0.0
 
 
 def alltoall_s(model: ModelProfile, hw: HardwareProfile, par: Parallel, tokens: int, normal: bool = False) -> float:
@@ -273,7 +278,7 @@ class _StepConsts:
     """
 
     __slots__ = ("model", "hw", "par", "linear_per_token", "gpus", "kv_copies", "attn_per_tp", "compute_rate",
-                 "memory_rate", "overhead_s", "_by_new", "_attn_dp", "_shared_bytes", "_expert_bytes")
+                 "attn_scale", "memory_rate", "overhead_s", "_by_new", "_attn_dp", "_shared_bytes", "_expert_bytes")
 
     def __init__(self, model: ModelProfile, hw: HardwareProfile, par: Parallel) -> None:
         self.model, self.hw, self.par = model, hw, par
@@ -283,6 +288,9 @@ class _StepConsts:
         self._attn_dp = attn_bytes * par.dp
         self.attn_per_tp = attn_bytes / par.tp
         self.compute_rate = hw.peak_flops(model.fp8_compute) * hw.compute_efficiency
+        # Attention core FLOPs in GEMM-peak FLOPs: it runs at the BF16 peak (`_attention`);
+        # exactly 1.0 when the GEMMs do too.
+        self.attn_scale = self.compute_rate / (hw.peak_flops(False) * hw.compute_efficiency)
         self.memory_rate = hw.hbm_tb_s * 1e12 * hw.bandwidth_efficiency
         self.overhead_s = hw.step_overhead_ms / 1e3
         # by_new's values, [0] for decode-only steps, [1] for steps with a chunk (normal mode).
@@ -360,16 +368,18 @@ def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, batc
         return _IDLE
     new = sum([w.new_tokens for w in work]) if len(work) > 1 else work[0].new_tokens
     c = _step_consts(model, hw, par)
-    attn_flops, kv = _attention(model, work)
+    attn_flops, kv, fast = _attention(model, work)
+    attn_time = (attn_flops - fast) * c.attn_scale + fast
     extra_s = 0.0
     if par.dp > 1 and new > len(work):            # a chunk of more than one token: busiest rank
         big = max(work, key=_new_tokens)
         attn_linear = _attention_linear(model)
-        own = attn_linear * big.new_tokens + _attention(model, (big,))[0]
-        share = (attn_linear * new + attn_flops) / par.dp
+        big_flops, _, big_fast = _attention(model, (big,))
+        own = attn_linear * big.new_tokens + ((big_flops - big_fast) * c.attn_scale + big_fast)
+        share = (attn_linear * new + attn_time) / par.dp
         if own > share:
             extra_s = (own - share) / par.tp / c.compute_rate
-    return _priced(c, new, attn_flops, kv, extra_s, new > len(work))
+    return _priced(c, new, attn_flops, attn_time, kv, extra_s, new > len(work))
 
 
 def decode_step_cost(model: ModelProfile, hw: HardwareProfile, par: Parallel, lengths: list[int]) -> StepCost:
@@ -378,15 +388,20 @@ def decode_step_cost(model: ModelProfile, hw: HardwareProfile, par: Parallel, le
     sequence - the simulator's steady decode steps, most of its steps."""
     if not lengths:
         return _IDLE
-    attn_flops, kv = _decode_attention(model, lengths)
-    return _priced(_step_consts(model, hw, par), len(lengths), attn_flops, kv, 0.0, False)
+    attn_flops, kv, fast = _decode_attention(model, lengths)
+    c = _step_consts(model, hw, par)
+    attn_time = (attn_flops - fast) * c.attn_scale + fast
+    return _priced(c, len(lengths), attn_flops, attn_time, kv, 0.0, False)
 
 
-def _priced(c: _StepConsts, new: int, attn_flops: float, kv: float, extra_s: float, normal: bool) -> StepCost:
-    """The StepCost of a step of `new` tokens whose attention is (attn_flops, kv bytes).
+def _priced(c: _StepConsts, new: int, attn_flops: float, attn_time: float, kv: float, extra_s: float,
+            normal: bool) -> StepCost:
+    """The StepCost of a step of `new` tokens whose attention is (attn_flops, kv bytes), attn_time
+    its FLOPs counted at the GEMMs' peak (the core at the BF16 one: `_attention`).
 
     FLOPs = 2 * active_params_per_token * T + attention (LM head charged for every new token);
-    compute_s = FLOPs / gpus / (peak * compute_efficiency) + `extra_s` (busiest DP rank);
+    compute_s = (linear FLOPs + attn_time) / gpus / (peak * compute_efficiency) + `extra_s`
+    (busiest DP rank);
     memory_s = per-GPU bytes / (hbm_tb_s * 1e12 * bandwidth_efficiency), attention weights read
     per rank (/ tp), other dense weights and routed experts split over all GPUs, KV split over
     dp and over tp only when it has heads (GQA; MLA and V4 latents are replicated per tp GPU).
@@ -398,7 +413,7 @@ def _priced(c: _StepConsts, new: int, attn_flops: float, kv: float, extra_s: flo
     base_bytes, other_bytes, serial_s, wire_s = c.by_new(new, normal)
     nbytes = base_bytes + kv * c.kv_copies
     per_gpu_bytes = c.attn_per_tp + (other_bytes + kv * c.kv_copies) / c.gpus
-    compute_s = flops / c.gpus / c.compute_rate
+    compute_s = (c.linear_per_token * new + attn_time) / c.gpus / c.compute_rate
     if extra_s:
         compute_s += extra_s
     memory_s = per_gpu_bytes / c.memory_rate

@@ -147,8 +147,9 @@ def test_mla_decode_step_hand_roofline():
     kv = 32 * 4097 * 70272                                             # the latent is replicated on all 8
     per_gpu = V3_DENSE_BYTES / 8 + experts / 8 + kv
     assert c.memory_s == pytest.approx(per_gpu / (4.8e12 * H200.bandwidth_efficiency), rel=1e-9)
-    # FP8 weights use the FP8 tensor-core peak.
-    assert c.compute_s == pytest.approx(flops / 8 / (1979e12 * H200.compute_efficiency), rel=1e-9)
+    # FP8 weights use the FP8 tensor-core peak, the attention core the BF16 one.
+    assert c.compute_s == pytest.approx((2 * V3_ACTIVE * 32 / 1979e12 + attn / 989.5e12) / 8 / H200.compute_efficiency,
+                                        rel=1e-9)
     # TP all-reduce after attention in all 61 layers and after the MLP in the 3 dense ones; EP
     # all-to-all in the 58 MoE layers: 4 tokens a GPU x 8 experts x 7168 x (1 + 2) B, 7/8 leaving
     # it, hidden behind the step's bytes but for its two latencies (tests/sim/test_pricing_overlap.py).
@@ -201,22 +202,30 @@ def test_a_lone_chunk_waits_for_its_own_rank():
     experts and the rest over all 16 GPUs; chunks spread over the ranks price evenly."""
     par = Parallel(tp=1, dp=16)
     rate = 1979e12 * H100.compute_efficiency
+
+    def attn(ctx, new):
+        """Attention FLOPs in FP8-peak FLOPs: the core at the BF16 peak (twice the time), the
+        indexer (64 heads of 128 over the CSA entries of 30 layers) at the FP8 one."""
+        index = 2 * 64 * 128 * 30 * sum(q // 4 for q in range(ctx + 1, ctx + new + 1))
+        return (PRO.attention_flops(ctx, new) - index) * 1979 / 989.5 + index
+
     proj = 2 * 61 * PRO._attention_params                     # attention projection FLOPs a token
     lone = step_cost(PRO, H100, par, [SeqWork(8192, 4096)])
-    own = proj * 8192 + PRO.attention_flops(4096, 8192)
+    own = proj * 8192 + attn(4096, 8192)
     rest = 2 * PRO.active_params_per_token * 8192 - proj * 8192
     assert lone.flops == pytest.approx(proj * 8192 + rest + PRO.attention_flops(4096, 8192), rel=1e-12)
     assert lone.compute_s == pytest.approx((own + rest / 16) / rate, rel=1e-9)
     # 16 equal chunks: each rank one, the even share; 4 of them: the busiest rank still holds one.
     even = step_cost(PRO, H100, par, [SeqWork(8192, 4096)] * 16)
-    assert even.compute_s == pytest.approx(even.flops / 16 / rate, rel=1e-9)
+    assert even.compute_s == pytest.approx(16 * (own + rest) / 16 / rate, rel=1e-9)
     four = step_cost(PRO, H100, par, [SeqWork(8192, 4096)] * 4)
     assert four.compute_s == pytest.approx((own + 4 * rest / 16) / rate, rel=1e-9)
     # Decode-only steps and dp = 1 are priced evenly, as before.
     dec = step_cost(PRO, H100, par, [SeqWork(1, 60000)] * 3)
-    assert dec.compute_s == pytest.approx(dec.flops / 16 / rate, rel=1e-9)
+    assert dec.compute_s == pytest.approx(3 * (2 * PRO.active_params_per_token + attn(60000, 1)) / 16 / rate,
+                                          rel=1e-9)
     one = step_cost(PRO, H100, Parallel(tp=16), [SeqWork(8192, 4096)])
-    assert one.compute_s == pytest.approx(one.flops / 16 / rate, rel=1e-9)
+    assert one.compute_s == pytest.approx((own + rest) / 16 / rate, rel=1e-9)
 
 
 def test_parallel_validates():
@@ -307,7 +316,7 @@ def test_v4_attention_of_a_decode_batch_equals_the_per_sequence_formulas_exactly
                   [SeqWork(1, rng.randrange(200_000)) for _ in range(97)],
                   [SeqWork(1, rng.randrange(c * k, 200_000)) for _ in range(97)],
                   [SeqWork(rng.choice((1, 1, 2, 64, 4096)), rng.randrange(70_000)) for _ in range(60)]):
-        flops, kv = _attention(PRO, batch)
+        flops, kv, _ = _attention(PRO, batch)
         assert flops == float(sum(PRO.attention_flops(s.context_tokens, s.new_tokens) for s in batch))
         assert kv == float(sum(PRO.kv_read_bytes(s.context_tokens, s.new_tokens) for s in batch))
 
