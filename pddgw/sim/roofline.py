@@ -277,7 +277,8 @@ class _StepConsts:
     order, so the costs are the same to the last bit.
     """
 
-    __slots__ = ("model", "hw", "par", "linear_per_token", "gpus", "kv_copies", "attn_per_tp", "compute_rate",
+    __slots__ = ("model", "hw", "par", "linear_per_token", "linear_time_per_token", "gpus", "kv_copies",
+                 "attn_per_tp", "compute_rate",
                  "attn_scale", "memory_rate", "overhead_s", "_by_new", "_attn_dp", "_shared_bytes", "_expert_bytes")
 
     def __init__(self, model: ModelProfile, hw: HardwareProfile, par: Parallel) -> None:
@@ -287,7 +288,16 @@ class _StepConsts:
         self.kv_copies = 1 if kv_split else par.tp          # one latent: every GPU of a rank holds it all
         self._attn_dp = attn_bytes * par.dp
         self.attn_per_tp = attn_bytes / par.tp
-        self.compute_rate = hw.peak_flops(model.fp8_compute) * hw.compute_efficiency
+        peak = hw.peak_flops(model.fp8_compute)
+        self.compute_rate = peak * hw.compute_efficiency
+        # Routed experts' GEMMs run at their weights' own peak (`HardwareProfile.gemm_peak_flops`:
+        # FP4 at the FP4 peak where native, W4A16 at the BF16 one): compute time counts their
+        # FLOPs x peak / their peak (the same FLOPs when the peaks agree).
+        self.linear_time_per_token = self.linear_per_token
+        expert_peak = hw.gemm_peak_flops(model.expert_bytes_per_param or model.weight_bytes_per_param)
+        if model.num_experts and expert_peak != peak:
+            routed = 2.0 * model.num_moe_layers * model.experts_per_token * model._expert_params
+            self.linear_time_per_token += routed * (peak / expert_peak - 1.0)
         # Attention core FLOPs in GEMM-peak FLOPs: it runs at the BF16 peak (`_attention`);
         # exactly 1.0 when the GEMMs do too.
         self.attn_scale = self.compute_rate / (hw.peak_flops(False) * hw.compute_efficiency)
@@ -413,7 +423,7 @@ def _priced(c: _StepConsts, new: int, attn_flops: float, attn_time: float, kv: f
     base_bytes, other_bytes, serial_s, wire_s = c.by_new(new, normal)
     nbytes = base_bytes + kv * c.kv_copies
     per_gpu_bytes = c.attn_per_tp + (other_bytes + kv * c.kv_copies) / c.gpus
-    compute_s = (c.linear_per_token * new + attn_time) / c.gpus / c.compute_rate
+    compute_s = (c.linear_time_per_token * new + attn_time) / c.gpus / c.compute_rate
     if extra_s:
         compute_s += extra_s
     memory_s = per_gpu_bytes / c.memory_rate

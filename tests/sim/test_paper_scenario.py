@@ -27,7 +27,7 @@ def test_the_paper_scenario_runs_the_paper_model_on_the_planners_splits():
                                                                                    (0.22, 0.75, 0.95)))
     wan = next(s for s in sc.links if s.name == "wan")
     assert wan.latency_ms * 2 == 30.0 and wan.shared
-    a, b = (profiles.hardware(h).price_per_gpu_hour for h in ("H100-SXM", "H200-SXM"))
+    a, b = (profiles.price(h) for h in ("H100-SXM", "H200-SXM"))
     assert 1.2 <= b / a <= 1.3
     # Each kind's split is `pddgw plan --plan scenarios/plan_paper.toml`'s winner (the comment in
     # paper.toml, docs/results/planner.md): same-DC 72 H100 (216 USD/h), naive 24 H100 + 16 H200
@@ -78,12 +78,12 @@ def test_the_paper_deployments_serve_v4_pro_on_the_virtual_clock():
 def test_the_workers_take_the_longest_goodput_searches_first():
     # Each search's length follows the rate the roofline lets it carry (its probes simulate about
     # that many requests per second), then its nodes: PDD at 100 Gbps and same-DC reach the grid's
-    # top (32 req/s; P 50.5, decode 43.0), PDD's four nodes before same-DC's three, then PDD at
-    # 10 Gbps (its WAN: 29.7), naive at 100 Gbps (its P: 25.3), naive at 10 Gbps (its WAN: 3.5)
-    # last, then the single runs.
+    # top (32 req/s; P ~33.7 with the FP4 experts W4A16 on Hopper, decode 43.0), PDD's four nodes
+    # before same-DC's three, then PDD at 10 Gbps (its WAN: 29.7), naive at 100 Gbps (its P: 16.8),
+    # naive at 10 Gbps (its WAN: 3.5) last, then the single runs.
     sc = load_scenario(PAPER)
     order = sorted(_jobs(sc), key=lambda j: _longest_first(sc, j))
     assert [j.label for j in order[:6]] == [
         "goodput pdd @ 100 Gbps", "goodput same-dc-pd", "goodput pdd @ 10 Gbps",
         "goodput naive-cross-dc @ 100 Gbps", "goodput naive-cross-dc @ 10 Gbps", "main same-dc-pd"]
-    assert [round(-_longest_first(sc, j)[1], 2) for j in order[:5]] == [32.0, 32.0, 29.73, 25.27, 3.46]
+    assert [round(-_longest_first(sc, j)[1], 2) for j in order[:5]] == [32.0, 32.0, 29.73, 16.83, 3.46]
