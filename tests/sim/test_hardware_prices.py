@@ -94,3 +94,29 @@ def test_a_plans_prices_override_the_scenarios_and_a_missing_one_is_refused(tmp_
     free.write_text(text.replace('hardware = "H200-SXM"', 'hardware = "L40S"'))
     with pytest.raises(ConfigError, match=r"free.toml: prices.L40S: no price"):
         load_plan(free)
+
+
+def test_reports_that_use_an_uncalibrated_part_say_so(tmp_path):
+    b200 = tmp_path / "b200.toml"
+    b200.write_text(TINY.read_text().replace('hardware = "H200-SXM"', 'hardware = "B200"')
+                    .replace('kv_frame_mb = 8.0', 'kv_frame_mb = 8.0\n\n[prices]\nB200 = 6.0'))
+    proc = subprocess.run([sys.executable, "-m", "pddgw.cli", "sim", "--scenario", str(b200), "--jobs", "1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("uncalibrated hardware (no published serving measurement in calibration.toml; efficiencies of the "
+            "part named): B200 <- H100-SXM") in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "pddgw.cli", "sim", "--scenario", str(TINY), "--jobs", "1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert proc.returncode == 0 and "uncalibrated" not in proc.stdout
+
+
+def test_a_plan_over_an_uncalibrated_part_says_so(tmp_path):
+    from pddgw.sim.plan import _uncalibrated, format_dry_run
+    (tmp_path / "tiny.toml").write_text(TINY.read_text())
+    plan_path = tmp_path / "plan.toml"
+    plan_path.write_text(PLAN_TINY.read_text().replace('hardware = "H200-SXM", price_per_gpu_hour = 3.75',
+                                                       'hardware = "L40S"') + '\n[prices]\nL40S = 1.0\n')
+    plan = load_plan(plan_path)
+    assert _uncalibrated(plan) == {"L40S": "H100-SXM"}
+    assert "uncalibrated hardware" in format_dry_run(plan).splitlines()[1]
+    assert _uncalibrated(load_plan(PLAN_TINY)) == {}
