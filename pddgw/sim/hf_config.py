@@ -3,7 +3,8 @@
 `profile_from_hf_config(d, name)` decodes one config at the edge: every key the cost model
 needs is checked here and an architecture it cannot price is refused naming the key.
 Supported `model_type`s: llama, qwen3 (dense GQA), qwen3_moe (GQA + MoE), deepseek_v3 and
-kimi_k2 (MLA + MoE), deepseek_v4 (sliding-window / CSA / HCA + MoE).
+kimi_k2 (MLA + MoE), deepseek_v4 (sliding-window / CSA / HCA + MoE); the last three with their
+`num_nextn_predict_layers` MTP layers.
 
 Bytes per parameter: FP8 with `weight_block_size` [a, b] is 1 plus one scale per a x b block
 (4 bytes, or 1 with `scale_fmt` "ue8m0"); `expert_dtype` "fp4" makes routed experts MXFP4
@@ -118,6 +119,8 @@ def profile_from_hf_config(d: dict[str, Any], name: str, kv_dtype: Literal["auto
                    first_k_dense=int(d.get("first_k_dense_replace") or 0))
         if d.get("moe_layer_freq", 1) != 1:
             raise ModelConfigError(f"{where}: moe_layer_freq != 1 unsupported")
+        # DeepSeek's multi-token-prediction layers: held for the draft, priced by memory_fit.
+        moe["num_mtp_layers"] = int(d.get("num_nextn_predict_layers") or 0)
         if mt in _MLA_TYPES:
             nope, rope = int(req("qk_nope_head_dim")), int(req("qk_rope_head_dim"))
             return ModelProfile(**common, **moe, arch="llama", attention="mla", num_kv_heads=1,

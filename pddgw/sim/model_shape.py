@@ -11,6 +11,8 @@ FLOPs, bytes and KV size, and for the paged engine's `ModelSpec` (`to_spec`).  A
 
 MoE layers: `experts_per_token` of `num_experts` routed plus `num_shared_experts`, after
 `first_k_dense` dense layers; routed experts may have their own `expert_bytes_per_param`.
+`num_mtp_layers` multi-token-prediction layers (DeepSeek-V3 / V4) are held in memory, not run
+per step (`mtp_weight_bytes`).
 
 V4-Pro's KV is 5,511.4 B per token at the margin plus 4.56 MB of windows per request; the
 often-quoted ~4.4 KB per token leaves out the indexer keys and windows, which a server holds
@@ -108,6 +110,9 @@ class ModelProfile:
     index_topk: int = 0
     o_lora_rank: int = 0
     o_groups: int = 0
+    # Multi-token-prediction layers (config.json num_nextn_predict_layers): weights every serving
+    # recipe loads for its draft, not counted in weight_bytes (the main model's).
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name must not be empty")
@@ -119,6 +124,7 @@ class ModelProfile:
         _check(self.kv_bytes_per_value in (1, 2), f"kv_bytes_per_value must be 1 (FP8) or 2 (BF16), "
                                                   f"got {self.kv_bytes_per_value}")
         _check(self.expert_bytes_per_param >= 0, "expert_bytes_per_param must be >= 0")
+        _check(self.num_mtp_layers >= 0, "num_mtp_layers must be >= 0")
         _check(self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
         if self.num_experts:
             _check(0 < self.experts_per_token <= self.num_experts,
@@ -164,16 +170,20 @@ class ModelProfile:
                   + self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim))
             return q + kv + self.num_heads * self.v_head_dim * d
         if self.attention == "v4":
-            hd = self.head_dim
-            q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.num_heads * hd
-            kv = d * hd + hd
-            out = self.num_heads * hd * self.o_lora_rank + self.o_groups * self.o_lora_rank * d
             csa = sum(r == V4_CSA_RATIO for r in self.compress_ratios)
             indexer = self.q_lora_rank * self.index_n_heads * self.index_head_dim + d * self.index_n_heads
-            return q + kv + out + (csa * indexer) // self.num_layers
+            return self._v4_window_attention_params + (csa * indexer) // self.num_layers
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         norms = 2 * self.head_dim if self.arch == "qwen3" else 0
         return self.hidden_size * (q + 2 * kv) + q * self.hidden_size + norms
+
+    @property
+    def _v4_window_attention_params(self) -> int:
+        """A DeepSeek-V4 layer's q, kv and grouped output projections, without the CSA indexer."""
+        d, hd = self.hidden_size, self.head_dim
+        q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.num_heads * hd
+        kv = d * hd + hd
+        return q + kv + self.num_heads * hd * self.o_lora_rank + self.o_groups * self.o_lora_rank * d
 
     @property
     def _expert_params(self) -> int:
@@ -240,6 +250,27 @@ class ModelProfile:
         """Every layer's attention projections and norms: what DP-attention replicates on each
         attention rank (embeddings, dense MLPs and experts are split over all the GPUs)."""
         return self.num_layers * (self._attention_params + 2 * self.hidden_size) * self.weight_bytes_per_param
+
+    @property
+    def mtp_attention_weight_bytes(self) -> float:
+        """The MTP layers' attention projections and their two norms (a V4 MTP layer is
+        window-only: no indexer), replicated on each attention rank as the main layers'."""
+        attn = self._v4_window_attention_params if self.attention == "v4" else self._attention_params
+        return self.num_mtp_layers * (attn + 2 * self.hidden_size) * self.weight_bytes_per_param
+
+    @property
+    def mtp_weight_bytes(self) -> float:
+        """Every MTP layer's weights: DeepSeek-V3 technical report (arXiv 2412.19437, sec. 2.2),
+        a transformer block (attention and a MoE layer like the main ones, routed experts at their
+        precision), the projection of [hidden; embedding] (2 hidden x hidden) and three RMSNorms;
+        the embedding and output head are the main model's (shared), so not counted again (the
+        checkpoint's ~14B MTP parameters of V3 include copies of them)."""
+        if not self.num_mtp_layers:
+            return 0.0
+        d = self.hidden_size
+        mlp = self._moe_layer_fixed_params if self.num_experts else self._dense_mlp_params
+        rest = (2 * d * d + 3 * d + mlp) * self.weight_bytes_per_param + self.num_experts * self.expert_bytes
+        return self.mtp_attention_weight_bytes + self.num_mtp_layers * rest
 
     @property
     def fp8_compute(self) -> bool:

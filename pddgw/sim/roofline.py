@@ -453,7 +453,8 @@ class Fit:
 def memory_fit(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, memory_utilization: float = 0.9,
                max_seqs: int = 0) -> Fit:
     """Per GPU: attention weights / tp (each attention rank holds a copy) + the other dense
-    weights and the routed experts / gpus;
+    weights and the routed experts / gpus, the MTP layers' (`ModelProfile.mtp_weight_bytes`;
+    every serving recipe of DeepSeek-V3 / V4 loads them for its draft) split the same way;
     what is left holds KV: GQA split over the tp GPUs of a rank, a single latent (MLA, V4)
     replicated on each; V4 first keeps every one of a rank's max_seqs / dp sequences a full
     sliding window (`kv_window_bytes`), then counts tokens at the marginal rate."""
@@ -461,7 +462,10 @@ def memory_fit(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, mem
     if not 0 < memory_utilization <= 1:
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
     _, attn_bytes, shared_bytes, expert_bytes, kv_split = _per_model(model)
-    weights = attn_bytes / par.tp + (shared_bytes + model.num_moe_layers * model.num_experts * expert_bytes) / par.gpus
+    mtp_attn = model.mtp_attention_weight_bytes
+    mtp_rest = model.mtp_weight_bytes - mtp_attn
+    weights = ((attn_bytes + mtp_attn) / par.tp
+               + (shared_bytes + model.num_moe_layers * model.num_experts * expert_bytes + mtp_rest) / par.gpus)
     usable = hw.hbm_gb * 1e9 * memory_utilization
     free = usable - weights
     tokens = 0
@@ -480,7 +484,9 @@ def max_kv_tokens(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, 
     par = as_parallel(tp)
     fit = memory_fit(model, hw, par, memory_utilization, max_seqs)
     if fit.kv_gb <= 0:
-        raise ValueError(f"{model.name} weights ({model.weight_bytes / 1e9:.1f} GB, {fit.weights_gb:.1f} GB per GPU) "
+        mtp = f" + {model.mtp_weight_bytes / 1e9:.1f} GB of MTP layers" if model.num_mtp_layers else ""
+        raise ValueError(f"{model.name} weights ({model.weight_bytes / 1e9:.1f} GB{mtp}, "
+                         f"{fit.weights_gb:.1f} GB per GPU) "
                          f"do not fit in {par.gpus} x {hw.name} (tp {par.tp} x dp {par.dp}) at "
                          f"{memory_utilization:.0%} of {hw.hbm_gb:g} GB = {fit.usable_gb:.1f} GB per GPU")
     return fit.kv_tokens

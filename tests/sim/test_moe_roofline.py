@@ -166,12 +166,14 @@ def test_v4_pro_across_two_nodes_dp_attention():
     with pytest.raises(ValueError, match=r"deepseek-v4-pro weights \(846\.\d GB.*8 x H100-SXM.*72\.0 GB"):
         max_kv_tokens(PRO, H100, Parallel(tp=1, dp=8))
     # ... it fits two: DP-attention 16 ranks of 1 GPU (each holding all attention layers), the
-    # embedding, LM head, shared experts and routed experts over all 16.
+    # embedding, LM head, shared experts and routed experts over all 16; the MTP layer's split
+    # the same way (tests/sim/test_pricing_mtp.py).
     par = Parallel(tp=1, dp=16)
     fit = memory_fit(PRO, H100, par, 0.9, max_seqs=64)
     attn = PRO.attention_weight_bytes
     shared = PRO.dense_weight_bytes - attn
-    weights = attn + (shared + 61 * 384 * PRO.expert_bytes) / 16
+    mtp_attn = PRO.mtp_attention_weight_bytes
+    weights = attn + mtp_attn + (shared + 61 * 384 * PRO.expert_bytes + PRO.mtp_weight_bytes - mtp_attn) / 16
     assert fit.weights_gb == pytest.approx(weights / 1e9, rel=1e-12)
     free = 72e9 - weights
     assert fit.kv_tokens == int((free - 4 * PRO.kv_window_bytes) // PRO.kv_bytes_per_token) * 16
@@ -257,8 +259,9 @@ def test_engine_on_v4_pool_and_virtual_chunk_bytes():
     eng = CostModelEngine(PRO, H200, cfg)
     # 8 ranks of one GPU, max_num_seqs per rank as in vLLM: each keeps 32 sequences' windows,
     # the rest at 5511.4375 B a token.
-    attn = PRO.attention_weight_bytes
-    weights = attn + (PRO.dense_weight_bytes - attn + 61 * 384 * PRO.expert_bytes) / 8
+    attn, mtp_attn = PRO.attention_weight_bytes, PRO.mtp_attention_weight_bytes
+    weights = attn + mtp_attn + (PRO.dense_weight_bytes - attn + 61 * 384 * PRO.expert_bytes
+                                 + PRO.mtp_weight_bytes - mtp_attn) / 8
     per_rank = 141e9 * 0.9 - weights - 32 * PRO.kv_window_bytes
     assert eng.blocks.num_blocks == int(per_rank // PRO.kv_bytes_per_token) * 8 // 64
     assert eng.parallel == Parallel(tp=1, dp=8)

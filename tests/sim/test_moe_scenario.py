@@ -43,7 +43,7 @@ shared = true
 
 [[deployments]]
 name = "pdd"
-nodes = [ {{ role = "prefill", count = 1, tensor_parallel = 1, data_parallel = 16, hardware = "H100-SXM" }},
+nodes = [ {{ role = "prefill", count = 1, tensor_parallel = 1, data_parallel = 24, hardware = "H100-SXM" }},
           {{ role = "rld", count = 1, tensor_parallel = 8, hardware = "H200-SXM" }},
           {{ role = "md", count = 1, cluster = "B", tensor_parallel = 1, data_parallel = 8, hardware = "H200-SXM" }} ]
 
@@ -63,17 +63,19 @@ def scenario(tmp_path, model="deepseek-v4-pro"):
 def test_instances_span_nodes_and_are_priced_by_their_gpus(tmp_path):
     sc = scenario(tmp_path)
     usd, gpus = deployment_price(sc, sc.deployment("pdd"))
-    assert gpus == 16 + 8 + 8
-    assert usd == pytest.approx(16 * 3.00 + 16 * 3.75)
+    assert gpus == 24 + 8 + 8
+    assert usd == pytest.approx(24 * 3.00 + 16 * 3.75)
     cfg = deployment_config(sc, sc.deployment("pdd"))
     p = cfg.engine_for(next(n for n in cfg.nodes if n.role == "prefill")).costmodel
-    assert (p.tensor_parallel, p.data_parallel, p.gpus) == (1, 16, 16)
+    # DP24 (3 nodes), as the paper's P: on 16 H100s the weights and the MTP layer leave 0.4 GB a
+    # GPU, less than 256 sequences' windows.
+    assert (p.tensor_parallel, p.data_parallel, p.gpus) == (1, 24, 24)
     eng, _ = CostModelEngine.from_config(cfg, cfg.engine_for(cfg.nodes[1]))
-    assert eng.parallel == Parallel(tp=1, dp=16) and eng.parallel.nodes == 2
-    # max_num_seqs 256 on each of the 16 ranks: 4,096 sequences' windows kept.
+    assert eng.parallel == Parallel(tp=1, dp=24) and eng.parallel.nodes == 3
+    # max_num_seqs 256 on each of the 24 ranks: 6,144 sequences' windows kept.
     assert eng.blocks.num_blocks == memory_fit(profiles.model("deepseek-v4-pro"), profiles.hardware("H100-SXM"),
-                                               Parallel(tp=1, dp=16), 0.9, 4096).kv_tokens // 64
-    assert (eng.scheduler.max_num_seqs, eng.scheduler.max_num_batched_tokens) == (4096, 16 * 8192)
+                                               Parallel(tp=1, dp=24), 0.9, 6144).kv_tokens // 64
+    assert (eng.scheduler.max_num_seqs, eng.scheduler.max_num_batched_tokens) == (6144, 24 * 8192)
 
 
 def test_a_deployment_that_cannot_hold_the_model_is_refused_with_its_numbers(tmp_path):
