@@ -6,11 +6,12 @@
 A plan (`plan_space`: TOML, unknown keys refused naming the key) names a
 scenario and the space: hardware per cluster with prices, GPU and USD
 budgets, per role the counts and parallelism shapes.  For each deployment
-kind (same-DC PD, naive cross-DC PD, PDD) the planner searches role counts
-and shapes for the highest SLA goodput per USD per hour (`plan_search`):
-the roofline prunes the rates a split cannot carry (`plan_bounds`), the
-survivors run on the simulator's virtual clock.  It prints a ranked table
-per kind and, with `--out DIR`, writes
+kind (same-DC PD, naive cross-DC PD, cross-DC PD with MD's prefix cache,
+PDD; `plan_space.KINDS`) the planner searches role counts and shapes for
+the highest SLA goodput per USD per hour (`plan_search`): the roofline
+prunes the rates a split cannot carry (`plan_bounds`), the survivors run on
+the simulator's virtual clock.  It prints a ranked table per kind and, with
+`--out DIR`, writes
 
   DIR/config.toml          the overall winner, ready for `pddgw serve`
   DIR/KIND.config.toml     each kind's winner
@@ -36,7 +37,7 @@ from pddgw.logs import setup_logging
 from pddgw.sim.goodput import first_fail
 from pddgw.sim.plan_bounds import Bound, Setting, capacity
 from pddgw.sim.plan_search import Evaluation, KindResult, _Workloads, search, upper_bound, winner
-from pddgw.sim.plan_space import KINDS, Plan, candidates, load_plan
+from pddgw.sim.plan_space import KINDS, NOT_YET, Plan, candidates, load_plan
 from pddgw.sim.plan_write import config_toml, deployments_toml, serve_comment, serve_config
 from pddgw.sim.profiles import model, uncalibrated, uncalibrated_line
 from pddgw.sim.run import sim_parser
@@ -149,7 +150,7 @@ def format_dry_run(plan: Plan) -> str:
              "could reach where the roofline allows"]
     if _uncalibrated(plan):
         lines.append(uncalibrated_line(_uncalibrated(plan)))
-    for kind in plan.spec.kinds:
+    for kind in plan.spec.searched:
         rows = []
         for c in candidates(plan, prof, kind):
             at = Setting.of(plan, c)
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                    "goodput per USD per hour.", "--plan", "planner TOML (e.g. scenarios/plan_paper.toml)",
                    "size for this Mooncake-format trace instead of the scenario's workload")
     p.add_argument("--wan-gbps", type=float, help="override the plan's WAN bandwidth")
-    p.add_argument("--kinds", nargs="+", choices=KINDS, help="search only these deployment kinds")
+    p.add_argument("--kinds", nargs="+", choices=KINDS + NOT_YET, help="search only these deployment kinds")
     p.add_argument("--exhaustive", action="store_true", help="brute force: simulate every candidate and probe")
     p.add_argument("--dry-run", action="store_true", help="print the candidates' roofline bounds, simulate nothing")
     p.add_argument("--out", help="write config.toml, KIND.config.toml and deployments.toml into this directory")
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(format_dry_run(plan))
             return 0
-        for kind in plan.spec.kinds:            # budget and fit errors before any simulation
+        for kind in plan.spec.searched:         # budget and fit errors before any simulation
             candidates(plan, model(plan.scenario.model), kind)
     except (ConfigError, ValueError, KeyError) as e:
         print(f"pddgw plan: error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)

@@ -284,7 +284,7 @@ def _drive(searches: Sequence[_KindSearch], jobs: int, pool: concurrent.futures.
 def search(plan: Plan, exhaustive: bool = False, jobs: int = 1, progress: bool = False) -> dict[Kind, KindResult]:
     """Every kind of the plan, with `jobs` processes evaluating candidates side by side, of any
     kind (`_KindSearch`: each kind's search is the same whichever ends first)."""
-    searches = [_KindSearch(plan, k, exhaustive, jobs) for k in plan.spec.kinds]
+    searches = [_KindSearch(plan, k, exhaustive, jobs) for k in plan.spec.searched]
     if jobs <= 1:
         _drive(searches, 1, None, progress)
     else:

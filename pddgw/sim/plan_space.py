@@ -7,9 +7,14 @@ Decoded with `pddgw.config_build.build`: an unknown key or bad value names the f
 
 Deployment kinds (docs/architecture.md, The regime PDD lives in):
 
-  same-dc         P and decode in cluster A, P-MD forced (homogeneous PD)
-  naive-cross-dc  P in A, MD in B without a prefix cache, P-MD forced
-  pdd             P and RLD in A, MD in B, the router's policy decides
+  same-dc          P and decode in cluster A, P-MD forced (homogeneous PD)
+  naive-cross-dc   P in A, MD in B without a prefix cache, P-MD forced (the whole prompt's KV crosses)
+  cross-dc-cached  P in A, MD in B with its prefix cache, no RLD, P-MD forced (only the KV MD lacks
+                   crosses; the router's prefix affinity as the plan's policy sets it, on by default)
+  pdd              P and RLD in A, MD in B, the router's policy decides
+
+A plan may also name `pdd-relay-on-p` (PDD with P relaying, no RLD instance: tracker issue 47);
+it is refused in one line until the real system runs it.
 
 `candidates(plan, sc, kind)` enumerates (hardware, shape, count) per role, drops the pairs
 the model does not fit (as `pddgw sim` would) and keeps those within the budgets; none left
@@ -22,7 +27,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from pddgw.config import ConfigError, PolicyConfig
 from pddgw.config_build import load_toml
@@ -31,8 +36,11 @@ from pddgw.sim.profiles import HARDWARE, ModelProfile, check_prices, price
 from pddgw.sim.scenario import (DeploymentSpec, GoodputSpec, NodeGroup, Scenario, SloSpec, WorkloadSpec, group_fit,
                                 load_scenario)
 
-Kind = Literal["same-dc", "naive-cross-dc", "pdd"]
-KINDS: tuple[Kind, ...] = ("same-dc", "naive-cross-dc", "pdd")
+Kind = Literal["same-dc", "naive-cross-dc", "cross-dc-cached", "pdd"]
+KINDS: tuple[Kind, ...] = ("same-dc", "naive-cross-dc", "cross-dc-cached", "pdd")
+# What a plan's `kinds` may name: the kinds above and those not implemented yet (refused).
+PlanKind = Literal["same-dc", "naive-cross-dc", "cross-dc-cached", "pdd", "pdd-relay-on-p"]
+NOT_YET: tuple[PlanKind, ...] = ("pdd-relay-on-p",)
 ROLE_PREFIX = {"prefill": "P", "rld": "RLD", "md": "MD"}
 
 
@@ -139,7 +147,7 @@ class PlanSpec:
     scenario: str = ""                   # scenario TOML, relative to the plan file
     model: str = ""                      # "" = the scenario's
     trace: str = ""                      # a Mooncake trace instead of the scenario's workload
-    kinds: tuple[Kind, ...] = KINDS
+    kinds: tuple[PlanKind, ...] = KINDS   # every one in KINDS (`searched`); NOT_YET's are refused
     wan_gbps: float = 0.0                # 0 = the scenario's first WAN variant (or its links)
     usd_per_hour: float = 0.0            # total budget of a deployment (0 = none)
     clusters: tuple[ClusterSpace, ...] = ()
@@ -157,6 +165,9 @@ class PlanSpec:
         _check(bool(self.scenario), "scenario: name the scenario TOML (model, links, workload, SLOs)")
         check_prices(self.prices)
         _check(bool(self.kinds) and len(set(self.kinds)) == len(self.kinds), "kinds must be distinct and not empty")
+        for k in self.kinds:
+            _check(implemented(k), f"kinds: kind {k!r} is not implemented yet (the planner compares "
+                                   f"{', '.join(KINDS)})")
         _check(self.wan_gbps >= 0 and self.usd_per_hour >= 0, "wan_gbps and usd_per_hour must be >= 0")
         names = [c.name for c in self.clusters]
         _check(len(set(names)) == len(names), "clusters: duplicate name")
@@ -165,8 +176,18 @@ class PlanSpec:
         _check(not missing, f"clusters: no cluster named {', '.join(map(repr, missing))} (cluster A holds P, "
                             "RLD and same-DC decode, cluster B the cross-DC MD)")
 
+    @property
+    def searched(self) -> tuple[Kind, ...]:
+        """The kinds to search: `kinds`, every one implemented (`__post_init__`)."""
+        return tuple(k for k in self.kinds if implemented(k))
+
     def cluster(self, name: str) -> ClusterSpace:
         return next(c for c in self.clusters if c.name == name)
+
+
+def implemented(kind: str) -> TypeGuard[Kind]:
+    """Whether the planner searches `kind` (a plan may name the NOT_YET kinds, and is refused)."""
+    return kind in KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +287,7 @@ def _roles(kind: Kind) -> tuple[tuple[str, str], ...]:
     """(role, cluster) of each group of a kind, in the order a deployment lists them."""
     if kind == "same-dc":
         return ("prefill", "A"), ("md", "A")
-    if kind == "naive-cross-dc":
+    if kind in ("naive-cross-dc", "cross-dc-cached"):
         return ("prefill", "A"), ("md", "B")
     return ("prefill", "A"), ("rld", "A"), ("md", "B")
 
