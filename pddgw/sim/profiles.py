@@ -4,8 +4,10 @@
 FLOP/s, HBM bandwidth and capacity, NVLink bandwidth) and four numbers that
 are not on any datasheet: the fraction of the FLOP/s peak a prefill reaches,
 the fraction of the HBM peak a decode reaches, a fixed cost per engine step
-and the fixed latency of one tensor-parallel all-reduce.  Those four are
-fitted to published end-to-end measurements (`python -m
+and the fixed latency of one tensor-parallel all-reduce, plus the fraction
+of the peak an expert-parallel MoE prefill and decode reach (0 on parts with
+no MoE row: compute_efficiency).  These are fitted to published end-to-end
+measurements (`python -m
 pddgw.bench.calibration` prints the comparison; docs/results/calibration.md
 says where the fit holds and where it does not).
 
@@ -62,9 +64,18 @@ class HardwareProfile:
     # scenario's `fp4_on_non_native` says: `as_run`, `gemm_peak_flops`).
     peak_tflops_fp4: float = 0.0
     # Whether pddgw/sim/calibration.toml holds a published serving measurement on this part.
-    # False: the four fitted numbers are `efficiencies_from`'s, and every report using it says so.
+    # False: the fitted numbers (efficiencies, overhead, latency) are `efficiencies_from`'s,
+    # and every report using it says so.
     calibrated: bool = True
     efficiencies_from: str = ""
+    # Fraction of the peak an expert-parallel MoE step's GEMMs reach, prefill (normal-mode
+    # all-to-all) and decode (low-latency mode); 0 = compute_efficiency.  Fitted, not datasheet
+    # numbers: each absorbs what the roofline does not price one by one (grouped expert GEMMs
+    # with FP8 block scaling, the SMs DeepEP's normal kernels hold while they overlap - 20 of
+    # 132, DeepSeek-V3 technical report, arXiv 2412.19437, sec. 3.2.2 -, the busiest EP rank's
+    # expert load, gating and permutation kernels).  Which rows fixed them: below, `_H100`.
+    moe_prefill_efficiency: float = 0.0
+    moe_decode_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name must not be empty")
@@ -72,6 +83,8 @@ class HardwareProfile:
             _check(getattr(self, f) > 0, f"{f} must be > 0")
         for f in ("compute_efficiency", "bandwidth_efficiency"):
             _check(0 < getattr(self, f) <= 1, f"{f} must be in (0, 1]")
+        for f in ("moe_prefill_efficiency", "moe_decode_efficiency"):
+            _check(0 <= getattr(self, f) <= 1, f"{f} must be in [0, 1] (0 = compute_efficiency)")
         _check(self.step_overhead_ms >= 0, "step_overhead_ms must be >= 0")
         _check(self.allreduce_latency_us >= 0, "allreduce_latency_us must be >= 0")
         _check(self.peak_tflops_fp8 >= 0, "peak_tflops_fp8 must be >= 0")
@@ -80,6 +93,12 @@ class HardwareProfile:
         _check(self.calibrated == (not self.efficiencies_from),
                "an uncalibrated part names the part its efficiencies come from (efficiencies_from), "
                "a calibrated one none")
+
+    def moe_efficiency(self, prefill: bool) -> float:
+        """Fraction of the peak an expert-parallel MoE step reaches: `moe_prefill_efficiency`
+        for a step with a prefill chunk, `moe_decode_efficiency` for a decode-only one, each
+        `compute_efficiency` when 0."""
+        return (self.moe_prefill_efficiency if prefill else self.moe_decode_efficiency) or self.compute_efficiency
 
     @property
     def native_fp4(self) -> bool:
@@ -141,6 +160,17 @@ class HardwareProfile:
 #     FP8 first tokens sit within 6 % of 0.40 of the FP8 peak, DeepSeek's H800 prefill
 #     profile implies ~0.33 (pddgw/sim/calibration.toml, docs/results/calibration.md).
 #
+#   moe_prefill_efficiency 0.31, moe_decode_efficiency 0.14 (Hopper; H800 and H200 inherit
+#     them): fitted to the expert-parallel rows of SGLang's large-EP blog (H100; prefill EP32
+#     at 1K / 2K / 4K, decode EP72) and DeepSeek's profile (H800; prefill EP32, decode
+#     EP128): each the value whose geometric-mean ratio over its fit rows is 1 (0.309,
+#     0.143), rounded.  DeepSeek's online service and vLLM's wide-EP rows (H200) are checks.
+#     The prefill value sits near what those rows imply end to end (~0.27-0.33 of the FP8
+#     peak, docs/results/calibration.md).  The decode value is low because a decode step's
+#     expert GEMMs see 64-128 tokens per expert per micro-batch, the attention and gating
+#     kernels run twice on half batches, and the busiest rank sets the step; none of these is
+#     priced on its own.  Dense steps and TP-only MoE steps keep compute_efficiency.
+#
 # H800 SXM5 (DeepSeek's own serving part): the H100 SXM die and HBM3 (same
 #   FP8 / BF16 peaks, 80 GB at 3.35 TB/s) with NVLink cut to 400 GB/s both
 #   directions together (NVIDIA H800 SXM5 specification; DeepSeek-V3
@@ -154,11 +184,13 @@ _H100 = HardwareProfile(
     name="H100-SXM", peak_tflops_bf16=989.5, peak_tflops_fp8=1979.0, hbm_tb_s=3.35, hbm_gb=80.0,
     interconnect_gb_s=450.0, scaleout_gb_s=50.0, allreduce_latency_us=25.0,
     compute_efficiency=0.40, bandwidth_efficiency=0.8, step_overhead_ms=2.0,
+    moe_prefill_efficiency=0.31, moe_decode_efficiency=0.14,
 )
 _FROM_H100 = {"calibrated": False, "efficiencies_from": "H100-SXM"}
 
 # Parts with no published serving measurement in calibration.toml (calibrated = False):
-# datasheet peaks, and the four fitted numbers of the part named in efficiencies_from.
+# datasheet peaks, and the fitted numbers (MoE efficiencies included) of the part named in
+# efficiencies_from.
 # Dense peaks are the datasheets' "with sparsity" figures halved.  Read 2026-12.
 #
 # H20 (Hopper, NVIDIA's export part for China): FP8 296 / BF16 148 TFLOPS dense, 96 GB

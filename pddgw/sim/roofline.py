@@ -10,7 +10,9 @@ compute_s, memory_s and the communication terms are defined where they are compu
 all-to-all bytes (a2a_wire_s) overlap its compute, as the engines that serve these models run
 it (DeepSeek's inference system: two micro-batches in prefill, a 5-stage pipeline in decode;
 SGLang's two-batch overlap; vLLM's dual-batch overlap); the tensor-parallel all-reduces and
-every exchange's fixed latency stay serial (serial_comm_s).  Activations are ignored (a few %
+every exchange's fixed latency stay serial (serial_comm_s).  Such a step runs as
+EP_MICRO_BATCHES micro-batches, each reading the weights it uses, and computes at the part's
+fitted MoE prefill or decode efficiency (`HardwareProfile.moe_efficiency`).  Activations are ignored (a few %
 of a decode step's bytes).  A step with no new tokens costs nothing, overhead included.
 Model and assumptions: docs/simulator.md.
 """
@@ -33,6 +35,12 @@ _V = TypeVar("_V")
 ACTIVATION_BYTES = 2          # bf16 hidden states in the TP all-reduces and the EP combine
 DISPATCH_BYTES = 1            # FP8 hidden states in the EP dispatch (DeepEP's low-latency and normal modes)
 GPUS_PER_NODE = 8             # HGX / DGX H100, H200, A100 nodes
+# Micro-batches an expert-parallel MoE step runs as, so that one's all-to-all overlaps the
+# other's compute: DeepSeek's inference system (two in prefill and decode; DeepSeek-V3 technical
+# report, arXiv 2412.19437, sec. 3.4; github.com/deepseek-ai/profile-data README), SGLang's
+# two-batch overlap, vLLM's dual-batch overlap.  Each micro-batch runs every layer's kernels
+# on its own tokens, so each reads the weights it uses: a step reads its weights twice.
+EP_MICRO_BATCHES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +286,7 @@ class _StepConsts:
     """
 
     __slots__ = ("model", "hw", "par", "linear_per_token", "linear_time_per_token", "gpus", "kv_copies",
-                 "attn_per_tp", "compute_rate",
+                 "attn_per_tp", "compute_rate", "rates", "micro_batches",
                  "attn_scale", "memory_rate", "overhead_s", "_by_new", "_attn_dp", "_shared_bytes", "_expert_bytes")
 
     def __init__(self, model: ModelProfile, hw: HardwareProfile, par: Parallel) -> None:
@@ -290,6 +298,13 @@ class _StepConsts:
         self.attn_per_tp = attn_bytes / par.tp
         peak = hw.peak_flops(model.fp8_compute)
         self.compute_rate = peak * hw.compute_efficiency
+        # An expert-parallel MoE step runs as EP_MICRO_BATCHES micro-batches, at the part's MoE
+        # efficiencies (`HardwareProfile.moe_efficiency`); anything else at compute_efficiency.
+        # rates[0]: decode-only steps, [1]: steps with a chunk.
+        moe_ep = bool(model.num_experts) and par.expert_parallel > 1
+        self.micro_batches = EP_MICRO_BATCHES if moe_ep else 1
+        self.rates = ((peak * hw.moe_efficiency(False), peak * hw.moe_efficiency(True)) if moe_ep
+                      else (self.compute_rate, self.compute_rate))
         # Routed experts' GEMMs run at their weights' own peak (`HardwareProfile.gemm_peak_flops`:
         # FP4 at the FP4 peak where native, W4A16 at the BF16 one): compute time counts their
         # FLOPs x peak / their peak (the same FLOPs when the peaks agree).
@@ -304,12 +319,15 @@ class _StepConsts:
         self.memory_rate = hw.hbm_tb_s * 1e12 * hw.bandwidth_efficiency
         self.overhead_s = hw.step_overhead_ms / 1e3
         # by_new's values, [0] for decode-only steps, [1] for steps with a chunk (normal mode).
-        self._by_new: tuple[dict[int, tuple[float, float, float, float]], ...] = ({}, {})
+        self._by_new: tuple[dict[int, tuple[float, float, float, float, float]], ...] = ({}, {})
 
-    def by_new(self, new: int, normal: bool) -> tuple[float, float, float, float]:
+    def by_new(self, new: int, normal: bool) -> tuple[float, float, float, float, float]:
         """(dense + attention + expert bytes, shared + expert bytes, serial communication seconds,
-        overlapped communication seconds) of a step of `new` tokens.  Routed experts:
-        num_moe_layers * distinct_experts * expert_bytes.  Serial: with tp > 1 one all-reduce per
+        overlapped communication seconds, attention weight bytes per GPU) of a step of `new`
+        tokens.  Routed experts: num_moe_layers * distinct_experts * expert_bytes.  Weights are
+        read once per micro-batch: m = min(micro_batches, new) micro-batches of new // m or
+        new // m + 1 tokens each, each reading the attention and dense weights and the distinct
+        experts of its own tokens (1 micro-batch: the step's).  Serial: with tp > 1 one all-reduce per
         layer after attention and one per dense-MLP layer (and per MoE layer when ep = 1), each
         allreduce_latency_us + 2 (tp - 1) / tp * buffer / interconnect, buffer (T / dp) * hidden
         * 2 bytes; with ep > 1 the all-to-alls' 2 * allreduce_latency_us per MoE layer.
@@ -326,8 +344,11 @@ class _StepConsts:
         if got is not None:
             return got
         model, hw, par = self.model, self.hw, self.par
-        experts = (model.num_moe_layers * distinct_experts(model.num_experts, model.experts_per_token, new)
-                   * self._expert_bytes)
+        m = min(self.micro_batches, new)
+        size, extra = divmod(new, m)
+        visited = sum(distinct_experts(model.num_experts, model.experts_per_token, size + (i < extra))
+                      for i in range(m)) if m > 1 else distinct_experts(model.num_experts, model.experts_per_token, new)
+        experts = model.num_moe_layers * visited * self._expert_bytes
         serial_s = 0.0
         if par.tp > 1:
             buffer = new / par.dp * model.hidden_size * ACTIVATION_BYTES
@@ -339,7 +360,12 @@ class _StepConsts:
         if par.expert_parallel > 1 and model.num_experts:
             serial_s += model.num_moe_layers * 2 * hw.allreduce_latency_us / 1e6
             wire_s = model.num_moe_layers * alltoall_wire_s(model, hw, par, new, normal)
-        got = (self._attn_dp + self._shared_bytes + experts, self._shared_bytes + experts, serial_s, wire_s)
+        if m > 1:
+            got = (m * (self._attn_dp + self._shared_bytes) + experts, m * self._shared_bytes + experts,
+                   serial_s, wire_s, m * self.attn_per_tp)
+        else:
+            got = (self._attn_dp + self._shared_bytes + experts, self._shared_bytes + experts, serial_s, wire_s,
+                   self.attn_per_tp)
         if len(cache) >= 4096:
             cache.clear()
         cache[new] = got
@@ -388,7 +414,7 @@ def step_cost(model: ModelProfile, hw: HardwareProfile, tp: int | Parallel, batc
         own = attn_linear * big.new_tokens + ((big_flops - big_fast) * c.attn_scale + big_fast)
         share = (attn_linear * new + attn_time) / par.dp
         if own > share:
-            extra_s = (own - share) / par.tp / c.compute_rate
+            extra_s = (own - share) / par.tp / c.rates[1]
     return _priced(c, new, attn_flops, attn_time, kv, extra_s, new > len(work))
 
 
@@ -410,20 +436,22 @@ def _priced(c: _StepConsts, new: int, attn_flops: float, attn_time: float, kv: f
     its FLOPs counted at the GEMMs' peak (the core at the BF16 one: `_attention`).
 
     FLOPs = 2 * active_params_per_token * T + attention (LM head charged for every new token);
-    compute_s = (linear FLOPs + attn_time) / gpus / (peak * compute_efficiency) + `extra_s`
-    (busiest DP rank);
+    compute_s = (linear FLOPs + attn_time) / gpus / (peak * efficiency) + `extra_s` (busiest DP
+    rank), efficiency compute_efficiency, or for an expert-parallel MoE step the part's MoE
+    prefill (a step with a chunk) or decode efficiency;
     memory_s = per-GPU bytes / (hbm_tb_s * 1e12 * bandwidth_efficiency), attention weights read
     per rank (/ tp), other dense weights and routed experts split over all GPUs, KV split over
-    dp and over tp only when it has heads (GQA; MLA and V4 latents are replicated per tp GPU).
+    dp and over tp only when it has heads (GQA; MLA and V4 latents are replicated per tp GPU);
+    an expert-parallel MoE step's weights once per micro-batch (`_StepConsts.by_new`).
     seconds = max(compute_s, memory_s, overlapped comm) + serial comm + step overhead
     (`_StepConsts.by_new` says which communication is which); comm_s is what the two add to
     max(compute_s, memory_s).
     """
     flops = c.linear_per_token * new + attn_flops
-    base_bytes, other_bytes, serial_s, wire_s = c.by_new(new, normal)
+    base_bytes, other_bytes, serial_s, wire_s, attn_per_gpu = c.by_new(new, normal)
     nbytes = base_bytes + kv * c.kv_copies
-    per_gpu_bytes = c.attn_per_tp + (other_bytes + kv * c.kv_copies) / c.gpus
-    compute_s = (c.linear_time_per_token * new + attn_time) / c.gpus / c.compute_rate
+    per_gpu_bytes = attn_per_gpu + (other_bytes + kv * c.kv_copies) / c.gpus
+    compute_s = (c.linear_time_per_token * new + attn_time) / c.gpus / c.rates[normal]
     if extra_s:
         compute_s += extra_s
     memory_s = per_gpu_bytes / c.memory_rate

@@ -25,6 +25,9 @@ R = 2 * 61 * 6 * EXPERT                      # 48,356,130,816 routed-expert FLOP
 FP4, FP8 = 0.53125, 1 + 1 / 16384
 PAR = Parallel(tp=1, dp=16)
 LENGTHS = [4097] * 64                        # a decode step of 64 sequences: T = 64 tokens
+# An expert-parallel decode: compute at the part's MoE decode efficiency (H100's, which B200
+# inherits), its weights read by each of two micro-batches of 32 tokens.
+EFF = H100.moe_decode_efficiency
 
 
 def step(model, hw):
@@ -56,15 +59,16 @@ def test_as_run_repacks_only_fp4_experts_on_a_non_native_part_when_asked():
 def test_hopper_w4a16_runs_the_experts_at_the_bf16_peak():
     w4a16, repack = step(PRO, H100), step(profiles.as_run(PRO, H100, "fp8_repack"), H100)
     assert w4a16.flops == repack.flops
-    # 64 tokens x R FLOPs over 16 GPUs, at 0.40 x 989.5 TFLOP/s instead of 0.40 x 1,979.
+    # 64 tokens x R FLOPs over 16 GPUs, at EFF x 989.5 TFLOP/s instead of EFF x 1,979.
     assert w4a16.compute_s - repack.compute_s == pytest.approx(
-        64 * R / 16 * (1 / (0.40 * 989.5e12) - 1 / (0.40 * 1979e12)), rel=1e-9)
-    assert 64 * R / 16 / (0.40 * 1979e12) == pytest.approx(2.443463e-4, rel=1e-6)
+        64 * R / 16 * (1 / (EFF * 989.5e12) - 1 / (EFF * 1979e12)), rel=1e-9)
+    assert 64 * R / 16 / (0.14 * 1979e12) == pytest.approx(6.981323e-4, rel=1e-6)
+    assert EFF == 0.14
 
 
 def test_hopper_fp8_repack_reads_fp8_expert_bytes():
     w4a16, repack = step(PRO, H100), step(profiles.as_run(PRO, H100, "fp8_repack"), H100)
-    visited = 61 * distinct_experts(384, 6, 64)
+    visited = 61 * 2 * distinct_experts(384, 6, 32)     # two micro-batches of 32 tokens
     assert repack.bytes - w4a16.bytes == pytest.approx(visited * EXPERT * (FP8 - FP4), rel=1e-12)
     assert repack.memory_s - w4a16.memory_s == pytest.approx(
         visited * EXPERT * (FP8 - FP4) / 16 / (3.35e12 * 0.8), rel=1e-9)
@@ -75,11 +79,11 @@ def test_b200_runs_fp4_experts_at_its_fp4_peak():
     w4a16 = step(PRO, dataclasses.replace(B200, peak_tflops_fp4=0.0))  # the same part without FP4 cores
     assert native.flops == w4a16.flops and native.bytes == w4a16.bytes
     assert w4a16.compute_s - native.compute_s == pytest.approx(
-        64 * R / 16 * (1 / (0.40 * 2250e12) - 1 / (0.40 * 9000e12)), rel=1e-9)
+        64 * R / 16 * (1 / (EFF * 2250e12) - 1 / (EFF * 9000e12)), rel=1e-9)
     # The rest of the step at the FP8 peak: against the experts at FP8 too, FP4 saves half their time.
     fp8_experts = step(dataclasses.replace(PRO, expert_bytes_per_param=FP8), B200)
     assert fp8_experts.compute_s - native.compute_s == pytest.approx(
-        64 * R / 16 * (1 / (0.40 * 4500e12) - 1 / (0.40 * 9000e12)), rel=1e-9)
+        64 * R / 16 * (1 / (EFF * 4500e12) - 1 / (EFF * 9000e12)), rel=1e-9)
 
 
 def test_a100_has_no_fp8_cores_so_both_choices_compute_at_bf16():

@@ -142,14 +142,16 @@ def test_mla_decode_step_hand_roofline():
     attn = 61 * 2 * 128 * (128 + 64 + 128) * 32 * (4096 + 1)          # MHA-form QK and PV
     flops = 2 * V3_ACTIVE * 32 + attn
     assert c.flops == pytest.approx(flops, rel=1e-12)
-    distinct = 256 * (1 - (1 - 8 / 256) ** 32)                         # ~160.5 experts per layer
-    experts = 58 * distinct * V3_EXPERT_BYTES
+    # Expert-parallel: two micro-batches of 16, each reading the dense weights and its experts.
+    distinct = 256 * (1 - (1 - 8 / 256) ** 16)                         # ~104.6 experts per layer each
+    experts = 2 * 58 * distinct * V3_EXPERT_BYTES
     kv = 32 * 4097 * 70272                                             # the latent is replicated on all 8
-    per_gpu = V3_DENSE_BYTES / 8 + experts / 8 + kv
+    per_gpu = 2 * V3_DENSE_BYTES / 8 + experts / 8 + kv
     assert c.memory_s == pytest.approx(per_gpu / (4.8e12 * H200.bandwidth_efficiency), rel=1e-9)
-    # FP8 weights use the FP8 tensor-core peak, the attention core the BF16 one.
-    assert c.compute_s == pytest.approx((2 * V3_ACTIVE * 32 / 1979e12 + attn / 989.5e12) / 8 / H200.compute_efficiency,
-                                        rel=1e-9)
+    # FP8 weights use the FP8 tensor-core peak, the attention core the BF16 one, both at the MoE
+    # decode efficiency.
+    assert c.compute_s == pytest.approx(
+        (2 * V3_ACTIVE * 32 / 1979e12 + attn / 989.5e12) / 8 / H200.moe_decode_efficiency, rel=1e-9)
     # TP all-reduce after attention in all 61 layers and after the MLP in the 3 dense ones; EP
     # all-to-all in the 58 MoE layers: 4 tokens a GPU x 8 experts x 7168 x (1 + 2) B, 7/8 leaving
     # it, hidden behind the step's bytes but for its two latencies (tests/sim/test_pricing_overlap.py).
@@ -185,9 +187,10 @@ def test_v4_pro_across_two_nodes_dp_attention():
     assert 61 * a2a_wire < c.memory_s                               # hidden but for the latencies
     assert c.comm_s == pytest.approx(61 * 2 * H100.allreduce_latency_us / 1e6, rel=1e-9)   # tp = 1: no all-reduce
     kv = 64 * (61 * 128 * 584 + 30 * (16384 * 132 + 1024 * 584) + 31 * 512 * 584)
-    experts = 61 * distinct_experts(384, 6, 64) * PRO.expert_bytes
-    assert c.memory_s == pytest.approx((attn + (shared + experts + kv) / 16) / (3.35e12 * H100.bandwidth_efficiency),
-                                       rel=1e-9)
+    # Two micro-batches of 32, each reading the attention and shared weights and its experts.
+    experts = 2 * 61 * distinct_experts(384, 6, 32) * PRO.expert_bytes
+    assert c.memory_s == pytest.approx(
+        (2 * attn + (2 * shared + experts + kv) / 16) / (3.35e12 * H100.bandwidth_efficiency), rel=1e-9)
     assert c.flops == pytest.approx(2 * PRO.active_params_per_token * 64 + 64 * PRO.attention_flops(65535, 1),
                                     rel=1e-12)
 
@@ -201,9 +204,10 @@ def test_fp8_weights_on_a100_run_at_the_bf16_peak():
 
 def test_a_lone_chunk_waits_for_its_own_rank():
     """DP16: a sequence's attention side (projections + attention) runs on its rank alone, the
-    experts and the rest over all 16 GPUs; chunks spread over the ranks price evenly."""
+    experts and the rest over all 16 GPUs; chunks spread over the ranks price evenly.
+    Expert-parallel: steps with a chunk at the MoE prefill efficiency, decodes at the decode one."""
     par = Parallel(tp=1, dp=16)
-    rate = 1979e12 * H100.compute_efficiency
+    rate = 1979e12 * H100.moe_prefill_efficiency
 
     def attn(ctx, new):
         """Attention FLOPs in FP8-peak FLOPs: the core at the BF16 peak (twice the time), the
@@ -228,8 +232,8 @@ def test_a_lone_chunk_waits_for_its_own_rank():
     assert four.compute_s == pytest.approx((own + 4 * rest_t / 16) / rate, rel=1e-9)
     # Decode-only steps and dp = 1 are priced evenly, as before.
     dec = step_cost(PRO, H100, par, [SeqWork(1, 60000)] * 3)
-    assert dec.compute_s == pytest.approx(3 * (2 * PRO.active_params_per_token + routed + attn(60000, 1)) / 16 / rate,
-                                          rel=1e-9)
+    assert dec.compute_s == pytest.approx(3 * (2 * PRO.active_params_per_token + routed + attn(60000, 1)) / 16
+                                          / (1979e12 * H100.moe_decode_efficiency), rel=1e-9)
     one = step_cost(PRO, H100, Parallel(tp=16), [SeqWork(8192, 4096)])
     assert one.compute_s == pytest.approx((own + rest_t) / 16 / rate, rel=1e-9)
 
@@ -303,8 +307,10 @@ def test_v4_step_sums_the_profile_formulas():
     attn = sum(PRO.attention_flops(w.context_tokens, w.new_tokens) for w in batch)
     assert c.flops == pytest.approx(2 * PRO.active_params_per_token * 8499 + attn, rel=1e-12)
     kv = sum(PRO.kv_read_bytes(w.context_tokens, w.new_tokens) for w in batch)
-    experts = 61 * distinct_experts(384, 6, 8499) * PRO.expert_bytes
-    nbytes = PRO.attention_weight_bytes * 8 + (PRO.dense_weight_bytes - PRO.attention_weight_bytes) + experts + kv
+    # Expert-parallel: two micro-batches of 4,250 and 4,249 tokens, each reading the weights.
+    experts = 61 * (distinct_experts(384, 6, 4250) + distinct_experts(384, 6, 4249)) * PRO.expert_bytes
+    nbytes = (2 * (PRO.attention_weight_bytes * 8 + PRO.dense_weight_bytes - PRO.attention_weight_bytes)
+              + experts + kv)
     assert c.bytes == pytest.approx(nbytes, rel=1e-12)
     # One decode at 64K reads the window, the top-1024 CSA entries and every indexer key and HCA entry.
     assert PRO.kv_read_bytes(65535, 1) == 61 * 128 * 584 + 30 * (16384 * 132 + 1024 * 584) + 31 * 512 * 584

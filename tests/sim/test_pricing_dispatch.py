@@ -62,7 +62,8 @@ def test_sglang_prefill_shape_sends_once_per_node():
     # The prefill step: 58 MoE layers of that wire hide behind the step's compute.
     c = step_cost(V3, H100, par, [SeqWork(4096, 0)] * 128)
     attn = 128 * 61 * 2 * 128 * (128 + 64 + 128) * (4096 * 4097 // 2)     # at the BF16 peak
-    compute = (2 * V3_ACTIVE * 128 * 4096 / 1979e12 + attn / 989.5e12) / 32 / H100.compute_efficiency
+    # an expert-parallel MoE prefill: at the MoE prefill efficiency (pddgw/sim/profiles.py)
+    compute = (2 * V3_ACTIVE * 128 * 4096 / 1979e12 + attn / 989.5e12) / 32 / H100.moe_prefill_efficiency
     assert c.compute_s == pytest.approx(compute, rel=1e-12)
     assert 58 * nic < compute and c.memory_s < compute
     latencies = 58 * 2 * H100.allreduce_latency_us / 1e6

@@ -27,12 +27,14 @@ V3_ACTIVE = V3_PARAMS - 129280 * 7168 - 58 * 248 * V3_EXPERT
 
 def test_mla_prefill_core_at_the_bf16_peak():
     # One 8K-token chunk of DeepSeek-V3 on 8 x H200 (TP8): the GEMMs at 1,979 TFLOPS (FP8), the
-    # causal MHA-form attention, 2 x 128 heads x (128 + 64 + 128) per pair, at 989.5 (BF16).
+    # causal MHA-form attention, 2 x 128 heads x (128 + 64 + 128) per pair, at 989.5 (BF16); an
+    # expert-parallel (EP8) MoE prefill, so both at the MoE prefill efficiency.
     c = step_cost(V3, H200, Parallel(tp=8), [SeqWork(8192, 0)])
     gemm = 2 * V3_ACTIVE * 8192
     attn = 61 * 2 * 128 * (128 + 64 + 128) * (8192 * 8193 // 2)
     assert c.flops == pytest.approx(gemm + attn, rel=1e-12)
-    assert c.compute_s == pytest.approx((gemm / 1979e12 + attn / 989.5e12) / 8 / H200.compute_efficiency, rel=1e-12)
+    assert c.compute_s == pytest.approx((gemm / 1979e12 + attn / 989.5e12) / 8 / H200.moe_prefill_efficiency,
+                                        rel=1e-12)
     assert c.bound == "compute"
 
 
@@ -51,7 +53,7 @@ def test_v4_core_at_bf16_indexer_at_fp8():
     long, short = (decode_step_cost(PRO, H200, par, [p] * 64) for p in (65_536, 4_097))
     assert long.flops - short.flops == pytest.approx(64 * (core(65_536) + index(65_536) - core(4_097) - index(4_097)),
                                                      rel=1e-12)
-    eff = H200.compute_efficiency
+    eff = H200.moe_decode_efficiency          # an expert-parallel (EP16) MoE decode
     want = 64 * ((core(65_536) - core(4_097)) / 989.5e12 + (index(65_536) - index(4_097)) / 1979e12) / 16 / eff
     assert long.compute_s - short.compute_s == pytest.approx(want, rel=1e-9)
 
