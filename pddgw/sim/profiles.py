@@ -167,9 +167,10 @@ class HardwareProfile:
 #     0.143), rounded.  DeepSeek's online service and vLLM's wide-EP rows (H200) are checks.
 #     The prefill value sits near what those rows imply end to end (~0.27-0.33 of the FP8
 #     peak, docs/results/calibration.md).  The decode value is low because a decode step's
-#     expert GEMMs see 64-128 tokens per expert per micro-batch, the attention and gating
-#     kernels run twice on half batches, and the busiest rank sets the step; none of these is
-#     priced on its own.  Dense steps and TP-only MoE steps keep compute_efficiency.
+#     expert GEMMs see 128-288 tokens per expert per micro-batch in those rows, the attention
+#     and gating kernels run twice on half batches, and the busiest rank sets the step; none
+#     of these is priced on its own.  Dense steps and TP-only MoE steps keep
+#     compute_efficiency.
 #
 # H800 SXM5 (DeepSeek's own serving part): the H100 SXM die and HBM3 (same
 #   FP8 / BF16 peaks, 80 GB at 3.35 TB/s) with NVLink cut to 400 GB/s both
