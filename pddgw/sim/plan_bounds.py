@@ -171,10 +171,12 @@ def _kv_tokens(prof: ModelProfile, g: NodeGroup) -> int:
 @functools.lru_cache(maxsize=1024)
 def prefill_tokens_per_s(prof: ModelProfile, g: NodeGroup) -> float:
     """The most prompt tokens per second one instance computes: full steps of
-    max_num_batched_tokens tokens on each DP rank, with no context (the least attention any
-    prefill does)."""
-    b = g.max_num_batched_tokens * g.data_parallel
-    return b / step_cost(*_as_run(prof, g), parallel(g.costmodel()), [SeqWork(1, 0)] * b).seconds
+    max_num_batched_tokens tokens on each DP rank with the least attention a prefill does.
+    Two-token prompts, not single tokens: the roofline prices a step of single tokens as a
+    decode step (its efficiency, its dispatch mode); the half pair of attention a token
+    more is ~1e-5 of its weight FLOPs."""
+    n = g.max_num_batched_tokens * g.data_parallel // 2
+    return 2 * n / step_cost(*_as_run(prof, g), parallel(g.costmodel()), [SeqWork(2, 0)] * n).seconds
 
 
 @functools.lru_cache(maxsize=4096)

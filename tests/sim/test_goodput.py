@@ -371,10 +371,9 @@ def test_the_search_starts_at_the_highest_grid_rate_the_roofline_capacity_reache
     # Nothing to say: the capacity does not reach even the bottom.
     assert start_rate(spec, lambda r: 0.9) is None
     assert start_rate(spec, lambda r: 1.0) == 1.0
-    # The paper scenario: PDD and same-DC are bound by their two DP24 H100 P (~11.6 req/s: the
-    # FP4 experts W4A16 at the BF16 peak, and plan_bounds prices a prefill step as single-token
-    # SeqWorks, which the roofline runs at the MoE decode efficiency; decode ~23; PDD's WAN at
-    # 10 Gbps ~29.1); naive at 100 Gbps by its one DP24 P (~5.8), at 10 Gbps by its WAN's 3.46.
+    # The paper scenario: PDD and same-DC are bound by their decode (~23.4 req/s; their two DP24
+    # H100 P carry ~26 with the FP4 experts W4A16 at the MoE prefill efficiency; PDD's WAN at
+    # 10 Gbps ~29.4); naive at 100 Gbps by its one DP24 P (~13), at 10 Gbps by its WAN's 3.46.
     sc = load_scenario(Path(__file__).parents[2] / "scenarios" / "paper.toml")
     prof = model(sc.model)
     starts = {}
@@ -384,6 +383,6 @@ def test_the_search_starts_at_the_highest_grid_rate_the_roofline_capacity_reache
             at = Setting(sc, wan if sc.uses_wan(dep) else None, dep.policy.rld_max_relays)
             starts[dep.name, wan] = round(start_rate(sc.goodput,
                                                      lambda r: capacity(at, prof, cand, demand(sc, r)).rate), 4)  # noqa: B023
-    assert starts == {("same-dc-pd", 10.0): 11.3137, ("same-dc-pd", 100.0): 11.3137,
-                      ("naive-cross-dc", 10.0): 3.3636, ("naive-cross-dc", 100.0): 5.6569,
-                      ("pdd", 10.0): 11.3137, ("pdd", 100.0): 11.3137}
+    assert starts == {("same-dc-pd", 10.0): 22.6274, ("same-dc-pd", 100.0): 22.6274,
+                      ("naive-cross-dc", 10.0): 3.3636, ("naive-cross-dc", 100.0): 11.3137,
+                      ("pdd", 10.0): 22.6274, ("pdd", 100.0): 22.6274}

@@ -108,9 +108,9 @@ def test_prefill_and_decode_capacity_are_the_step_roofline_by_hand():
     h100 = NodeGroup(role="md", tensor_parallel=1, hardware="H100-SXM")
     # Llama-3-8B: 7,504,924,672 active parameters (8,030,261,248 less the 128,256 x 4,096
     # embedding), 32 layers x 4 x 32 heads x 128 = 524,288 attention FLOPs per (query, key)
-    # pair.  A chunk of 8,192 tokens, each its own single pair: compute-bound at 989.5 TFLOP/s x
-    # 0.40 = 3.958e14 FLOP/s, plus the 2 ms step overhead.
-    flops = 8192 * (2 * 7_504_924_672 + 524_288)
+    # pair.  A step of 8,192 tokens as 4,096 two-token prompts (3 pairs each): compute-bound at
+    # 989.5 TFLOP/s x 0.40 = 3.958e14 FLOP/s, plus the 2 ms step overhead.
+    flops = 8192 * 2 * 7_504_924_672 + 4096 * 3 * 524_288
     assert prefill_tokens_per_s(LLAMA8B, h100) == pytest.approx(8192 / (flops / 3.958e14 + 0.002), rel=1e-12)
     # A decode at 4,096 tokens of context: 16,060,522,496 weight bytes + 4,097 x 131,072 KV bytes
     # at 3.35 TB/s x 0.8, plus 2 ms.
