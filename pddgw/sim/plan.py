@@ -2,6 +2,7 @@
 
     pddgw plan --plan scenarios/plan_paper.toml [--jobs 2] [--out DIR] [--json]
                [--kinds KIND ...] [--trace T.jsonl] [--wan-gbps G] [--exhaustive] [--dry-run]
+    pddgw plan --plan P.toml --sweep [--jobs 2] [--out DIR] [--json]
 
 A plan (`plan_space`: TOML, unknown keys refused naming the key) names a
 scenario and the space: hardware per cluster with prices, GPU and USD
@@ -18,7 +19,9 @@ the simulator's virtual clock.  It prints a ranked table per kind and, with
   DIR/deployments.toml     each kind's winner as scenario [[deployments]] blocks
 
 `--dry-run` prints the candidates and their roofline bounds without
-simulating.  The JSON report (`--json`) is deterministic: wall-clock figures
+simulating.  `--sweep` maps the plan's `[sweep]` grid instead (`plan_sweep`: the payoff
+map), writing DIR/payoff.json and DIR/payoff_<model>.png (DIR: `--out`, else
+payoff-<plan name>).  The JSON report (`--json`) is deterministic: wall-clock figures
 go to stderr only.
 """
 
@@ -38,6 +41,7 @@ from pddgw.sim.goodput import first_fail
 from pddgw.sim.plan_bounds import Bound, Setting, capacity
 from pddgw.sim.plan_search import Evaluation, KindResult, _Workloads, search, upper_bound, winner
 from pddgw.sim.plan_space import KINDS, NOT_YET, Plan, candidates, load_plan
+from pddgw.sim.plan_sweep import format_sweep, sweep, sweep_json, write_sweep
 from pddgw.sim.plan_write import config_toml, deployments_toml, serve_comment, serve_config
 from pddgw.sim.profiles import model, uncalibrated, uncalibrated_line
 from pddgw.sim.run import sim_parser
@@ -180,6 +184,21 @@ def write_outputs(plan: Plan, results: dict[str, KindResult], out: Path) -> list
     return written + [path]
 
 
+def _sweep(plan: Plan, out: str | None, jobs: int, as_json: bool) -> int:
+    """`--sweep`: the payoff map (`plan_sweep`); its refusals raise before any simulation."""
+    wall0 = time.perf_counter()
+    sw = sweep(plan, jobs=jobs, progress=True)
+    print(f"pddgw plan --sweep: {sw.simulated_probes} probes simulated in {time.perf_counter() - wall0:.1f} s of "
+          "wall time", file=sys.stderr)
+    for path in write_sweep(sw, Path(out or f"payoff-{plan.spec.name}")):
+        print(f"pddgw plan: wrote {path}", file=sys.stderr)
+    if as_json:
+        sys.stdout.buffer.write(orjson.dumps(sweep_json(sw), option=orjson.OPT_INDENT_2) + b"\n")
+    else:
+        print(format_sweep(sw))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = sim_parser("pddgw plan", "Search role counts and parallelism per deployment kind for the highest SLA "
                    "goodput per USD per hour.", "--plan", "planner TOML (e.g. scenarios/plan_paper.toml)",
@@ -188,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", nargs="+", choices=KINDS + NOT_YET, help="search only these deployment kinds")
     p.add_argument("--exhaustive", action="store_true", help="brute force: simulate every candidate and probe")
     p.add_argument("--dry-run", action="store_true", help="print the candidates' roofline bounds, simulate nothing")
-    p.add_argument("--out", help="write config.toml, KIND.config.toml and deployments.toml into this directory")
+    p.add_argument("--out", help="write config.toml, KIND.config.toml and deployments.toml into this directory "
+                   "(with --sweep: payoff.json and payoff_MODEL.png)")
+    p.add_argument("--sweep", action="store_true", help="map the plan's [sweep] grid: cross-DC over same-DC BCR")
     args = p.parse_args(argv)
     setup_logging("warning")
     try:
@@ -198,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(format_dry_run(plan))
             return 0
+        if args.sweep:
+            return _sweep(plan, args.out, max(1, args.jobs), args.json)
         for kind in plan.spec.searched:         # budget and fit errors before any simulation
             candidates(plan, model(plan.scenario.model), kind)
     except (ConfigError, ValueError, KeyError) as e:

@@ -142,6 +142,29 @@ class SearchSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class SweepSpec:
+    """The payoff map's grid (`pddgw plan --sweep`, `plan_sweep`): cluster B's GPU-B parts, its
+    price as ratios of GPU-A's (and `market`: its [prices] entry), WAN bandwidths and the
+    agentic workload's prefix hit of follow-up turns (() = the workload's own buckets)."""
+
+    gpu_b: tuple[str, ...] = ()
+    price_ratios: tuple[float, ...] = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5)
+    market: bool = True
+    wan_gbps: tuple[float, ...] = (1.0, 10.0, 100.0)
+    prefix_hits: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(bool(self.gpu_b) and len(set(self.gpu_b)) == len(self.gpu_b), "gpu_b: name distinct parts")
+        for hw in self.gpu_b:
+            _check(hw in HARDWARE, f"gpu_b: hardware {hw!r} is not one of {sorted(HARDWARE)}")
+        _check(all(r > 0 for r in self.price_ratios), "price_ratios must be > 0")
+        _check(len(set(self.price_ratios)) == len(self.price_ratios), "price_ratios must be distinct")
+        _check(bool(self.price_ratios) or self.market, "price_ratios: empty and market = false: no price to map")
+        _check(bool(self.wan_gbps) and all(w > 0 for w in self.wan_gbps), "wan_gbps: name bandwidths > 0")
+        _check(all(0 <= h <= 1 for h in self.prefix_hits), "prefix_hits must lie in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
 class PlanSpec:
     name: str = "plan"
     scenario: str = ""                   # scenario TOML, relative to the plan file
@@ -160,6 +183,7 @@ class PlanSpec:
     search: SearchSpec = field(default_factory=SearchSpec)
     # USD per GPU-hour by hardware name, over the scenario's [prices] and pddgw/sim/prices.toml.
     prices: dict[str, float] = field(default_factory=dict)
+    sweep: SweepSpec | None = None       # the payoff map's grid (`pddgw plan --sweep`)
 
     def __post_init__(self) -> None:
         _check(bool(self.scenario), "scenario: name the scenario TOML (model, links, workload, SLOs)")

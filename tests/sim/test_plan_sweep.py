@@ -1,0 +1,184 @@
+"""`pddgw plan --sweep`: the payoff map on the tiny plan (2 GPU-B parts, 2 price ratios, 1 WAN).
+
+The price axis costs no simulation: each (GPU-B, WAN, hit) is searched once and its
+evaluations repriced per ratio."""
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pytest
+
+from pddgw.config import ConfigError
+from pddgw.sim import plan_search
+from pddgw.sim.plan import main as plan_main
+from pddgw.sim.plan_space import load_plan
+from pddgw.sim.plan_sweep import cells, format_sweep, gpu_b_price, search_all, sweep, sweep_spec, with_hit
+
+HERE = Path(__file__).parent
+TINY = HERE / "plan_tiny.toml"
+SWEEP = """
+[sweep]
+gpu_b = ["H200-SXM", "H100-SXM"]
+price_ratios = [1.0, 1.25]
+market = false
+wan_gbps = [10.0]
+"""
+SAME = "P 2 x H100-SXM tp1 | MD 1 x H100-SXM tp1"
+
+
+def _plan(tmp_path: Path, sweep_toml: str = SWEEP) -> Path:
+    (tmp_path / "tiny.toml").write_text((HERE / "tiny.toml").read_text())
+    p = tmp_path / "plan.toml"
+    p.write_text(TINY.read_text() + sweep_toml)
+    return p
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Every simulated probe, by (the WAN and MD part it ran at, the split, the rate)."""
+    calls: Counter = Counter()
+    real = plan_search.simulate_probe
+
+    def counting(plan, cand, rate):
+        md = cand.group("md")
+        calls[(plan.wan_gbps if cand.kind != "same-dc" else None, md.hardware, cand.kind, cand.label(), rate)] += 1
+        return real(plan, cand, rate)
+
+    monkeypatch.setattr(plan_search, "simulate_probe", counting)
+    return calls
+
+
+def _goodputs(searches):
+    return [(s.gpu_b, [(e.candidate, e.goodput_rps) for e in s.evaluations]) for s in searches]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    plan = load_plan(_plan(tmp_path_factory.mktemp("sweep")))
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _counted(mp)
+        sw = sweep(plan, jobs=1)
+    return plan, sw, calls
+
+
+def test_the_price_axis_costs_no_simulation(swept, monkeypatch):
+    plan, sw, calls = swept
+    # One same-DC search (no GPU-B, no WAN) and one cross-DC search per GPU-B: every probe
+    # simulated once, none per price ratio.
+    assert [(s.gpu_b, s.wan_gbps, s.hit) for s in sw.searches] == [(None, None, None), ("H200-SXM", 10.0, None),
+                                                                   ("H100-SXM", 10.0, None)]
+    assert set(calls.values()) == {1}
+    assert sum(calls.values()) == sw.simulated_probes == 8 + 16 + 16
+    assert len(sw.cells) == 2 * 2
+    # One ratio or two: the same simulations.
+    one = dataclasses.replace(plan, spec=dataclasses.replace(
+        plan.spec, sweep=dataclasses.replace(plan.spec.sweep, price_ratios=(1.0,))))
+    again = _counted(monkeypatch)
+    assert _goodputs(search_all(one, jobs=1)) == _goodputs(sw.searches)
+    assert again == calls
+    # Re-ranking by price reaches no simulator.
+    monkeypatch.setattr(plan_search, "simulate_probe", lambda *a: pytest.fail("simulated while repricing"))
+    assert cells(plan, sw.searches) == sw.cells
+
+
+def test_the_cells_and_their_bcr_by_hand(swept):
+    _, sw, _ = swept
+    same = {e.candidate.label(): e.goodput_rps for e in sw.searches[0].evaluations}
+    assert same == {"P 1 x H100-SXM tp1 | MD 1 x H100-SXM tp1": 8.75, "P 1 x H100-SXM tp1 | MD 2 x H100-SXM tp1": 8.75,
+                    SAME: 16.5, "P 2 x H100-SXM tp1 | MD 2 x H100-SXM tp1": 16.5}
+    for search in sw.searches[1:]:
+        b = search.gpu_b
+        got = {(e.candidate.kind, e.candidate.label()): e.goodput_rps for e in search.evaluations}
+        assert got == {("naive-cross-dc", f"P {p} x H100-SXM tp1 | MD {m} x {b} tp1"): 1.25
+                       for p in (1, 2) for m in (1, 2)} | {
+                      ("pdd", f"P {p} x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD {m} x {b} tp1"): g
+                      for p, g in ((1, 6.25), (2, 11.5)) for m in (1, 2)}
+    rows = [(c.gpu_b, c.ratio, c.gpu_b_price, c.cross.kind, c.cross.label, c.same.label) for c in sw.cells]
+    assert rows == [(b, r, 3.0 * r, "pdd", f"P 2 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x {b} tp1", SAME)
+                    for b in ("H200-SXM", "H100-SXM") for r in (1.0, 1.25)]
+    for c in sw.cells:
+        # 11.5 req/s on 2 P + 1 RLD at $3/GPU-h and 1 MD at ratio x $3; same-DC 16.5 req/s on 3 x $3.
+        assert c.cross.price == 9.0 + 3.0 * c.ratio and c.cross.goodput_rps == 11.5
+        assert c.same.price == 9.0 and c.same.goodput_rps == 16.5
+        assert c.payoff == pytest.approx((11.5 / (9.0 + 3.0 * c.ratio)) / (16.5 / 9.0), rel=1e-12)
+        # The best split at these prices: no evaluated cross-DC split does better per USD.
+        search = next(s for s in sw.searches if s.gpu_b == c.gpu_b)
+        for e in search.evaluations:
+            usd = sum(g.gpus * (3.0 if g.cluster == "A" else 3.0 * c.ratio) for g in e.candidate.groups)
+            assert e.goodput_rps / usd <= c.cross.bcr
+    assert [round(c.payoff, 4) for c in sw.cells] == [0.5227, 0.492, 0.5227, 0.492]
+
+
+def test_the_command_prints_the_map_and_writes_json_and_a_heatmap(tmp_path, capsys):
+    p = _plan(tmp_path)
+    out = tmp_path / "out"
+    assert plan_main(["--plan", str(p), "--sweep", "--jobs", "1", "--out", str(out), "--json"]) == 0
+    js = orjson.loads(capsys.readouterr().out)
+    assert js == orjson.loads((out / "payoff.json").read_bytes())
+    assert list(js) == ["plan", "scenario", "model", "gpu_a", "cross_dc_kinds", "axes", "simulated_probes",
+                        "searches", "cells"]
+    assert js["gpu_a"] == {"hardware": "H100-SXM", "price_per_gpu_hour": 3.0}
+    assert js["cross_dc_kinds"] == ["naive-cross-dc", "pdd"]
+    assert js["axes"] == {"gpu_b": ["H200-SXM", "H100-SXM"], "price_ratio": [1.0, 1.25], "wan_gbps": [10.0],
+                          "prefix_hit": None}
+    assert js["simulated_probes"] == 40 and len(js["searches"]) == 3 and len(js["cells"]) == 4
+    assert js["cells"][1] == {
+        "gpu_b": "H200-SXM", "price_ratio": 1.25, "gpu_b_price_per_gpu_hour": 3.75, "wan_gbps": 10.0,
+        "prefix_hit": None,
+        "cross_dc": {"kind": "pdd", "deployment": "P 2 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1",
+                     "goodput_rps": 11.5, "price_per_hour": 12.75, "goodput_per_usd_hour": round(11.5 / 12.75, 6)},
+        "same_dc": {"kind": "same-dc", "deployment": SAME, "goodput_rps": 16.5, "price_per_hour": 9.0,
+                    "goodput_per_usd_hour": round(16.5 / 9.0, 6)},
+        "payoff": round((11.5 / 12.75) / (16.5 / 9.0), 4)}
+    png = out / "payoff_llama3-8b.png"
+    assert png.stat().st_size > 0
+
+
+def test_the_table_has_a_row_per_cell_with_the_winning_split_and_the_payoff(swept):
+    lines = format_sweep(swept[1]).splitlines()
+    assert len(lines) == 2 + 2 + 4
+    assert lines[0].endswith("40 probes simulated, none per price")
+    row = next(line for line in lines if " H200-SXM       1.25 " in line)
+    assert row.split() == ["10", "workload's", "H200-SXM", "1.25", "3.75", "pdd:", "P", "2", "x", "H100-SXM", "tp1",
+                           "|", "RLD", "1", "x", "H100-SXM", "tp1", "|", "MD", "1", "x", "H200-SXM", "tp1", "11.5",
+                           "12.75", "same-dc:", "P", "2", "x", "H100-SXM", "tp1", "|", "MD", "1", "x", "H100-SXM",
+                           "tp1", "16.5", "9.00", "0.492"]
+
+
+def test_a_part_without_a_price_is_refused_unless_the_ratio_sets_it(tmp_path, capsys):
+    p = _plan(tmp_path, SWEEP.replace('"H100-SXM"]', '"B200"]').replace("market = false", "market = true"))
+    assert plan_main(["--plan", str(p), "--sweep", "--jobs", "1", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pddgw plan: error: sweep: market: prices.B200: no price for hardware 'B200'")
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+    # Without the market column the ratio prices it.
+    plan = load_plan(_plan(tmp_path, SWEEP.replace('"H100-SXM"]', '"B200"]')))
+    assert gpu_b_price(plan, "B200", 1.25, 3.0) == 3.75
+
+
+def test_the_hit_axis_sets_every_follow_up_turns_hit_and_needs_an_agentic_workload(tmp_path):
+    plan = load_plan(_plan(tmp_path, SWEEP + "prefix_hits = [0.5, 0.9]\n"))
+    assert sweep_spec(plan).prefix_hits == (0.5, 0.9)
+    assert with_hit(plan.scenario, 0.9).workload.agentic.hit_buckets == ((1.0, 0.9, 0.9),)
+    trace = dataclasses.replace(plan, scenario=dataclasses.replace(
+        plan.scenario, workload=dataclasses.replace(plan.scenario.workload, kind="trace")))
+    with pytest.raises(ConfigError, match=r"^sweep\.prefix_hits: a trace workload has no prefix-hit knob"):
+        sweep_spec(trace)
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("wan_gbps = [10.0]", "wan_gbpss = [10.0]", "sweep.wan_gbpss: unknown key"),
+    ('"H100-SXM"]', '"B300"]', "gpu_b: hardware 'B300' is not one of"),
+    ("[1.0, 1.25]", "[0.0, 1.25]", "price_ratios must be > 0"),
+])
+def test_bad_sweep_keys_are_refused_with_the_key_named(tmp_path, old, new, message):
+    with pytest.raises(ConfigError, match=message):
+        load_plan(_plan(tmp_path, SWEEP.replace(old, new)))
+
+
+def test_a_plan_without_a_sweep_table_is_refused_in_one_line(capsys):
+    assert plan_main(["--plan", str(TINY), "--sweep"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("pddgw plan: error: plan tiny: --sweep needs a [sweep] table (gpu_b, price_ratios, market, "
+                   "wan_gbps, prefix_hits)\n")
