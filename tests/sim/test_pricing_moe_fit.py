@@ -14,22 +14,11 @@ import pytest
 from pddgw.sim import calibration as cal
 from pddgw.sim import profiles
 from pddgw.sim.roofline import EP_MICRO_BATCHES, Parallel, SeqWork, distinct_experts, step_cost
+from tests.sim.v3_shape import V3_EXPERT, V3_ACTIVE, V3_BPP, V3_ATTN_BYTES, V3_OTHER_BYTES
 
 V3 = profiles.model("deepseek-v3")
 L70 = profiles.model("llama3-70b")
 H100, H200 = profiles.hardware("H100-SXM"), profiles.hardware("H200-SXM")
-
-# DeepSeek-V3 (config.json): 61 layers, 58 MoE of 256 routed experts (3 x 7168 x 2048) + 1
-# shared, top-8; MLA; FP8 weights with a float32 scale per 128 x 128 block (the profile rounds
-# the total to whole bytes: rel 1e-9 below).
-V3_ATTN = (7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168)
-V3_EXPERT = 3 * 7168 * 2048
-V3_PARAMS = (2 * 129280 * 7168 + 61 * (V3_ATTN + 2 * 7168) + 3 * 3 * 7168 * 18432
-             + 58 * (257 * V3_EXPERT + 7168 * 256) + 7168)
-V3_ACTIVE = V3_PARAMS - 129280 * 7168 - 58 * 248 * V3_EXPERT
-V3_BPP = 1 + 4 / (128 * 128)
-V3_ATTN_BYTES = 61 * (V3_ATTN + 2 * 7168) * V3_BPP
-V3_OTHER_BYTES = (V3_PARAMS - 58 * 256 * V3_EXPERT) * V3_BPP - V3_ATTN_BYTES
 
 
 def test_the_fitted_values():

@@ -10,19 +10,12 @@ import pytest
 
 from pddgw.sim import profiles
 from pddgw.sim.roofline import Parallel, SeqWork, decode_step_cost, step_cost
+from tests.sim.v3_shape import V3_ACTIVE
 
 V3 = profiles.model("deepseek-v3")
 PRO = profiles.model("deepseek-v4-pro")
 L70 = profiles.model("llama3-70b")
 H100, H200 = profiles.hardware("H100-SXM"), profiles.hardware("H200-SXM")
-
-# DeepSeek-V3 (config.json): 61 layers, 58 MoE of 256 routed experts (3 x 7168 x 2048) + 1
-# shared, top-8; MLA: 128 heads, QK 128 + 64, V 128; FP8 weights.
-V3_ATTN = (7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168)
-V3_EXPERT = 3 * 7168 * 2048
-V3_PARAMS = (2 * 129280 * 7168 + 61 * (V3_ATTN + 2 * 7168) + 3 * 3 * 7168 * 18432
-             + 58 * (257 * V3_EXPERT + 7168 * 256) + 7168)
-V3_ACTIVE = V3_PARAMS - 129280 * 7168 - 58 * 248 * V3_EXPERT
 
 
 def test_mla_prefill_core_at_the_bf16_peak():
