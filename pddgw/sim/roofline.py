@@ -99,7 +99,7 @@ class StepCost:
     compute_s: float
     memory_s: float
     comm_s: float          # what communication adds to max(compute_s, memory_s): not hidden behind them
-    bound: Literal["compute", "memory"]
+    bound: Literal["compute", "memory", "network"]   # what sets the step: the largest of the three
 
 
 _IDLE = StepCost(seconds=0.0, flops=0.0, bytes=0.0, compute_s=0.0, memory_s=0.0, comm_s=0.0, bound="memory")
@@ -464,7 +464,7 @@ def _priced(c: _StepConsts, new: int, attn_flops: float, attn_time: float, kv: f
         compute_s=compute_s,
         memory_s=memory_s,
         comm_s=comm_s,
-        bound="compute" if compute_s > memory_s else "memory",
+        bound="network" if wire_s > busy_s else "compute" if compute_s > memory_s else "memory",
     )
 
 

@@ -65,6 +65,7 @@ def test_decode_alltoall_longer_than_compute_sets_the_step():
     assert c.seconds == pytest.approx(wire + latencies + hw.step_overhead_ms / 1e3, rel=1e-12)
     # comm_s is what communication adds over max(compute, memory): the exposed wire + latencies.
     assert c.comm_s == pytest.approx(wire - max(c.compute_s, memory) + latencies, rel=1e-12)
+    assert c.bound == "network"
 
 
 def test_tensor_parallel_allreduce_stays_serial():
