@@ -114,6 +114,11 @@ def upper_bound(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloa
     return _below(at, prof, cand, work, top, inclusive=True)
 
 
+def goodput_bound(plan: Plan, cand: Candidate) -> float:
+    """`upper_bound` on its own: a bound on the goodput `evaluate` finds (any `beat`), unsimulated."""
+    return upper_bound(Setting.of(plan, cand), model(plan.scenario.model), cand, _Workloads(plan))
+
+
 def _below(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads, rate: float,
            inclusive: bool = False, probes: Sequence[Probe] = ()) -> float:
     """The most requests per second within SLO the roofline allows at any grid rate it does not

@@ -9,10 +9,13 @@ The price axis costs no simulation.  A split's goodput does not depend on what i
 so the sweep runs in two stages:
 
   1. Search (`search_all`): once per (GPU-B, WAN, hit) for the cross-DC kinds, and once per
-     hit for same-DC (it uses neither GPU-B nor the WAN), every candidate is evaluated, its
+     hit for same-DC (it uses neither GPU-B nor the WAN), candidates are evaluated, their
      probes pruned by the roofline only.  The search's branch and bound is left out: its cut
-     and its refuting probes rank by goodput per USD, the one price-dependent step.  USD
-     budgets are left out too (they move with the price) and applied in stage 2.
+     and its refuting probes rank by goodput per USD at one price.  The sweep's own cut
+     (`search_cut`) holds at all of the search's prices: a candidate is skipped only where,
+     at every ratio (and market), it is outside the budgets or its goodput bound per USD
+     falls below a BCR already simulated there, so it wins no cell.  USD budgets are left
+     out of the search plan (they move with the price) and applied in stage 2.
   2. Re-rank (`cells`): per price ratio, each search's evaluations are repriced (GPU-B at
      ratio x GPU-A's USD per GPU-hour, or `market`: its [prices] entry) and ranked by BCR
      within the budgets.  Pure arithmetic: nothing here reaches the simulator.
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pddgw.config import ConfigError
-from pddgw.sim.plan_search import Evaluation, evaluate
+from pddgw.sim.plan_search import Evaluation, evaluate, goodput_bound
 from pddgw.sim.plan_space import Candidate, HardwareOption, Kind, Plan, SweepSpec, _within, candidates
 from pddgw.sim.profiles import model, price
 from pddgw.sim.run import init_worker
@@ -195,12 +198,68 @@ def _jobs(plan: Plan, a_price: float) -> list[tuple[Search, Plan, Kind]]:
     return out
 
 
-def search_all(plan: Plan, jobs: int = 1, progress: bool = False) -> tuple[Search, ...]:
-    """Stage 1: every candidate of every search evaluated once (module docstring), `jobs` at a time."""
+def _prices(plan: Plan, x: Search, a_price: float) -> tuple[dict[str, float], ...]:
+    """USD per GPU-hour by cluster at each price the search's evaluations are ranked at in stage 2:
+    same-DC's one (GPU-A's), a cross-DC search's one per ratio (and market)."""
+    if x.gpu_b is None:
+        return ({"A": a_price},)
+    s = sweep_spec(plan)
+    return tuple({"A": a_price, "B": gpu_b_price(plan, x.gpu_b, r, a_price)}
+                 for r in s.price_ratios + ((None,) if s.market else ()))
+
+
+def _bcr(plan: Plan, cand: Candidate, goodput: float, usd: Mapping[str, float]) -> float | None:
+    """Goodput per USD-hour at these prices, as `best` computes it; None outside the budgets."""
+    c = repriced(cand, usd)
+    return goodput / c.price if _within(plan.spec, c) else None
+
+
+def search_cut(plan: Plan, p: Plan, cands: Sequence[Candidate],
+               prices: Sequence[Mapping[str, float]]) -> tuple[Evaluation, ...]:
+    """One search's candidates, evaluated in order of their best bound per USD, each skipped
+    where it cannot win at any of `prices`: at every one, outside the budgets or its goodput
+    bound per USD below the best BCR an evaluated candidate already holds there."""
+    bounds = [(c, goodput_bound(p, c)) for c in cands]
+    bcrs = [[_bcr(plan, c, u, usd) for usd in prices] for c, u in bounds]
+    order = sorted(range(len(bounds)), key=lambda i: (-max((b for b in bcrs[i] if b is not None), default=-1.0),
+                                                      bounds[i][0].label(), bounds[i][0].kind))
+    bar: list[float | None] = [None] * len(prices)
+    out: dict[int, Evaluation] = {}
+    for i in order:
+        if not any(u is not None and (b is None or u >= b) for u, b in zip(bcrs[i], bar)):
+            continue
+        e = out[i] = evaluate(p, bounds[i][0])
+        for j, usd in enumerate(prices):
+            got, b = _bcr(plan, e.candidate, e.goodput_rps or 0.0, usd), bar[j]
+            if got is not None and (b is None or got > b):
+                bar[j] = got
+    # In the candidates' own order: `best` breaks a full tie (two kinds' equal labels) by it.
+    return tuple(out[i] for i in sorted(out))
+
+
+def search_all(plan: Plan, jobs: int = 1, progress: bool = False, cut: bool = True) -> tuple[Search, ...]:
+    """Stage 1: every candidate of every search evaluated once (module docstring), `jobs` at a
+    time; with `cut`, each search in one worker, skipping what cannot win at any of its prices
+    (`search_cut`: the cells are the same as without)."""
     _, a_price = gpu_a(plan)
     prof = model(plan.scenario.model)
-    tasks = [(s, p, c) for s, p, k in _jobs(plan, a_price) for c in candidates(p, prof, k)]
     wall0 = time.perf_counter()
+    if cut:
+        grouped: dict[Search, tuple[Plan, list[Candidate]]] = {}
+        for s, p, k in _jobs(plan, a_price):
+            grouped.setdefault(s, (p, []))[1].extend(candidates(p, prof, k))
+        args = [(plan, p, cs, _prices(plan, s, a_price)) for s, (p, cs) in grouped.items()]
+        if jobs <= 1:
+            found = [search_cut(*a) for a in args]
+        else:
+            with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
+                found = list(pool.map(search_cut, *zip(*args)))
+        if progress:
+            n = sum(len(cs) for _, cs in grouped.values())
+            print(f"pddgw plan --sweep: {sum(map(len, found))} of {n} candidates evaluated in "
+                  f"{time.perf_counter() - wall0:.1f} s", file=sys.stderr)
+        return tuple(dataclasses.replace(s, evaluations=es) for s, es in zip(grouped, found))
+    tasks = [(s, p, c) for s, p, k in _jobs(plan, a_price) for c in candidates(p, prof, k)]
     if jobs <= 1:
         done = [evaluate(p, c) for _, p, c in tasks]
     else:
@@ -209,10 +268,10 @@ def search_all(plan: Plan, jobs: int = 1, progress: bool = False) -> tuple[Searc
     if progress:
         print(f"pddgw plan --sweep: {len(tasks)} candidates evaluated in {time.perf_counter() - wall0:.1f} s",
               file=sys.stderr)
-    grouped: dict[Search, list[Evaluation]] = {}
+    by_search: dict[Search, list[Evaluation]] = {}
     for (s, _, _), e in zip(tasks, done):
-        grouped.setdefault(s, []).append(e)
-    return tuple(dataclasses.replace(s, evaluations=tuple(es)) for s, es in grouped.items())
+        by_search.setdefault(s, []).append(e)
+    return tuple(dataclasses.replace(s, evaluations=tuple(es)) for s, es in by_search.items())
 
 
 # ---- stage 2: re-rank by price -------------------------------------------------------------------------
@@ -250,14 +309,14 @@ def cells(plan: Plan, searches: Sequence[Search]) -> tuple[Cell, ...]:
     return tuple(out)
 
 
-def sweep(plan: Plan, jobs: int = 1, progress: bool = False) -> Sweep:
+def sweep(plan: Plan, jobs: int = 1, progress: bool = False, cut: bool = True) -> Sweep:
     """The payoff map: stage 1 (simulation), then stage 2 (prices); refusals before any simulation."""
     s = sweep_spec(plan)
     a, a_price = gpu_a(plan)
     for part in s.gpu_b:
         if s.market:
             gpu_b_price(plan, part, None, a_price)
-    searches = search_all(plan, jobs, progress)
+    searches = search_all(plan, jobs, progress, cut)
     return Sweep(plan, a, a_price, searches, cells(plan, searches))
 
 

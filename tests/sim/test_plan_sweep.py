@@ -14,7 +14,8 @@ from pddgw.config import ConfigError
 from pddgw.sim import plan_search
 from pddgw.sim.plan import main as plan_main
 from pddgw.sim.plan_space import load_plan
-from pddgw.sim.plan_sweep import cells, format_sweep, gpu_b_price, search_all, sweep, sweep_spec, with_hit
+from pddgw.sim.plan_sweep import (cells, format_sweep, gpu_b_price, search_all, sweep, sweep_json, sweep_spec,
+                                  with_hit)
 
 HERE = Path(__file__).parent
 TINY = HERE / "plan_tiny.toml"
@@ -58,7 +59,7 @@ def swept(tmp_path_factory):
     plan = load_plan(_plan(tmp_path_factory.mktemp("sweep")))
     with pytest.MonkeyPatch.context() as mp:
         calls = _counted(mp)
-        sw = sweep(plan, jobs=1)
+        sw = sweep(plan, jobs=1, cut=False)        # every candidate: the reference the cut must match
     return plan, sw, calls
 
 
@@ -75,11 +76,32 @@ def test_the_price_axis_costs_no_simulation(swept, monkeypatch):
     one = dataclasses.replace(plan, spec=dataclasses.replace(
         plan.spec, sweep=dataclasses.replace(plan.spec.sweep, price_ratios=(1.0,))))
     again = _counted(monkeypatch)
-    assert _goodputs(search_all(one, jobs=1)) == _goodputs(sw.searches)
+    assert _goodputs(search_all(one, jobs=1, cut=False)) == _goodputs(sw.searches)
     assert again == calls
     # Re-ranking by price reaches no simulator.
     monkeypatch.setattr(plan_search, "simulate_probe", lambda *a: pytest.fail("simulated while repricing"))
     assert cells(plan, sw.searches) == sw.cells
+
+
+def test_the_cut_skips_what_cannot_win_at_any_price_and_keeps_every_cell(swept, tmp_path, monkeypatch):
+    plan, sw, calls = swept
+    # naive-cross-dc's goodput bound (3 req/s: the 10 Gbps WAN) per USD is below pdd's simulated
+    # BCR at both ratios, and so are same-DC's second MD's (the P's bound, at one more GPU's price).
+    cut_calls = _counted(monkeypatch)
+    cut = sweep(plan, jobs=1)
+    assert sweep_json(cut)["cells"] == sweep_json(sw)["cells"]
+    assert cut.cells == sw.cells
+    assert cut.simulated_probes == sum(cut_calls.values()) == 20 < sw.simulated_probes == sum(calls.values()) == 40
+    assert not cut_calls - calls                   # a subset of the uncut sweep's probes, none twice
+    assert {k for k, _, _, _, _ in cut_calls} == {None, 10.0} and {c for _, _, c, _, _ in cut_calls} == {
+        "same-dc", "pdd"}
+    # With the market column (its own price to win at) and with workers: the same cells as uncut.
+    market = load_plan(_plan(tmp_path, SWEEP.replace("market = false", "market = true")))
+    monkeypatch.undo()
+    ref = sweep(market, jobs=1, cut=False)
+    got = sweep(market, jobs=2)
+    assert sweep_json(got)["cells"] == sweep_json(ref)["cells"] and len(got.cells) == 2 * 3
+    assert got.simulated_probes < ref.simulated_probes
 
 
 def test_the_cells_and_their_bcr_by_hand(swept):
@@ -122,7 +144,7 @@ def test_the_command_prints_the_map_and_writes_json_and_a_heatmap(tmp_path, caps
     assert js["cross_dc_kinds"] == ["naive-cross-dc", "pdd"]
     assert js["axes"] == {"gpu_b": ["H200-SXM", "H100-SXM"], "price_ratio": [1.0, 1.25], "wan_gbps": [10.0],
                           "prefix_hit": None}
-    assert js["simulated_probes"] == 40 and len(js["searches"]) == 3 and len(js["cells"]) == 4
+    assert js["simulated_probes"] == 20 and len(js["searches"]) == 3 and len(js["cells"]) == 4
     assert js["cells"][1] == {
         "gpu_b": "H200-SXM", "price_ratio": 1.25, "gpu_b_price_per_gpu_hour": 3.75, "wan_gbps": 10.0,
         "prefix_hit": None,
