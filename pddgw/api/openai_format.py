@@ -97,9 +97,9 @@ class Format:
     def provenance(self, run: TokenRun) -> dict[str, Any]:
         return delta_extension(run.position, run.role, run.ids if self.req.return_token_ids else None)
 
-    def body_pddgw(self, res: Result, runs: list[TokenRun]) -> dict[str, Any]:
+    def body_pddgw(self, res: Result) -> dict[str, Any]:
         """The non-streamed object's `pddgw`: the summary and the output's role spans."""
-        return {**res.timeline, "spans": spans(runs)}
+        return {**res.timeline, "spans": spans(res.runs)}
 
     @property
     def parses_calls(self) -> bool:
@@ -133,7 +133,7 @@ class Format:
         """After every choice's tail: what ends the stream (usage: summed over the choices)."""
         return []
 
-    def body(self, res: Result, runs: list[TokenRun]) -> dict[str, Any]:
+    def body(self, res: Result) -> dict[str, Any]:
         raise NotImplementedError
 
     def error(self, message: str, code: str, param: str | None = None) -> list[bytes]:
@@ -143,6 +143,7 @@ class Format:
 
 class ChatFormat(Format):
     object = "chat.completion"
+    chunk_object = "chat.completion.chunk"    # a streamed chunk's `object`
 
     @property
     def id(self) -> str:
@@ -173,7 +174,7 @@ class ChatFormat(Format):
         return {"content": self.content(runs), "refusal": None}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        obj = {"id": self.id, "object": self.object + ".chunk", "created": self.created, "model": self.model,
+        obj = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                "choices": choices, **extra}
         if self.req.include_usage:
             obj.setdefault("usage", None)
@@ -220,17 +221,17 @@ class ChatFormat(Format):
     def close(self, usage: dict[str, Any]) -> list[bytes]:
         return [*([self.chunk([], usage=usage)] if self.req.include_usage else []), SSE_DONE]
 
-    def body(self, res: Result, runs: list[TokenRun]) -> dict[str, Any]:
+    def body(self, res: Result) -> dict[str, Any]:
         content, calls = self.calls(res)
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         finish = res.out.finish_reason
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
             finish = "tool_calls" if finish == "stop" else finish
-        choice = {"index": self.index, "message": message, "logprobs": self.logprobs(runs), "finish_reason": finish,
-                  "stop_reason": res.stop_reason}
+        choice = {"index": self.index, "message": message, "logprobs": self.logprobs(res.runs),
+                  "finish_reason": finish, "stop_reason": res.stop_reason}
         obj = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-               "choices": [choice], "usage": self.usage(res), "pddgw": self.body_pddgw(res, runs)}
+               "choices": [choice], "usage": self.usage(res), "pddgw": self.body_pddgw(res)}
         if self.req.return_token_ids:
             choice["token_ids"] = list(res.out.output_ids)
             obj["prompt_token_ids"] = list(res.prompt_ids)
@@ -239,6 +240,7 @@ class ChatFormat(Format):
 
 class CompletionFormat(ChatFormat):
     object = "text_completion"
+    chunk_object = "text_completion"
 
     def __init__(self, req: GenRequest, rid: str, model: str, created: int, pieces: lpfmt.TokenPieces,
                  index: int = 0, tool_format: ToolFormat = "json", prompt_ids: tuple[int, ...] = ()):
@@ -249,13 +251,6 @@ class CompletionFormat(ChatFormat):
     @property
     def id(self) -> str:
         return "cmpl-" + self.rid.removeprefix("resp_")
-
-    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        obj = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-               "choices": choices, **extra}
-        if self.req.include_usage:
-            obj.setdefault("usage", None)
-        return sse_data(obj)
 
     def choice(self, delta: dict[str, Any] | str, finish: str | None,
                runs: list[TokenRun] | None = None, stop_reason: int | str | None = None) -> dict[str, Any]:
@@ -284,18 +279,18 @@ class CompletionFormat(ChatFormat):
         # Streamed echo (without logprobs: refused at parse): the prompt is the first text.
         return [self.chunk([self.choice(self.echo_text(), None)])] if self.req.echo else []
 
-    def body(self, res: Result, runs: list[TokenRun]) -> dict[str, Any]:
+    def body(self, res: Result) -> dict[str, Any]:
         text = res.text
         if self.req.echo:
             text = self.echo_text() + text
         if self.req.echo and self.req.logprobs is not None:
             # The prompt's entries first (the first token's null), the completion's continue them.
             lps, self.text_offset = lpfmt.prompt_completion(self.pieces, res.prompt_ids, res.out.prompt_logprobs)
-            more = self.logprobs(runs)
+            more = self.logprobs(res.runs)
             assert more is not None
             logprobs: dict[str, Any] | None = {key: lps[key] + more[key] for key in lps}
         else:
-            logprobs = self.logprobs(runs)
+            logprobs = self.logprobs(res.runs)
         choice = {"index": self.index, "text": text, "logprobs": logprobs,
                   "finish_reason": res.out.finish_reason, "stop_reason": res.stop_reason}
         if self.req.vllm_prompt_logprobs:
@@ -305,4 +300,4 @@ class CompletionFormat(ChatFormat):
             choice["prompt_token_ids"] = list(res.prompt_ids)
             choice["token_ids"] = list(res.out.output_ids)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage(res), "pddgw": self.body_pddgw(res, runs)}
+                "choices": [choice], "usage": self.usage(res), "pddgw": self.body_pddgw(res)}

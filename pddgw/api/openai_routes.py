@@ -241,7 +241,7 @@ class OpenAIRoutes:
                 kept = best_choices(choices, results, req.n)
                 for rank, (c, _) in enumerate(kept):
                     c.fmt.index = rank
-                bodies = [c.fmt.body(res, res.runs) for c, res in kept]
+                bodies = [c.fmt.body(res) for c, res in kept]
                 return web.json_response(merged_body(bodies, usage) if req.best_of > 1 else bodies[0], dumps=_dumps)
             await sse.send(fmt.close(usage))
             return await sse.end()

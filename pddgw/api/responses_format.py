@@ -48,9 +48,14 @@ def output_message(rid: str, text: str, status: str = "completed",
             "content": [output_text(text, logprobs)]}
 
 
-def function_call_item(call: Any, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
+def _item_id(call: ToolCall) -> str:
+    """A function_call item's id: its call's id with `fc_` for `call_`."""
+    return "fc_" + call.id.removeprefix("call_")
+
+
+def function_call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
     """A `function_call` output item of a toolcalls.ToolCall (`arguments`: as far as streamed)."""
-    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+    return {"type": "function_call", "id": _item_id(call), "call_id": call.id,
             "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status}
 
 
@@ -61,7 +66,7 @@ def _request_echo(req: CreateResponse) -> dict[str, Any]:
         tools: list[dict[str, Any]] = []
         choice: Any = "auto"
     else:
-        tools = [{"type": "function", **{k: v for k, v in x.as_template()["function"].items()}, "strict": None}
+        tools = [{"type": "function", **x.as_template()["function"], "strict": None}
                  for x in t.tools]
         choice = t.choice if t.choice in ("none", "auto", "required") else {"type": "function", "name": t.choice}
     return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": True if t is None else t.parallel,
@@ -133,6 +138,7 @@ class ResponsesFormat(Format):
         assert req.create is not None
         self.create = req.create
         self.seq = 0
+        self.output_logprobs: list[dict[str, Any]] | None = None    # all_logprobs's, built once
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
@@ -151,8 +157,11 @@ class ResponsesFormat(Format):
                                usage=usage, pddgw=res.timeline, logprobs=self.all_logprobs(res), calls=calls)
 
     def all_logprobs(self, res: Result) -> list[dict[str, Any]] | None:
-        """The output_text's logprobs: every token's, when asked for (else absent)."""
-        return None if self.req.logprobs is None else self.content(res.runs)
+        """The output_text's logprobs: every token's, when asked for (else absent); built once (the
+        done events and the response object carry the same)."""
+        if self.req.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = self.content(res.runs)
+        return self.output_logprobs
 
     def message_head(self) -> list[bytes]:
         item = {**output_message(self.rid, "", "in_progress"), "content": []}
@@ -198,9 +207,9 @@ class ResponsesFormat(Format):
             out += function_call_events(self.event, k, c)
         return [*out, self.event(f"response.{status}", response=self.obj(status, res))]
 
-    def body(self, res: Result, runs: list[TokenRun]) -> dict[str, Any]:
+    def body(self, res: Result) -> dict[str, Any]:
         obj = self.obj("incomplete" if res.incomplete else "completed", res)
-        obj["pddgw"] = self.body_pddgw(res, runs)
+        obj["pddgw"] = self.body_pddgw(res)
         return obj
 
     def error(self, message: str, code: str, param: str | None = None) -> list[bytes]:
@@ -210,7 +219,7 @@ class ResponsesFormat(Format):
 def function_call_events(event: Any, index: int, call: ToolCall) -> list[Any]:
     """A function_call output item's stream (HTTP and WebSocket): added (no arguments yet), its
     arguments in fragments, their end, done.  `event(kind, **fields)` spells one event."""
-    item_id = "fc_" + call.id.removeprefix("call_")
+    item_id = _item_id(call)
     out = [event("response.output_item.added", output_index=index,
                  item=function_call_item(call, "in_progress", ""))]
     for j in range(0, len(call.arguments), ARGUMENT_FRAGMENT_CHARS):
