@@ -463,12 +463,16 @@ class ChatTemplate:
                 raise ChatTemplateError(f"{origin} {name!r}: line {e.lineno}: {e.message}") from None
 
     @classmethod
-    def from_dir(cls, directory: str | Path, **kw: Any) -> ChatTemplate | None:
-        """The checkpoint's template (see `read_chat_templates`), or None without one."""
+    def from_dir(cls, directory: str | Path, special_tokens: Mapping[str, str] | None = None,
+                 **kw: Any) -> ChatTemplate | None:
+        """The checkpoint's template (see `read_chat_templates`), or None without one;
+        `special_tokens` as `read_special_tokens(directory)` gives them (None: read here)."""
         templates = read_chat_templates(directory)
         if not templates:
             return None
-        return cls(templates, read_special_tokens(directory), origin=f"{directory}: chat template", **kw)
+        if special_tokens is None:
+            special_tokens = read_special_tokens(directory)
+        return cls(templates, special_tokens, origin=f"{directory}: chat template", **kw)
 
     def select(self, tools: Any = None) -> str:
         """The template name a render uses (transformers' `get_chat_template`)."""

@@ -201,20 +201,24 @@ class ByteTokenizer(Tokenizer):
 
 
 def special_ids(directory: Path, vocab_size: int, special_tokens: Mapping[str, str] | None = None,
-                token_to_id: Any = None) -> tuple[int | None, tuple[int, ...]]:
+                token_to_id: Any = None, config: Mapping[str, Any] | None = None) -> tuple[int | None, tuple[int, ...]]:
     """(bos id, eos ids) of a checkpoint directory, each from the first place that states it:
     generation_config.json, then config.json (the ids generation stops at, as transformers'
     `generate` reads them), then the tokenizer's own `bos_token` / `eos_token` text
     (tokenizer_config.json or special_tokens_map.json: `special_tokens`, looked up with
     `token_to_id`).  A model that states no eos has none: it serves, and only a request
     that needs one (a grammar) is refused.  WeightsError naming the file and key when a
-    stated id is not a token id of the vocabulary."""
+    stated id is not a token id of the vocabulary.  `config`: config.json's contents where the
+    caller has read them already (None: read here)."""
     found: dict[str, tuple[int, ...]] = {}
     for name in ("generation_config.json", "config.json"):            # the first wins
         path = directory / name
-        if not path.is_file():
+        if name == "config.json" and config is not None:
+            cfg = config
+        elif not path.is_file():
             continue
-        cfg = read_json(path)
+        else:
+            cfg = read_json(path)
         for key in ("bos_token_id", "eos_token_id"):
             if key not in found:
                 ids = token_ids(cfg.get(key), f"{path}: {key}", vocab_size)
@@ -271,25 +275,28 @@ class HFTokenizer(Tokenizer):
         self._bos_added = bos_token_id is not None and with_specials[:1] == [bos_token_id]
 
     @classmethod
-    def from_dir(cls, directory: str | Path, vocab_size: int | None = None) -> HFTokenizer:
+    def from_dir(cls, directory: str | Path, vocab_size: int | None = None,
+                 config: Mapping[str, Any] | None = None) -> HFTokenizer:
         """tokenizer.json of a checkpoint directory, its bos / eos ids as `special_ids` reads
-        them, and the chat template as `ChatTemplate.from_dir` reads it.  WeightsError naming
-        the file when one of them cannot be used."""
+        them (`config`: config.json's contents, if already read), and the chat template as
+        `ChatTemplate.from_dir` reads it.  WeightsError naming the file when one of them cannot
+        be used."""
         d = Path(directory)
         path = d / "tokenizer.json"
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise WeightsError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-        template = ChatTemplate.from_dir(d)
+        special_tokens = read_special_tokens(d)
+        template = ChatTemplate.from_dir(d, special_tokens)
         try:
             tok = cls(None, None, (), vocab_size, template, json_text=text)
         except Exception as e:       # noqa: BLE001 (the tokenizers library raises a bare Exception)
             raise WeightsError(f"{path}: not a tokenizer.json the tokenizers library reads "
                                f"({str(e).splitlines()[0][:200]})") from None
         # Its ids once parsed: the tokenizer's own eos_token is looked up in its vocabulary.
-        tok._set_special_ids(*special_ids(d, vocab_size or tok.vocab_size, read_special_tokens(d),
-                                          tok._tok.token_to_id))
+        tok._set_special_ids(*special_ids(d, vocab_size or tok.vocab_size, special_tokens,
+                                          tok._tok.token_to_id, config))
         return tok
 
     def encode(self, text: str) -> list[int]:

@@ -117,7 +117,8 @@ class PositionKeyedSampling(LogitsProcessor):
         if any(p.adjusts_logits for p in params):
             # pddgw's tokens so far: vLLM's prompt is pddgw's prompt + the `given` outputs.
             hist = [TokenHistory(prompt + outs, len(prompt) - given) for _, given, prompt, outs, _, _ in entries]
-            x = adjust_logits(x, params, positions, hist, entries[0][4], [e[5] for e in entries])
+            x = adjust_logits(x, params, positions, hist, entries[0][4], [e[5] for e in entries],
+                              inplace=True)                                              # x is a copy
         ids = sample_ids(x, params, positions)                                           # [R]
         keep = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype,
                           device=logits.device)

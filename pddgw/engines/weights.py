@@ -220,11 +220,11 @@ def load_spec(path: str | None) -> tuple[ModelSpec, Tokenizer]:
     except (ValueError, TypeError) as e:
         raise WeightsError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}") from None
     if (d / "tokenizer.json").is_file():
-        tok = HFTokenizer.from_dir(d, spec.vocab_size)
+        tok = HFTokenizer.from_dir(d, spec.vocab_size, config)
         return dataclasses.replace(spec, eos_token_ids=tok.eos_token_ids), tok
     if spec.vocab_size >= ByteTokenizer.MIN_VOCAB:
         # No tokenizer.json (a saved tiny model, a random test checkpoint): bytes.
-        _, eos = special_ids(d, spec.vocab_size)
+        _, eos = special_ids(d, spec.vocab_size, config=config)
         return dataclasses.replace(spec, eos_token_ids=eos), ByteTokenizer(spec.vocab_size, eos)
     raise WeightsError(f"{d}: no tokenizer.json, and vocab_size {spec.vocab_size} is too "
                        f"small for the byte tokenizer (needs {ByteTokenizer.MIN_VOCAB})")
