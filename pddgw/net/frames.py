@@ -25,6 +25,7 @@ evaluated, no pickle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import struct
 import sys
@@ -99,9 +100,10 @@ class _Schema:
         object.__setattr__(self, "values", get)
 
 
-
+@functools.cache
 def _nested(cls: type) -> tuple[tuple[str, type], ...]:
-    """The fields of dataclass `cls` whose declared type is itself a dataclass."""
+    """The fields of dataclass `cls` whose declared type is itself a dataclass (once per
+    class: a nested field is decoded on every Submit and Prefill)."""
     hints = typing.get_type_hints(cls)
     return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls)
                  if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]))

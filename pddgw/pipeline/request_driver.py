@@ -75,7 +75,7 @@ class RequestDriver:
         self.starts, self.holds, self.streams = starts, holds, streams
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.role_of: dict[str, Role] = {n.name: (Role.RLD if n is rld else Role.MD)
-                                                         for n in (rld, md) if n is not None}
+                                         for n in (rld, md) if n is not None}
         self.paths = Paths(has_rld=rld is not None, has_md=md is not None,
                            awaiting_kv={self.role_of[name] for name in starts})
         self.readers: dict[str, StreamReader] = {}
