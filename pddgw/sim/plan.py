@@ -124,8 +124,8 @@ def format_report(plan: Plan, results: dict[str, KindResult]) -> str:
     wan = f"WAN {plan.wan_gbps:g} Gbps" if plan.wan_gbps is not None else "links as configured"
     lines = [f"pddgw plan {plan.spec.name}: scenario {sc.name}, model {sc.model}, {wan}; SLO ttft <= "
              f"{plan.slo.ttft_s} s, tpot <= {plan.slo.tpot_ms} ms, >= {plan.slo.attainment:.0%} of requests"]
-    if _uncalibrated(plan):
-        lines.append(uncalibrated_line(_uncalibrated(plan)))
+    if guessed := _uncalibrated(plan):
+        lines.append(uncalibrated_line(guessed))
     for kind, r in results.items():
         lines += ["", f"== {kind}: {r.candidates} candidates, {r.evaluated} evaluated ({r.refuted} refuted by one "
                       f"probe), {r.pruned} pruned by the roofline at every rate, {r.bounded_out} bounded out; "
@@ -152,8 +152,8 @@ def format_dry_run(plan: Plan) -> str:
              f"uncached prompt tokens of {d.mean(d.prompt):.0f}, {d.mean(d.output):.0f} output tokens; the "
              "steady-state roofline per side (req/s) and the most requests per second within SLO the bisection "
              "could reach where the roofline allows"]
-    if _uncalibrated(plan):
-        lines.append(uncalibrated_line(_uncalibrated(plan)))
+    if guessed := _uncalibrated(plan):
+        lines.append(uncalibrated_line(guessed))
     for kind in plan.spec.searched:
         rows = []
         for c in candidates(plan, prof, kind):

@@ -114,9 +114,11 @@ def upper_bound(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloa
     return _below(at, prof, cand, work, top, inclusive=True)
 
 
-def goodput_bound(plan: Plan, cand: Candidate) -> float:
-    """`upper_bound` on its own: a bound on the goodput `evaluate` finds (any `beat`), unsimulated."""
-    return upper_bound(Setting.of(plan, cand), model(plan.scenario.model), cand, _Workloads(plan))
+def goodput_bounds(plan: Plan, cands: Sequence[Candidate]) -> list[float]:
+    """`upper_bound` of each candidate, their probes' demand computed once per rate: a bound on
+    the goodput `evaluate` finds (any `beat`), unsimulated."""
+    prof, work = model(plan.scenario.model), _Workloads(plan)
+    return [upper_bound(Setting.of(plan, c), prof, c, work) for c in cands]
 
 
 def _below(at: Setting, prof: ModelProfile, cand: Candidate, work: _Workloads, rate: float,

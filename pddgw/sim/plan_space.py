@@ -163,6 +163,16 @@ class SweepSpec:
         _check(bool(self.wan_gbps) and all(w > 0 for w in self.wan_gbps), "wan_gbps: name bandwidths > 0")
         _check(all(0 <= h <= 1 for h in self.prefix_hits), "prefix_hits must lie in [0, 1]")
 
+    @property
+    def ratios(self) -> tuple[float | None, ...]:
+        """The price axis: each ratio, then None for `market`."""
+        return self.price_ratios + ((None,) if self.market else ())
+
+    @property
+    def hits(self) -> tuple[float | None, ...]:
+        """The prefix-hit axis; (None,): the workload's own hits."""
+        return self.prefix_hits or (None,)
+
 
 @dataclass(frozen=True, slots=True)
 class PlanSpec:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pddgw.config import ConfigError
-from pddgw.sim.plan_search import Evaluation, evaluate, goodput_bound
+from pddgw.sim.plan_search import Evaluation, evaluate, goodput_bounds
 from pddgw.sim.plan_space import Candidate, HardwareOption, Kind, Plan, SweepSpec, _within, candidates
 from pddgw.sim.profiles import model, price
 from pddgw.sim.run import init_worker
@@ -107,14 +107,6 @@ class Sweep:
     def spec(self) -> SweepSpec:
         assert self.plan.spec.sweep is not None
         return self.plan.spec.sweep
-
-    @property
-    def hits(self) -> tuple[float | None, ...]:
-        return self.spec.prefix_hits or (None,)
-
-    @property
-    def ratios(self) -> tuple[float | None, ...]:
-        return self.spec.price_ratios + ((None,) if self.spec.market else ())
 
     @property
     def simulated_probes(self) -> int:
@@ -188,7 +180,7 @@ def _jobs(plan: Plan, a_price: float) -> list[tuple[Search, Plan, Kind]]:
     s = sweep_spec(plan)
     cross = tuple(k for k in plan.spec.searched if k != "same-dc")
     out: list[tuple[Search, Plan, Kind]] = []
-    for hit in s.prefix_hits or (None,):
+    for hit in s.hits:
         out.append((Search(None, None, hit, ()), search_plan(plan, ("same-dc",), None, None, hit, a_price),
                     "same-dc"))
         for part in s.gpu_b:
@@ -205,7 +197,7 @@ def _prices(plan: Plan, x: Search, a_price: float) -> tuple[dict[str, float], ..
         return ({"A": a_price},)
     s = sweep_spec(plan)
     return tuple({"A": a_price, "B": gpu_b_price(plan, x.gpu_b, r, a_price)}
-                 for r in s.price_ratios + ((None,) if s.market else ()))
+                 for r in s.ratios)
 
 
 def _bcr(plan: Plan, cand: Candidate, goodput: float, usd: Mapping[str, float]) -> float | None:
@@ -219,7 +211,7 @@ def search_cut(plan: Plan, p: Plan, cands: Sequence[Candidate],
     """One search's candidates, evaluated in order of their best bound per USD, each skipped
     where it cannot win at any of `prices`: at every one, outside the budgets or its goodput
     bound per USD below the best BCR an evaluated candidate already holds there."""
-    bounds = [(c, goodput_bound(p, c)) for c in cands]
+    bounds = list(zip(cands, goodput_bounds(p, cands)))
     bcrs = [[_bcr(plan, c, u, usd) for usd in prices] for c, u in bounds]
     order = sorted(range(len(bounds)), key=lambda i: (-max((b for b in bcrs[i] if b is not None), default=-1.0),
                                                       bounds[i][0].label(), bounds[i][0].kind))
@@ -302,7 +294,7 @@ def cells(plan: Plan, searches: Sequence[Search]) -> tuple[Cell, ...]:
     for x in searches:
         if x.gpu_b is None or x.wan_gbps is None:
             continue
-        for ratio in s.price_ratios + ((None,) if s.market else ()):
+        for ratio in s.ratios:
             b_price = gpu_b_price(plan, x.gpu_b, ratio, a_price)
             cross = best(plan, x.evaluations, {"A": a_price, "B": b_price})
             out.append(Cell(x.gpu_b, ratio, b_price, x.wan_gbps, x.hit, cross, same[x.hit]))
@@ -342,7 +334,7 @@ def sweep_json(sw: Sweep) -> dict[str, Any]:
     return {"plan": sw.plan.spec.name, "scenario": sw.plan.scenario.name, "model": sw.plan.scenario.model,
             "gpu_a": {"hardware": sw.gpu_a, "price_per_gpu_hour": sw.gpu_a_price},
             "cross_dc_kinds": [k for k in sw.plan.spec.searched if k != "same-dc"],
-            "axes": {"gpu_b": list(s.gpu_b), "price_ratio": [_ratio_label(r) if r is None else r for r in sw.ratios],
+            "axes": {"gpu_b": list(s.gpu_b), "price_ratio": [_ratio_label(r) if r is None else r for r in s.ratios],
                      "wan_gbps": list(s.wan_gbps), "prefix_hit": list(s.prefix_hits) or None},
             "simulated_probes": sw.simulated_probes,
             "searches": [{"gpu_b": x.gpu_b, "wan_gbps": x.wan_gbps, "prefix_hit": x.hit,
@@ -383,7 +375,7 @@ def format_sweep(sw: Sweep) -> str:
 
 
 def _cell_order(sw: Sweep) -> Any:
-    axes = (sw.spec.wan_gbps, sw.hits, sw.spec.gpu_b, sw.ratios)
+    axes = (sw.spec.wan_gbps, sw.spec.hits, sw.spec.gpu_b, sw.spec.ratios)
     return lambda c: tuple(ax.index(v) for ax, v in zip(axes, (c.wan_gbps, c.hit, c.gpu_b, c.ratio)))
 
 
@@ -405,22 +397,22 @@ def write_heatmap(sw: Sweep, path: Path) -> Path:
     at = {(c.hit, c.wan_gbps, c.gpu_b, c.ratio): c for c in sw.cells}
     vals = [c.payoff for c in sw.cells if c.payoff is not None]
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min([*vals, 0.99]), vmax=max([*vals, 1.01]))
-    rows, cols = len(sw.hits), len(s.wan_gbps)
+    rows, cols = len(s.hits), len(s.wan_gbps)
     fig, axes = plt.subplots(rows, cols, squeeze=False, layout="constrained",
-                             figsize=(3.0 + 1.0 * len(sw.ratios) * cols, 1.8 + 0.6 * len(s.gpu_b) * rows))
-    for i, hit in enumerate(sw.hits):
+                             figsize=(3.0 + 1.0 * len(s.ratios) * cols, 1.8 + 0.6 * len(s.gpu_b) * rows))
+    for i, hit in enumerate(s.hits):
         for j, wan in enumerate(s.wan_gbps):
             ax = axes[i][j]
-            grid = [[math.nan if (p := at[(hit, wan, b, r)].payoff) is None else p for r in sw.ratios]
+            grid = [[math.nan if (p := at[(hit, wan, b, r)].payoff) is None else p for r in s.ratios]
                     for b in s.gpu_b]
             im = ax.imshow(grid, cmap="RdBu", norm=norm, aspect="auto")
             for y, b in enumerate(s.gpu_b):
-                for x, r in enumerate(sw.ratios):
+                for x, r in enumerate(s.ratios):
                     c = at[(hit, wan, b, r)]
                     text = "-" if c.payoff is None or c.cross is None else f"{c.payoff:.2f}\n{SHORT[c.cross.kind]}"
                     dark = c.payoff is not None and abs(float(norm(c.payoff)) - 0.5) > 0.3
                     ax.text(x, y, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
-            ax.set_xticks(range(len(sw.ratios)), [_ratio_label(r) for r in sw.ratios], fontsize=7)
+            ax.set_xticks(range(len(s.ratios)), [_ratio_label(r) for r in s.ratios], fontsize=7)
             ax.set_yticks(range(len(s.gpu_b)), list(s.gpu_b), fontsize=7)
             ax.set_xlabel("GPU-B / GPU-A price", fontsize=8)
             ax.set_title(f"WAN {wan:g} Gbps, hit {_hit_label(hit)}", fontsize=8)

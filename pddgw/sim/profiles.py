@@ -332,15 +332,6 @@ def check_prices(prices: Mapping[str, float]) -> None:
         _check(usd >= 0, f"prices.{name}: must be >= 0, got {usd}")
 
 
-# FP4 weights on a part without FP4 tensor cores (Hopper, A100, MI300X, L40S, 910C) run one of two ways:
-#   w4a16:      the FP4 bytes stay, each GEMM dequantizes them in the kernel and multiplies in
-#               BF16 (the BF16 peak).  The engines' default: vLLM's MXFP4 MoE below SM100 is
-#               Marlin or triton_kernels under `mxfp4_w4a16_moe_quant_config`
-#               (vllm/model_executor/layers/quantization/mxfp4.py, 2025-10), SGLang's the
-#               same Marlin W4A16 path.
-#   fp8_repack: the checkpoint repacked to FP8 (the model's own FP8 format, block scales
-#               included): ~1.9 x the expert bytes, at the FP8 peak.
-# A native part (peak_tflops_fp4 > 0) runs FP4 bytes at the FP4 peak whatever the choice.
 def uncalibrated(names: Iterable[str]) -> dict[str, str]:
     """Of the parts `names`, those with no calibration row: name -> the part whose efficiencies they use."""
     return {n: HARDWARE[n].efficiencies_from for n in sorted(set(names)) if not HARDWARE[n].calibrated}
@@ -354,6 +345,15 @@ def uncalibrated_line(parts: Mapping[str, str]) -> str:
             "the part named): " + ", ".join(f"{n} <- {src}" for n, src in parts.items()))
 
 
+# FP4 weights on a part without FP4 tensor cores (Hopper, A100, MI300X, L40S, 910C) run one of two ways:
+#   w4a16:      the FP4 bytes stay, each GEMM dequantizes them in the kernel and multiplies in
+#               BF16 (the BF16 peak).  The engines' default: vLLM's MXFP4 MoE below SM100 is
+#               Marlin or triton_kernels under `mxfp4_w4a16_moe_quant_config`
+#               (vllm/model_executor/layers/quantization/mxfp4.py, 2025-10), SGLang's the
+#               same Marlin W4A16 path.
+#   fp8_repack: the checkpoint repacked to FP8 (the model's own FP8 format, block scales
+#               included): ~1.9 x the expert bytes, at the FP8 peak.
+# A native part (peak_tflops_fp4 > 0) runs FP4 bytes at the FP4 peak whatever the choice.
 Fp4Mode = Literal["w4a16", "fp8_repack"]
 FP4_MODES: tuple[Fp4Mode, ...] = ("w4a16", "fp8_repack")
 # FP8 weights with one FP32 scale per 128 x 128 block (DeepSeek's format): the repack of a

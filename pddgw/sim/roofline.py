@@ -347,7 +347,7 @@ class _StepConsts:
         m = min(self.micro_batches, new)
         size, extra = divmod(new, m)
         visited = sum(distinct_experts(model.num_experts, model.experts_per_token, size + (i < extra))
-                      for i in range(m)) if m > 1 else distinct_experts(model.num_experts, model.experts_per_token, new)
+                      for i in range(m))
         experts = model.num_moe_layers * visited * self._expert_bytes
         serial_s = 0.0
         if par.tp > 1:
@@ -360,12 +360,8 @@ class _StepConsts:
         if par.expert_parallel > 1 and model.num_experts:
             serial_s += model.num_moe_layers * 2 * hw.allreduce_latency_us / 1e6
             wire_s = model.num_moe_layers * alltoall_wire_s(model, hw, par, new, normal)
-        if m > 1:
-            got = (m * (self._attn_dp + self._shared_bytes) + experts, m * self._shared_bytes + experts,
-                   serial_s, wire_s, m * self.attn_per_tp)
-        else:
-            got = (self._attn_dp + self._shared_bytes + experts, self._shared_bytes + experts, serial_s, wire_s,
-                   self.attn_per_tp)
+        got = (m * (self._attn_dp + self._shared_bytes) + experts, m * self._shared_bytes + experts,
+               serial_s, wire_s, m * self.attn_per_tp)
         if len(cache) >= 4096:
             cache.clear()
         cache[new] = got
