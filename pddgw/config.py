@@ -142,6 +142,11 @@ class EngineConfig:
     # max_num_batched_tokens (it lives on one rank).
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # A step that also decodes computes at most this many tokens besides its decodes (per
+    # rank): a relaying prefill node (`[[nodes]] relay`) keeps its relayed requests' TPOT
+    # near one such chunk's time instead of a whole max_num_batched_tokens chunk's.  0 = no
+    # cap.  How it was chosen: docs/operations.md, "A relay on P".
+    mixed_step_tokens: int = 0
     enable_prefix_caching: bool = True
     # A decoding request's tokens go to the router every this many (vLLM's and SGLang's
     # --stream-interval), and always at its end; the first token at once.  Larger: fewer
@@ -175,6 +180,7 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= self.max_num_seqs,
                "max_num_batched_tokens must be >= max_num_seqs")
         _check(self.cpu_threads >= 0, "cpu_threads must be >= 0")
+        _check(self.mixed_step_tokens >= 0, "mixed_step_tokens must be >= 0")
         check_stream_interval(self.stream_interval)
         _check(not self.cuda_graphs or self.device.startswith("cuda"),
                f"cuda_graphs = true needs a CUDA device, not device = {self.device!r} "
@@ -307,8 +313,14 @@ class NodeConfig:
     cost: float = 1.0
     # Overrides [engine] on this node (heterogeneous hardware); absent = [engine].
     engine: EngineConfig | None = None
+    # A prefill node that is also its cluster's relay: it decodes the first tokens of the
+    # requests it prefills (one engine, one copy of the weights) while their KV crosses
+    # the WAN, then hands off to MD as an RLD node does.
+    relay: bool = False
 
     def __post_init__(self) -> None:
+        _check(not self.relay or self.role == Role.PREFILL,
+               f"node {self.name!r}: relay = true is for a prefill node (this one is {self.role!s})")
         _check(bool(self.name) and self.name.replace("-", "").replace("_", "").isalnum(),
                f"node name {self.name!r} must be letters, digits, '-' or '_'")
         _check(0 <= self.port < 65536, "port must be in [0, 65535]")

@@ -158,7 +158,7 @@ def _handle(n: NodeConfig, cfg: Config, link: Link) -> NodeHandle:
 def _make_worker(cfg: Config, n: NodeConfig, connect, models: SharedModels | None) -> WorkerNode:
     ecfg = cfg.engine_for(n)
     engine, _ = create_engine(cfg, ecfg, models)
-    return WorkerNode(n.name, n.role, engine, connect, cfg.net.kv_frame_bytes, ecfg.stream_interval)
+    return WorkerNode(n.name, n.role, engine, connect, cfg.net.kv_frame_bytes, ecfg.stream_interval, n.relay)
 
 
 async def _build_worker(cfg: Config, n: NodeConfig, connect, models: SharedModels | None = None) -> WorkerNode:

@@ -91,7 +91,8 @@ class PagedEngine(TrackedEngine):
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         ranks = cfg.dp_ranks
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs * ranks, cfg.max_num_batched_tokens * ranks,
-                                   max_chunk_tokens=cfg.max_num_batched_tokens)
+                                   max_chunk_tokens=cfg.max_num_batched_tokens,
+                                   mixed_step_tokens=cfg.mixed_step_tokens * ranks)
         limit = max_model_len or spec.max_position_embeddings
         # A sequence must fit in the pool on its own, or preemption could never make room.
         self._max_model_len = min(limit, spec.max_position_embeddings, num_blocks * cfg.block_size)

@@ -3,7 +3,9 @@
 Each step has a token budget (max_num_batched_tokens), a batch bound
 (max_num_seqs running sequences) and a per-sequence cap (max_chunk_tokens);
 for an instance of several attention-DP ranks the budget and the bound are
-the ranks' together.  Order of service:
+the ranks' together.  A step that decodes computes at most
+`mixed_step_tokens` other tokens (prefill chunks, extends) besides its
+decodes, so a decode next to long prefills waits a short chunk's time.  Order of service:
   1. READY imports join the running set, in the order their imports finished;
      one on hold with nothing to compute keeps its KV but no batch place;
   2. running sequences, in admission order: a decode costs one token, an
@@ -35,11 +37,12 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_chunk_tokens: int = 0):
+                 max_chunk_tokens: int = 0, mixed_step_tokens: int = 0):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
+        self.mixed_step_tokens = mixed_step_tokens or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.ready: deque[Sequence] = deque()      # READY: imported, waiting for a place in the batch
         self.running: list[Sequence] = []
@@ -87,13 +90,21 @@ class Scheduler:
         self._count_newcomers()
         bs = self.blocks.block_size
         running, most = SeqStatus.RUNNING, self.max_chunk_tokens
+        # Tokens other than decodes this step may still compute (capped where it decodes).
+        others = budget
+        if self.mixed_step_tokens < budget and any(_decodes(s) for s in self.running):
+            others = self.mixed_step_tokens
         for seq in list(self.running):
             if budget == 0:
                 break
             pending = len(seq.tokens) - seq.num_computed - (1 if seq.hold else 0)     # `num_pending`
             if seq.status != running or pending == 0:
                 continue   # preempted in this loop, or on hold with nothing to compute
-            n = pending if pending <= budget and pending <= most else min(pending, budget, most)
+            decode = pending == 1 and seq.num_outputs > 0
+            if not decode and others == 0:
+                continue
+            room = budget if decode else min(budget, others)
+            n = pending if pending <= room and pending <= most else min(pending, room, most)
             if seq.num_computed + n > len(seq.block_ids) * bs:     # it needs a block (most steps do not)
                 clean, refund = self._reserve(seq, seq.num_computed + n, batch)
                 budget += refund
@@ -103,10 +114,13 @@ class Scheduler:
                         continue
             batch[seq.request_id] = Chunk(seq, n)
             budget -= n
+            if not decode:
+                others -= n
         chunks = list(batch.values())
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while (self.waiting and min(budget, others) > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            n = self._admit(seq, budget)
+            n = self._admit(seq, min(budget, others))
             if n is None:
                 break
             self.waiting.popleft()
@@ -116,6 +130,7 @@ class Scheduler:
             if n:
                 chunks.append(Chunk(seq, n))
                 budget -= n
+                others -= n
         return chunks
 
     def decodes(self) -> list[Sequence] | None:
@@ -247,3 +262,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def _decodes(seq: Sequence) -> bool:
+    """Whether `seq`'s next computed token is a decode (one token past its prompt, sampled next)."""
+    return (seq.status == SeqStatus.RUNNING and not seq.hold and seq.num_outputs > 0
+            and len(seq.tokens) - seq.num_computed == 1)

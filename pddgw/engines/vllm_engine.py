@@ -237,6 +237,9 @@ class VllmEngine(TrackedEngine):
         if vcfg.pipeline_parallel != 1:
             raise ConfigError("engine.vllm.pipeline_parallel: only 1 is supported (pddgw's KV connector "
                               "loads and reads whole layer stacks per rank)")
+        if ecfg.mixed_step_tokens:
+            raise ConfigError("engine.mixed_step_tokens: vLLM schedules its own steps (set 0 here; "
+                              "vLLM's nearest knob is engine.vllm.args.long_prefill_token_threshold)")
         tp = vcfg.tensor_parallel
         if tp > 1 and vcfg.args.get("distributed_executor_backend", "mp") != "mp":
             raise ConfigError("engine.vllm.args.distributed_executor_backend: tensor_parallel > 1 runs "

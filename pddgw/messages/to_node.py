@@ -39,13 +39,16 @@ class Submit:
     hold until a final handoff (MD in P-RLD-MD), so `hold` is ignored.
     kv="compute": the node computes the prompt itself (a re-drive); with
     hold=True the tokens already emitted then arrive as one final Extend.
+    kv="local": a relaying prefill node (`[[nodes]] relay`) decodes what it
+    prefills itself: the prompt KV is the one its own Prefill of this request
+    computes (a target named after the node itself), nothing crosses a link.
     `supersedes`: requests to cancel here first (background alignments this
     one makes moot), so the prefix this request finds includes what they
     had already imported.
     """
 
     request_id: str
-    kv: Literal["import", "compute"]
+    kv: Literal["import", "compute", "local"]
     hold: bool
     prompt: tuple[int, ...]
     supersedes: tuple[str, ...] = ()
@@ -54,7 +57,7 @@ class Submit:
 
     def __post_init__(self) -> None:
         _text(self.request_id, "request_id", empty=False)
-        _check(self.kv in ("import", "compute"), "kv must be 'import' or 'compute'")
+        _check(self.kv in ("import", "compute", "local"), "kv must be 'import', 'compute' or 'local'")
         _flag(self.hold, "hold")
         _sampling(self.sampling)
         _int_tuple(self, "prompt", self.prompt, MAX_TOKEN_IDS, TOKEN_ID_LIMIT)

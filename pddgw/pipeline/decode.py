@@ -4,7 +4,9 @@ States of one request here (`DecodeState`): IMPORTING (`open`; P's KV lands
 through `import_kv`), HOLDING (prompt KV complete, nothing sampled: MD waits
 for the handoff), DECODING (tokens sampled and emitted in order), HANDING_OFF
 (RLD only; rounds in handoff.py), DONE (blocks freed).  A re-drive
-(`open_compute`) skips to HOLDING or DECODING.  The request's lifecycle:
+(`open_compute`) skips to HOLDING or DECODING; a relaying P's own request
+(`open_local`) waits IMPORTING for its prefill, then `adopt` starts it
+DECODING on the prefill's blocks.  The request's lifecycle:
 docs/architecture.md.
 
 Invariants:
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from dataclasses import replace
 from collections.abc import Awaitable, Callable
 from enum import IntEnum
 
@@ -82,9 +85,11 @@ class _Session:
     __slots__ = ("rid", "state", "tokens", "reading", "emitted", "frozen", "num_prompt", "num_computed",
                  "progress", "decode_start", "outputs", "want_logprobs", "logprobs", "eager")
 
-    def __init__(self, rid: str, num_prompt: int, outputs: RequestStream, want_logprobs: bool = False):
+    def __init__(self, rid: str, num_prompt: int, outputs: RequestStream | None, want_logprobs: bool = False):
         self.rid = rid
-        self.outputs = outputs           # the engine's outputs of this request: closed with the session
+        # The engine's outputs of this request, closed with the session (None: a local relay
+        # not adopted yet, `DecodeWorker.adopt`).
+        self.outputs = outputs
         self.state = DecodeState.IMPORTING
         self.tokens: list[int] = []      # output positions 0.. known here
         self.want_logprobs = want_logprobs
@@ -127,6 +132,8 @@ class DecodeWorker:
         # on the engine thread by `_drain_imports` (posted at most once while one is queued).
         self._imports: deque[KVChunk] = deque()
         self._drain_posted = False
+        # Local relays (`open_local`) until their prefill's first token: prompt and sampling.
+        self._local: dict[str, tuple[tuple[int, ...], SamplingParams]] = {}
 
     def _get(self, rid: str) -> _Session:
         s = self.sessions.get(rid)
@@ -144,6 +151,44 @@ class DecodeWorker:
         res = await self.aeng.add(req)
         self.sessions[rid] = _Session(rid, len(prompt), self.aeng.stream(rid), sampling.logprobs is not None)
         return res.num_cached_tokens
+
+    def open_local(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams) -> int:
+        """A relaying prefill node opens what it will prefill itself: nothing in the engine yet
+        (`adopt` adds it once the prefill has its first token) -> the whole prompt: none of its
+        KV comes over a link."""
+        if rid in self.sessions:
+            raise RequestError(f"request {rid!r} already open here")
+        self.sessions[rid] = _Session(rid, len(prompt), None, sampling.logprobs is not None)
+        self._local[rid] = (prompt, sampling)
+        return len(prompt)
+
+    async def adopt(self, rid: str, first_token: int, first_logprobs: TokenLogprobs | None) -> None:
+        """This node's own prefill of a local request has its first token: decode on from it.
+
+        The prompt's full blocks are the prefill's, still held for its other targets, found in
+        the prefix cache; the engine computes the last partial block and the first token in one
+        extend.  Prompt logprobs stay the prefill's (the router asks P for them).
+        """
+        s = self._get(rid)
+        prompt, sampling = self._local.pop(rid, ((), None))
+        if sampling is None or s.state != DecodeState.IMPORTING:
+            raise RequestError(f"request {rid!r} is not a local relay waiting for its prefill")
+        if s.want_logprobs and first_logprobs is None:
+            raise RequestError(f"request {rid!r} asked for logprobs but the first token came without them")
+        await self.aeng.add(EngineRequest(rid, prompt, replace(sampling, prompt_logprobs=None),
+                                          output_token_ids=(first_token,), output_interval=self.engine_interval))
+        if self.sessions.get(rid) is not s:          # cancelled while it was added
+            await self.aeng.abort(rid)
+            raise RequestError(f"request {rid!r} was cancelled")
+        s.outputs = self.aeng.stream(rid)
+        s.tokens.append(first_token)
+        if s.want_logprobs:
+            s.logprobs.append(first_logprobs)
+        s.state = DecodeState.DECODING
+        s.progress.notify()
+        s.decode_start = (asyncio.get_running_loop().time(), len(s.tokens))
+        self._read(s)
+        await self._emit_new(s)
 
     def kv_destination(self, span: KVSpan) -> memoryview | None:
         """Where an arriving chunk's payload should be received (the engine's `import_buffer`);
@@ -310,6 +355,7 @@ class DecodeWorker:
     # ---- internals ------------------------------------------------------------------------
     def _read(self, s: _Session) -> None:
         """From now on the reader records and emits `s`'s outputs, in order, until it ends."""
+        assert s.outputs is not None
         s.reading = True
         s.outputs.feed(self._on_step, s)
 
@@ -357,7 +403,8 @@ class DecodeWorker:
                         await self._emit_many(runs)
                     for s in failed:      # its stream ends here: the request is aborted, if live
                         with contextlib.suppress(Exception):
-                            await s.outputs.aclose()
+                            if s.outputs is not None:
+                                await s.outputs.aclose()
                 if not self.sessions:
                     return
                 self._reader_wake = loop.create_future()
@@ -444,6 +491,7 @@ class DecodeWorker:
         s.state = DecodeState.DONE
         s.progress.notify()
         self.sessions.pop(s.rid, None)
+        self._local.pop(s.rid, None)
         if not self.sessions and self._reader_wake is not None and not self._reader_wake.done():
             self._reader_wake.set_result(None)       # an idle reader with no session left ends
 
@@ -452,4 +500,5 @@ class DecodeWorker:
         s.reading = False      # what the reader still holds of it is dropped
         # However far the request got (importing, or its reader never started), its stream
         # ends here: the engine's entry for it goes, and the request is aborted if still live.
-        await s.outputs.aclose()
+        if s.outputs is not None:
+            await s.outputs.aclose()

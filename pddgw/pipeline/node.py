@@ -71,16 +71,20 @@ class _Open:
 
 class WorkerNode:
     def __init__(self, name: str, role: Role, engine: Engine, connect: Connect,
-                 kv_chunk_bytes: int = 1 << 20, stream_interval: int = 1):
+                 kv_chunk_bytes: int = 1 << 20, stream_interval: int = 1, relay: bool = False):
         self.name = name
         self.role = role
+        # A relaying P (`NodeConfig.relay`): one engine prefills and relays the requests it
+        # prefills; their relay is a target named after this node (`_local_target`).
+        self.relay = relay
         self.aeng = AsyncEngine(engine, name)
         self.engine = engine
         self._connect = connect
         self.metrics = NodeMetrics(name, role, lambda: self.aeng.call(self.engine.stats), self.kv_sent)
-        self.prefill = PrefillWorker(self.aeng, kv_chunk_bytes, self.metrics.transfer) if role == Role.PREFILL else None
+        self.prefill = (PrefillWorker(self.aeng, kv_chunk_bytes, self.metrics.transfer, "/prefill" if relay else "")
+                        if role == Role.PREFILL else None)
         self.decode = (DecodeWorker(self.aeng, self._emit, self._emit_many, self._emit_now, stream_interval,
-                                    engine_runs=role == Role.MD) if role in (Role.RLD, Role.MD) else None)
+                                    engine_runs=role == Role.MD) if role in (Role.RLD, Role.MD) or relay else None)
         self._open: dict[str, _Open] = {}
         self._pins: dict[str, Link] = {}          # prefix pins, by request, with the asking link
         self._watched: dict[Link, asyncio.Task[None]] = {}
@@ -283,14 +287,21 @@ class WorkerNode:
             if old in self._open:
                 await self._cancel(old)
         self._cancelled.pop(rid, None)          # opened again (a re-drive): its frames count
-        try:
-            if msg.kv == "import":
-                cached = await dec.open(rid, msg.prompt, msg.sampling)
-            else:
-                cached = await dec.open_compute(rid, msg.prompt, msg.sampling, hold=msg.hold)
-        finally:
-            # The request now holds its cached blocks itself (or failed): the pin has done its job.
-            await self._unpin(rid)
+        if msg.kv == "local":
+            if not self.relay:
+                raise RequestError(f"{self.role} node {self.name} does not relay what it prefills "
+                                   "(kv 'local' needs [[nodes]] relay = true)")
+            # P's prefix pin (the router's choice of P) stays until the prefill takes its blocks.
+            cached = dec.open_local(rid, msg.prompt, msg.sampling)
+        else:
+            try:
+                if msg.kv == "import":
+                    cached = await dec.open(rid, msg.prompt, msg.sampling)
+                else:
+                    cached = await dec.open_compute(rid, msg.prompt, msg.sampling, hold=msg.hold)
+            finally:
+                # The request now holds its cached blocks itself (or failed): the pin has done its job.
+                await self._unpin(rid)
         if rid in self._cancelled:
             # The router gave up on it while it opened (its Cancel found nothing yet): undo.
             await dec.cancel(rid)
@@ -343,6 +354,9 @@ class WorkerNode:
         targets = []
         holds = msg.holds or (False,) * len(msg.targets)
         for name, start, hold in zip(msg.targets, msg.starts, holds):
+            if name == self.name:
+                targets.append(self._local_target(rid, start))
+                continue
             link = await self.peer(name)
             targets.append(self._target(rid, name, start, hold, link))
         if rid in self._cancelled:              # cancelled while dialing: nothing to compute
@@ -397,10 +411,22 @@ class WorkerNode:
         target = KVTarget(name, start, send, done)
         return target
 
+    def _local_target(self, rid: str, start: int) -> KVTarget:
+        """This node relays `rid` itself: its KV is already here, its first token starts the relay."""
+        if self.decode is None or rid not in self._open:
+            raise RequestError(f"request {rid!r} is not open for a relay on {self.name} (a Submit with kv "
+                               "'local' comes before the Prefill that names this node)")
+        decode = self.decode
+
+        async def send(chunks: list[KVChunk]) -> float:
+            raise RequestError(f"request {rid!r}: a local relay takes no KV over a link")
+
+        return KVTarget(self.name, start, send, lambda first, lp: decode.adopt(rid, first, lp))
+
     async def _cancel(self, rid: str) -> None:
-        worker = self.prefill or self.decode
-        if worker is not None:
-            worker.scored.drop(rid)
+        for worker in (self.prefill, self.decode):
+            if worker is not None:
+                worker.scored.drop(rid)
         self._tombstone(rid)
         self._first_logprobs.pop(rid, None)
         task = self._prefills.get(rid)

@@ -76,6 +76,11 @@ class NodeHandle:
         return self.cfg.role
 
     @property
+    def relay_here(self) -> bool:
+        """A prefill node that relays the requests it prefills (`NodeConfig.relay`)."""
+        return self.cfg.relay
+
+    @property
     def healthy(self) -> bool:
         return self.link.state == LinkState.OPEN
 

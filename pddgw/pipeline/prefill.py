@@ -88,8 +88,11 @@ TransferObserver = Callable[[str, Priority, float], None]
 
 class PrefillWorker:
     def __init__(self, aeng: AsyncEngine, chunk_bytes: int = 512 * 1024,
-                 on_transfer: TransferObserver | None = None):
+                 on_transfer: TransferObserver | None = None, engine_suffix: str = ""):
         self.aeng = aeng
+        # Appended to a request's id in the engine: a relaying P's engine also holds the request's
+        # relay under its own id (`DecodeWorker.adopt`).  Exported chunks carry the request's id.
+        self.engine_suffix = engine_suffix
         self.on_transfer = on_transfer
         self.engine = aeng.engine
         self.block_size = self.engine.kv_layout.block_size
@@ -110,7 +113,8 @@ class PrefillWorker:
         # Every sampling field but the length is the request's own: the first token is drawn exactly
         # as a single node would draw it (listing fields dropped min_p once; the stop tokens and
         # ignore_eos stay, as min_tokens masks by them at position 0).
-        req = EngineRequest(rid, prompt, replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1)),
+        eid = rid + self.engine_suffix
+        req = EngineRequest(eid, prompt, replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1)),
                             retain_kv=True)
         self.inflight[rid] = targets
         progress = _Progress()
@@ -119,7 +123,7 @@ class PrefillWorker:
         outputs: RequestStream | None = None
         try:
             result = await self.aeng.add(req)
-            outputs = self.aeng.stream(rid)
+            outputs = self.aeng.stream(eid)
             senders = [asyncio.create_task(self._serve_target(rid, n, t, progress, first),
                                            name=f"kv-{rid}-{t.name}") for t in targets]
             async with contextlib.aclosing(outputs):
@@ -151,7 +155,7 @@ class PrefillWorker:
         # Retained KV is released (or the request aborted) whatever happened.
         if outputs is not None:
             await outputs.aclose()
-            await self.aeng.abort(rid)
+            await self.aeng.abort(rid + self.engine_suffix)
         self.inflight.pop(rid, None)
 
     def demote(self, rid: str) -> bool:
@@ -201,11 +205,18 @@ class PrefillWorker:
                 b = min(upto, (a // step + 1) * step)
                 bounds.append((a, b))
                 a = b
-            chunks = await self.aeng.call(
-                lambda: [self.engine.export_kv(rid, a, b) for a, b in bounds])  # noqa: B023
+            chunks = await self.aeng.call(self._export, rid, bounds)
             target.service_s += await target.send(chunks)
             target.sent_bytes += sum(c.nbytes for c in chunks)
             sent = upto
+
+
+    def _export(self, rid: str, bounds: list[tuple[int, int]]) -> list[KVChunk]:
+        """Engine thread: the chunks of these token ranges of `rid`'s prompt, named `rid`."""
+        chunks = [self.engine.export_kv(rid + self.engine_suffix, a, b) for a, b in bounds]
+        if self.engine_suffix:
+            chunks = [replace(c, span=replace(c.span, request_id=rid)) for c in chunks]
+        return chunks
 
 
 async def _uninterrupted(coro: Coroutine[Any, Any, None]) -> None:

@@ -156,6 +156,14 @@ class RequestDriver:
     def on_node_failed(self, node: NodeHandle, why: str) -> None:
         fl = self.fl
         who = Role.PREFILL if node is self.p else self.role_of[node.name]
+        if node is self.p and node is self.rld:
+            # A relaying P lost: while a decoder still waits for KV from it, nothing it made
+            # survives (a re-drive); after, it is the relay that is lost.
+            assert self.prefill_task is not None
+            if not self.prefill_task.done() or self.paths.awaiting_kv:
+                self.paths.p_alive = self.paths.rld_alive = False
+                raise NodeLost(node, f"relaying P lost: {why}")
+            who = Role.RLD
         recovery = self.paths.lost(who, fl.tracker.state, fl.merger.next_position)
         if recovery is Recovery.MOOT:
             return

@@ -322,7 +322,8 @@ class Router:
         if p is None:
             raise RouterError("no healthy prefill node", "unavailable")
         fl.p_cached_tokens = min(len(fl.prompt), p_held * p.block_size)
-        rld = self.place.pick(Role.RLD, fl)
+        # A relaying P relays what it prefills (its KV is there); else an RLD instance.
+        rld = p if p.relay_here else self.place.pick(Role.RLD, fl)
         decision = self._decide(fl, p, md, md_cached, rld)
         pipeline = decision.pipeline
         use_md = md if pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD) else None
@@ -332,7 +333,8 @@ class Router:
         starts: dict[str, int] = {}
         holds: list[bool] = []
         if use_rld is not None:
-            rld_cached = await self._open_rld(fl, use_rld, streams, md_after=use_md is not None)
+            rld_cached = await self._open_rld(fl, use_rld, streams, md_after=use_md is not None,
+                                              local=use_rld is p)
             if rld_cached is None:
                 pipeline, use_rld = Pipeline.P_MD, None
             else:
@@ -361,12 +363,15 @@ class Router:
             raise RouterError(str(e), "unavailable") from None
 
     async def _open_rld(self, fl: Flight, rld: NodeHandle, streams: dict[str, LinkStream],
-                        md_after: bool) -> int | None:
+                        md_after: bool, local: bool) -> int | None:
         """Open on RLD, its relay slot taken before the first await (concurrent decisions see
-        it); -> the prompt tokens it caches, or None: it is full and MD goes alone (P-MD)."""
+        it); -> the prompt tokens it caches, or None: it is full and MD goes alone (P-MD).
+        `local`: RLD is the request's P, relaying what it prefills (all its KV is there)."""
         fl.ledger.take("relay", rld, relays=1, relay_tokens=len(fl.prompt))
         streams[rld.name] = rld.link.stream(fl.rid, timeout=self.timeout)
         try:
+            if local:
+                return await self._submit(rld, fl, "local", False)
             return await self._open(rld, fl, hold=False)
         except NoRoom as e:
             fl.ledger.release("relay")
@@ -392,7 +397,7 @@ class Router:
             self.room.wake()      # it fit: the next one in line may too
         return cached
 
-    async def _submit(self, node: NodeHandle, fl: Flight, kv: Literal["import", "compute"], hold: bool,
+    async def _submit(self, node: NodeHandle, fl: Flight, kv: Literal["import", "compute", "local"], hold: bool,
                       supersedes: tuple[str, ...] = ()) -> int:
         msg = m.Submit(request_id=fl.rid, kv=kv, hold=hold, prompt=fl.prompt,
                         supersedes=supersedes, sampling=fl.sampling)

@@ -1,0 +1,64 @@
+"""A prefill node that relays what it prefills (`[[nodes]] relay = true`), in one process.
+
+One engine prefills and relays; MD in cluster B over the shaped WAN.  Every
+path streams exactly what one local engine generates, the relay's tokens
+carry the RLD role, nothing but MD's missing KV crosses the WAN, and the
+relay node holds nothing after (the `deploy` fixture's leak check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pddgw.config import Config, ConfigError, NodeConfig, load_config
+from pddgw.core.roles import Role
+
+from .pdd_client import chat, reference
+from .test_embedded import BYTES_PER_TOKEN, deploy, make_cfg, prompt_of  # noqa: F401 (a fixture)
+
+
+def relay_cfg(**policy) -> Config:
+    cfg = make_cfg(**policy)
+    md_engine = dataclasses.replace(cfg.engine, block_size=32)
+    return dataclasses.replace(cfg, nodes=(NodeConfig("router", Role.ROUTER, "A"),
+                                           NodeConfig("p0", Role.PREFILL, "A", relay=True),
+                                           NodeConfig("md0", Role.MD, "B", engine=md_engine)))
+
+
+@pytest.mark.parametrize("mode", ["one-shot", "catch-up"])
+async def test_relay_on_p_hands_off_with_the_same_tokens(deploy, mode):
+    ws, side, _ = await deploy(relay_cfg(pipeline="P-RLD-MD", handoff_mode=mode, catchup_threshold=2,
+                                         catchup_threshold_md_loaded=2, catchup_max_rounds=2))
+    p, n = prompt_of(120), 403
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=n, temperature=0.8, seed=77)
+    assert r.final["type"] == "response.completed", r.final
+    assert r.token_ids == reference(p, n, temperature=0.8, seed=77)
+    r.assert_positions_once_in_order()
+    tl = r.timeline
+    assert tl["pipeline"] == "P-RLD-MD" and tl["handoff_mode"] == mode
+    at = tl["handoff_position"]
+    assert 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
+    assert [d["pddgw"]["role"] for d in r.deltas] == ["rld"] * at + ["md"] * (n - at)
+    assert tl["wan_kv_bytes"] == 120 * BYTES_PER_TOKEN
+    if mode == "catch-up":
+        assert len(tl["handoff_positions"]) == 3
+
+
+async def test_relay_on_p_alone_and_logprobs(deploy):
+    ws, side, _ = await deploy(relay_cfg(pipeline="P-RLD"))
+    p = prompt_of(61)
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=12, temperature=0)
+    assert r.token_ids == reference(p, 12)
+    assert r.timeline["pipeline"] == "P-RLD" and r.timeline["tokens_by_role"] == {"rld": 12}
+    assert r.timeline["wan_kv_bytes"] == 0
+
+
+def test_relay_is_for_a_prefill_node(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text('[[nodes]]\nname = "r"\nrole = "router"\n[[nodes]]\nname = "p0"\nrole = "prefill"\nrelay = true\n'
+                 '[[nodes]]\nname = "md0"\nrole = "md"\nrelay = true\n')
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert str(ei.value) == f"{p}: nodes[2]: node 'md0': relay = true is for a prefill node (this one is md)"
