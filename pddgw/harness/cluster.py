@@ -1,7 +1,8 @@
 """The PDD deployment on loopback: router, p0 and rld0 in cluster A, md0 in cluster B.
 
 One config.toml writer (`ClusterToml`) and the four `pddgw serve --role R
---node N` processes from it (`serve_processes`).  The WAN between the
+--node N` processes from it (`serve_processes`); with `relay_on_p`, p0 is
+also the relay (`relay = true`) and there is no rld0: three processes.  The WAN between the
 clusters is shaped by the links themselves (`[[net.links]] name = "wan"`);
 md0 may sit behind a fault proxy: the config then names the proxy's port
 for md0 (what the others dial) and md0 is told its own with `--port`.
@@ -38,9 +39,9 @@ def toml_lines(**values: object) -> str:
     return "\n".join(f"{k} = {val(v)}" for k, v in values.items())
 
 
-def free_ports() -> dict[str, int]:
-    """A free loopback port for each node of the deployment."""
-    return {name: free_port() for name in ("router", "p0", "rld0", "md0")}
+def free_ports(relay_on_p: bool = False) -> dict[str, int]:
+    """A free loopback port for each node of the deployment (no rld0 where P relays)."""
+    return {name: free_port() for name in ("router", "p0", "rld0", "md0") if not (relay_on_p and name == "rld0")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +58,16 @@ class ClusterToml:
     p_engine: str = ""          # p0's own [nodes.engine] ("" = none)
     md_engine: str = ""         # md0's own [nodes.engine] ("" = none)
     header: str = ""            # a comment on top
+    relay_on_p: bool = False    # p0 relays what it prefills; no rld0
 
     def render(self, ports: Mapping[str, int], secret: str, md_dialed: int | None = None) -> str:
         """The file for `ports` (by node); the others dial md0 at `md_dialed` (default: its own port)."""
         def table(name: str, body: str) -> str:
             return f"[{name}]\n{body.strip()}\n" if body.strip() else ""
 
-        def node(name: str, cluster: str, engine: str = "", port: int | None = None) -> str:
+        def node(name: str, cluster: str, engine: str = "", port: int | None = None, relay: bool = False) -> str:
             head = f'[[nodes]]\nname = "{name}"\nrole = "{ROLES[name]}"\ncluster = "{cluster}"\n'
+            head += "relay = true\n" if relay else ""
             return head + (f"port = {port}\n" if port is not None else "") + table("nodes.engine", engine)
 
         md = ports["md0"] if md_dialed is None else md_dialed
@@ -75,8 +78,9 @@ class ClusterToml:
                  table("net", f"{toml_lines(secret=secret)}\n{self.net}"),
                  table("[net.links]", f'name = "wan"\n{self.wan}'),
                  table("policy", self.policy),
-                 node("router", "A"), node("p0", "A", self.p_engine, ports["p0"]),
-                 node("rld0", "A", port=ports["rld0"]), node("md0", "B", self.md_engine, md)]
+                 node("router", "A"), node("p0", "A", self.p_engine, ports["p0"], self.relay_on_p),
+                 "" if self.relay_on_p else node("rld0", "A", port=ports["rld0"]),
+                 node("md0", "B", self.md_engine, md)]
         return "\n".join(p for p in parts if p)
 
     def write(self, path: Path, ports: Mapping[str, int], secret: str | None = None,
@@ -88,12 +92,15 @@ class ClusterToml:
 
 
 def serve_processes(directory: Path, config: Path, ports: Mapping[str, int]) -> Processes:
-    """The deployment's four `pddgw serve` processes (workers first, the router last), not started.
+    """The deployment's `pddgw serve` processes, one per node in `ports` (workers first, the
+    router last), not started.
 
     md0 is given its own port, in case the config names a proxy's for it.
     """
     procs = Processes(directory)
     for name, role in ROLES.items():
+        if name not in ports:
+            continue
         args = ["serve", "--role", role, "--node", name, "--config", str(config)]
         if name == "md0":
             args += ["--port", str(ports["md0"])]

@@ -29,13 +29,14 @@ class Cluster:
     SECRET = "e2e-test-secret-0123456789"
 
     def __init__(self, tmp: Path, policy: str = "", p_engine: str = "", gbps: float = 0.05, server: str = "",
-                 wan: str = "", model: str = 'dtype = "float64"', md_engine: str = MD_ENGINE):
+                 wan: str = "", model: str = 'dtype = "float64"', md_engine: str = MD_ENGINE,
+                 relay_on_p: bool = False):
         self.tmp = tmp
-        self.ports = free_ports()
+        self.ports = free_ports(relay_on_p)
         self.proxy = ThreadedProxy(self.ports["md0"])
         toml = ClusterToml(model=model, server="request_timeout_s = 60\nallow_request_steering = true\n" + server,
                            wan="latency_ms = 20.0\n" + (wan or f"gbps = {gbps}"), policy=policy,
-                           p_engine=p_engine, md_engine=md_engine)
+                           p_engine=p_engine, md_engine=md_engine, relay_on_p=relay_on_p)
         try:
             self.config = toml.write(tmp / "config.toml", self.ports, self.SECRET, md_dialed=self.proxy.port)
         except BaseException:

@@ -27,9 +27,11 @@ PROMPT = [33 + (i * 11) % 80 for i in range(120)]
 
 
 async def _request(c: Cluster, pipeline: str | None, n_out: int, after: int = -1, action=None,
-                   role: str | None = None) -> Response:
+                   role: str | None = None, handoff_mode: str | None = None) -> Response:
     """One sampled request; `action()` once position `after` (from `role`, if given) streamed."""
     ext = {"pddgw": {"pipeline": pipeline}} if pipeline else {}
+    if handoff_mode:
+        ext["pddgw"]["handoff_mode"] = handoff_mode
     r = Response()
     async with aiohttp.ClientSession() as s, s.ws_connect(c.url + "/v1/responses") as ws:
         await ws.send_str(orjson.dumps({"type": "response.create", "prompt_token_ids": PROMPT,
