@@ -92,7 +92,8 @@ class PagedEngine(TrackedEngine):
         ranks = cfg.dp_ranks
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs * ranks, cfg.max_num_batched_tokens * ranks,
                                    max_chunk_tokens=cfg.max_num_batched_tokens,
-                                   mixed_step_tokens=cfg.mixed_step_tokens * ranks)
+                                   mixed_step_tokens=cfg.mixed_step_tokens * ranks,
+                                   mixed_chunk_tokens=cfg.mixed_step_tokens)
         limit = max_model_len or spec.max_position_embeddings
         # A sequence must fit in the pool on its own, or preemption could never make room.
         self._max_model_len = min(limit, spec.max_position_embeddings, num_blocks * cfg.block_size)

@@ -5,7 +5,8 @@ Each step has a token budget (max_num_batched_tokens), a batch bound
 for an instance of several attention-DP ranks the budget and the bound are
 the ranks' together.  A step that decodes computes at most
 `mixed_step_tokens` other tokens (prefill chunks, extends) besides its
-decodes, so a decode next to long prefills waits a short chunk's time.  Order of service:
+decodes, at most `mixed_chunk_tokens` of one sequence (a rank's share), so
+a decode next to long prefills waits a short chunk's time.  Order of service:
   1. READY imports join the running set, in the order their imports finished;
      one on hold with nothing to compute keeps its KV but no batch place;
   2. running sequences, in admission order: a decode costs one token, an
@@ -37,12 +38,13 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_chunk_tokens: int = 0, mixed_step_tokens: int = 0):
+                 max_chunk_tokens: int = 0, mixed_step_tokens: int = 0, mixed_chunk_tokens: int = 0):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
         self.mixed_step_tokens = mixed_step_tokens or max_num_batched_tokens
+        self.mixed_chunk_tokens = min(mixed_chunk_tokens or self.max_chunk_tokens, self.max_chunk_tokens)
         self.waiting: deque[Sequence] = deque()
         self.ready: deque[Sequence] = deque()      # READY: imported, waiting for a place in the batch
         self.running: list[Sequence] = []
@@ -93,7 +95,7 @@ class Scheduler:
         # Tokens other than decodes this step may still compute (capped where it decodes).
         others = budget
         if self.mixed_step_tokens < budget and any(_decodes(s) for s in self.running):
-            others = self.mixed_step_tokens
+            others, most = self.mixed_step_tokens, self.mixed_chunk_tokens
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -120,7 +122,7 @@ class Scheduler:
         while (self.waiting and min(budget, others) > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            n = self._admit(seq, min(budget, others))
+            n = self._admit(seq, min(budget, others, most))
             if n is None:
                 break
             self.waiting.popleft()
