@@ -122,6 +122,12 @@ class VllmEngineConfig:
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
 
 
+# A relaying P's default `mixed_step_tokens`: `python -m pddgw.bench.relay` (DeepSeek-V4-Pro on
+# 24 H100, 64K-token prompts in 8K chunks a rank) prices its relayed TPOT at 0.04 x the uncapped
+# step's and its prefill rate at 0.94 x; 128 buys 0.02 x for 0.80 x.
+RELAY_MIXED_STEP_TOKENS = 256
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Paged KV pool and scheduler limits of one engine instance."""
@@ -145,7 +151,7 @@ class EngineConfig:
     # A step that also decodes computes at most this many tokens besides its decodes (per
     # rank): a relaying prefill node (`[[nodes]] relay`) keeps its relayed requests' TPOT
     # near one such chunk's time instead of a whole max_num_batched_tokens chunk's.  0 = no
-    # cap.  How it was chosen: docs/operations.md, "A relay on P".
+    # cap, except on a relaying P: RELAY_MIXED_STEP_TOKENS (docs/operations.md, "A relay on P").
     mixed_step_tokens: int = 0
     enable_prefix_caching: bool = True
     # A decoding request's tokens go to the router every this many (vLLM's and SGLang's
@@ -610,7 +616,10 @@ class Config:
         raise ConfigError(f"nodes: no node named {name!r} (have: {', '.join(n.name for n in self.nodes)})")
 
     def engine_for(self, node: NodeConfig | None) -> EngineConfig:
-        return node.engine if node is not None and node.engine is not None else self.engine
+        ecfg = node.engine if node is not None and node.engine is not None else self.engine
+        if node is not None and node.relay and not ecfg.mixed_step_tokens:
+            return dataclasses.replace(ecfg, mixed_step_tokens=RELAY_MIXED_STEP_TOKENS)
+        return ecfg
 
 
 def load_config(path: str | Path | None) -> Config:

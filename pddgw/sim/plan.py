@@ -8,7 +8,7 @@ A plan (`plan_space`: TOML, unknown keys refused naming the key) names a
 scenario and the space: hardware per cluster with prices, GPU and USD
 budgets, per role the counts and parallelism shapes.  For each deployment
 kind (same-DC PD, naive cross-DC PD, cross-DC PD with MD's prefix cache,
-PDD; `plan_space.KINDS`) the planner searches role counts and shapes for
+PDD, PDD with P relaying; `plan_space.KINDS`) the planner searches role counts and shapes for
 the highest SLA goodput per USD per hour (`plan_search`): the roofline
 prunes the rates a split cannot carry (`plan_bounds`), the survivors run on
 the simulator's virtual clock.  It prints a ranked table per kind and, with
@@ -40,7 +40,7 @@ from pddgw.logs import setup_logging
 from pddgw.sim.goodput import first_fail
 from pddgw.sim.plan_bounds import Bound, Setting, capacity
 from pddgw.sim.plan_search import Evaluation, KindResult, _Workloads, search, upper_bound, winner
-from pddgw.sim.plan_space import KINDS, NOT_YET, Plan, candidates, load_plan
+from pddgw.sim.plan_space import KINDS, Plan, candidates, load_plan
 from pddgw.sim.plan_sweep import format_sweep, sweep, sweep_json, write_sweep
 from pddgw.sim.plan_write import config_toml, deployments_toml, serve_comment, serve_config
 from pddgw.sim.profiles import model, uncalibrated, uncalibrated_line
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                    "goodput per USD per hour.", "--plan", "planner TOML (e.g. scenarios/plan_paper.toml)",
                    "size for this Mooncake-format trace instead of the scenario's workload")
     p.add_argument("--wan-gbps", type=float, help="override the plan's WAN bandwidth")
-    p.add_argument("--kinds", nargs="+", choices=KINDS + NOT_YET, help="search only these deployment kinds")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, help="search only these deployment kinds")
     p.add_argument("--exhaustive", action="store_true", help="brute force: simulate every candidate and probe")
     p.add_argument("--dry-run", action="store_true", help="print the candidates' roofline bounds, simulate nothing")
     p.add_argument("--out", help="write config.toml, KIND.config.toml and deployments.toml into this directory "

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from pddgw.sim.costmodel_engine import parallel
-from pddgw.sim.plan_space import Candidate, Plan
+from pddgw.sim.plan_space import Candidate, Kind, Plan
 from pddgw.sim.profiles import HardwareProfile, ModelProfile, as_run, hardware
 from pddgw.sim.roofline import SeqWork, step_cost
 from pddgw.sim.scenario import DeploymentSpec, NodeGroup, Scenario, group_fit
@@ -221,14 +221,15 @@ class _Sides:
     decode: tuple[float, list[float]]
     kv: tuple[float, list[float]]
     wan: tuple[float, list[float]] | None
-    relay: tuple[float, float] | None    # (relay slots, seconds one holds) for PDD
+    relay: tuple[float, float] | None    # (relay slots, seconds one holds) for PDD and a relaying P
     latency: bool                        # no request with >= 2 output tokens meets the TPOT SLO
 
 
 @dataclass(frozen=True, slots=True)
 class Setting:
     """What a bound reads besides the candidate: the scenario (links, SLOs), the WAN the
-    candidate runs at (None: its links as configured) and each RLD instance's relay slots."""
+    candidate runs at (None: its links as configured) and each relay's slots (an RLD instance
+    or a relaying P)."""
 
     scenario: Scenario
     wan_gbps: float | None
@@ -241,9 +242,12 @@ class Setting:
 
 def _sides(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> _Sides:
     # A planner's candidate has one group per role; a scenario's deployment may have several
-    # (`deployment_bound`): each side sums its groups, and a relay lasts its fastest RLD's steps.
+    # (`deployment_bound`): each side sums its groups, and a relay lasts its fastest relay's steps.
     prefills = [g for g in cand.groups if g.role == "prefill"]
-    decoders = [g for g in cand.groups if g.role in ("md", "rld")]
+    # A relaying P counts twice: its whole prefill capacity (its relays' decodes are a small
+    # share of its steps) and, among the decoders, its whole decode capacity and pool.  Both
+    # are as if it did nothing else: each side stays an upper bound.
+    decoders = _decoders(cand)
     ctx = min(d.prompt)
     fastest = min(decode_step_s(prof, g, 1, ctx) for g in decoders)
     wan = relay = None
@@ -251,9 +255,9 @@ def _sides(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> _Side
         missing = d.prompt if cand.kind == "naive-cross-dc" else d.uncached
         per_token = prof.kv_bytes_per_token
         wan = (wan_bytes_per_s(at.scenario, at.wan_gbps, cand), [m * per_token for m in missing])
-        rlds = [g for g in cand.groups if g.role == "rld"]
+        rlds = _relays(cand)
         if rlds:
-            relay = (_count(cand, "rld") * at.rld_max_relays,
+            relay = (sum(g.count for g in rlds) * at.rld_max_relays,
                      (min(d.output) - 1) * min(decode_step_s(prof, g, 1, ctx) for g in rlds))
     tpot = at.scenario.slo.tpot_ms
     return _Sides(
@@ -263,6 +267,18 @@ def _sides(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> _Side
             [c * (o - 1) * fastest for c, o in zip(d.prompt, d.output)]),
         wan=wan, relay=relay,
         latency=bool(tpot) and min(d.output) >= 2 and fastest * 1000.0 > tpot)
+
+
+def _decoders(cand: Candidate) -> list[NodeGroup]:
+    """The groups that decode: MD, RLD and a relaying P."""
+    return [g for g in cand.groups if g.role in ("md", "rld") or g.relay]
+
+
+def _relays(cand: Candidate) -> list[NodeGroup]:
+    """The groups that relay (each instance `rld_max_relays` at a time): RLD and a relaying P.
+    A relaying P's decode step is priced alone, without the prefill chunks it shares steps
+    with: it holds a relay no longer than that, and the bound stays above the truth."""
+    return [g for g in cand.groups if g.role == "rld" or g.relay]
 
 
 def capacity(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> Bound:
@@ -282,7 +298,7 @@ def capacity(at: Setting, prof: ModelProfile, cand: Candidate, d: Demand) -> Bou
     sides = {"prefill": rate(s.prefill), "decode": rate(s.decode), "kv": rate(s.kv)}
     if d.think_next:
         prefills = [g for g in cand.groups if g.role == "prefill"]
-        decoders = [g for g in cand.groups if g.role in ("md", "rld")]
+        decoders = _decoders(cand)
         fastest = min(decode_step_s(prof, g, 1, min(d.prompt)) for g in decoders)
         sides["p_kv"] = rate((sum(g.count * _kv_tokens(prof, g) for g in prefills),
                               [c * ((o - 1) * fastest + t) for c, o, t in zip(d.prompt, d.output, d.think_next)]))
@@ -350,13 +366,17 @@ def deployment_bound(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None) 
     """A scenario's deployment as a candidate the bounds can read (`pddgw sim` prunes its goodput
     probes with them, as `pddgw plan` does); None where the bounds do not hold for it: a
     deployment from a config file, roles beyond prefill/md/rld, or a forced pipeline other than
-    the one its kind runs (the bounds count P-MD for same-DC and naive, relays for PDD)."""
+    the one its kind runs (the bounds count P-MD for same-DC and naive, relays for PDD and a
+    relaying P)."""
     roles = {g.role for g in dep.nodes}
     if dep.config or not {"prefill", "md"} <= roles or roles - {"prefill", "md", "rld"}:
         return None
     cross = sc.uses_wan(dep)
-    if "rld" in roles:
-        return Candidate("pdd", dep.nodes) if cross and dep.policy.pipeline == "auto" else None
+    relaying = any(g.relay for g in dep.nodes)
+    if "rld" in roles or relaying:
+        # `_sides` counts every relay, an RLD group's and a relaying P's alike.
+        kind: Kind = "pdd" if "rld" in roles else "pdd-relay-on-p"
+        return Candidate(kind, dep.nodes) if cross and dep.policy.pipeline == "auto" else None
     if dep.policy.pipeline not in ("auto", "P-MD"):
         return None                         # forced onto an RLD it does not have
     if not cross:

@@ -12,9 +12,10 @@ Deployment kinds (docs/architecture.md, The regime PDD lives in):
   cross-dc-cached  P in A, MD in B with its prefix cache, no RLD, P-MD forced (only the KV MD lacks
                    crosses; the router's prefix affinity as the plan's policy sets it, on by default)
   pdd              P and RLD in A, MD in B, the router's policy decides
-
-A plan may also name `pdd-relay-on-p` (PDD with P relaying, no RLD instance: tracker issue 47);
-it is refused in one line until the real system runs it.
+  pdd-relay-on-p   P in A relaying what it prefills (`relay = true`, no RLD instance), MD in B
+                   with its prefix cache, the router's policy decides (P-RLD-MD / P-RLD with
+                   RLD = that P); its engines cap a decoding step's prefill tokens at
+                   `[roles.prefill] mixed_step_tokens`
 
 `candidates(plan, sc, kind)` enumerates (hardware, shape, count) per role, drops the pairs
 the model does not fit (as `pddgw sim` would) and keeps those within the budgets; none left
@@ -27,7 +28,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeGuard
+from typing import Literal
 
 from pddgw.config import ConfigError, PolicyConfig
 from pddgw.config_build import load_toml
@@ -36,12 +37,13 @@ from pddgw.sim.profiles import HARDWARE, ModelProfile, check_prices, price
 from pddgw.sim.scenario import (DeploymentSpec, GoodputSpec, NodeGroup, Scenario, SloSpec, WorkloadSpec, group_fit,
                                 load_scenario)
 
-Kind = Literal["same-dc", "naive-cross-dc", "cross-dc-cached", "pdd"]
-KINDS: tuple[Kind, ...] = ("same-dc", "naive-cross-dc", "cross-dc-cached", "pdd")
-# What a plan's `kinds` may name: the kinds above and those not implemented yet (refused).
-PlanKind = Literal["same-dc", "naive-cross-dc", "cross-dc-cached", "pdd", "pdd-relay-on-p"]
-NOT_YET: tuple[PlanKind, ...] = ("pdd-relay-on-p",)
+Kind = Literal["same-dc", "naive-cross-dc", "cross-dc-cached", "pdd", "pdd-relay-on-p"]
+KINDS: tuple[Kind, ...] = ("same-dc", "naive-cross-dc", "cross-dc-cached", "pdd", "pdd-relay-on-p")
+# The kinds whose router policy decides the pipeline (the others force P-MD).
+POLICY_DECIDES: tuple[Kind, ...] = ("pdd", "pdd-relay-on-p")
 ROLE_PREFIX = {"prefill": "P", "rld": "RLD", "md": "MD"}
+# A relaying prefill group's label: one instance is P and RLD at once.
+RELAY_PREFIX = "P+RLD"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,19 +110,23 @@ class Shape:
 @dataclass(frozen=True, slots=True)
 class RoleSpace:
     """Counts and shapes one role may take; every count from count_min to count_max;
-    max_num_seqs and max_num_batched_tokens per DP rank (`scenario.NodeGroup`)."""
+    max_num_seqs, max_num_batched_tokens and mixed_step_tokens per DP rank (`scenario.NodeGroup`)."""
 
     count_min: int = 1
     count_max: int = 1
     shapes: tuple[Shape, ...] = (Shape(),)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # The role's engines' cap on a decoding step's other tokens (0 = none): it matters where
+    # P also decodes, the relaying P of pdd-relay-on-p (other kinds' P never decode).
+    mixed_step_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(1 <= self.count_min <= self.count_max, "need 1 <= count_min <= count_max")
         _check(bool(self.shapes), "shapes must not be empty")
         _check(self.max_num_seqs >= 1 and self.max_num_batched_tokens >= self.max_num_seqs,
                "need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
+        _check(self.mixed_step_tokens >= 0, "mixed_step_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +186,7 @@ class PlanSpec:
     scenario: str = ""                   # scenario TOML, relative to the plan file
     model: str = ""                      # "" = the scenario's
     trace: str = ""                      # a Mooncake trace instead of the scenario's workload
-    kinds: tuple[PlanKind, ...] = KINDS   # every one in KINDS (`searched`); NOT_YET's are refused
+    kinds: tuple[Kind, ...] = KINDS      # the kinds to search (`searched`)
     wan_gbps: float = 0.0                # 0 = the scenario's first WAN variant (or its links)
     usd_per_hour: float = 0.0            # total budget of a deployment (0 = none)
     clusters: tuple[ClusterSpace, ...] = ()
@@ -199,9 +205,6 @@ class PlanSpec:
         _check(bool(self.scenario), "scenario: name the scenario TOML (model, links, workload, SLOs)")
         check_prices(self.prices)
         _check(bool(self.kinds) and len(set(self.kinds)) == len(self.kinds), "kinds must be distinct and not empty")
-        for k in self.kinds:
-            _check(implemented(k), f"kinds: kind {k!r} is not implemented yet (the planner compares "
-                                   f"{', '.join(KINDS)})")
         _check(self.wan_gbps >= 0 and self.usd_per_hour >= 0, "wan_gbps and usd_per_hour must be >= 0")
         names = [c.name for c in self.clusters]
         _check(len(set(names)) == len(names), "clusters: duplicate name")
@@ -212,16 +215,11 @@ class PlanSpec:
 
     @property
     def searched(self) -> tuple[Kind, ...]:
-        """The kinds to search: `kinds`, every one implemented (`__post_init__`)."""
-        return tuple(k for k in self.kinds if implemented(k))
+        """The kinds to search: `kinds`."""
+        return self.kinds
 
     def cluster(self, name: str) -> ClusterSpace:
         return next(c for c in self.clusters if c.name == name)
-
-
-def implemented(kind: str) -> TypeGuard[Kind]:
-    """Whether the planner searches `kind` (a plan may name the NOT_YET kinds, and is refused)."""
-    return kind in KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,15 +299,17 @@ class Candidate:
         return next((g for g in self.groups if g.role == role), None)
 
     def label(self) -> str:
-        """e.g. "P 2 x H100-SXM tp8 | MD 1 x H200-SXM tp8" (counts x hardware shape)."""
+        """e.g. "P 2 x H100-SXM tp8 | MD 1 x H200-SXM tp8" (counts x hardware shape; a relaying P
+        is "P+RLD")."""
         parts = []
         for g in self.groups:
             shape = Shape(g.tensor_parallel, g.data_parallel, g.expert_parallel).label()
-            parts.append(f"{ROLE_PREFIX[g.role]} {g.count} x {g.hardware} {shape}")
+            role = RELAY_PREFIX if g.relay else ROLE_PREFIX[g.role]
+            parts.append(f"{role} {g.count} x {g.hardware} {shape}")
         return " | ".join(parts)
 
     def policy(self, plan: PlanSpec) -> PolicyConfig:
-        if self.kind == "pdd":
+        if self.kind in POLICY_DECIDES:
             return plan.policy or PolicyConfig()
         return dataclasses.replace(plan.policy or PolicyConfig(), pipeline="P-MD")
 
@@ -321,7 +321,7 @@ def _roles(kind: Kind) -> tuple[tuple[str, str], ...]:
     """(role, cluster) of each group of a kind, in the order a deployment lists them."""
     if kind == "same-dc":
         return ("prefill", "A"), ("md", "A")
-    if kind in ("naive-cross-dc", "cross-dc-cached"):
+    if kind in ("naive-cross-dc", "cross-dc-cached", "pdd-relay-on-p"):
         return ("prefill", "A"), ("md", "B")
     return ("prefill", "A"), ("rld", "A"), ("md", "B")
 
@@ -337,6 +337,8 @@ def role_options(plan: Plan, prof: ModelProfile, kind: Kind, role: str, cluster:
                             tensor_parallel=shape.tensor_parallel, data_parallel=shape.data_parallel,
                             expert_parallel=shape.expert_parallel, gpus_per_node=opt.gpus_per_node,
                             max_num_seqs=rs.max_num_seqs, max_num_batched_tokens=rs.max_num_batched_tokens,
+                            mixed_step_tokens=rs.mixed_step_tokens,
+                            relay=kind == "pdd-relay-on-p" and role == "prefill",
                             prefix_cache=not (kind == "naive-cross-dc" and role == "md"),
                             price_per_gpu_hour=opt.price, fp4_on_non_native=plan.scenario.fp4_on_non_native)
             tried.append(f"{shape.gpus} x {opt.hardware} {shape.label()}")

@@ -43,7 +43,8 @@ from pddgw.sim.run import init_worker
 from pddgw.sim.scenario import Scenario
 from pddgw.tables import format_table
 
-SHORT = {"naive-cross-dc": "naive", "cross-dc-cached": "cached", "pdd": "pdd", "same-dc": "same-dc"}
+SHORT = {"naive-cross-dc": "naive", "cross-dc-cached": "cached", "pdd": "pdd", "pdd-relay-on-p": "relay-p",
+         "same-dc": "same-dc"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 `serve_config` turns a candidate into the `Config` its processes run: the
 nodes `pddgw sim` expands from the candidate's groups (same names, engines,
-costs), each on 127.0.0.1 with a port of its own, node links authenticated
+costs, relay flags), each on 127.0.0.1 with a port of its own, node links authenticated
 and over mutual TLS with the files `pddgw keys` writes, the scenario's links
 at the plan's WAN.  `config_toml` writes any `Config` as TOML that
 `pddgw.config.load_config` reads back equal: the fields that differ from
@@ -110,7 +110,8 @@ def serve_config(plan: Plan, cand: Candidate) -> Config:
     nodes = []
     for i, n in enumerate(sim.nodes):
         port = 0 if n.role == "router" else FIRST_PORT + i - 1
-        nodes.append(NodeConfig(n.name, n.role, n.cluster, host="127.0.0.1", port=port, cost=n.cost, engine=n.engine))
+        nodes.append(NodeConfig(n.name, n.role, n.cluster, host="127.0.0.1", port=port, cost=n.cost, engine=n.engine,
+                                relay=n.relay))
     tls = TlsConfig(enabled=True, cert_file="keys/{node}.crt", key_file="keys/{node}.key", ca_file="keys/ca.crt",
                     mutual=True)
     net = NetConfig(secret_file="keys/link-secret", stripes=2, links=sim.net.links, tls=tls)

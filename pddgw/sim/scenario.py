@@ -32,8 +32,10 @@ from pddgw.sim.workload import AgenticSpec
 class NodeGroup:
     """`count` identical instances of one role, each `tensor_parallel` x `data_parallel` GPUs
     (DP-attention ranks of TP GPUs; a MoE's experts over `expert_parallel` of them, 0 = all;
-    an instance of more than `gpus_per_node` GPUs spans nodes).  `max_num_seqs` and
-    `max_num_batched_tokens` are per DP rank, as in vLLM (`config.EngineConfig`)."""
+    an instance of more than `gpus_per_node` GPUs spans nodes).  `max_num_seqs`,
+    `max_num_batched_tokens` and `mixed_step_tokens` are per DP rank, as in vLLM
+    (`config.EngineConfig`).  `relay` (prefill groups only): each instance also relays the
+    requests it prefills (`config.NodeConfig.relay`), in place of an RLD group."""
 
     role: Literal["prefill", "rld", "md"]
     count: int = 1
@@ -46,6 +48,10 @@ class NodeGroup:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     prefix_cache: bool = True
+    # A decoding step computes at most this many other tokens (0 = no cap): a relaying P's
+    # relayed requests wait one such chunk, not a whole prefill step, for each token.
+    mixed_step_tokens: int = 0
+    relay: bool = False
     # USD per GPU-hour; 0 = the scenario's [prices], else prices.toml (`profiles.price`).
     price_per_gpu_hour: float = 0.0
     # FP4 weights on a part without FP4 tensor cores: "" = the scenario's (`Scenario.fp4_on_non_native`).
@@ -55,6 +61,9 @@ class NodeGroup:
         _check(self.count >= 1, "count must be >= 1")
         _check(self.hardware in HARDWARE, f"hardware {self.hardware!r} is not one of {sorted(HARDWARE)}")
         _check(self.tensor_parallel >= 1, "tensor_parallel must be >= 1")
+        _check(not self.relay or self.role == "prefill",
+               f"relay = true is for a prefill group (this one is {self.role})")
+        _check(self.mixed_step_tokens >= 0, "mixed_step_tokens must be >= 0")
         _check(self.price_per_gpu_hour >= 0, "price_per_gpu_hour must be >= 0")
         _check(self.fp4_on_non_native in ("", *FP4_MODES), f"fp4_on_non_native must be one of {FP4_MODES}")
         # The engine's own checks (expert_parallel divides the GPUs, ranges), with this group's keys.
@@ -310,13 +319,13 @@ def deployment_config(sc: Scenario, dep: DeploymentSpec, wan_gbps: float | None 
         check_fit(sc, dep, g)
         ecfg = EngineConfig(implementation="costmodel", block_size=sc.block_size, num_blocks=0,
                             max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens,
-                            enable_prefix_caching=g.prefix_cache, stream_interval=sc.stream_interval,
-                            costmodel=g.costmodel())
+                            mixed_step_tokens=g.mixed_step_tokens, enable_prefix_caching=g.prefix_cache,
+                            stream_interval=sc.stream_interval, costmodel=g.costmodel())
         for _ in range(g.count):
             i = counters.get(g.role, 0)
             counters[g.role] = i + 1
             nodes.append(NodeConfig(f"{prefix[g.role]}{i}", g.role, g.cluster,
-                                    cost=g.price / g.count, engine=ecfg))
+                                    cost=g.price / g.count, engine=ecfg, relay=g.relay))
     return Config(model=ModelConfig(profile=sc.model), engine=nodes[1].engine or EngineConfig(),
                   net=sim_net(_with_wan(sc.links, wan_gbps), int(sc.kv_frame_mb * (1 << 20))),
                   policy=dep.policy, server=ServerConfig(request_timeout_s=3600.0),

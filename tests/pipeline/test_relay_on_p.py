@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from pddgw.config import Config, ConfigError, NodeConfig, load_config
+from pddgw.config import RELAY_MIXED_STEP_TOKENS, Config, ConfigError, NodeConfig, load_config
 from pddgw.core.roles import Role
 
 from .pdd_client import chat, reference
@@ -62,3 +62,12 @@ def test_relay_is_for_a_prefill_node(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load_config(p)
     assert str(ei.value) == f"{p}: nodes[2]: node 'md0': relay = true is for a prefill node (this one is md)"
+
+
+def test_a_relaying_p_caps_its_mixed_steps_by_default():
+    cfg = relay_cfg()
+    p0, md0 = cfg.node("p0"), cfg.node("md0")
+    assert cfg.engine_for(p0).mixed_step_tokens == RELAY_MIXED_STEP_TOKENS == 256
+    assert cfg.engine_for(md0).mixed_step_tokens == 0
+    own = dataclasses.replace(p0, engine=dataclasses.replace(cfg.engine, mixed_step_tokens=64))
+    assert cfg.engine_for(own).mixed_step_tokens == 64

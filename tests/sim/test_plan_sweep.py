@@ -157,6 +157,24 @@ def test_the_command_prints_the_map_and_writes_json_and_a_heatmap(tmp_path, caps
     assert png.stat().st_size > 0
 
 
+def test_the_relay_on_p_is_of_the_pdd_family(tmp_path):
+    """A cross-DC kind like the others: searched per GPU-B and WAN, and its split wins a cell where
+    its BCR is the family's best (9 req/s for $9.75/h against PDD's 11.5 for $12.75/h)."""
+    p = _plan(tmp_path, SWEEP.replace('["H200-SXM", "H100-SXM"]', '["H200-SXM"]').replace("[1.0, 1.25]", "[1.25]"))
+    old = 'kinds = ["same-dc", "naive-cross-dc", "pdd"]'
+    assert old in p.read_text()
+    p.write_text(p.read_text().replace(old, 'kinds = ["same-dc", "pdd", "pdd-relay-on-p"]'))
+    sw = sweep(load_plan(p), jobs=1)
+    assert sweep_json(sw)["cross_dc_kinds"] == ["pdd", "pdd-relay-on-p"]
+    [cross] = [s for s in sw.searches if s.gpu_b is not None]
+    assert {e.candidate.kind for e in cross.evaluations} == {"pdd", "pdd-relay-on-p"}
+    [cell] = sw.cells
+    assert (cell.cross.kind, cell.cross.label, cell.cross.goodput_rps, cell.cross.price) == (
+        "pdd-relay-on-p", "P+RLD 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 9.0, 9.75)
+    assert cell.same.label == SAME and cell.payoff == pytest.approx((9.0 / 9.75) / (16.5 / 9.0), rel=1e-12)
+    assert "relay-p: P+RLD 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1" in format_sweep(sw)
+
+
 def test_the_table_has_a_row_per_cell_with_the_winning_split_and_the_payoff(swept):
     lines = format_sweep(swept[1]).splitlines()
     assert len(lines) == 2 + 2 + 4
