@@ -15,7 +15,10 @@ import pytest
 from pddgw.config import RELAY_MIXED_STEP_TOKENS, Config, ConfigError, NodeConfig, load_config
 from pddgw.core.roles import Role
 
+from pddgw.engines.types import SamplingParams
+
 from .pdd_client import chat, reference
+from .test_logprobs_paths import check_runs, local_off_loop, run_on
 from .test_embedded import BYTES_PER_TOKEN, deploy, make_cfg, prompt_of  # noqa: F401 (a fixture)
 
 
@@ -46,13 +49,25 @@ async def test_relay_on_p_hands_off_with_the_same_tokens(deploy, mode):
         assert len(tl["handoff_positions"]) == 3
 
 
-async def test_relay_on_p_alone_and_logprobs(deploy):
-    ws, side, _ = await deploy(relay_cfg(pipeline="P-RLD"))
-    p = prompt_of(61)
-    r = await chat(ws, prompt_token_ids=p, max_output_tokens=12, temperature=0)
-    assert r.token_ids == reference(p, 12)
-    assert r.timeline["pipeline"] == "P-RLD" and r.timeline["tokens_by_role"] == {"rld": 12}
-    assert r.timeline["wan_kv_bytes"] == 0
+@pytest.mark.parametrize("pipeline,mode", [("P-RLD-MD", "catch-up"), ("P-RLD", None)])
+async def test_relay_on_p_streams_the_local_engines_logprobs(deploy, pipeline, mode):
+    ws, side, _ = await deploy(relay_cfg(pipeline=pipeline, handoff_mode=mode or "auto", catchup_threshold=2,
+                                         catchup_threshold_md_loaded=2, catchup_max_rounds=2))
+    p = prompt_of(61)             # the relay computes the prompt's last partial block itself
+    n = 300 if pipeline == "P-RLD-MD" else 40
+    sp = SamplingParams(max_tokens=n, temperature=0.8, seed=77, logprobs=3, prompt_logprobs=2)
+    toks, lps = await local_off_loop(p, sp)
+    out, runs = await run_on(side, "lp-" + pipeline, p, sp, pipeline, mode)
+    assert list(out.output_ids) == toks
+    check_runs(runs, toks, lps)
+    assert len(out.prompt_logprobs) == len(p) - 1             # P's, fetched from P
+    tl = out.record.to_dict()
+    assert tl["pipeline"] == pipeline and tl["wan_kv_bytes"] == (61 * BYTES_PER_TOKEN if mode else 0)
+    if mode:
+        at = tl["handoff_position"]
+        assert 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
+    else:
+        assert tl["tokens_by_role"] == {"rld": n}
 
 
 def test_relay_is_for_a_prefill_node(tmp_path):
