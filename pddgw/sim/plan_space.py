@@ -15,7 +15,7 @@ Deployment kinds (docs/architecture.md, The regime PDD lives in):
   pdd-relay-on-p   P in A relaying what it prefills (`relay = true`, no RLD instance), MD in B
                    with its prefix cache, the router's policy decides (P-RLD-MD / P-RLD with
                    RLD = that P); its engines cap a decoding step's prefill tokens at
-                   `[roles.prefill] mixed_step_tokens`
+                   `[roles.prefill] mixed_step_tokens` (0: `config.RELAY_MIXED_STEP_TOKENS`)
 
 `candidates(plan, sc, kind)` enumerates (hardware, shape, count) per role, drops the pairs
 the model does not fit (as `pddgw sim` would) and keeps those within the budgets; none left
@@ -117,8 +117,9 @@ class RoleSpace:
     shapes: tuple[Shape, ...] = (Shape(),)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    # The role's engines' cap on a decoding step's other tokens (0 = none): it matters where
-    # P also decodes, the relaying P of pdd-relay-on-p (other kinds' P never decode).
+    # The role's engines' cap on a decoding step's other tokens (0 = the engine's default: none,
+    # or a relaying P's `config.RELAY_MIXED_STEP_TOKENS`): it matters where P also decodes, the
+    # relaying P of pdd-relay-on-p (other kinds' P never decode).
     mixed_step_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -48,8 +48,9 @@ class NodeGroup:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     prefix_cache: bool = True
-    # A decoding step computes at most this many other tokens (0 = no cap): a relaying P's
-    # relayed requests wait one such chunk, not a whole prefill step, for each token.
+    # A decoding step computes at most this many other tokens (0 = the engine's default: no cap,
+    # or `config.RELAY_MIXED_STEP_TOKENS` on a relaying P): a relaying P's relayed requests wait
+    # one such chunk, not a whole prefill step, for each token.
     mixed_step_tokens: int = 0
     relay: bool = False
     # USD per GPU-hour; 0 = the scenario's [prices], else prices.toml (`profiles.price`).

@@ -24,7 +24,7 @@ TINY = HERE / "plan_tiny.toml"
 LLAMA8B = model("llama3-8b")
 TINY_KINDS = 'kinds = ["same-dc", "naive-cross-dc", "pdd"]'
 # P's engines cap a decoding step's prefill tokens: a relaying P's relayed requests wait less.
-MIXED = ("[roles.prefill]\ncount_max = 2\n", "[roles.prefill]\ncount_max = 2\nmixed_step_tokens = 256\n")
+MIXED = ("[roles.prefill]\ncount_max = 2\n", "[roles.prefill]\ncount_max = 2\nmixed_step_tokens = 128\n")
 RELAY_LABELS = ["P+RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", "P+RLD 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1",
                 "P+RLD 1 x H100-SXM tp1 | MD 2 x H200-SXM tp1", "P+RLD 2 x H100-SXM tp1 | MD 2 x H200-SXM tp1"]
 
@@ -163,14 +163,14 @@ def test_relay_on_p_candidates_relay_on_p_and_let_the_policy_decide(tmp_path):
     assert [c.price for c in cands] == [6.75, 9.75, 10.5, 13.5]
     for c, x in zip(cands, candidates(plan, LLAMA8B, "cross-dc-cached")):
         p, md = c.groups
-        assert (p.role, p.cluster, p.relay, p.mixed_step_tokens) == ("prefill", "A", True, 256)
+        assert (p.role, p.cluster, p.relay, p.mixed_step_tokens) == ("prefill", "A", True, 128)
         assert (md.role, md.cluster, md.relay, md.prefix_cache) == ("md", "B", False, True)
         assert c.groups == (dataclasses.replace(x.groups[0], relay=True), x.groups[1])
         assert c.policy(plan.spec) == PolicyConfig()             # the router's policy decides
         cfg = deployment_config(plan.scenario, c.deployment(plan.spec), plan.wan_gbps)
         assert [(n.role, n.cluster, n.relay) for n in cfg.nodes] == (
             [("router", "A", False)] + [("prefill", "A", True)] * p.count + [("md", "B", False)] * md.count)
-        assert [cfg.engine_for(n).mixed_step_tokens for n in cfg.nodes[1:]] == [256] * p.count + [0] * md.count
+        assert [cfg.engine_for(n).mixed_step_tokens for n in cfg.nodes[1:]] == [128] * p.count + [0] * md.count
         assert cfg.policy.pipeline == "auto" and cfg.net.shaping("wan").gbps == 10.0
 
 
@@ -198,7 +198,8 @@ def test_the_roofline_reads_a_relaying_p_as_p_and_as_an_rld():
 
 @pytest.fixture(scope="module")
 def relay_searched(tmp_path_factory):
-    """Brute force and the pruned search of PDD and the relay on P (a 256-token mixed step)."""
+    """Brute force and the pruned search of PDD and the relay on P (a 128-token mixed step, not
+    the relay's default 256)."""
     plan = load_plan(_write_plan(tmp_path_factory.mktemp("relay"), 'kinds = ["pdd", "pdd-relay-on-p"]', MIXED))
     return plan, plan_search.search(plan, exhaustive=True), plan_search.search(plan)
 
@@ -208,11 +209,11 @@ def test_the_relay_on_p_search_finds_the_brute_force_optimum_within_its_bounds(r
     b, p = brute["pdd-relay-on-p"], pruned["pdd-relay-on-p"]
     assert b.evaluated == 4 and b.bounded_out == 0 and b.pruned_probes == 0
     assert [(e.candidate, e.goodput_rps) for e in p.ranked] == [(e.candidate, e.goodput_rps) for e in b.ranked]
-    # Two relaying P pass sqrt(128) = 11.3 req/s offered (48 of 50 window arrivals in SLO), one
-    # P sqrt(32) (25 of 25).
+    # Two relaying P pass sqrt(128) = 11.3 req/s offered (47 of 50 window arrivals in SLO), one
+    # P sqrt(32) (24 of 25).
     assert [(e.candidate.label(), e.goodput_rps, round(e.offered_rps, 4)) for e in p.ranked] == [
-        ("P+RLD 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 12.0, 11.3137),
-        ("P+RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 6.25, 5.6569)]
+        ("P+RLD 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 11.75, 11.3137),
+        ("P+RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 6.0, 5.6569)]
     # The bounds hold: no goodput above its bound, no probe meeting more than the roofline allows.
     for r in brute.values():
         for e in r.all_evaluations:
@@ -236,7 +237,7 @@ def test_the_relay_on_p_winner_is_written_with_its_relay_nodes(relay_searched, t
     assert [(n.name, n.role, n.cluster, n.relay, n.port) for n in cfg.nodes] == [
         ("router", "router", "A", False, 0), ("p0", "prefill", "A", True, 9101), ("p1", "prefill", "A", True, 9102),
         ("md0", "md", "B", False, 9103)]
-    assert [cfg.engine_for(n).mixed_step_tokens for n in cfg.nodes[1:]] == [256, 256, 0]
+    assert [cfg.engine_for(n).mixed_step_tokens for n in cfg.nodes[1:]] == [128, 128, 0]
     assert cfg.policy.pipeline == "auto"
     text = (tmp_path / "pdd-relay-on-p.config.toml").read_text()
     assert text.count("\nrelay = true\n") == 2

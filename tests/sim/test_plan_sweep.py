@@ -159,7 +159,7 @@ def test_the_command_prints_the_map_and_writes_json_and_a_heatmap(tmp_path, caps
 
 def test_the_relay_on_p_is_of_the_pdd_family(tmp_path):
     """A cross-DC kind like the others: searched per GPU-B and WAN, and its split wins a cell where
-    its BCR is the family's best (9 req/s for $9.75/h against PDD's 11.5 for $12.75/h)."""
+    its BCR is the family's best (12 req/s for $9.75/h against PDD's 11.5 for $12.75/h)."""
     p = _plan(tmp_path, SWEEP.replace('["H200-SXM", "H100-SXM"]', '["H200-SXM"]').replace("[1.0, 1.25]", "[1.25]"))
     old = 'kinds = ["same-dc", "naive-cross-dc", "pdd"]'
     assert old in p.read_text()
@@ -170,8 +170,8 @@ def test_the_relay_on_p_is_of_the_pdd_family(tmp_path):
     assert {e.candidate.kind for e in cross.evaluations} == {"pdd", "pdd-relay-on-p"}
     [cell] = sw.cells
     assert (cell.cross.kind, cell.cross.label, cell.cross.goodput_rps, cell.cross.price) == (
-        "pdd-relay-on-p", "P+RLD 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 9.0, 9.75)
-    assert cell.same.label == SAME and cell.payoff == pytest.approx((9.0 / 9.75) / (16.5 / 9.0), rel=1e-12)
+        "pdd-relay-on-p", "P+RLD 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1", 12.0, 9.75)
+    assert cell.same.label == SAME and cell.payoff == pytest.approx((12.0 / 9.75) / (16.5 / 9.0), rel=1e-12)
     assert "relay-p: P+RLD 2 x H100-SXM tp1 | MD 1 x H200-SXM tp1" in format_sweep(sw)
 
 
