@@ -19,7 +19,8 @@ PLAN_TINY = ROOT / "tests" / "sim" / "plan_tiny.toml"
 
 
 def test_the_shipped_prices_are_todays_each_with_a_source_and_a_date():
-    assert profiles.shipped_prices() == {"A100-80G": 1.30, "H100-SXM": 3.00, "H200-SXM": 3.75, "H800-SXM": 2.00}
+    assert profiles.shipped_prices() == {"A100-80G": 1.30, "H100-SXM": 3.00, "H200-SXM": 3.75, "H800-SXM": 2.00,
+                                         "B200": 5.25, "MI300X": 1.99}
     with profiles.PRICES_TOML.open("rb") as f:
         for entry in tomllib.load(f)["prices"].values():
             assert entry["source"] and len(entry["date"]) == 7          # "YYYY-MM"
@@ -44,14 +45,14 @@ def test_a_scenarios_prices_override_the_shipped_ones_and_a_groups_override_both
 
 def test_a_part_without_a_price_is_refused_naming_the_key(tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text(TINY.read_text().replace('hardware = "H200-SXM"', 'hardware = "B200"'))
-    with pytest.raises(ConfigError, match=r'bad.toml: prices.B200: no price for hardware .B200.: add \[prices\] '
-                                          r'"B200" = USD per GPU-hour'):
+    bad.write_text(TINY.read_text().replace('hardware = "H200-SXM"', 'hardware = "H20"'))
+    with pytest.raises(ConfigError, match=r'bad.toml: prices.H20: no price for hardware .H20.: add \[prices\] '
+                                          r'"H20" = USD per GPU-hour'):
         load_scenario(bad)
-    with pytest.raises(KeyError, match="prices.MI300X"):
-        assert NodeGroup(role="md", hardware="MI300X", tensor_parallel=8).price
+    with pytest.raises(KeyError, match="prices.L40S"):
+        assert NodeGroup(role="md", hardware="L40S", tensor_parallel=8).price
     ok = tmp_path / "ok.toml"
-    ok.write_text(bad.read_text().replace('kv_frame_mb = 8.0', 'kv_frame_mb = 8.0\n\n[prices]\nB200 = 6.0'))
+    ok.write_text(bad.read_text().replace('kv_frame_mb = 8.0', 'kv_frame_mb = 8.0\n\n[prices]\nH20 = 6.0'))
     sc = load_scenario(ok)
     assert deployment_price(sc, sc.deployments[1])[0] == 2 * 3.00 + 6.0
 
@@ -67,7 +68,7 @@ def test_an_unknown_part_is_refused_listing_the_known_ones(tmp_path):
 
 
 @pytest.mark.parametrize("edit,needle", [
-    (('hardware = "H200-SXM"', 'hardware = "B200"'), "prices.B200: no price for hardware 'B200'"),
+    (('hardware = "H200-SXM"', 'hardware = "H20"'), "prices.H20: no price for hardware 'H20'"),
     (('hardware = "H200-SXM"', 'hardware = "GB300"'), "hardware 'GB300' is not one of"),
 ])
 def test_pddgw_sim_refuses_in_one_line(tmp_path, edit, needle):

@@ -187,14 +187,14 @@ def test_the_table_has_a_row_per_cell_with_the_winning_split_and_the_payoff(swep
 
 
 def test_a_part_without_a_price_is_refused_unless_the_ratio_sets_it(tmp_path, capsys):
-    p = _plan(tmp_path, SWEEP.replace('"H100-SXM"]', '"B200"]').replace("market = false", "market = true"))
+    p = _plan(tmp_path, SWEEP.replace('"H100-SXM"]', '"H20"]').replace("market = false", "market = true"))
     assert plan_main(["--plan", str(p), "--sweep", "--jobs", "1", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("pddgw plan: error: sweep: market: prices.B200: no price for hardware 'B200'")
+    assert err.startswith("pddgw plan: error: sweep: market: prices.H20: no price for hardware 'H20'")
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
     # Without the market column the ratio prices it.
-    plan = load_plan(_plan(tmp_path, SWEEP.replace('"H100-SXM"]', '"B200"]')))
-    assert gpu_b_price(plan, "B200", 1.25, 3.0) == 3.75
+    plan = load_plan(_plan(tmp_path, SWEEP.replace('"H100-SXM"]', '"H20"]')))
+    assert gpu_b_price(plan, "H20", 1.25, 3.0) == 3.75
 
 
 def test_the_hit_axis_sets_every_follow_up_turns_hit_and_needs_an_agentic_workload(tmp_path):
