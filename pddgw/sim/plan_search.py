@@ -173,7 +173,7 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
     g = plan.goodput
     at = Setting.of(plan, cand)
     wall0 = time.perf_counter()
-    name = f"{cand.kind} {cand.label()}"
+    name = f"{cand.kind} {cand.label()}" + (f" @ {plan.wan_gbps:g} Gbps" if cand.kind != "same-dc" else "")
 
     def say(what: str) -> None:
         if progress:

@@ -208,10 +208,11 @@ def _bcr(plan: Plan, cand: Candidate, goodput: float, usd: Mapping[str, float]) 
 
 
 def search_cut(plan: Plan, p: Plan, cands: Sequence[Candidate],
-               prices: Sequence[Mapping[str, float]]) -> tuple[Evaluation, ...]:
+               prices: Sequence[Mapping[str, float]], progress: bool = False) -> tuple[Evaluation, ...]:
     """One search's candidates, evaluated in order of their best bound per USD, each skipped
     where it cannot win at any of `prices`: at every one, outside the budgets or its goodput
-    bound per USD below the best BCR an evaluated candidate already holds there."""
+    bound per USD below the best BCR an evaluated candidate already holds there.  `progress`:
+    `evaluate`'s lines on stderr (a paper-sized search runs for tens of minutes)."""
     bounds = list(zip(cands, goodput_bounds(p, cands)))
     bcrs = [[_bcr(plan, c, u, usd) for usd in prices] for c, u in bounds]
     order = sorted(range(len(bounds)), key=lambda i: (-max((b for b in bcrs[i] if b is not None), default=-1.0),
@@ -221,7 +222,7 @@ def search_cut(plan: Plan, p: Plan, cands: Sequence[Candidate],
     for i in order:
         if not any(u is not None and (b is None or u >= b) for u, b in zip(bcrs[i], bar)):
             continue
-        e = out[i] = evaluate(p, bounds[i][0])
+        e = out[i] = evaluate(p, bounds[i][0], progress=progress)
         for j, usd in enumerate(prices):
             got, b = _bcr(plan, e.candidate, e.goodput_rps or 0.0, usd), bar[j]
             if got is not None and (b is None or got > b):
@@ -241,7 +242,7 @@ def search_all(plan: Plan, jobs: int = 1, progress: bool = False, cut: bool = Tr
         grouped: dict[Search, tuple[Plan, list[Candidate]]] = {}
         for s, p, k in _jobs(plan, a_price):
             grouped.setdefault(s, (p, []))[1].extend(candidates(p, prof, k))
-        args = [(plan, p, cs, _prices(plan, s, a_price)) for s, (p, cs) in grouped.items()]
+        args = [(plan, p, cs, _prices(plan, s, a_price), progress) for s, (p, cs) in grouped.items()]
         if jobs <= 1:
             found = [search_cut(*a) for a in args]
         else:
