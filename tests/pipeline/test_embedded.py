@@ -12,7 +12,9 @@ import dataclasses
 import pytest
 
 from pddgw.api.server import build_app
-from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, PolicyConfig, ServerConfig, ShapingConfig
+from pddgw.config import (Config, EngineConfig, ModelConfig, NetConfig, NodeConfig, PolicyConfig, ServerConfig,
+                          ShapingConfig)
+from pddgw.core.roles import Role
 from pddgw.deploy.serve import Embedded
 
 from .pdd_client import chat, collect, create, reference
@@ -25,6 +27,14 @@ def make_cfg(gbps: float = 0.05, **policy) -> Config:
                   engine=EngineConfig(num_blocks=256, block_size=16, max_num_batched_tokens=256),
                   net=NetConfig(links=(ShapingConfig(name="wan", gbps=gbps, latency_ms=20.0),)),
                   policy=PolicyConfig(**policy), server=ServerConfig(max_streams_per_connection=4))
+
+
+def relay_on_p(cfg: Config) -> Config:
+    """The same deployment with P relaying what it prefills (`relay = true`), no RLD node."""
+    md_engine = dataclasses.replace(cfg.engine, block_size=32)
+    return dataclasses.replace(cfg, nodes=(NodeConfig("router", Role.ROUTER, "A"),
+                                           NodeConfig("p0", Role.PREFILL, "A", relay=True),
+                                           NodeConfig("md0", Role.MD, "B", engine=md_engine)))
 
 
 @pytest.fixture
@@ -75,15 +85,17 @@ async def test_p_md_and_second_turn_sends_only_missing_blocks(deploy):
     assert r2.timeline["wan_kv_bytes"] == (len(p2) - held) * BYTES_PER_TOKEN
 
 
+@pytest.mark.parametrize("relay", ["rld node", "relay on p"])
 @pytest.mark.parametrize("mode", ["one-shot", "catch-up"])
-async def test_p_rld_md_handoff_same_tokens(deploy, mode):
+async def test_p_rld_md_handoff_same_tokens(deploy, mode, relay):
     # The tiny model decodes faster than a 40 ms round trip, so catch-up never
     # gets under its threshold by itself: the round cap (2) ends it, after two
     # non-final rounds, well before RLD reaches the end.  403 tokens, as in the
     # stream-interval test below: the handoff ends near token 230 on this machine,
-    # which left 300 only ~70 tokens of margin.
-    ws, side, _ = await deploy(make_cfg(pipeline="P-RLD-MD", handoff_mode=mode, catchup_threshold=2,
-                                        catchup_threshold_md_loaded=2, catchup_max_rounds=2))
+    # which left 300 only ~70 tokens of margin.  The relay is an RLD node, or P itself.
+    cfg = make_cfg(pipeline="P-RLD-MD", handoff_mode=mode, catchup_threshold=2, catchup_threshold_md_loaded=2,
+                   catchup_max_rounds=2)
+    ws, side, _ = await deploy(relay_on_p(cfg) if relay == "relay on p" else cfg)
     p = prompt_of(120)
     n = 403
     r = await chat(ws, prompt_token_ids=p, max_output_tokens=n, temperature=0.8, seed=77)

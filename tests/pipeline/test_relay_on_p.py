@@ -1,9 +1,10 @@
 """A prefill node that relays what it prefills (`[[nodes]] relay = true`), in one process.
 
 One engine prefills and relays; MD in cluster B over the shaped WAN.  Every
-path streams exactly what one local engine generates, the relay's tokens
-carry the RLD role, nothing but MD's missing KV crosses the WAN, and the
-relay node holds nothing after (the `deploy` fixture's leak check).
+path streams exactly what one local engine generates, with its logprobs,
+nothing but MD's missing KV crosses the WAN, and the relay node holds
+nothing after (the `deploy` fixture's leak check).  Its handoffs are
+tests/pipeline/test_embedded.py's, with the relay on P.
 """
 
 from __future__ import annotations
@@ -12,41 +13,15 @@ import dataclasses
 
 import pytest
 
-from pddgw.config import RELAY_MIXED_STEP_TOKENS, Config, ConfigError, NodeConfig, load_config
-from pddgw.core.roles import Role
-
+from pddgw.config import RELAY_MIXED_STEP_TOKENS, Config, ConfigError, load_config
 from pddgw.engines.types import SamplingParams
 
-from .pdd_client import chat, reference
 from .test_logprobs_paths import check_runs, local_off_loop, run_on
-from .test_embedded import BYTES_PER_TOKEN, deploy, make_cfg, prompt_of  # noqa: F401 (a fixture)
+from .test_embedded import BYTES_PER_TOKEN, deploy, make_cfg, prompt_of, relay_on_p  # noqa: F401 (a fixture)
 
 
 def relay_cfg(**policy) -> Config:
-    cfg = make_cfg(**policy)
-    md_engine = dataclasses.replace(cfg.engine, block_size=32)
-    return dataclasses.replace(cfg, nodes=(NodeConfig("router", Role.ROUTER, "A"),
-                                           NodeConfig("p0", Role.PREFILL, "A", relay=True),
-                                           NodeConfig("md0", Role.MD, "B", engine=md_engine)))
-
-
-@pytest.mark.parametrize("mode", ["one-shot", "catch-up"])
-async def test_relay_on_p_hands_off_with_the_same_tokens(deploy, mode):
-    ws, side, _ = await deploy(relay_cfg(pipeline="P-RLD-MD", handoff_mode=mode, catchup_threshold=2,
-                                         catchup_threshold_md_loaded=2, catchup_max_rounds=2))
-    p, n = prompt_of(120), 403
-    r = await chat(ws, prompt_token_ids=p, max_output_tokens=n, temperature=0.8, seed=77)
-    assert r.final["type"] == "response.completed", r.final
-    assert r.token_ids == reference(p, n, temperature=0.8, seed=77)
-    r.assert_positions_once_in_order()
-    tl = r.timeline
-    assert tl["pipeline"] == "P-RLD-MD" and tl["handoff_mode"] == mode
-    at = tl["handoff_position"]
-    assert 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
-    assert [d["pddgw"]["role"] for d in r.deltas] == ["rld"] * at + ["md"] * (n - at)
-    assert tl["wan_kv_bytes"] == 120 * BYTES_PER_TOKEN
-    if mode == "catch-up":
-        assert len(tl["handoff_positions"]) == 3
+    return relay_on_p(make_cfg(**policy))
 
 
 @pytest.mark.parametrize("pipeline,mode", [("P-RLD-MD", "catch-up"), ("P-RLD", None)])
