@@ -162,8 +162,9 @@ class WorkerNode:
             code = "capacity" if isinstance(e, CapacityError) else "link" if isinstance(e, LinkError) else "request"
             if isinstance(e, NodeDraining):
                 code = "draining"
-            # A full pool is back-pressure (the router queues the request), not a failure.
-            report = log.info if isinstance(e, CapacityError) else log.warning
+            # A full pool is back-pressure (the router queues the request), not a failure; nor is
+            # a request its router ended meanwhile (a relay's handoff racing the request's end).
+            report = log.info if isinstance(e, CapacityError) or rid in self._cancelled else log.warning
             report("node_full" if isinstance(e, CapacityError) else "node_request_failed", node=self.name,
                    request_id=rid, kind=type(msg).__name__, error=str(e))
             err = m.Error(rid, code, str(e)[:4000])
