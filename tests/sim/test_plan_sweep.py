@@ -222,3 +222,16 @@ def test_a_plan_without_a_sweep_table_is_refused_in_one_line(capsys):
     err = capsys.readouterr().err
     assert err == ("pddgw plan: error: plan tiny: --sweep needs a [sweep] table (gpu_b, price_ratios, market, "
                    "wan_gbps, prefix_hits)\n")
+
+
+@pytest.mark.parametrize("name,model", [("map_v4pro.toml", "deepseek-v4-pro"),
+                                        ("map_v4flash.toml", "deepseek-v4-flash")])
+def test_the_shipped_payoff_maps_load_and_name_their_grid(name, model):
+    """docs/results/payoff.md's plans: 4 GPU-B x 3 WANs x 6 price ratios, the relay on P against
+    same-DC; no market column (H20 has no shipped price)."""
+    plan = load_plan(HERE.parents[1] / "scenarios" / name)
+    s = sweep_spec(plan)
+    assert plan.scenario.model == model and plan.spec.searched == ("same-dc", "pdd-relay-on-p")
+    assert (s.gpu_b, s.wan_gbps, s.ratios) == (("H200-SXM", "H20", "B200", "MI300X"), (1.0, 10.0, 100.0),
+                                               (1.0, 1.1, 1.2, 1.3, 1.4, 1.5))
+    assert s.market is False
