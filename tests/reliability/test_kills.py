@@ -62,8 +62,12 @@ async def test_p_killed_during_prefill_is_redriven_exactly(fresh):
     _exact(r, c, 200)
     loop = asyncio.get_running_loop()
     task = loop.create_task(_request(c, "P-MD", 200))
-    await asyncio.sleep(0)
-    await loop.run_in_executor(None, c.kill, "p0")          # while its KV crawls over a 2 Mbps WAN
+    # Killed once it prefills (a kill before the router picks it leaves no P to pick at all):
+    # its KV crawls over a 2 Mbps WAN for seconds after.
+    async with asyncio.timeout(60):
+        while (await c.state())["nodes"]["p0"]["inflight"]["transfers"] == 0:
+            await asyncio.sleep(0.02)
+    await loop.run_in_executor(None, c.kill, "p0")
     r = await task
     _exact(r, c, 200)
     await wait_quiescent(c.state)
