@@ -115,7 +115,7 @@ def rows_for(name: str, make, caps: list[int], prompt: int, prefills: int, timed
     for cap in caps:
         steps, decoded, _ = runs[cap][0]
         got.append((cap, steps, decoded, statistics.median(r[2] for r in runs[cap])))
-    base = next(g for g in got if g[0] == 0) if any(g[0] == 0 for g in got) else got[0]
+    base = next((g for g in got if g[0] == 0), got[0])
     tpot0, rate0 = base[3] / max(1, base[2]), prompt * prefills / base[3]
     out = []
     for cap, steps, decoded, secs in got:

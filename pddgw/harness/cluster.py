@@ -41,7 +41,7 @@ def toml_lines(**values: object) -> str:
 
 def free_ports(relay_on_p: bool = False) -> dict[str, int]:
     """A free loopback port for each node of the deployment (no rld0 where P relays)."""
-    return {name: free_port() for name in ("router", "p0", "rld0", "md0") if not (relay_on_p and name == "rld0")}
+    return {name: free_port() for name in ROLES if not (relay_on_p and name == "rld0")}
 
 
 @dataclass(frozen=True, slots=True)

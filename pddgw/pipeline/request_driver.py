@@ -161,7 +161,6 @@ class RequestDriver:
             # survives (a re-drive); after, it is the relay that is lost.
             assert self.prefill_task is not None
             if not self.prefill_task.done() or self.paths.awaiting_kv:
-                self.paths.p_alive = self.paths.rld_alive = False
                 raise NodeLost(node, f"relaying P lost: {why}")
             who = Role.RLD
         recovery = self.paths.lost(who, fl.tracker.state, fl.merger.next_position)
