@@ -164,10 +164,12 @@ def simulate_probe(plan: Plan, cand: Candidate, rate: float) -> tuple[report.Win
 
 
 def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float | None = None,
-             progress: bool = False) -> Evaluation:
+             progress: bool = False, hint: float | None = None) -> Evaluation:
     """The candidate's SLA goodput: the bisection, each probe simulated unless pruned; with `beat`
     (goodput per USD to rank above), a refuting probe first (lifecycle step 5).  `progress`: a
-    line on stderr per probe and per candidate (a paper-sized probe runs for minutes)."""
+    line on stderr per probe and per candidate (a paper-sized probe runs for minutes).  `hint`:
+    a grid rate to start at where it lies below the roofline's start (a similar split's offer);
+    the start moves the probes, never the answer (`goodput.bisect`)."""
     prof = model(plan.scenario.model)
     work = _Workloads(plan)
     g = plan.goodput
@@ -195,6 +197,8 @@ def evaluate(plan: Plan, cand: Candidate, exhaustive: bool = False, beat: float 
     upper = upper_bound(at, prof, cand, work)
     at_rate = None if beat is None or exhaustive else refuting_rate(at, prof, cand, work, beat)
     start = None if exhaustive else start_rate(g, lambda r: capacity(at, prof, cand, work(r)).rate)
+    if start is not None and hint is not None:
+        start = min(start, max((r for r in grid(g) if r <= hint), default=g.rate_min))
     try:
         if at_rate is not None:
             # A start above the refuting rate goes first, with the neighbour its verdict leaves

@@ -10,12 +10,13 @@ so the sweep runs in two stages:
 
   1. Search (`search_all`): once per (GPU-B, WAN, hit) for the cross-DC kinds, and once per
      hit for same-DC (it uses neither GPU-B nor the WAN), candidates are evaluated, their
-     probes pruned by the roofline only.  The search's branch and bound is left out: its cut
-     and its refuting probes rank by goodput per USD at one price.  The sweep's own cut
-     (`search_cut`) holds at all of the search's prices: a candidate is skipped only where,
-     at every ratio (and market), it is outside the budgets or its goodput bound per USD
-     falls below a BCR already simulated there, so it wins no cell.  USD budgets are left
-     out of the search plan (they move with the price) and applied in stage 2.
+     probes pruned by the roofline.  The search's branch and bound ranks at one price; the
+     sweep's cut (`search_cut`) holds at all of the search's prices: a candidate is skipped,
+     or refuted by one failing probe, only where at every ratio (and market) it is outside
+     the budgets or its goodput per USD falls below a BCR already simulated there, so it wins
+     no cell.  A GPU-B's searches run by falling WAN, each bisection started at the same
+     split's offer one WAN up (`search_chain`).  USD budgets are left out of the search plan
+     (they move with the price) and applied in stage 2.
   2. Re-rank (`cells`): per price ratio, each search's evaluations are repriced (GPU-B at
      ratio x GPU-A's USD per GPU-hour, or `market`: its [prices] entry) and ranked by BCR
      within the budgets.  Pure arithmetic: nothing here reaches the simulator.
@@ -207,12 +208,30 @@ def _bcr(plan: Plan, cand: Candidate, goodput: float, usd: Mapping[str, float]) 
     return goodput / c.price if _within(plan.spec, c) else None
 
 
-def search_cut(plan: Plan, p: Plan, cands: Sequence[Candidate],
-               prices: Sequence[Mapping[str, float]], progress: bool = False) -> tuple[Evaluation, ...]:
+def _beat(plan: Plan, cand: Candidate, prices: Sequence[Mapping[str, float]],
+          bar: Sequence[float | None]) -> float | None:
+    """The goodput per USD, at the candidate's own prices, it must reach to win at one of
+    `prices` (to tie `bar` there at least): `evaluate`'s `beat`.  None while a price it is
+    within the budgets at has no bar yet."""
+    need = []
+    for usd, b in zip(prices, bar):
+        c = repriced(cand, usd)
+        if _within(plan.spec, c):
+            if b is None:
+                return None
+            need.append(b * c.price)
+    return min(need) / cand.price if need else None
+
+
+def search_cut(plan: Plan, p: Plan, cands: Sequence[Candidate], prices: Sequence[Mapping[str, float]],
+               progress: bool = False, hints: Mapping[tuple[Kind, str], float] | None = None,
+               ) -> tuple[Evaluation, ...]:
     """One search's candidates, evaluated in order of their best bound per USD, each skipped
     where it cannot win at any of `prices`: at every one, outside the budgets or its goodput
-    bound per USD below the best BCR an evaluated candidate already holds there.  `progress`:
-    `evaluate`'s lines on stderr (a paper-sized search runs for tens of minutes)."""
+    bound per USD below the best BCR an evaluated candidate already holds there.  One that is
+    evaluated is offered `evaluate`'s refuting probe at the goodput it needs to win at one price
+    (`_beat`): refuted, it wins none.  `hints`: where its bisection starts, by (kind, label).
+    `progress`: `evaluate`'s lines on stderr (a paper-sized search runs for tens of minutes)."""
     bounds = list(zip(cands, goodput_bounds(p, cands)))
     bcrs = [[_bcr(plan, c, u, usd) for usd in prices] for c, u in bounds]
     order = sorted(range(len(bounds)), key=lambda i: (-max((b for b in bcrs[i] if b is not None), default=-1.0),
@@ -222,7 +241,9 @@ def search_cut(plan: Plan, p: Plan, cands: Sequence[Candidate],
     for i in order:
         if not any(u is not None and (b is None or u >= b) for u, b in zip(bcrs[i], bar)):
             continue
-        e = out[i] = evaluate(p, bounds[i][0], progress=progress)
+        c = bounds[i][0]
+        e = out[i] = evaluate(p, c, beat=_beat(plan, c, prices, bar), progress=progress,
+                              hint=(hints or {}).get((c.kind, c.label())))
         for j, usd in enumerate(prices):
             got, b = _bcr(plan, e.candidate, e.goodput_rps or 0.0, usd), bar[j]
             if got is not None and (b is None or got > b):
@@ -231,10 +252,27 @@ def search_cut(plan: Plan, p: Plan, cands: Sequence[Candidate],
     return tuple(out[i] for i in sorted(out))
 
 
+Link = tuple[Plan, list[Candidate], tuple[dict[str, float], ...]]
+
+
+def search_chain(plan: Plan, links: Sequence[Link], progress: bool = False) -> list[tuple[Evaluation, ...]]:
+    """`search_cut` on each link in turn, each bisection started at the offer the same split
+    found in the nearest link before it (the same GPU-B and hit at a higher WAN, where goodput is
+    at least as high), where that lies below the roofline's start."""
+    found: list[tuple[Evaluation, ...]] = []
+    hints: dict[tuple[Kind, str], float] = {}
+    for p, cands, prices in links:
+        found.append(search_cut(plan, p, cands, prices, progress, dict(hints)))
+        hints |= {(e.candidate.kind, e.candidate.label()): e.offered_rps
+                  for e in found[-1] if e.offered_rps is not None}
+    return found
+
+
 def search_all(plan: Plan, jobs: int = 1, progress: bool = False, cut: bool = True) -> tuple[Search, ...]:
     """Stage 1: every candidate of every search evaluated once (module docstring), `jobs` at a
-    time; with `cut`, each search in one worker, skipping what cannot win at any of its prices
-    (`search_cut`: the cells are the same as without)."""
+    time; with `cut`, the searches of one GPU-B and hit in one worker, by falling WAN, each
+    skipping or refuting what cannot win at any of its prices (`search_cut`, `search_chain`:
+    the cells are the same as without)."""
     _, a_price = gpu_a(plan)
     prof = model(plan.scenario.model)
     wall0 = time.perf_counter()
@@ -242,17 +280,21 @@ def search_all(plan: Plan, jobs: int = 1, progress: bool = False, cut: bool = Tr
         grouped: dict[Search, tuple[Plan, list[Candidate]]] = {}
         for s, p, k in _jobs(plan, a_price):
             grouped.setdefault(s, (p, []))[1].extend(candidates(p, prof, k))
-        args = [(plan, p, cs, _prices(plan, s, a_price), progress) for s, (p, cs) in grouped.items()]
+        chains: dict[tuple[str | None, float | None], list[Search]] = {}
+        for s in sorted(grouped, key=lambda s: -(s.wan_gbps or 0.0)):
+            chains.setdefault((s.gpu_b, s.hit), []).append(s)
+        args = [(plan, [(*grouped[s], _prices(plan, s, a_price)) for s in ch], progress) for ch in chains.values()]
         if jobs <= 1:
-            found = [search_cut(*a) for a in args]
+            chained = [search_chain(*a) for a in args]
         else:
             with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
-                found = list(pool.map(search_cut, *zip(*args)))
+                chained = list(pool.map(search_chain, *zip(*args)))
+        by_search = {s: es for ch, found in zip(chains.values(), chained) for s, es in zip(ch, found)}
         if progress:
             n = sum(len(cs) for _, cs in grouped.values())
-            print(f"pddgw plan --sweep: {sum(map(len, found))} of {n} candidates evaluated in "
+            print(f"pddgw plan --sweep: {sum(map(len, by_search.values()))} of {n} candidates evaluated in "
                   f"{time.perf_counter() - wall0:.1f} s", file=sys.stderr)
-        return tuple(dataclasses.replace(s, evaluations=es) for s, es in zip(grouped, found))
+        return tuple(dataclasses.replace(s, evaluations=by_search[s]) for s in grouped)
     tasks = [(s, p, c) for s, p, k in _jobs(plan, a_price) for c in candidates(p, prof, k)]
     if jobs <= 1:
         done = [evaluate(p, c) for _, p, c in tasks]
@@ -331,6 +373,15 @@ def _pick_json(p: Pick | None) -> dict[str, Any] | None:
             "price_per_hour": round(p.price, 4), "goodput_per_usd_hour": round(p.bcr, 6)}
 
 
+def _evaluation_json(e: Evaluation) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": e.candidate.kind, "deployment": e.candidate.label(),
+                           "goodput_rps": None if e.goodput_rps is None else round(e.goodput_rps, 4),
+                           "simulated_probes": e.simulated_probes}
+    if e.refuted_at is not None:
+        out["refuted_at_rps"] = round(e.refuted_at, 4)
+    return out
+
+
 def sweep_json(sw: Sweep) -> dict[str, Any]:
     s = sw.spec
     return {"plan": sw.plan.spec.name, "scenario": sw.plan.scenario.name, "model": sw.plan.scenario.model,
@@ -341,8 +392,7 @@ def sweep_json(sw: Sweep) -> dict[str, Any]:
             "simulated_probes": sw.simulated_probes,
             "searches": [{"gpu_b": x.gpu_b, "wan_gbps": x.wan_gbps, "prefix_hit": x.hit,
                           "simulated_probes": x.simulated_probes,
-                          "evaluated": [{"kind": e.candidate.kind, "deployment": e.candidate.label(),
-                                         "goodput_rps": round(e.goodput_rps or 0.0, 4)} for e in x.evaluations]}
+                          "evaluated": [_evaluation_json(e) for e in x.evaluations]}
                          for x in sw.searches],
             "cells": [{"gpu_b": c.gpu_b, "price_ratio": "market" if c.ratio is None else c.ratio,
                        "gpu_b_price_per_gpu_hour": round(c.gpu_b_price, 4), "wan_gbps": c.wan_gbps,

@@ -4,6 +4,7 @@ The price axis costs no simulation: each (GPU-B, WAN, hit) is searched once and 
 evaluations repriced per ratio."""
 
 import dataclasses
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -11,9 +12,10 @@ import orjson
 import pytest
 
 from pddgw.config import ConfigError
-from pddgw.sim import plan_search
+from pddgw.sim import plan_search, plan_sweep
 from pddgw.sim.plan import main as plan_main
-from pddgw.sim.plan_space import load_plan
+from pddgw.sim.plan_space import candidates, load_plan
+from pddgw.sim.profiles import model
 from pddgw.sim.plan_sweep import (cells, format_sweep, gpu_b_price, search_all, sweep, sweep_json, sweep_spec,
                                   with_hit)
 
@@ -87,14 +89,27 @@ def test_the_cut_skips_what_cannot_win_at_any_price_and_keeps_every_cell(swept, 
     plan, sw, calls = swept
     # naive-cross-dc's goodput bound (3 req/s: the 10 Gbps WAN) per USD is below pdd's simulated
     # BCR at both ratios, and so are same-DC's second MD's (the P's bound, at one more GPU's price).
+    # pdd's other three splits each fail one refuting probe: below 11.5 req/s on 2 P + RLD + MD
+    # per USD at both ratios, whatever passes beneath it.
     cut_calls = _counted(monkeypatch)
     cut = sweep(plan, jobs=1)
     assert sweep_json(cut)["cells"] == sweep_json(sw)["cells"]
     assert cut.cells == sw.cells
-    assert cut.simulated_probes == sum(cut_calls.values()) == 20 < sw.simulated_probes == sum(calls.values()) == 40
-    assert not cut_calls - calls                   # a subset of the uncut sweep's probes, none twice
+    assert cut.simulated_probes == sum(cut_calls.values()) == 14 < sw.simulated_probes == sum(calls.values()) == 40
+    assert set(cut_calls.values()) == {1}          # none twice (a refuting probe may be one the uncut skips)
     assert {k for k, _, _, _, _ in cut_calls} == {None, 10.0} and {c for _, _, c, _, _ in cut_calls} == {
         "same-dc", "pdd"}
+    for search in cut.searches[1:]:
+        b = search.gpu_b
+        got = {e.candidate.label(): (e.goodput_rps, e.refuted_at, e.simulated_probes) for e in search.evaluations}
+        r8, r11, r16 = 8.0, math.sqrt(8.0 * 16.0), 16.0          # the grid's top three rates
+        assert got == {f"P 1 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x {b} tp1": (None, r8, 1),
+                       f"P 1 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 2 x {b} tp1": (None, r11, 1),
+                       f"P 2 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x {b} tp1": (11.5, None, 2),
+                       f"P 2 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 2 x {b} tp1": (None, r16, 1)}
+    assert sweep_json(cut)["searches"][1]["evaluated"][0] == {
+        "kind": "pdd", "deployment": "P 1 x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD 1 x H200-SXM tp1",
+        "goodput_rps": None, "simulated_probes": 1, "refuted_at_rps": 8.0}
     # With the market column (its own price to win at) and with workers: the same cells as uncut.
     market = load_plan(_plan(tmp_path, SWEEP.replace("market = false", "market = true")))
     monkeypatch.undo()
@@ -102,6 +117,46 @@ def test_the_cut_skips_what_cannot_win_at_any_price_and_keeps_every_cell(swept, 
     got = sweep(market, jobs=2)
     assert sweep_json(got)["cells"] == sweep_json(ref)["cells"] and len(got.cells) == 2 * 3
     assert got.simulated_probes < ref.simulated_probes
+
+
+def test_a_parts_searches_run_by_falling_wan_each_started_at_the_offer_one_wan_up(tmp_path, monkeypatch):
+    """Goodput does not fall as the WAN widens, so a split's offer at 100 Gbps is where its
+    bisection at 1 Gbps starts (below the roofline's start); the cells are the uncut sweep's."""
+    plan = load_plan(_plan(tmp_path, SWEEP.replace('["H200-SXM", "H100-SXM"]', '["H200-SXM"]')
+                           .replace("[10.0]", "[1.0, 100.0]")))
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, kinds=("same-dc", "pdd")))
+    ref = sweep(plan, jobs=1, cut=False)
+    real, seen = plan_sweep.evaluate, []
+
+    def recording(p, cand, **kw):
+        e = real(p, cand, **kw)
+        seen.append((p.wan_gbps, cand.label(), kw["hint"], [round(q.rate, 4) for q in e.probes]))
+        return e
+
+    monkeypatch.setattr(plan_sweep, "evaluate", recording)
+    cut = sweep(plan, jobs=1)
+    assert cut.cells == ref.cells and [c.payoff for c in cut.cells] == [c.payoff for c in ref.cells]
+    assert [(s.gpu_b, s.wan_gbps) for s in cut.searches] == [(None, None), ("H200-SXM", 1.0), ("H200-SXM", 100.0)]
+    # 100 Gbps first, without hints: pdd's 2-P split passes 16 req/s (the grid's top), and the
+    # others' bounds per USD fall below it but one, refuted.  At 1 Gbps its hint is that offer
+    # (above the roofline's start, 11.31, which goes first); the goodput is the uncut sweep's.
+    pdd = "P {} x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD {} x H200-SXM tp1"
+    assert [x for x in seen if x[0] != 10.0] == [
+        (100.0, pdd.format(2, 1), None, [11.3137, 16.0]), (100.0, pdd.format(1, 1), None, [16.0]),
+        (1.0, pdd.format(2, 1), 16.0, [11.3137, 16.0]), (1.0, pdd.format(1, 1), None, [8.0]),
+        (1.0, pdd.format(2, 2), None, [16.0]), (1.0, pdd.format(1, 2), None, [11.3137])]
+    assert cut.simulated_probes == 12 < ref.simulated_probes == 8 + 2 * 8
+
+
+def test_a_hint_moves_the_first_probe_not_the_goodput():
+    plan = load_plan(TINY)
+    cand = next(c for c in candidates(plan, model(plan.scenario.model), "same-dc") if c.label() == SAME)
+    plain = plan_search.evaluate(plan, cand)
+    hinted = plan_search.evaluate(plan, cand, hint=9.0)           # off the grid: 8.0, the rate below
+    high = plan_search.evaluate(plan, cand, hint=1000.0)          # above the roofline's start: ignored
+    assert (plain.goodput_rps, plain.offered_rps) == (hinted.goodput_rps, hinted.offered_rps) == (16.5, 16.0)
+    assert [round(p.rate, 4) for p in plain.probes] == [round(p.rate, 4) for p in high.probes] == [11.3137, 16.0]
+    assert [round(p.rate, 4) for p in hinted.probes] == [8.0, 11.3137, 16.0]
 
 
 def test_the_cells_and_their_bcr_by_hand(swept):
@@ -144,7 +199,7 @@ def test_the_command_prints_the_map_and_writes_json_and_a_heatmap(tmp_path, caps
     assert js["cross_dc_kinds"] == ["naive-cross-dc", "pdd"]
     assert js["axes"] == {"gpu_b": ["H200-SXM", "H100-SXM"], "price_ratio": [1.0, 1.25], "wan_gbps": [10.0],
                           "prefix_hit": None}
-    assert js["simulated_probes"] == 20 and len(js["searches"]) == 3 and len(js["cells"]) == 4
+    assert js["simulated_probes"] == 14 and len(js["searches"]) == 3 and len(js["cells"]) == 4
     assert js["cells"][1] == {
         "gpu_b": "H200-SXM", "price_ratio": 1.25, "gpu_b_price_per_gpu_hour": 3.75, "wan_gbps": 10.0,
         "prefix_hit": None,
