@@ -289,12 +289,12 @@ def search_all(plan: Plan, jobs: int = 1, progress: bool = False, cut: bool = Tr
         else:
             with concurrent.futures.ProcessPoolExecutor(jobs, initializer=init_worker) as pool:
                 chained = list(pool.map(search_chain, *zip(*args)))
-        by_search = {s: es for ch, found in zip(chains.values(), chained) for s, es in zip(ch, found)}
+        found_by = {s: es for ch, found in zip(chains.values(), chained) for s, es in zip(ch, found)}
         if progress:
             n = sum(len(cs) for _, cs in grouped.values())
-            print(f"pddgw plan --sweep: {sum(map(len, by_search.values()))} of {n} candidates evaluated in "
+            print(f"pddgw plan --sweep: {sum(map(len, found_by.values()))} of {n} candidates evaluated in "
                   f"{time.perf_counter() - wall0:.1f} s", file=sys.stderr)
-        return tuple(dataclasses.replace(s, evaluations=by_search[s]) for s in grouped)
+        return tuple(dataclasses.replace(s, evaluations=found_by[s]) for s in grouped)
     tasks = [(s, p, c) for s, p, k in _jobs(plan, a_price) for c in candidates(p, prof, k)]
     if jobs <= 1:
         done = [evaluate(p, c) for _, p, c in tasks]
