@@ -1,5 +1,8 @@
 """`python -m pddgw ...` processes on loopback, owned by the one `Processes` that started them.
 
+A node may run another command instead (`add(..., command=...)`, e.g. vLLM's server for a
+benchmark); it is started, waited for and stopped the same way.
+
 Lifecycle of a node (a name, its arguments and the port its /health answers on):
 
 1. `add(name, args, port)` declares it; nothing runs yet.
@@ -24,8 +27,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -55,9 +58,11 @@ class Node:
     """One node's process across its restarts."""
 
     name: str
-    args: list[str]                   # after `python -m pddgw`
+    args: list[str]                   # after `command`
     port: int                         # where its /health answers
     cwd: Path | None = None
+    command: tuple[str, ...] = ()     # () = this python -m pddgw
+    env: dict[str, str] = field(default_factory=dict)     # over this process's environment
     proc: subprocess.Popen[bytes] | None = None
     kills: int = 0
     restarts: int = 0
@@ -77,10 +82,11 @@ class Processes:
         self.dir = directory
         self.nodes: dict[str, Node] = {}
 
-    def add(self, name: str, args: Sequence[str], port: int, cwd: Path | None = None) -> Node:
+    def add(self, name: str, args: Sequence[str], port: int, cwd: Path | None = None,
+            command: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Node:
         if name in self.nodes:
             raise ValueError(f"node {name!r} is already declared")
-        self.nodes[name] = node = Node(name, list(args), port, cwd)
+        self.nodes[name] = node = Node(name, list(args), port, cwd, tuple(command), dict(env or {}))
         return node
 
     def spawn(self, name: str) -> Node:
@@ -89,9 +95,9 @@ class Processes:
             raise RuntimeError(f"{name} is still running (pid {node.proc.pid})")   # type: ignore[union-attr]
         # A node's first start begins its log afresh; a restart appends to what its death left.
         with open(self.dir / f"{name}.log", "ab" if node.proc is not None else "wb") as log:
-            node.proc = subprocess.Popen([sys.executable, "-m", "pddgw", *node.args], stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=node.cwd,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            node.proc = subprocess.Popen([*(node.command or (sys.executable, "-m", "pddgw")), *node.args],
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         cwd=node.cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **node.env})
         return node
 
     def start(self, timeout_s: float = 120.0) -> None:

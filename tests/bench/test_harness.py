@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import threading
 
 import aiohttp
@@ -285,6 +286,14 @@ def test_a_node_that_exits_fails_the_wait_with_its_log(tmp_path):
     assert procs.log("v").count("pddgw ") == 2 and procs.rss_kb("v") is None     # a restart appends
     with pytest.raises(ValueError, match="node 'v' is already declared"):
         procs.add("v", [], 1)
+
+
+def test_a_node_may_run_another_command_with_its_own_environment(tmp_path):
+    procs = Processes(tmp_path)
+    procs.add("other", ["-c", "import os, sys; print(sys.argv[1:], os.environ['PDDGW_TEST_NODE'])", "a"], 1,
+              command=(sys.executable,), env={"PDDGW_TEST_NODE": "given"})
+    with pytest.raises(RuntimeError, match=r"other exited \(rc 0\):\n\['a'\] given\n"):
+        procs.start(timeout_s=60)
 
 
 # ---- the reference ---------------------------------------------------------------------------------
