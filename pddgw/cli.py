@@ -196,6 +196,7 @@ def cmd_export_model(args: argparse.Namespace) -> int:
     """Write the configured model as a Hugging Face directory (weights.export_model)."""
     from pathlib import Path
 
+    from pddgw.engines.dtypes import model_dtype
     from pddgw.engines.weights import WeightsError, export_model, load_model
 
     cfg = _config_with_overrides(args)
@@ -205,7 +206,7 @@ def cmd_export_model(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"DIR: {out} exists and is not a directory")
     try:
-        model, tok = load_model(cfg.model.path or None, cfg.model.dtype, "cpu", tiny_seed=cfg.model.tiny_seed)
+        model, tok = load_model(cfg.model.path or None, model_dtype(cfg.model), "cpu", tiny_seed=cfg.model.tiny_seed)
     except WeightsError as e:
         raise ConfigError(f"{_model_key(args)}: {e}") from None
     export_model(model, tok, out)
@@ -460,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="listen address (default: the config's)")
     s.add_argument("--port", type=int, help="listen port (default: the config's; 8000 for the front door)")
     s.add_argument("--model", help=MODEL_HELP)
-    s.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
+    s.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "float64"])
     s.add_argument("--api-key", action="append", help="accept this API key (repeatable)")
     s.set_defaults(func=cmd_serve)
 
@@ -486,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
     g.add_argument("--config", help="config.toml (model and engine sections are used)")
     g.add_argument("--model", help=MODEL_HELP)
-    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
+    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "float64"])
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -508,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("dir", metavar="DIR", help="folder to write into (created if missing; files in it are replaced)")
     x.add_argument("--config", help="config.toml (its [model] section is used)")
     x.add_argument("--model", help=MODEL_HELP)
-    x.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
+    x.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "float64"])
     x.set_defaults(func=cmd_export_model)
 
     k = sub.add_parser("keys", help=helps["keys"], description=helps["keys"] + ": DIR/link-secret, "

@@ -27,7 +27,7 @@ class StartupError(RuntimeError):
     without a traceback (exit status 1, where a ConfigError's is 2)."""
 
 
-DType = Literal["float32", "float16", "bfloat16", "float64"]
+DType = Literal["auto", "float32", "float16", "bfloat16", "float64"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,8 @@ class ModelConfig:
     # Hugging Face-format directory (config.json, *.safetensors, tokenizer.json);
     # empty = the built-in tiny model.
     path: str = ""
-    dtype: DType = "float32"
+    # "auto": the checkpoint's, where this machine computes it natively (engines/dtypes.py).
+    dtype: DType = "auto"
     # Seed of the built-in tiny model's weights (ignored for `path`).
     tiny_seed: int = 0
     # Cap on prompt + output tokens; 0 = the model's own max_position_embeddings.

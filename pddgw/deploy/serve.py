@@ -39,6 +39,7 @@ from pddgw.config import Config, ConfigError, NodeConfig, StartupError
 from pddgw.core.roles import Role
 from pddgw.deploy import regime
 from pddgw.engines.base import create_engine, engine_class
+from pddgw.engines.dtypes import why
 from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.weights import SharedModels, load_spec_for, served_model_name
 from pddgw.metrics import metrics_route
@@ -374,7 +375,7 @@ async def _serve_app(app: web.Application, host: str, port: int, cfg: Config, re
         reason = _BIND_HINTS.get(e.errno, (e.strerror or str(e)).lower())
         raise StartupError(f"cannot listen on {host}:{port}: {reason}") from None
     scheme = ("https" if ssl_ctx is not None else "http")
-    log.info("serving", host=host, port=site.port, scheme=scheme)
+    log.info("serving", host=host, port=site.port, scheme=scheme, dtype=why(cfg.model))
     if ready is not None:
         ready.set()
     stop = asyncio.Event()

@@ -96,6 +96,7 @@ class GGUFCheckpoint:
     special_tokens: dict[str, str]   # bos_token / eos_token / unk_token / pad_token -> text
     chat_template: str | None
     add_bos: bool
+    file_type: int = 0           # general.file_type: llama.cpp's LlamaFileType (0: all float32)
 
 
 def _fields(reader: Any) -> dict[str, Any]:
@@ -219,7 +220,8 @@ def _read_gguf(p: Path, _size: int, _mtime_ns: int) -> GGUFCheckpoint:
         if tid is not None and 0 <= int(tid) < len(tokens):
             specials[name] = tokens[int(tid)]
     tpl = md.get("tokenizer.chat_template")
-    return GGUFCheckpoint(p, spec, tj, specials, tpl if isinstance(tpl, str) else None, add_bos)
+    return GGUFCheckpoint(p, spec, tj, specials, tpl if isinstance(tpl, str) else None, add_bos,
+                          int(md.get("general.file_type", 0)))
 
 
 def _reader(p: Path) -> Any:

@@ -18,6 +18,7 @@ import torch
 
 from pddgw.config import Config, ConfigError, EngineConfig
 from pddgw.engines.base import register_engine
+from pddgw.engines.dtypes import model_dtype
 from pddgw.engines.grammar import Grammars
 from pddgw.engines.kv_pool import DTYPE_NAMES, DTYPES, KVPool, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.paged import PagedEngine, Sampled
@@ -93,7 +94,7 @@ class TorchEngine(PagedEngine):
                               "(set device = \"cpu\")")
         if ecfg.device == "cpu" and ecfg.cpu_threads:
             torch.set_num_threads(ecfg.cpu_threads)
-        dtype = DTYPES[config.model.dtype]
+        dtype = DTYPES[model_dtype(config.model)]
         model, tokenizer = (models.load if models is not None else load_model)(
             config.model.path or None, dtype, ecfg.device, config.model.tiny_seed)
         return cls(model, model.spec, ecfg, dtype, config.model.max_model_len, tokenizer), tokenizer

@@ -40,6 +40,7 @@ import torch
 from pddgw.config import Config, ConfigError, EngineConfig
 from pddgw.engines.base import TrackedEngine, check_kv_span, register_engine
 from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
+from pddgw.engines.dtypes import model_dtype
 from pddgw.engines.kv_pool import DTYPES, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.core.tokens import LOGPROB_FLOOR, TokenLogprobs
@@ -267,11 +268,12 @@ class VllmEngine(TrackedEngine):
         if spec.num_heads % tp or (kvh % tp and tp % kvh):
             raise ConfigError(f"engine.vllm.tensor_parallel = {tp}: must divide the model's {spec.num_heads} "
                               f"attention heads, and divide or be a multiple of its {kvh} KV heads")
+        dtype = model_dtype(config.model)
         limit = config.model.max_model_len or spec.max_position_embeddings
         max_model_len = min(limit, spec.max_position_embeddings, ecfg.num_blocks * ecfg.block_size)
         # Per rank: its share of the KV heads (at least one).
         bytes_per_block = ecfg.block_size * 2 * spec.num_layers * max(1, kvh // tp) * spec.head_dim \
-            * DTYPE_ITEMSIZE[config.model.dtype]
+            * DTYPE_ITEMSIZE[dtype]
         known = {f for f in EngineArgs.__dataclass_fields__}
         for k in vcfg.args:
             if k not in known:
@@ -282,7 +284,7 @@ class VllmEngine(TrackedEngine):
         bridge = vllm_connector.Bridge(block_size=ecfg.block_size)
         vllm_connector.register_bridge(engine_id, bridge)
         kwargs: dict[str, Any] = dict(
-            model=config.model.path, skip_tokenizer_init=True, dtype=config.model.dtype,
+            model=config.model.path, skip_tokenizer_init=True, dtype=dtype,
             max_model_len=max_model_len, block_size=ecfg.block_size,
             enable_prefix_caching=ecfg.enable_prefix_caching, max_num_seqs=ecfg.max_num_seqs,
             max_num_batched_tokens=ecfg.max_num_batched_tokens,
@@ -304,7 +306,7 @@ class VllmEngine(TrackedEngine):
                 llm = LLMEngine.from_engine_args(EngineArgs(**kwargs))
             if tp > 1 and torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)      # the mp executor sets this process's to 1
-            return cls(llm, spec, ecfg, config.model.dtype, bridge, engine_id, max_model_len), tokenizer
+            return cls(llm, spec, ecfg, dtype, bridge, engine_id, max_model_len), tokenizer
         except BaseException:
             if llm is not None:
                 llm.engine_core.engine_core.shutdown()      # TP > 1: its worker processes

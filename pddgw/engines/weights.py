@@ -239,8 +239,10 @@ def load_spec_for(model: ModelConfig) -> tuple[ModelSpec, Tokenizer, str]:
     if model.profile:
         # Shapes are the cost-model engine's (the sim layer): reached through the engine registry.
         return engine_class("costmodel").spec_for(model)  # type: ignore[attr-defined]
+    from pddgw.engines.dtypes import model_dtype
+
     spec, tok = load_spec(model.path or None)
-    return spec, tok, model.dtype
+    return spec, tok, model_dtype(model)
 
 
 def load_model(path: str | None, dtype: torch.dtype | str, device: str | torch.device,
