@@ -230,26 +230,35 @@ def search_cut(plan: Plan, p: Plan, cands: Sequence[Candidate], prices: Sequence
     where it cannot win at any of `prices`: at every one, outside the budgets or its goodput
     bound per USD below the best BCR an evaluated candidate already holds there.  One that is
     evaluated is offered `evaluate`'s refuting probe at the goodput it needs to win at one price
-    (`_beat`): refuted, it wins none.  `hints`: where its bisection starts, by (kind, label).
-    `progress`: `evaluate`'s lines on stderr (a paper-sized search runs for tens of minutes)."""
+    (`_beat`): refuted, it wins none.  Its bisection starts at `hints`' rate for it, by (kind,
+    label), else at the offer of the last split evaluated here with the same prefill side
+    (`_prefill_side`).  `progress`: `evaluate`'s lines on stderr (a search runs for minutes)."""
     bounds = list(zip(cands, goodput_bounds(p, cands)))
     bcrs = [[_bcr(plan, c, u, usd) for usd in prices] for c, u in bounds]
     order = sorted(range(len(bounds)), key=lambda i: (-max((b for b in bcrs[i] if b is not None), default=-1.0),
                                                       bounds[i][0].label(), bounds[i][0].kind))
     bar: list[float | None] = [None] * len(prices)
     out: dict[int, Evaluation] = {}
+    siblings: dict[tuple, float] = {}
     for i in order:
         if not any(u is not None and (b is None or u >= b) for u, b in zip(bcrs[i], bar)):
             continue
         c = bounds[i][0]
-        e = out[i] = evaluate(p, c, beat=_beat(plan, c, prices, bar), progress=progress,
-                              hint=(hints or {}).get((c.kind, c.label())))
+        hint = (hints or {}).get((c.kind, c.label()), siblings.get(_prefill_side(c)))
+        e = out[i] = evaluate(p, c, beat=_beat(plan, c, prices, bar), progress=progress, hint=hint)
+        if e.offered_rps is not None:
+            siblings[_prefill_side(c)] = e.offered_rps
         for j, usd in enumerate(prices):
             got, b = _bcr(plan, e.candidate, e.goodput_rps or 0.0, usd), bar[j]
             if got is not None and (b is None or got > b):
                 bar[j] = got
     # In the candidates' own order: `best` breaks a full tie (two kinds' equal labels) by it.
     return tuple(out[i] for i in sorted(out))
+
+
+def _prefill_side(c: Candidate) -> tuple:
+    """The kind and every group but the decoder's: splits whose goodput the same P tends to set."""
+    return c.kind, tuple(g for g in c.groups if g.role != "md")
 
 
 Link = tuple[Plan, list[Candidate], tuple[dict[str, float], ...]]

@@ -130,7 +130,8 @@ def test_a_parts_searches_run_by_falling_wan_each_started_at_the_offer_one_wan_u
 
     def recording(p, cand, **kw):
         e = real(p, cand, **kw)
-        seen.append((p.wan_gbps, cand.label(), kw["hint"], [round(q.rate, 4) for q in e.probes]))
+        hint = None if kw["hint"] is None else round(kw["hint"], 4)
+        seen.append((p.wan_gbps, cand.label(), hint, [round(q.rate, 4) for q in e.probes]))
         return e
 
     monkeypatch.setattr(plan_sweep, "evaluate", recording)
@@ -140,11 +141,13 @@ def test_a_parts_searches_run_by_falling_wan_each_started_at_the_offer_one_wan_u
     # 100 Gbps first, without hints: pdd's 2-P split passes 16 req/s (the grid's top), and the
     # others' bounds per USD fall below it but one, refuted.  At 1 Gbps its hint is that offer
     # (above the roofline's start, 11.31, which goes first); the goodput is the uncut sweep's.
+    # Its 2-MD sibling has no offer one WAN up; it takes the offer of the split with the same
+    # P and RLD found here (11.31), and fails its refuting probe above that start.
     pdd = "P {} x H100-SXM tp1 | RLD 1 x H100-SXM tp1 | MD {} x H200-SXM tp1"
     assert [x for x in seen if x[0] != 10.0] == [
         (100.0, pdd.format(2, 1), None, [11.3137, 16.0]), (100.0, pdd.format(1, 1), None, [16.0]),
         (1.0, pdd.format(2, 1), 16.0, [11.3137, 16.0]), (1.0, pdd.format(1, 1), None, [8.0]),
-        (1.0, pdd.format(2, 2), None, [16.0]), (1.0, pdd.format(1, 2), None, [11.3137])]
+        (1.0, pdd.format(2, 2), 11.3137, [16.0]), (1.0, pdd.format(1, 2), None, [11.3137])]
     assert cut.simulated_probes == 12 < ref.simulated_probes == 8 + 2 * 8
 
 
