@@ -26,6 +26,8 @@ from pathlib import Path
 import orjson
 
 from pddgw.config import ModelConfig
+from pddgw.engines import gguf
+from pddgw.engines.model_spec import is_tiny
 
 AUTO = "auto"
 _HF_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -35,9 +37,6 @@ _GGUF_FLOAT = {0: "float32", 1: "float16", 32: "bfloat16"}      # llama.cpp's Ll
 
 def checkpoint_dtype(path: str | None) -> str:
     """The dtype the checkpoint at `path` (a `model.path`) stores its weights in (module doc)."""
-    from pddgw.engines import gguf
-    from pddgw.engines.weights import is_tiny
-
     if is_tiny(path):
         return "float32"
     assert path is not None

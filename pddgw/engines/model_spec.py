@@ -333,3 +333,10 @@ def llama_spec(*, vocab_size: int, hidden_size: int, intermediate_size: int, num
                      rope_scaling=None, tie_word_embeddings=False, attention_bias=False, qk_norm=False,
                      max_position_embeddings=max_position_embeddings, bos_token_id=bos_token_id,
                      eos_token_ids=eos_token_ids)
+
+
+TINY = "tiny"          # model.path of the built-in random-weight model (as is an empty path)
+
+
+def is_tiny(path: str | None) -> bool:
+    return not path or path == TINY

@@ -26,7 +26,7 @@ import torch
 from pddgw.engines.base import engine_class
 from pddgw.engines.kv_pool import DTYPES
 from pddgw.engines.model import LlamaModel
-from pddgw.engines.model_spec import ModelSpec, WeightsError, quote_names, read_json
+from pddgw.engines.model_spec import TINY, ModelSpec, WeightsError, is_tiny, quote_names, read_json
 from pddgw.engines.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, special_ids
 
 if TYPE_CHECKING:
@@ -172,13 +172,6 @@ def load_hf_weights(model: LlamaModel, directory: str | Path) -> None:
                                                  model.embed):
         raise WeightsError(f"{d}: tie_word_embeddings is true but lm_head.weight differs "
                            "from model.embed_tokens.weight")
-
-
-TINY = "tiny"
-
-
-def is_tiny(path: str | None) -> bool:
-    return not path or path == TINY
 
 
 def served_model_name(path: str | None) -> str:
