@@ -293,3 +293,11 @@ def test_the_shipped_payoff_maps_load_and_name_their_grid(name, model):
     assert (s.gpu_b, s.wan_gbps, s.ratios) == (("H200-SXM", "H20", "B200", "MI300X"), (1.0, 10.0, 100.0),
                                                (1.0, 1.1, 1.2, 1.3, 1.4, 1.5))
     assert s.market is False
+
+
+def test_the_shipped_prefix_hit_slice_loads_with_its_axis():
+    plan = load_plan(HERE.parents[1] / "scenarios" / "map_v4pro_hits.toml")
+    s = sweep_spec(plan)
+    assert plan.scenario.model == "deepseek-v4-pro" and plan.spec.searched == ("same-dc", "pdd-relay-on-p")
+    assert (s.gpu_b, s.wan_gbps, s.ratios, s.hits) == (("H200-SXM", "B200"), (10.0,), (1.0, 1.2, 1.5),
+                                                       (0.5, 0.8, 0.95))
