@@ -24,6 +24,7 @@ import functools
 from pathlib import Path
 
 import orjson
+import torch
 
 from pddgw.config import ModelConfig
 from pddgw.engines import gguf
@@ -68,8 +69,6 @@ def bf16_flags(cpuinfo: str) -> bool:
 
 @functools.cache
 def _cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
