@@ -229,9 +229,11 @@ def bench_server(name: str, procs: Processes, python: str, workload: Workload, t
 
 
 def vllm_env() -> dict[str, str]:
-    """vLLM's CPU settings unless set: the machine's threads unbound, a 1 GiB KV cache, offline."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),
-            "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"} | dict(os.environ)
+    """vLLM's CPU settings this environment does not set (the node's process inherits the rest):
+    the machine's threads unbound, a 1 GiB KV cache, offline."""
+    defaults = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),
+                "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    return {k: v for k, v in defaults.items() if k not in os.environ}
 
 
 def run_benchmark(model: str, dtype: str, servers: list[str], python: str, workload: Workload,

@@ -74,9 +74,11 @@ def _cuda() -> bool:
 
 def model_dtype(model: ModelConfig) -> str:
     """`model.dtype`, with "auto" resolved for this machine (module docstring)."""
-    if model.dtype != AUTO:
-        return model.dtype
-    found = checkpoint_dtype(model.path or None)
+    return model.dtype if model.dtype != AUTO else _native(checkpoint_dtype(model.path or None))
+
+
+def _native(found: str) -> str:
+    """The checkpoint's dtype `found`, or what this machine computes in its place."""
     if found in ("float32", "float64") or _cuda():
         return found
     return "bfloat16" if cpu_has_bf16() else "float32"
@@ -86,10 +88,10 @@ def why(model: ModelConfig) -> str:
     """One line for the start-up log: the dtype chosen and what chose it."""
     if model.profile:
         return f"the precisions of profile {model.profile!r} (cost model)"
-    got = model_dtype(model)
     if model.dtype != AUTO:
-        return f"{got} (model.dtype)"
+        return f"{model.dtype} (model.dtype)"
     found = checkpoint_dtype(model.path or None)
+    got = _native(found)
     if got == found:
         return f"{got} (auto: the checkpoint's)"
     cpu = "native bfloat16 on this CPU" if got == "bfloat16" else "no native bfloat16 on this CPU"
