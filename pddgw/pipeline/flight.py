@@ -103,7 +103,9 @@ class Flight:
     merger: StreamMerger
     emit: Emit
     ledger: Ledger = field(default_factory=Ledger)
-    excluded: set[str] = field(default_factory=set)
+    # Nodes this request lost, by name, with their link's reconnect count then: a link that
+    # reconnected since reaches the restarted process, which may take the request again.
+    lost: dict[str, int] = field(default_factory=dict)
     finish_reason: str = ""
     cached_tokens: int = 0
     # Work that outlives the response (MD cache alignment); it releases the request.
@@ -128,6 +130,13 @@ class Flight:
         if block_size not in self.hashes:
             self.hashes[block_size] = prompt_hashes(self.prompt, block_size)
         return self.hashes[block_size]
+
+    def exclude(self, node: Any) -> None:
+        """`node` failed this request: no attempt goes there again until its link reconnects."""
+        self.lost[node.name] = node.link.stats.reconnects
+
+    def excludes(self, node: Any) -> bool:
+        return self.lost.get(node.name) == node.link.stats.reconnects
 
     def involve(self, node: Any) -> None:
         """`node` holds something of the request (counted in its `inflight` once) until the Cancel."""

@@ -144,8 +144,9 @@ class Placement:
         self.md_index = PrefixIndex() if affine else None
 
     def pick(self, role: Role, fl: Flight, skip: Set[str] = frozenset()) -> NodeHandle | None:
+        lost = {n.name for n in self.nodes.values() if fl.excludes(n)}
         choice = pick_instance([n.report() for n in self.nodes.values() if n.role == role],
-                               role, exclude=fl.excluded | skip if skip else fl.excluded)
+                               role, exclude=lost | skip)
         return None if choice is None else self.nodes[choice.instance]
 
     def prefill_limit(self) -> int:
@@ -173,7 +174,7 @@ class Placement:
         except LinkError as e:
             node.note_draining(e)
             log.warning("prefix_query_failed", request_id=fl.rid, node=node.name, error=str(e))
-            fl.excluded.add(node.name)
+            fl.exclude(node)
             return None
         return ans.held if isinstance(ans, m.PrefixAnswer) else 0
 
@@ -192,7 +193,7 @@ class Placement:
         pol = self.cfg.policy
         limit = self.prefill_limit()
         routable = [n for n in self.nodes.values()
-                    if n.role == Role.PREFILL and n.routable and n.name not in fl.excluded]
+                    if n.role == Role.PREFILL and n.routable and not fl.excludes(n)]
         full = {n.name for n in routable if n.prefills >= limit}
         if routable and len(full) == len(routable):
             raise self.prefills_full(limit)
@@ -230,7 +231,7 @@ class Placement:
         """The MD to open on: with `prefix_affinity`, the one holding the longest prefix the
         router remembers (`policy.pick_cached`); else the least loaded."""
         pol = self.cfg.policy
-        cands = [n for n in self.nodes.values() if n.role == Role.MD and n.routable and n.name not in fl.excluded]
+        cands = [n for n in self.nodes.values() if n.role == Role.MD and n.routable and not fl.excludes(n)]
         if not (pol.prefix_affinity and len(cands) > 1):
             return self.pick(Role.MD, fl)
         assert self.md_index is not None                 # several MD and affinity on
@@ -265,11 +266,11 @@ class Placement:
         restarting: its link redials); -> whether one is there."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        # Nodes this request already lost are not waited for.
-        cands = [n for n in self.nodes.values() if n.role in roles and n.name not in fl.excluded]
+        # A node this request lost counts again once its link reconnects (the restarted process).
+        cands = [n for n in self.nodes.values() if n.role in roles]
 
         def there() -> bool:
-            return any(n.routable for n in cands)
+            return any(n.routable and not fl.excludes(n) for n in cands)
 
         if not cands:
             return False

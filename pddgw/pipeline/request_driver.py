@@ -186,7 +186,7 @@ class RequestDriver:
         fl, md = self.fl, self.md
         assert md is not None
         fl.ledger.release("relay")
-        fl.excluded.add(rld.name)
+        fl.exclude(rld)
         self.router.counts.redrives += 1
         fl.tracker.redrive(f"RLD {rld.name} lost: {why}; MD {md.name} takes over")
         log.warning("node_lost", request_id=fl.rid, node=rld.name, error=why,
@@ -199,7 +199,7 @@ class RequestDriver:
         if tr.state == RequestState.PREFILLING:
             tr.advance(RequestState.RLD_DECODING, "RLD decodes")
         tr.fall_back_to_rld(f"MD {md.name} lost: {why}")
-        self.fl.excluded.add(md.name)
+        self.fl.exclude(md)
         if self.handoff is not None:
             self.handoff.cancel()
 

@@ -11,7 +11,8 @@ finished.  Invariants:
     reads all zero.
   * A lost node never silently drops a request: it re-drives on a new path
     from the tokens already emitted (sampling is position-keyed: the same
-    tokens), at most MAX_ATTEMPTS times, or ends with a RouterError.
+    tokens), at most MAX_ATTEMPTS times, or ends with a RouterError; the
+    lost node gets no attempt of it again until its link reconnects.
   * A full node (no KV room, every P at its prefill limit) is not a lost
     one: the request frees what it holds and waits in the room queue
     (admission.py).  A role with no healthy node is waited for, up to
@@ -265,7 +266,7 @@ class Router:
                 await self.release(fl, wake=False)
                 queued = await self._queue(fl, str(e), front=queued)
             except NodeLost as e:
-                fl.excluded.add(e.node.name)
+                fl.exclude(e.node)
                 log.warning("node_lost", request_id=fl.rid, node=e.node.name, error=str(e),
                             emitted=fl.merger.next_position)
                 # Old paths must be gone before the request opens again somewhere.
@@ -419,9 +420,12 @@ class Router:
 
     async def _redrive(self, fl: Flight) -> None:
         """Restart from the emitted tokens on a healthy decoder (MD first), recomputing their KV."""
-        node = self.place.pick(Role.MD, fl) or self.place.pick(Role.RLD, fl)
+        node = None
+        if await self.place.await_node(fl, (Role.MD, Role.RLD), self.node_wait_s):
+            node = self.place.pick(Role.MD, fl) or self.place.pick(Role.RLD, fl)
         if node is None:
-            raise RouterError(f"request {fl.rid}: no healthy decode node left", "unavailable")
+            raise RouterError(f"request {fl.rid}: no healthy decode node left (a down one is waited "
+                              f"for up to server.node_wait_s = {self.node_wait_s:g} s)", "unavailable")
         emitted = fl.merger.emitted_tokens
         stream = node.link.stream(fl.rid, timeout=self.timeout)
         reader = fl.reader(node, Role.MD if node.role == Role.MD else Role.RLD, self.spec.vocab_size)
