@@ -5,7 +5,7 @@
 
 A random Llama checkpoint (logits spread so greedy picks do not flip on rounding) is loaded
 by every side (`pddgw.harness.sides`); after a warm-up each repeat runs every case on every
-side, alternating which goes first, and the best time counts.  Cases: greedy decode at
+side, alternating which goes first, and the median time counts.  Cases: greedy decode at
 b=1/8/32 (decode time from every request's first token to the last), sampled decode at
 b=8/32 (`ratio_greedy`), b=32 with penalties and a JSON-schema mask (`ratio_sampled`, pddgw
 only), and prefill (time to the first token).
@@ -175,7 +175,7 @@ def render(report: Report) -> str:
             f"model: llama vocab={m.vocab_size} hidden={m.hidden_size} layers={m.num_layers} "
             f"heads={m.num_heads}/{m.num_kv_heads} inter={m.intermediate_size}  "
             f"dtype={report.dtype} device={report.device} threads={report.threads} "
-            f"best of {report.settings.repeats}  cuda_graphs={report.cuda_graphs}\n"
+            f"median of {report.settings.repeats}  cuda_graphs={report.cuda_graphs}\n"
             f"vLLM: {report.vllm}\n")
     table = format_table(
         ["case", "prompt", "output", "pddgw tok/s", "transformers tok/s", "vllm tok/s",
@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     parser.add_argument("--quick", action="store_true", help="tiny model and lengths (smoke test)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     add_torch_args(parser, "cpu or cuda[:N] for pddgw and transformers (vLLM runs its own build)")
-    parser.add_argument("--repeats", type=int, default=0, help="runs per case, best kept")
+    parser.add_argument("--repeats", type=int, default=0, help="runs per case, the median kept")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
                         help="EngineConfig.cuda_graphs, where the engine has that field")
     parser.add_argument("--vllm-python", default=os.environ.get("PDDGW_VLLM_PYTHON") or None,

@@ -4,7 +4,7 @@ A side's `run(prompts, output_len, sampling=None)` -> `Run`: seconds until every
 its first token, to the end, and the output ids (`sampling` None: greedy; pddgw also takes a
 `Variant`, and `PddgwSide.breakdown` times one run by phase).  `started` loads every side from
 one `build_checkpoint` and warms it up; `time_cases` runs each `Case` on every side,
-interleaved, keeping the best times (their meaning: `pddgw.bench.engine`).
+interleaved, keeping the median times (their meaning: `pddgw.bench.engine`).
 
 `VllmSide` runs pddgw/harness/vllm_side.py under vLLM's own python (scripts/make_vllm_env.sh;
 protocol: that file's docstring) with the same thread count, unpinned (pinned to core 0,
@@ -20,6 +20,7 @@ import gc
 import json
 import os
 import select
+import statistics
 import subprocess
 import tempfile
 import time
@@ -37,7 +38,6 @@ from pddgw.engines.torch_engine import TorchEngine
 from pddgw.engines.types import EngineRequest
 from pddgw.engines.weights import DTYPES, load_model
 from pddgw.harness.engines import engine_config, patched, random_prompts
-from pddgw.tables import best
 
 SEED = 0
 Variant = Literal["penalties", "json_schema"]      # more asked of pddgw's sampler (`request_params`)
@@ -448,7 +448,7 @@ def started(spec: ModelSpec, dtype_name: str, device: str, cuda_graphs: str | No
 
 def time_cases(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[int]]], repeats: int,
                progress: Callable[[str], None]) -> tuple[dict[tuple[Case, str], float], set[tuple[Case, str]]]:
-    """-> the best seconds of each (case, side name) (`Run.seconds` of the case's kind), and the pairs
+    """-> the median seconds of each (case, side name) (`Run.seconds` of the case's kind), and the pairs
     whose tokens were not pddgw's in some repeat.  A "pddgw" side is required; a side without
     `samples` sits out the sampled cases, one without `variants` the variant ones."""
     times: dict[tuple[Case, str], list[float]] = defaultdict(list)
@@ -466,4 +466,4 @@ def time_cases(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[lis
             differ |= {(c, n) for n, tokens in got.items() if tokens != got["pddgw"]}
             progress(f"repeat {rep + 1}/{repeats} {c.label}: "
                      + ", ".join(f"{n} {times[(c, n)][-1] * 1e3:.0f} ms" for n in got))
-    return {key: best(t) for key, t in times.items()}, differ
+    return {key: statistics.median(t) for key, t in times.items()}, differ
