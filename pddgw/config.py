@@ -166,9 +166,11 @@ class EngineConfig:
     # the Triton attention backend (with the torch one it logs a note and runs eagerly);
     # refused on device "cpu".
     cuda_graphs: bool = False
-    # torch intra-op threads for a CPU engine (process-wide). 1 by default: on
-    # a small shared machine, spinning OpenMP workers of several engines and
-    # processes slow each other down by an order of magnitude.  0 = torch's default.
+    # torch intra-op threads of a CPU engine's steps (its own thread's: engines of one
+    # process keep theirs). 1 by default: on a small shared machine, spinning OpenMP
+    # workers of several engines and processes slow each other down by an order of
+    # magnitude; the embedded topology's MD takes every core (deploy/serve.py).
+    # 0 = torch's default.
     cpu_threads: int = 1
     costmodel: CostModelConfig = field(default_factory=CostModelConfig)
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)

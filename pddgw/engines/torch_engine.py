@@ -48,6 +48,7 @@ class TorchEngine(PagedEngine):
             self.grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids)
         self.model = model
         self.device = torch.device(cfg.device)
+        self.threads = cfg.cpu_threads if self.device.type == "cpu" else 0
         # CPU: oneDNN-prepacked GEMM weights (model.py); a no-op elsewhere and for float64.
         if self.device.type == "cpu" and hasattr(model, "prepack"):
             model.prepack()
@@ -92,8 +93,6 @@ class TorchEngine(PagedEngine):
         if ecfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"engine.device = {ecfg.device!r}, but this torch build sees no CUDA device "
                               "(set device = \"cpu\")")
-        if ecfg.device == "cpu" and ecfg.cpu_threads:
-            torch.set_num_threads(ecfg.cpu_threads)
         dtype = DTYPES[model_dtype(config.model)]
         model, tokenizer = (models.load if models is not None else load_model)(
             config.model.path or None, dtype, ecfg.device, config.model.tiny_seed)
@@ -127,6 +126,9 @@ class TorchEngine(PagedEngine):
     # ---- the forward ------------------------------------------------------------------
     def _forward(self, chunks: list[Chunk]) -> dict[str, Sampled]:
         """Pack the chunks, run the model, sample the sequences that are complete."""
+        if self.threads and torch.get_num_threads() != self.threads:
+            # OpenMP's thread count is the calling thread's: engines of one process keep theirs.
+            torch.set_num_threads(self.threads)
         inputs = self.inputs.build(chunks)
         to_sample = inputs.to_sample
         rows, targets, owners = self._scoring_rows(chunks)
