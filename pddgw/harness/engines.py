@@ -66,11 +66,12 @@ def random_prompts(seed: int, count: int, length: int | tuple[int, int],
 def engine_config(max_num_seqs: int, longest: int, device: str, max_num_batched_tokens: int = 0,
                   **overrides: Any) -> EngineConfig:
     """A TorchEngine config whose pool holds `max_num_seqs` sequences of `longest` tokens (plus
-    the spare block), so no run preempts; by default all their tokens fit one step."""
+    the spare block), so no run preempts; by default all their tokens fit one step, on the
+    caller's thread count (`--threads`: cpu_threads 0)."""
     return EngineConfig(block_size=BLOCK_SIZE, num_blocks=max_num_seqs * -(-longest // BLOCK_SIZE) + 1,
                         max_num_seqs=max_num_seqs, device=device,
                         max_num_batched_tokens=max_num_batched_tokens or max_num_seqs * longest,
-                        **overrides)
+                        **{"cpu_threads": 0, **overrides})
 
 
 def drain(engine: Engine, arrivals: Sequence[EngineRequest] = ()) -> dict[str, list[int]]:
