@@ -142,12 +142,12 @@ def ratios(rows: list[Row]) -> Ratios:
 
 
 def vllm_python(given: str | None) -> str | None:
-    """--vllm-python, else PDDGW_VLLM_PYTHON, else this python where it has vLLM."""
-    if given:
-        return given
-    if os.environ.get("PDDGW_VLLM_PYTHON"):
-        return os.environ["PDDGW_VLLM_PYTHON"]
-    return sys.executable if find_spec("vllm") is not None else None
+    """--vllm-python, else PDDGW_VLLM_PYTHON, else this python where it has vLLM; a path is made
+    absolute (vLLM's server runs in a scratch folder)."""
+    path = given or os.environ.get("PDDGW_VLLM_PYTHON") or None
+    if path is None:
+        return sys.executable if find_spec("vllm") is not None else None
+    return os.path.abspath(path) if os.sep in path else path
 
 
 def render(report: Report) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from io import StringIO
 from pathlib import Path
 
@@ -106,6 +107,10 @@ def test_vllms_python_is_the_flag_then_the_environment_then_this_one(monkeypatch
     monkeypatch.delenv("PDDGW_VLLM_PYTHON")
     monkeypatch.setattr(serve, "find_spec", lambda name: None)
     assert serve.vllm_python(None) is None
+    # A relative path holds from the scratch folder vLLM's server runs in; a bare name is looked up.
+    monkeypatch.chdir("/tmp")
+    assert serve.vllm_python(os.path.join("venv", "bin", "python")) == "/tmp/venv/bin/python"
+    assert serve.vllm_python("python3") == "python3"
 
 
 def test_without_any_vllm_environment_the_bench_exits_2_saying_why(monkeypatch, capsys):
