@@ -143,6 +143,11 @@ class Placement:
         affine = cfg.policy.prefix_affinity and sum(n.role == Role.MD for n in nodes.values()) > 1
         self.md_index = PrefixIndex() if affine else None
 
+    def open_to(self, fl: Flight, *roles: Role) -> list[NodeHandle]:
+        """The nodes of `roles` that may take `fl` now: routable, and not lost by it (a lost
+        node counts again once its link reconnects: the restarted process)."""
+        return [n for n in self.nodes.values() if n.role in roles and n.routable and not fl.excludes(n)]
+
     def pick(self, role: Role, fl: Flight, skip: Set[str] = frozenset()) -> NodeHandle | None:
         lost = {n.name for n in self.nodes.values() if fl.excludes(n)}
         choice = pick_instance([n.report() for n in self.nodes.values() if n.role == role],
@@ -192,8 +197,7 @@ class Placement:
         """
         pol = self.cfg.policy
         limit = self.prefill_limit()
-        routable = [n for n in self.nodes.values()
-                    if n.role == Role.PREFILL and n.routable and not fl.excludes(n)]
+        routable = self.open_to(fl, Role.PREFILL)
         full = {n.name for n in routable if n.prefills >= limit}
         if routable and len(full) == len(routable):
             raise self.prefills_full(limit)
@@ -231,7 +235,7 @@ class Placement:
         """The MD to open on: with `prefix_affinity`, the one holding the longest prefix the
         router remembers (`policy.pick_cached`); else the least loaded."""
         pol = self.cfg.policy
-        cands = [n for n in self.nodes.values() if n.role == Role.MD and n.routable and not fl.excludes(n)]
+        cands = self.open_to(fl, Role.MD)
         if not (pol.prefix_affinity and len(cands) > 1):
             return self.pick(Role.MD, fl)
         assert self.md_index is not None                 # several MD and affinity on
@@ -261,19 +265,17 @@ class Placement:
                  **decision.as_log())
         return decision
 
-    async def await_node(self, fl: Flight, roles: tuple[str, ...], wait_s: float) -> bool:
+    async def await_node(self, fl: Flight, roles: tuple[Role, ...], wait_s: float) -> bool:
         """A healthy node of one of `roles` for this request, waiting up to `wait_s` (a node
         restarting: its link redials); -> whether one is there."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        # A node this request lost counts again once its link reconnects (the restarted process).
-        cands = [n for n in self.nodes.values() if n.role in roles]
+        if not any(n.role in roles for n in self.nodes.values()):
+            return False
 
         def there() -> bool:
-            return any(n.routable and not fl.excludes(n) for n in cands)
+            return bool(self.open_to(fl, *roles))
 
-        if not cands:
-            return False
         if not there():
             log.info("waiting_for_node", request_id=fl.rid, roles=roles, wait_s=wait_s)
         while not there():
