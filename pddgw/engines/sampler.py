@@ -182,9 +182,10 @@ def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], positions: S
     -1: no row filters anything, the CDF runs in vocabulary order (no sort).
     """
     rows = _Rows.of(params, positions, x.shape[1], x.device)
-    probs = _probs(x, rows)                                                              # [R, V] float64
+    # On the CPU the blocked, in-place softmax (the same bits; 1.2 vs 4.4 ms at [16, 49152]).
+    probs = _blocked_probs(x, rows)[0] if x.device.type == "cpu" else _probs(x, rows)   # [R, V] float64
     if k_bound < 0:
-        cdf = probs.cumsum(dim=-1)                                                       # [R, V]
+        cdf = probs.cumsum_(dim=-1)                                                      # [R, V] in place
         idx = torch.searchsorted(cdf, rows.u * cdf[:, -1:], right=True).squeeze(1)       # first cdf > target
         return idx.clamp_max(x.shape[1] - 1)
     return _sorted_rows(x, probs, rows, k_bound, any(q.top_p < 1.0 for q in params),

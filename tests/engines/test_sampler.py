@@ -189,6 +189,20 @@ def test_unfiltered_rows_need_no_sort_and_match_the_sorted_cdf_on_sorted_rows():
     assert torch.equal(_sample_rows(x, params, pos, -1), _sample_rows(x, params, pos, 0))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_unfiltered_rows_draw_from_the_cdf_of_the_plain_softmax(dtype):
+    # The CPU path's blocked in-place softmax and cumsum pick the ids the defining formula
+    # (`_probs`: softmax(x / T) in float64, then its cumsum) picks, on a real vocabulary size.
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(40, 49152, generator=g) * 4).to(dtype)
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate([1.0, 0.7, 1.3, 0.05] * 10)]
+    pos = list(range(40))
+    rows = _Rows.of(params, pos, x.shape[1], x.device)
+    cdf = _probs(x, rows).cumsum(dim=-1)
+    want = torch.searchsorted(cdf, rows.u * cdf[:, -1:], right=True).squeeze(1)
+    assert torch.equal(_sample_rows(x, params, pos, -1), want)
+
 ROW = [2.0, 1.5, 1.0, 0.2, -0.5, -3.0]
 SETTINGS = {
     "plain": SamplingParams(temperature=1.0),
