@@ -189,7 +189,6 @@ def test_unfiltered_rows_need_no_sort_and_match_the_sorted_cdf_on_sorted_rows():
     assert torch.equal(_sample_rows(x, params, pos, -1), _sample_rows(x, params, pos, 0))
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_unfiltered_rows_draw_from_the_cdf_of_the_plain_softmax(dtype):
     # The CPU path's blocked in-place softmax and cumsum pick the ids the defining formula
@@ -202,6 +201,7 @@ def test_unfiltered_rows_draw_from_the_cdf_of_the_plain_softmax(dtype):
     cdf = _probs(x, rows).cumsum(dim=-1)
     want = torch.searchsorted(cdf, rows.u * cdf[:, -1:], right=True).squeeze(1)
     assert torch.equal(_sample_rows(x, params, pos, -1), want)
+
 
 ROW = [2.0, 1.5, 1.0, 0.2, -0.5, -3.0]
 SETTINGS = {
