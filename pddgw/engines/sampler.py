@@ -268,7 +268,8 @@ class _Scratch(threading.local):
         """A 1-D tensor of numel elements (uninitialised), this thread's `name` buffer when it fits."""
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            with torch.inference_mode(False):     # a normal tensor: writable in and out of inference mode
+                buf = torch.empty(numel, dtype=dtype, device=device)
             if numel * buf.element_size() <= _SCRATCH_MAX_BYTES:
                 self.buffers[name] = buf
         return buf[:numel]
