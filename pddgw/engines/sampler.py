@@ -252,13 +252,15 @@ def _at_least(xs: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
 
 
 class _Scratch(threading.local):
-    """Per-thread buffers the speculative path reuses from step to step (CPU only).
+    """Per-thread buffers the CPU sampling paths (`_blocked_probs`) reuse from step to step.
 
     Why: glibc hands freed multi-MB blocks back to the kernel, so fresh [R, V] float64
     tensors every step page-fault on first touch: the softmax of 8 x 32000 logits took
     2.6 ms with fresh buffers, 0.5 ms in reused ones.  One set per thread (engines
     sample in their worker threads); buffers over 64 MB are not kept.  Nothing that
-    views them outlives the call.
+    views them outlives the call.  They are normal tensors, never inference tensors: one
+    thread may sample inside inference mode (a torch engine's step) and outside it (vLLM's
+    logits processor).
     """
 
     def __init__(self) -> None:
@@ -268,7 +270,7 @@ class _Scratch(threading.local):
         """A 1-D tensor of numel elements (uninitialised), this thread's `name` buffer when it fits."""
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-            with torch.inference_mode(False):     # a normal tensor: writable in and out of inference mode
+            with torch.inference_mode(False):
                 buf = torch.empty(numel, dtype=dtype, device=device)
             if numel * buf.element_size() <= _SCRATCH_MAX_BYTES:
                 self.buffers[name] = buf

@@ -203,7 +203,6 @@ def test_unfiltered_rows_draw_from_the_cdf_of_the_plain_softmax(dtype):
     assert torch.equal(_sample_rows(x, params, pos, -1), want)
 
 
-
 def test_the_reused_buffers_serve_calls_in_and_out_of_inference_mode():
     # One thread samples inside inference mode (a torch engine's step) and outside it (vLLM's
     # logits processor): the buffers kept between calls must be writable in both.
@@ -213,6 +212,7 @@ def test_the_reused_buffers_serve_calls_in_and_out_of_inference_mode():
         with torch.inference_mode():
             inside = sample_ids(x, p, [3] * 4)
         assert torch.equal(sample_ids(x, p, [3] * 4), inside)
+
 
 ROW = [2.0, 1.5, 1.0, 0.2, -0.5, -3.0]
 SETTINGS = {
