@@ -159,7 +159,9 @@ class EngineConfig:
     # --stream-interval), and always at its end; the first token at once.  Larger: fewer
     # frames and less work per token on the way to the client, tokens arriving in bursts.
     stream_interval: int = 1
-    attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    # "auto": Triton on CUDA, "cpu" on the CPU (its C decode kernel; "torch" where it does not
+    # build), "torch": the reference kernels anywhere (kernels/__init__.py).
+    attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
     # Torch engine on CUDA: decode-only steps replay CUDA graphs captured at start for
     # bucketed batch sizes (1, 2, 4, 8, 16, 24, ... up to max_num_seqs; a batch is padded up
     # to its bucket); prefill / extend / mixed steps and larger batches run eagerly.  Needs

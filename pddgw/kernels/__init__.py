@@ -1,9 +1,10 @@
 """Attention kernels behind one interface.
 
-`get_ops(backend, device)` returns the module (Triton or torch reference) whose
-`store_kv`, `paged_decode_attention` and `extend_attention` the engine calls.
-"auto" is Triton on CUDA and the torch reference elsewhere (and on CUDA when
-Triton is not installed).  Triton is imported only when it is selected.
+`get_ops(backend, device)` returns the module (Triton, the CPU kernels or the torch
+reference) whose `store_kv`, `paged_decode_attention` and `extend_attention` the
+engine calls.  "auto" is Triton on CUDA, the CPU backend (`cpu_ops`: decode attention
+in C) on the CPU where its kernel builds, and the torch reference elsewhere.  Triton
+is imported only when it is selected.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from types import ModuleType
 
 from pddgw.kernels import reference
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 def triton_available() -> bool:
@@ -23,8 +24,18 @@ def triton_available() -> bool:
 
 def get_ops(backend: str = "auto", device: str = "cpu") -> ModuleType:
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r} (expected auto, triton or torch)")
+        raise ValueError(f"unknown attention backend {backend!r} (expected auto, triton, cpu or torch)")
     on_cuda = str(device).startswith("cuda")
+    if backend == "cpu" or (backend == "auto" and str(device) == "cpu"):
+        from pddgw.kernels import cpu_ops
+
+        if backend == "cpu" and str(device) != "cpu":
+            raise RuntimeError(f"attention_backend 'cpu' runs on the CPU, not {device!r}")
+        if cpu_ops.available():
+            return cpu_ops
+        if backend == "cpu":
+            raise RuntimeError("attention_backend 'cpu': its kernel does not build here (see the log; "
+                               "a C compiler with OpenMP is needed), use 'torch'")
     if backend == "torch" or (backend == "auto" and not (on_cuda and triton_available())):
         return reference
     if not triton_available():

@@ -1,7 +1,8 @@
 """Torch reference implementations of the attention kernels.
 
 These are the oracle the Triton kernels in `triton_ops` are tested against
-(same names and signatures) and the engine's production path on CPU, so they
+(same names and signatures) and the engine's production path on CPU (prefill;
+decode too where `cpu_ops`' C kernel does not build or take the dtype), so they
 are batched but kept plain: gather each sequence's pages into a padded
 [B, L, kv_heads, head_dim] view, mask by length and causality, and let torch's
 fused scaled-dot-product attention do the math (on CPU about 2x faster for

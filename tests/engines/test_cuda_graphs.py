@@ -95,7 +95,7 @@ def test_padding_rows_leave_the_kv_pool_alone():
     """A replay of a bucket with padding rows writes exactly the real rows' slots."""
     model = build_tiny(0, torch.float64, "cpu")
     eng = make_engine(model, num_blocks=16, block_size=4, max_num_seqs=8)
-    runner = CudaGraphRunner(model, eng.pool.caches, eng.ops, max_num_seqs=8,
+    runner = CudaGraphRunner(model, eng.pool.caches, reference, max_num_seqs=8,
                              max_blocks=eng.inputs.max_blocks, device=torch.device("cpu"), graphs=False)
     before = eng.pool.data.clone()
     runner.capture()                                   # warm-up / recording: all padding

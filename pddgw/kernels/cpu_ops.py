@@ -1,0 +1,191 @@
+"""The CPU attention backend: paged decode attention in C, the rest from `reference`.
+
+Why a hand-written kernel: the reference decode path gathers every sequence's pages
+into a padded copy and then runs torch's fused SDPA over it, so each layer reads the
+KV twice and writes it once, and SDPA's CPU kernel is tuned for long queries, not one
+token.  Reading the pages in place (`cpu_attention.c`) takes a bfloat16 decode layer
+of SmolLM2 at batch 16 x 320 tokens from ~520 to ~290 us, pages out of cache
+(`python -m pddgw.bench.kernels --cpu`); torch offers no paged attention on the CPU.
+torch's own extension builder was not used: it needs ninja and compiles against torch's
+headers (tens of seconds), where this file is plain C that builds in under a second.
+
+The library is built once per machine with the system C compiler for this CPU
+(`-march=native`) into the cache directory ($PDDGW_CACHE_DIR, else ~/.cache/pddgw),
+named by a hash of the source, the flags, the compiler and the CPU's features, and
+loaded with ctypes (which releases the GIL during the call).  Where no compiler builds
+it, or for float64 and inputs it does not take, the calls go to `reference`.
+
+Numerics: float32 accumulation, the softmax online a block at a time; the result is not
+bit-identical to the reference's but is to itself on every CPU with the same features,
+whatever the batch beside a sequence or the thread count (one thread per sequence).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import structlog
+import torch
+
+from pddgw.kernels import reference
+from pddgw.kernels.reference import store_kv
+
+__all__ = ["available", "extend_attention", "paged_decode_attention", "store_kv"]
+
+log = structlog.get_logger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_attention.c")
+_COMPILE = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11")
+# -ffast-math at compile time only (vectorized expf): linking with it would add crtfastmath,
+# which turns on flush-to-zero for the whole process.
+_LINK = ("-shared", "-fopenmp", "-lmvec", "-lm")
+_SYMBOLS = {torch.float32: "decode_f32", torch.float16: "decode_f16", torch.bfloat16: "decode_bf16"}
+_ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + \
+    [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+
+_lock = threading.Lock()
+_kernels: dict[torch.dtype, ctypes._CFuncPtr] | None = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PDDGW_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pddgw")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), (sysconfig.get_config_var("CC") or "").split(" ")[0], "cc", "gcc"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    """The library's path, compiled now unless a build for this source, compiler and CPU exists."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_COMPILE, *_LINK, version, _cpu_features(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = Path(tmp, "a.o"), Path(tmp, "a.so")
+        for cmd in ([cc, *_COMPILE, "-c", str(_SOURCE), "-o", str(obj)], [cc, str(obj), "-o", str(lib), *_LINK]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(lib, out)                  # atomic: concurrent builders each install a whole file
+    return out
+
+
+def _load() -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """The kernels by dtype, built on first use; {} where they cannot be built (logged once)."""
+    global _kernels
+    with _lock:
+        if _kernels is None:
+            _kernels = {}
+            cc = _compiler()
+            try:
+                if cc is None:
+                    raise RuntimeError("no C compiler found (set CC)")
+                lib = ctypes.CDLL(str(_build(cc)))
+                for dtype, name in _SYMBOLS.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+                    _kernels[dtype] = fn
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                log.warning("the CPU attention kernel is not available: decode attention uses the "
+                            "torch reference", reason=str(e))
+    return _kernels
+
+
+def available() -> bool:
+    """Whether the C kernel builds and loads on this machine (builds it on first call)."""
+    return bool(_load())
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """`reference.paged_decode_attention`'s contract, computed by the C kernel where it takes
+    the inputs (q and the caches on the CPU in one of its dtypes, each cache row contiguous)."""
+    fn = _kernel(q, k_cache, v_cache)
+    if fn is None:
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    b, h, d = q.shape
+    out = torch.empty_like(q)                                        # [B, H, D]
+    if b == 0:
+        return out
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32)
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    nb, bs, kvh, _ = k_cache.shape
+    bad = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), nb,
+             tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), out.data_ptr(),
+             b, h, kvh, d, bs, scale, torch.get_num_threads())
+    if bad:
+        raise ValueError(f"paged decode attention: seq_lens {lens.tolist()} or their block ids in "
+                         f"block_tables are outside the table ({tables.shape[1]} blocks of {bs}) "
+                         f"or the pool ({nb} blocks)")
+    return out
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """`reference.extend_attention`'s contract, except that a sequence with one new token (a
+    decode in a step that also prefills) goes to the decode kernel: its output is then the
+    same whether or not a prefill shared its step (the batch invariance of DESIGN.md)."""
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]                                       # [B]
+    one = q_lens == 1
+    if _kernel(q, k_cache, v_cache) is None or not bool(one.any()):
+        return reference.extend_attention(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale)
+    out = torch.empty_like(q)                                                     # [T, H, D]
+    single = cu_q_lens[:-1][one].long()                                           # their rows
+    out[single] = paged_decode_attention(q[single], k_cache, v_cache, block_tables[one], seq_lens[one], scale)
+    many = ~one
+    if bool(many.any()):
+        keep = torch.ones(q.shape[0], dtype=torch.bool)
+        keep[single] = False
+        rows = keep.nonzero().flatten()                                           # the others' rows
+        cu = torch.zeros(int(many.sum()) + 1, dtype=cu_q_lens.dtype)
+        torch.cumsum(q_lens[many], 0, out=cu[1:])
+        out[rows] = reference.extend_attention(q[rows], k_cache, v_cache, block_tables[many], cu,
+                                               seq_lens[many], scale)
+    return out
+
+
+def _kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The C kernel for these inputs, or None where it does not take them: not on the CPU, not
+    one of its dtypes for all three, or cache rows not packed alike."""
+    fn = _load().get(q.dtype)
+    if (fn is None or q.device.type != "cpu" or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
+            or k_cache.stride() != v_cache.stride() or not _rows_contiguous(k_cache)):
+        return None
+    return fn
+
+
+def _rows_contiguous(cache: torch.Tensor) -> bool:
+    """[num_blocks, block_size, kv_heads, head_dim] with each block's rows packed (any block stride)."""
+    _, bs, kvh, d = cache.shape
+    return cache.stride()[1:] == (kvh * d, d, 1)

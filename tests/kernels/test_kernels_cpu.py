@@ -1,0 +1,168 @@
+"""The CPU backend's C decode kernel (pddgw.kernels.cpu_ops) against the loop oracle,
+its batch and thread invariance, its refusals, and how it is built and selected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from .kernel_cases import assert_close, cu_lens, loop_decode, loop_extend, make_paged, make_q
+
+import pddgw.kernels as K
+from pddgw.engines.kv_pool import KVPool
+from pddgw.kernels import cpu_ops, reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    assert cpu_ops.available(), "the CPU attention kernel did not build (a C compiler with OpenMP is needed)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size,head_dim", [(4, 16), (16, 64), (32, 48)])
+def test_decode_matches_loop(dtype, group, block_size, head_dim):
+    # head_dim 64 takes the AVX512-BF16 path for bfloat16 where the CPU has it, 16 and 48 the portable one.
+    seq_lens = [1, block_size - 1, block_size, 2 * block_size + 3, 5, 7 * block_size]
+    p = make_paged(seq_lens, kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                   strided_table=block_size == 4)
+    q = make_q(len(seq_lens), 2 * group, head_dim, dtype)
+    out = cpu_ops.paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 0.3)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close(out, loop_decode(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 0.3), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_pool_s_block_major_views_are_read_in_place(dtype):
+    """The CPU pool's caches are views with a block stride of every layer's K and V: the kernel
+    reads them where they are (equal to the same pages copied out contiguously)."""
+    pool = KVPool(3, 12, 8, 2, 64, dtype, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen).to(dtype))
+    k, v = pool.caches[1]
+    assert not k.is_contiguous()
+    table = torch.tensor([[4, 9, 1], [7, 0, 11]], dtype=torch.int32)
+    lens = torch.tensor([19, 9], dtype=torch.int32)
+    q = make_q(2, 8, 64, dtype)
+    out = cpu_ops.paged_decode_attention(q, k, v, table, lens, 0.125)
+    same = cpu_ops.paged_decode_attention(q, k.contiguous(), v.contiguous(), table, lens, 0.125)
+    assert torch.equal(out, same)
+    assert_close(out, loop_decode(q, k, v, table, lens, 0.125), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_sequence_s_output_does_not_depend_on_its_batch_or_the_threads(dtype):
+    seq_lens = [37, 5, 130, 64]
+    p = make_paged(seq_lens, kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    q = make_q(len(seq_lens), 9, 64, dtype)
+    batch = cpu_ops.paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 0.125)
+    for b in range(len(seq_lens)):
+        alone = cpu_ops.paged_decode_attention(q[b:b + 1], p.k_cache, p.v_cache, p.block_tables[b:b + 1],
+                                               p.seq_lens[b:b + 1], 0.125)
+        assert torch.equal(alone[0], batch[b])
+    torch.set_num_threads(2)
+    assert torch.equal(cpu_ops.paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables,
+                                                      p.seq_lens, 0.125), batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=str)
+def test_extend_matches_loop_and_its_one_token_rows_are_the_decode_kernel_s(dtype):
+    """In a step that prefills and decodes, the decodes' rows are the decode kernel's bits: a request's
+    output does not depend on whether a prefill shared its step (float64 stays with the reference)."""
+    pairs = [(0, 9), (10, 1), (3, 0), (21, 7), (40, 1), (0, 1)]           # (cached prefix, new tokens)
+    p = make_paged([a + k for a, k in pairs], kv_heads=2, head_dim=64, block_size=8, dtype=dtype)
+    cu = cu_lens([k for _, k in pairs])
+    q = make_q(int(cu[-1]), 6, 64, dtype)
+    args = (p.k_cache, p.v_cache)
+    out = cpu_ops.extend_attention(q, *args, p.block_tables, cu, p.seq_lens, 0.25)
+    assert_close(out, loop_extend(q, *args, p.block_tables, cu, p.seq_lens, 0.25), dtype)
+    ones = [b for b, (_, k) in enumerate(pairs) if k == 1]
+    rows = cu[ones].long()
+    alone = cpu_ops.paged_decode_attention(q[rows], *args, p.block_tables[ones], p.seq_lens[ones], 0.25)
+    assert torch.equal(out[rows], alone)
+    if dtype == torch.float64:
+        assert torch.equal(out, reference.extend_attention(q, *args, p.block_tables, cu, p.seq_lens, 0.25))
+
+
+def test_an_extend_of_decodes_only_is_the_decode_kernel():
+    p = make_paged([5, 17], kv_heads=1, head_dim=32, block_size=4, dtype=torch.bfloat16)
+    q = make_q(2, 2, 32, torch.bfloat16)
+    out = cpu_ops.extend_attention(q, p.k_cache, p.v_cache, p.block_tables, cu_lens([1, 1]), p.seq_lens, 0.5)
+    assert torch.equal(out, cpu_ops.paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables,
+                                                           p.seq_lens, 0.5))
+
+
+def test_float64_and_mixed_dtypes_go_to_the_reference():
+    p = make_paged([9, 20], kv_heads=2, head_dim=16, block_size=8, dtype=torch.float64)
+    q = make_q(2, 4, 16, torch.float64)
+    args = (p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 0.5)
+    assert torch.equal(cpu_ops.paged_decode_attention(q, *args), reference.paged_decode_attention(q, *args))
+    q32 = q.float()
+    assert torch.equal(cpu_ops.paged_decode_attention(q32, *args), reference.paged_decode_attention(q32, *args))
+
+
+@pytest.mark.parametrize("lens,table,what", [
+    ([40], [[0, 1]], "outside the table"),           # 40 tokens need 3 blocks of 16, the table has 2
+    ([20], [[0, 99]], "outside the table"),          # block id past the pool's 4 blocks
+    ([20], [[0, -1]], "outside the table"),
+    ([0], [[0, 1]], "outside the table"),
+])
+def test_lengths_and_block_ids_out_of_range_are_refused(lens, table, what):
+    cache = torch.zeros(4, 16, 1, 32)
+    with pytest.raises(ValueError, match=what) as e:
+        cpu_ops.paged_decode_attention(torch.zeros(1, 1, 32), cache, cache, torch.tensor(table, dtype=torch.int32),
+                                       torch.tensor(lens, dtype=torch.int32), 1.0)
+    assert "pool (4 blocks)" in str(e.value)
+
+
+def test_an_empty_batch_is_empty():
+    cache = torch.zeros(2, 16, 1, 32, dtype=torch.bfloat16)
+    out = cpu_ops.paged_decode_attention(torch.zeros(0, 2, 32, dtype=torch.bfloat16), cache, cache,
+                                         torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 1.0)
+    assert out.shape == (0, 2, 32)
+
+
+def test_auto_on_cpu_selects_the_cpu_backend():
+    assert K.get_ops("auto", "cpu") is cpu_ops
+    assert K.get_ops("cpu", "cpu") is cpu_ops
+    with pytest.raises(RuntimeError, match="runs on the CPU"):
+        K.get_ops("cpu", "cuda:0")
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_ops, "_kernels", None)
+    monkeypatch.setattr(cpu_ops, "_compiler", lambda: None)
+    assert K.get_ops("auto", "cpu") is reference
+    with pytest.raises(RuntimeError, match="does not build here"):
+        K.get_ops("cpu", "cpu")
+    q = make_q(1, 2, 16, torch.float32)
+    p = make_paged([5], kv_heads=1, head_dim=16, block_size=4, dtype=torch.float32)
+    args = (p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 0.5)
+    assert torch.equal(cpu_ops.paged_decode_attention(q, *args), reference.paged_decode_attention(q, *args))
+
+
+def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDDGW_CACHE_DIR", str(tmp_path))
+    cc = cpu_ops._compiler()
+    path = cpu_ops._build(cc)
+    assert path.parent == tmp_path / "kernels" and path.exists()
+    assert [p.name for p in path.parent.iterdir()] == [path.name]          # no temporary files left
+
+    def no_compiling(cmd, **kw):
+        assert cmd == [cc, "--version"], f"rebuilt: {cmd}"
+        return real_run(cmd, **kw)
+
+    real_run = cpu_ops.subprocess.run
+    monkeypatch.setattr(cpu_ops.subprocess, "run", no_compiling)
+    assert cpu_ops._build(cc) == path
+
+
+def test_a_failed_build_names_the_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDDGW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_ops, "_SOURCE", tmp_path / "broken.c")
+    (tmp_path / "broken.c").write_text("int f( {\n")
+    with pytest.raises(RuntimeError, match="broken.c") as e:
+        cpu_ops._build(cpu_ops._compiler())
+    assert "error" in str(e.value)
+    assert not list((tmp_path / "kernels").glob("*.so"))
