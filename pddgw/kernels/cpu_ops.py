@@ -52,6 +52,9 @@ _SYMBOLS = {torch.float32: "decode_f32", torch.float16: "decode_f16", torch.bflo
 _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + \
     [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
 
+_CHUNK = 512                   # keys a chunk: CHUNK in cpu_attention.c
+_MAX_STACK = 1 << 20           # of the 8 MiB threads get by default (OpenMP's workers too)
+
 _lock = threading.Lock()
 _kernels: dict[torch.dtype, ctypes._CFuncPtr] | None = None
 
@@ -177,12 +180,20 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def _kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
     """The C kernel for these inputs, or None where it does not take them: not on the CPU, not
-    one of its dtypes for all three, or cache rows not packed alike."""
+    one of its dtypes for all three, cache rows not packed alike, or a shape whose per-sequence
+    scratch would not fit comfortably on a thread's stack."""
     fn = _load().get(q.dtype)
     if (fn is None or q.device.type != "cpu" or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
-            or k_cache.stride() != v_cache.stride() or not _rows_contiguous(k_cache)):
+            or k_cache.stride() != v_cache.stride() or not _rows_contiguous(k_cache)
+            or _stack_bytes(q.shape[1], q.shape[2], k_cache.shape[1]) > _MAX_STACK):
         return None
     return fn
+
+
+def _stack_bytes(heads: int, head_dim: int, block_size: int) -> int:
+    """The float32 scratch `sequence` in cpu_attention.c keeps on its stack."""
+    chunk = max(block_size, _CHUNK // block_size * block_size)
+    return 4 * (2 * heads * head_dim + 2 * heads + heads * chunk + block_size * head_dim)
 
 
 def _rows_contiguous(cache: torch.Tensor) -> bool:

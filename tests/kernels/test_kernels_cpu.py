@@ -93,6 +93,23 @@ def test_an_extend_of_decodes_only_is_the_decode_kernel():
                                                            p.seq_lens, 0.5))
 
 
+def test_shapes_whose_scratch_would_not_fit_the_stack_go_to_the_reference(monkeypatch):
+    p = make_paged([9, 20], kv_heads=2, head_dim=16, block_size=8, dtype=torch.float32)
+    q = make_q(2, 4, 16, torch.float32)
+    args = (p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 0.5)
+    # 4 heads x 16 dims, 512-key chunks of 8-token blocks: 4 * (2*64 + 8 + 4*512 + 8*16) bytes
+    assert cpu_ops._stack_bytes(4, 16, 8) == 4 * (2 * 64 + 8 + 4 * 512 + 128)
+    calls = []
+    real = reference.paged_decode_attention
+    monkeypatch.setattr(reference, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_ops, "_MAX_STACK", cpu_ops._stack_bytes(4, 16, 8))
+    cpu_ops.paged_decode_attention(q, *args)
+    assert calls == []
+    monkeypatch.setattr(cpu_ops, "_MAX_STACK", cpu_ops._stack_bytes(4, 16, 8) - 1)
+    assert torch.equal(cpu_ops.paged_decode_attention(q, *args), real(q, *args))
+    assert calls == [1]
+
+
 def test_float64_and_mixed_dtypes_go_to_the_reference():
     p = make_paged([9, 20], kv_heads=2, head_dim=16, block_size=8, dtype=torch.float64)
     q = make_q(2, 4, 16, torch.float64)
