@@ -1,6 +1,6 @@
 /* Paged decode attention on the CPU: one query token per sequence, read straight
- * from the KV pool's pages (no gathered copy).  Built and loaded by cpu_ops.py,
- * which states why it exists.
+ * from the KV pool's pages (no gathered copy); and the store of new tokens' K/V
+ * into their slots.  Built and loaded by cpu_ops.py, which states why they exist.
  *
  * Shapes (elements; every tensor contiguous except the caches' block stride):
  *   q, out        [B, H, D]
@@ -19,6 +19,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -239,3 +240,20 @@ INLINE int sequence(int64_t b, const void *q, const void *kc, const void *vc, in
 EXPORT(decode_f32, F32)
 EXPORT(decode_f16, F16)
 EXPORT(decode_bf16, BF16)
+
+/* K and V rows i < T (element stride k_row / v_row between rows, each row KVH * D contiguous
+ * elements of `esize` bytes) into the caches at flat slots[i] (block * BS + offset; -1: skip).
+ * Returns 0, or 1 when a slot's block is outside the pool (the rows before it are stored). */
+int store_kv(const char *k, int64_t k_row, const char *v, int64_t v_row, char *kc, char *vc,
+             int64_t block_stride, int64_t num_blocks, const int64_t *slots, int64_t T, int64_t BS,
+             int64_t row, int64_t esize) {
+    for (int64_t i = 0; i < T; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        if (slot / BS >= num_blocks) return 1;
+        const int64_t at = (slot / BS * block_stride + slot % BS * row) * esize;
+        memcpy(kc + at, k + i * k_row * esize, row * esize);
+        memcpy(vc + at, v + i * v_row * esize, row * esize);
+    }
+    return 0;
+}

@@ -1,22 +1,24 @@
-"""The CPU attention backend: paged decode attention in C, the rest from `reference`.
+"""The CPU attention backend: paged decode attention and the K/V store in C (`cpu_attention.c`),
+prefill attention from `reference`.
 
-Why a hand-written kernel: the reference decode path gathers every sequence's pages
-into a padded copy and then runs torch's fused SDPA over it, so each layer reads the
-KV twice and writes it once, and SDPA's CPU kernel is tuned for long queries, not one
-token.  Reading the pages in place (`cpu_attention.c`) takes a bfloat16 decode layer
-of SmolLM2 at batch 16 x 320 tokens from ~520 to ~290 us, pages out of cache
-(`python -m pddgw.bench.kernels --cpu`); torch offers no paged attention on the CPU.
-torch's own extension builder was not used: it needs ninja and compiles against torch's
-headers (tens of seconds), where this file is plain C that builds in under a second.
+Why hand-written: torch has no paged attention on the CPU.  The reference decode path gathers
+every sequence's pages into a padded copy and runs torch's fused SDPA over it (tuned for long
+queries, not one token), so each layer reads the KV twice and writes it once; reading the
+pages in place takes a bfloat16 SmolLM2 layer at batch 16 x 320 tokens from ~710 to ~360 us,
+pages from memory (`python -m pddgw.bench.cpu_attention`).  Storing a step's new K/V rows is a
+copy in C too: torch's `index_put_` into the pool's strided views took ~7 % of such a decode
+step (two calls a layer, each forking OpenMP threads for a few rows).  torch's extension
+builder was not used: it needs ninja and compiles against torch's headers (tens of seconds);
+this is plain C that builds in about a second.
 
-The library is built once per machine with the system C compiler for this CPU
-(`-march=native`) into the cache directory ($PDDGW_CACHE_DIR, else ~/.cache/pddgw),
-named by a hash of the source, the flags, the compiler and the CPU's features, and
-loaded with ctypes (which releases the GIL during the call).  Where no compiler builds
-it, or for float64 and inputs it does not take, the calls go to `reference`.
+The library is built once per machine with the system C compiler for this CPU (`-march=native`)
+into the cache directory ($PDDGW_CACHE_DIR, else ~/.cache/pddgw), named by a hash of the
+source, the flags, the compiler and the CPU's features, and loaded with ctypes (which releases
+the GIL during a call).  Where no compiler builds it, and for float64 or inputs it does not
+take, the calls go to `reference`.
 
-Numerics: float32 accumulation, the softmax online a block at a time; the result is not
-bit-identical to the reference's but is to itself on every CPU with the same features,
+Numerics: those of torch's CPU flash attention for 16-bit inputs (cpu_attention.c says how);
+not bit-identical to the reference, but to itself on every CPU with the same features,
 whatever the batch beside a sequence or the thread count (one thread per sequence).
 """
 
@@ -37,7 +39,6 @@ import structlog
 import torch
 
 from pddgw.kernels import reference
-from pddgw.kernels.reference import store_kv
 
 __all__ = ["available", "extend_attention", "paged_decode_attention", "store_kv"]
 
@@ -49,6 +50,8 @@ _COMPILE = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", 
 # which turns on flush-to-zero for the whole process.
 _LINK = ("-shared", "-fopenmp", "-lmvec", "-lm")
 _SYMBOLS = {torch.float32: "decode_f32", torch.float16: "decode_f16", torch.bfloat16: "decode_bf16"}
+_STORE_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
+    [ctypes.c_void_p] + [ctypes.c_int64] * 4
 _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + \
     [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
 
@@ -56,7 +59,7 @@ _CHUNK = 512                   # keys a chunk: CHUNK in cpu_attention.c
 _MAX_STACK = 1 << 20           # of the 8 MiB threads get by default (OpenMP's workers too)
 
 _lock = threading.Lock()
-_kernels: dict[torch.dtype, ctypes._CFuncPtr] | None = None
+_kernels: dict[torch.dtype | str, ctypes._CFuncPtr] | None = None
 
 
 def _cache_dir() -> Path:
@@ -99,8 +102,9 @@ def _build(cc: str) -> Path:
     return out
 
 
-def _load() -> dict[torch.dtype, ctypes._CFuncPtr]:
-    """The kernels by dtype, built on first use; {} where they cannot be built (logged once)."""
+def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
+    """The decode kernels by dtype and "store_kv", built on first use; {} where they cannot be
+    built (logged once)."""
     global _kernels
     with _lock:
         if _kernels is None:
@@ -114,6 +118,8 @@ def _load() -> dict[torch.dtype, ctypes._CFuncPtr]:
                     fn = getattr(lib, name)
                     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
                     _kernels[dtype] = fn
+                lib.store_kv.argtypes, lib.store_kv.restype = _STORE_ARGTYPES, ctypes.c_int
+                _kernels["store_kv"] = lib.store_kv
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 log.warning("the CPU attention kernel is not available: decode attention uses the "
                             "torch reference", reason=str(e))
@@ -123,6 +129,23 @@ def _load() -> dict[torch.dtype, ctypes._CFuncPtr]:
 def available() -> bool:
     """Whether the C kernel builds and loads on this machine (builds it on first call)."""
     return bool(_load())
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    """`reference.store_kv`'s contract (k, v [T, kv_heads, head_dim] into the caches at flat slots
+    [T], -1 skipped), copied by C where it takes the inputs: the rows in the caches' dtype, each
+    row's heads packed (any row stride), the caches' rows packed alike, int64 slots."""
+    fn = _load().get("store_kv")
+    if (fn is None or not _caches_take(k, k_cache, v_cache) or v.dtype != k.dtype
+            or k.stride()[1:] != v.stride()[1:] or k.stride()[1:] != k_cache.stride()[2:]
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
+        return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    nb, bs, kvh, d = k_cache.shape
+    if fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+          k_cache.stride(0), nb, slot_mapping.data_ptr(), slot_mapping.shape[0], bs, kvh * d, k.element_size()):
+        raise ValueError(f"store_kv: slot_mapping {slot_mapping.tolist()} names a block outside the pool "
+                         f"({nb} blocks of {bs})")
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -179,15 +202,18 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
-    """The C kernel for these inputs, or None where it does not take them: not on the CPU, not
-    one of its dtypes for all three, cache rows not packed alike, or a shape whose per-sequence
-    scratch would not fit comfortably on a thread's stack."""
-    fn = _load().get(q.dtype)
-    if (fn is None or q.device.type != "cpu" or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
-            or k_cache.stride() != v_cache.stride() or not _rows_contiguous(k_cache)
-            or _stack_bytes(q.shape[1], q.shape[2], k_cache.shape[1]) > _MAX_STACK):
+    """The decode kernel for these inputs, or None where it does not take them (`_caches_take`),
+    or where the per-sequence scratch would not fit comfortably on a thread's stack."""
+    if not _caches_take(q, k_cache, v_cache) or _stack_bytes(*q.shape[1:], k_cache.shape[1]) > _MAX_STACK:
         return None
-    return fn
+    return _load()[q.dtype]
+
+
+def _caches_take(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C code takes x with these caches: built, all on the CPU in one of its dtypes,
+    the caches' rows packed alike."""
+    return (x.dtype in _load() and x.device.type == "cpu" and k_cache.dtype == x.dtype
+            and v_cache.dtype == x.dtype and k_cache.stride() == v_cache.stride() and _rows_contiguous(k_cache))
 
 
 def _stack_bytes(heads: int, head_dim: int, block_size: int) -> int:

@@ -133,6 +133,45 @@ def test_lengths_and_block_ids_out_of_range_are_refused(lens, table, what):
     assert "pool (4 blocks)" in str(e.value)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_kv_copies_rows_of_a_qkv_view_into_the_pool_as_the_reference_does(dtype):
+    """The model's k and v are views into its qkv rows (a row stride past the heads); the pool's
+    caches are block-major views: the C copy lands every row where the reference puts it."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(6, (4 + 2 + 2) * 16, generator=gen).to(dtype)
+    k = qkv[:, 64:96].view(6, 2, 16)
+    v = qkv[:, 96:].view(6, 2, 16)
+    assert k.stride(0) == 128 and not k.is_contiguous()
+    slots = torch.tensor([5, -1, 0, 23, 17, 8])                    # block * 8 + offset; -1: skipped
+    ours, ref = KVPool(2, 3, 8, 2, 16, dtype, "cpu"), KVPool(2, 3, 8, 2, 16, dtype, "cpu")
+    cpu_ops.store_kv(k, v, *ours.caches[1], slots)
+    reference.store_kv(k, v, *ref.caches[1], slots)
+    assert torch.equal(ours.data, ref.data)
+    assert torch.equal(ours.caches[1][0][2, 7], k[3]) and torch.equal(ours.caches[1][1][2, 1], v[4])
+    assert int((ours.data != 0).flatten(1).any(1).sum()) == 3     # blocks 0, 1, 2; layer 0 untouched
+    assert not ours.caches[0][0].any()
+
+
+def test_store_kv_refuses_a_slot_outside_the_pool():
+    cache = torch.zeros(2, 4, 1, 32, dtype=torch.bfloat16)
+    rows = torch.ones(2, 1, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"outside the pool \(2 blocks of 4\)"):
+        cpu_ops.store_kv(rows, rows, cache, cache.clone(), torch.tensor([3, 8]))
+
+
+@pytest.mark.parametrize("case", ["float64", "int32 slots", "rows in another dtype"])
+def test_store_kv_leaves_what_it_does_not_take_to_the_reference(case, monkeypatch):
+    dtype = torch.float64 if case == "float64" else torch.float32
+    cache = torch.zeros(2, 4, 1, 8, dtype=dtype)
+    rows = torch.ones(2, 1, 8, dtype=torch.bfloat16 if case == "rows in another dtype" else dtype)
+    slots = torch.tensor([1, 6], dtype=torch.int32 if case == "int32 slots" else torch.int64)
+    calls = []
+    real = reference.store_kv
+    monkeypatch.setattr(reference, "store_kv", lambda *a: calls.append(1) or real(*a))
+    cpu_ops.store_kv(rows, rows, cache, cache, slots)
+    assert calls == [1] and cache[0, 1].eq(1).all() and cache[1, 2].eq(1).all()
+
+
 def test_an_empty_batch_is_empty():
     cache = torch.zeros(2, 16, 1, 32, dtype=torch.bfloat16)
     out = cpu_ops.paged_decode_attention(torch.zeros(0, 2, 32, dtype=torch.bfloat16), cache, cache,
