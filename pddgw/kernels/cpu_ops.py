@@ -106,9 +106,11 @@ def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
     """The decode kernels by dtype and "store_kv", built on first use; {} where they cannot be
     built (logged once)."""
     global _kernels
+    if _kernels is not None:                 # built (or failed) already: no lock on the hot path
+        return _kernels
     with _lock:
         if _kernels is None:
-            _kernels = {}
+            found: dict[torch.dtype | str, ctypes._CFuncPtr] = {}
             cc = _compiler()
             try:
                 if cc is None:
@@ -117,12 +119,14 @@ def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
                 for dtype, name in _SYMBOLS.items():
                     fn = getattr(lib, name)
                     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-                    _kernels[dtype] = fn
+                    found[dtype] = fn
                 lib.store_kv.argtypes, lib.store_kv.restype = _STORE_ARGTYPES, ctypes.c_int
-                _kernels["store_kv"] = lib.store_kv
+                found["store_kv"] = lib.store_kv
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                found = {}
                 log.warning("the CPU attention kernel is not available: decode attention uses the "
                             "torch reference", reason=str(e))
+            _kernels = found                 # published whole: readers without the lock see all or none
     return _kernels
 
 
