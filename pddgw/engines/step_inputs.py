@@ -29,6 +29,18 @@ class StepInputs:
     to_sample: list[int]        # chunk index of each sampled sequence
 
 
+def decodes_now(chunk: Chunk) -> bool:
+    """Whether the chunk is a decode: one new token, a generated one (not the last token of a
+    prompt whose others were cached or chunked: that one is attended as the prompt is)."""
+    return chunk.num_tokens == 1 and chunk.seq.num_computed >= chunk.seq.num_prompt
+
+
+def _generated(chunk: Chunk) -> int:
+    """How many of the chunk's tokens (its last ones) are generated, not the prompt's."""
+    start = chunk.seq.num_computed
+    return max(0, start + chunk.num_tokens - max(start, chunk.seq.num_prompt))
+
+
 class ListInputs:
     """Every step rebuilds tables, slots, positions, ids and seq_lens from lists and copies them."""
 
@@ -58,13 +70,16 @@ class ListInputs:
         table = torch.zeros((len(tables), width), dtype=torch.int32)          # [B, width]
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        is_decode = all(map(decodes_now, chunks))
+        generated = [_generated(c) for c in chunks]
         meta = AttnMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),  # [T]
             block_tables=table.to(dev),                                       # [B, width]
             cu_q_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),    # [B+1]
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),   # [B]
-            is_decode=q_lens[-1] == len(chunks),
+            is_decode=is_decode,
             ops=self.ops,
+            generated=None if is_decode or not any(generated) else torch.tensor(generated, dtype=torch.int32),
         )
         logits_rows = torch.tensor([q_lens[i + 1] - 1 for i in to_sample], dtype=torch.int64, device=dev)
         return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev),   # [T]
@@ -172,7 +187,7 @@ class IncrementalInputs:
         B = len(chunks)
         if B > self.max_rows:
             return self._fallback(chunks)
-        seqs = [c.seq for c in chunks if c.num_tokens == 1]
+        seqs = [c.seq for c in chunks if decodes_now(c)]
         if len(seqs) != B:
             return self._fallback(chunks)         # a prefill / extend chunk: the list path
         same = seqs == self._batch        # identity per element: Sequence has no __eq__

@@ -182,26 +182,33 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """`reference.extend_attention`'s contract, except that a sequence with one new token (a
-    decode in a step that also prefills) goes to the decode kernel: its output is then the
-    same whether or not a prefill shared its step (the batch invariance of DESIGN.md)."""
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]                                       # [B]
-    one = q_lens == 1
-    if _kernel(q, k_cache, v_cache) is None or not bool(one.any()):
+                     scale: float, generated: torch.Tensor | None = None) -> torch.Tensor:
+    """`reference.extend_attention`'s contract, except that the last `generated[b]` rows of each
+    sequence b (tokens it generated: a decode in a step that also prefills, tokens relayed
+    before a handoff) go to the decode kernel, each as a sequence ending at its position.  A
+    generated token's attention is then the same bits whether it was decoded alone, beside a
+    prefill or extended with others (the invariants of DESIGN.md); the prompt's rows stay with
+    the reference, a one-token chunk of a prompt too, so that chunking does not change them."""
+    if generated is None or _kernel(q, k_cache, v_cache) is None or not bool(generated.any()):
         return reference.extend_attention(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale)
+    gen = generated.long()                                                        # [B]
+    first = cu_q_lens[1:].long() - gen                                            # [B] first generated row
+    owner = torch.repeat_interleave(torch.arange(gen.shape[0]), gen)              # [G] sequence of each
+    rank = torch.arange(owner.shape[0]) - torch.repeat_interleave(torch.cumsum(gen, 0) - gen, gen)
+    rows = first[owner] + rank                                                    # [G] their rows
     out = torch.empty_like(q)                                                     # [T, H, D]
-    single = cu_q_lens[:-1][one].long()                                           # their rows
-    out[single] = paged_decode_attention(q[single], k_cache, v_cache, block_tables[one], seq_lens[one], scale)
-    many = ~one
-    if bool(many.any()):
+    out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, block_tables[owner],
+                                       (seq_lens.long()[owner] - gen[owner] + rank + 1).to(torch.int32), scale)
+    prompt = (cu_q_lens[1:] - cu_q_lens[:-1]).long() - gen                        # [B] prompt rows
+    some = prompt > 0
+    if bool(some.any()):
         keep = torch.ones(q.shape[0], dtype=torch.bool)
-        keep[single] = False
-        rows = keep.nonzero().flatten()                                           # the others' rows
-        cu = torch.zeros(int(many.sum()) + 1, dtype=cu_q_lens.dtype)
-        torch.cumsum(q_lens[many], 0, out=cu[1:])
-        out[rows] = reference.extend_attention(q[rows], k_cache, v_cache, block_tables[many], cu,
-                                               seq_lens[many], scale)
+        keep[rows] = False
+        rest = keep.nonzero().flatten()                                           # the prompts' rows
+        cu = torch.zeros(int(some.sum()) + 1, dtype=cu_q_lens.dtype)
+        torch.cumsum(prompt[some], 0, out=cu[1:])
+        out[rest] = reference.extend_attention(q[rest], k_cache, v_cache, block_tables[some], cu,
+                                               (seq_lens.long() - gen)[some].to(seq_lens.dtype), scale)
     return out
 
 

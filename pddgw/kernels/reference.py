@@ -157,14 +157,14 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, generated: torch.Tensor | None = None) -> torch.Tensor:
     """Packed new tokens q [T, q_heads, head_dim] of B sequences (cu_q_lens [B+1]).
 
     Their K/V are already in the cache.  Query i of sequence b sits at absolute
     position seq_lens[b] - q_len_b + i and attends causally up to itself.
-
-    Sequences with one new token (the decodes of a mixed batch) go through the
-    batched decode path together; each longer extend is computed on its own,
+    `generated` (how many of each sequence's new tokens are generated ones) is
+    not needed here, where decode and extend round alike: every sequence with
+    one new token goes through the batched decode path together; each longer extend is computed on its own,
     in query chunks that bound the causal mask.
     """
     out = torch.empty_like(q)

@@ -7,7 +7,10 @@ import random
 import pytest
 import torch
 
+from pddgw.engines.scheduler import Chunk
+from pddgw.engines.sequence import Sequence
 from pddgw.engines.step_inputs import IncrementalInputs, ListInputs
+from pddgw.kernels import reference
 
 from .conftest import make_engine, req
 
@@ -134,3 +137,41 @@ def test_rows_are_reused_and_stale_entries_zeroed(tiny64):
     last = log[-1]
     assert last["block_tables"].shape == (1, 1)
     assert eng.inputs.table[0, 1:].eq(0).all()
+
+
+def _chunk(prompt: int, done: int, computed: int, new: int) -> Chunk:
+    """A chunk of `new` tokens from `computed` of a sequence with `prompt` prompt tokens and `done`
+    generated ones (blocks 0.. of 4 tokens)."""
+    seq = Sequence(req("r", range(1, prompt + 1), output_token_ids=tuple(range(100, 100 + done))))
+    seq.num_computed = computed
+    seq.block_ids = list(range(-(-(prompt + done) // 4)))
+    return Chunk(seq, new)
+
+
+@pytest.mark.parametrize("chunks,is_decode,generated", [
+    ([(5, 1, 5, 1), (6, 3, 8, 1)], True, None),                    # decodes only
+    ([(5, 1, 5, 1), (9, 0, 0, 9)], False, [1, 0]),                 # a decode beside a prefill
+    ([(9, 0, 8, 1)], False, None),                                 # a prompt's last token alone
+    ([(9, 0, 8, 1), (5, 1, 5, 1)], False, [0, 1]),                 # ... beside a decode
+    ([(6, 4, 4, 6)], False, [4]),                                  # 2 prompt tokens, then 4 relayed
+    ([(6, 4, 7, 3)], False, [3]),                                  # relayed tokens only, 3 of them
+])
+def test_the_step_says_which_new_tokens_are_generated(chunks, is_decode, generated):
+    """A decode is one new token past the prompt; the extend kernel is told how many of each
+    sequence's new tokens are generated (the last ones), the prompt's last token is not one."""
+    built = ListInputs(4, torch.device("cpu"), reference, lambda c: False).build([_chunk(*c) for c in chunks])
+    assert built.meta.is_decode is is_decode
+    assert (built.meta.generated.tolist() if built.meta.generated is not None else None) == generated
+
+
+def test_a_prompt_s_last_token_alone_is_not_a_decode_batch(tiny64):
+    """The incremental builder takes decode batches only: a one-token chunk of a prompt (the
+    rest cached or chunked) goes to the list builder, which does not call it a decode."""
+    eng = make_engine(tiny64, max_num_batched_tokens=8, max_num_seqs=4)
+    eng.add_request(req("a", range(1, 10), max_tokens=2))          # 9 tokens in chunks of 8: 8, then 1
+    log = _record(eng)
+    fallback = eng.inputs.num_fallback
+    while eng.has_work():
+        eng.step()
+    assert [e["is_decode"] for e in log] == [False, False, True]
+    assert eng.inputs.num_fallback == fallback + 2

@@ -67,30 +67,43 @@ def test_a_sequence_s_output_does_not_depend_on_its_batch_or_the_threads(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=str)
-def test_extend_matches_loop_and_its_one_token_rows_are_the_decode_kernel_s(dtype):
-    """In a step that prefills and decodes, the decodes' rows are the decode kernel's bits: a request's
-    output does not depend on whether a prefill shared its step (float64 stays with the reference)."""
-    pairs = [(0, 9), (10, 1), (3, 0), (21, 7), (40, 1), (0, 1)]           # (cached prefix, new tokens)
-    p = make_paged([a + k for a, k in pairs], kv_heads=2, head_dim=64, block_size=8, dtype=dtype)
-    cu = cu_lens([k for _, k in pairs])
+def test_an_extend_s_generated_rows_are_the_decode_kernel_s_bits(dtype):
+    """Each generated token's row (the last `generated[b]` of sequence b) is the decode kernel's
+    result for that token alone, its sequence ending there: a decode beside a prefill and tokens
+    relayed before a handoff attend as they did when decoded.  The prompts' rows, one-token
+    chunks included, are the reference's (float64: everything is)."""
+    # (cached prefix, new tokens, of them generated): a prefill chunk, a decode, an empty entry,
+    # a prompt's last token, a handoff's catch-up (5 prompt tokens, then 4 relayed), all relayed.
+    cases = [(0, 9, 0), (10, 1, 1), (3, 0, 0), (21, 1, 0), (30, 9, 4), (12, 3, 3)]
+    p = make_paged([a + k for a, k, _ in cases], kv_heads=2, head_dim=64, block_size=8, dtype=dtype)
+    cu = cu_lens([k for _, k, _ in cases])
+    gen = torch.tensor([g for _, _, g in cases], dtype=torch.int32)
     q = make_q(int(cu[-1]), 6, 64, dtype)
-    args = (p.k_cache, p.v_cache)
-    out = cpu_ops.extend_attention(q, *args, p.block_tables, cu, p.seq_lens, 0.25)
-    assert_close(out, loop_extend(q, *args, p.block_tables, cu, p.seq_lens, 0.25), dtype)
-    ones = [b for b, (_, k) in enumerate(pairs) if k == 1]
-    rows = cu[ones].long()
-    alone = cpu_ops.paged_decode_attention(q[rows], *args, p.block_tables[ones], p.seq_lens[ones], 0.25)
-    assert torch.equal(out[rows], alone)
+    caches = (p.k_cache, p.v_cache)
+    out = cpu_ops.extend_attention(q, *caches, p.block_tables, cu, p.seq_lens, 0.25, generated=gen)
+    assert_close(out, loop_extend(q, *caches, p.block_tables, cu, p.seq_lens, 0.25), dtype)
+    ref = reference.extend_attention(q, *caches, p.block_tables, cu, p.seq_lens, 0.25)
     if dtype == torch.float64:
-        assert torch.equal(out, reference.extend_attention(q, *args, p.block_tables, cu, p.seq_lens, 0.25))
+        assert torch.equal(out, ref)
+        return
+    for b, (prefix, k, g) in enumerate(cases):
+        for j in range(k):
+            row = int(cu[b]) + j
+            if j < k - g:
+                assert torch.equal(out[row], ref[row]), (b, j)                  # a prompt's row
+                continue
+            alone = cpu_ops.paged_decode_attention(q[row : row + 1], *caches, p.block_tables[b : b + 1],
+                                                   torch.tensor([prefix + j + 1], dtype=torch.int32), 0.25)
+            assert torch.equal(out[row], alone[0]), (b, j)
 
 
-def test_an_extend_of_decodes_only_is_the_decode_kernel():
+def test_without_generated_rows_an_extend_is_the_reference_s():
     p = make_paged([5, 17], kv_heads=1, head_dim=32, block_size=4, dtype=torch.bfloat16)
     q = make_q(2, 2, 32, torch.bfloat16)
-    out = cpu_ops.extend_attention(q, p.k_cache, p.v_cache, p.block_tables, cu_lens([1, 1]), p.seq_lens, 0.5)
-    assert torch.equal(out, cpu_ops.paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables,
-                                                           p.seq_lens, 0.5))
+    args = (q, p.k_cache, p.v_cache, p.block_tables, cu_lens([1, 1]), p.seq_lens, 0.5)
+    want = reference.extend_attention(*args)
+    assert torch.equal(cpu_ops.extend_attention(*args), want)
+    assert torch.equal(cpu_ops.extend_attention(*args, generated=torch.zeros(2, dtype=torch.int32)), want)
 
 
 def test_shapes_whose_scratch_would_not_fit_the_stack_go_to_the_reference(monkeypatch):
