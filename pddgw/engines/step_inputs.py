@@ -29,7 +29,7 @@ class StepInputs:
     to_sample: list[int]        # chunk index of each sampled sequence
 
 
-def decodes_now(chunk: Chunk) -> bool:
+def _decodes(chunk: Chunk) -> bool:
     """Whether the chunk is a decode: one new token, a generated one (not the last token of a
     prompt whose others were cached or chunked: that one is attended as the prompt is)."""
     return chunk.num_tokens == 1 and chunk.seq.num_computed >= chunk.seq.num_prompt
@@ -70,7 +70,7 @@ class ListInputs:
         table = torch.zeros((len(tables), width), dtype=torch.int32)          # [B, width]
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        is_decode = all(map(decodes_now, chunks))
+        is_decode = all(map(_decodes, chunks))
         generated = [_generated(c) for c in chunks]
         meta = AttnMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),  # [T]
@@ -187,7 +187,7 @@ class IncrementalInputs:
         B = len(chunks)
         if B > self.max_rows:
             return self._fallback(chunks)
-        seqs = [c.seq for c in chunks if decodes_now(c)]
+        seqs = [c.seq for c in chunks if _decodes(c)]
         if len(seqs) != B:
             return self._fallback(chunks)         # a prefill / extend chunk: the list path
         same = seqs == self._batch        # identity per element: Sequence has no __eq__

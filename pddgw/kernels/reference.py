@@ -164,8 +164,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     position seq_lens[b] - q_len_b + i and attends causally up to itself.
     `generated` (how many of each sequence's new tokens are generated ones) is
     not needed here, where decode and extend round alike: every sequence with
-    one new token goes through the batched decode path together; each longer extend is computed on its own,
-    in query chunks that bound the causal mask.
+    one new token goes through the batched decode path together; each longer
+    extend is computed on its own, in query chunks that bound the causal mask.
     """
     out = torch.empty_like(q)
     cu = [int(x) for x in cu_q_lens.tolist()]
