@@ -123,7 +123,7 @@ INLINE void weigh(const float *p, int64_t cw, const void *vb, int64_t stride, in
         for (int64_t d = 0; d < D; d++) vf[t * D + d] = load(vb, t * stride + d, k);
     }
 #if defined(__AVX512F__)
-    if (D % 64 == 0) {                  /* four independent FMA chains: latency, not a chain, bounds it */
+    if (D % 64 == 0) {                  /* four independent FMA chains, so their latency overlaps */
         for (int64_t g = 0; g < G; g++)
             for (int64_t c = 0; c < D; c += 64) {
                 float *o = acc + g * D + c;
