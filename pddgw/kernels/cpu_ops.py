@@ -12,7 +12,8 @@ builder was not used: it needs ninja and compiles against torch's headers (tens 
 this is plain C that builds in about a second.
 
 The library is built once per machine with the system C compiler for this CPU (`-march=native`)
-into the cache directory ($PDDGW_CACHE_DIR, else ~/.cache/pddgw), named by a hash of the
+into the cache directory ($PDDGW_CACHE_DIR, else ~/.cache/pddgw; the system's temporary
+directory where neither is writable), named by a hash of the
 source, the flags, the compiler and the CPU's features, and loaded with ctypes (which releases
 the GIL during a call).  Where no compiler builds it, and for float64 or inputs it does not
 take, the calls go to `reference`.
@@ -63,9 +64,18 @@ _kernels: dict[torch.dtype | str, ctypes._CFuncPtr] | None = None
 
 
 def _cache_dir() -> Path:
+    """$PDDGW_CACHE_DIR (else ~/.cache/pddgw) /kernels, created; where it cannot be (a read-only
+    home), a directory of this user's in the system's temporary directory."""
     root = os.environ.get("PDDGW_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pddgw")
-    return Path(root) / "kernels"
+    for path in (Path(root) / "kernels", Path(tempfile.gettempdir()) / f"pddgw-{os.getuid()}" / "kernels"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise RuntimeError(f"no writable directory for the CPU kernel ({root} nor the temporary directory)")
 
 
 def _compiler() -> str | None:
@@ -91,7 +101,6 @@ def _build(cc: str) -> Path:
     out = _cache_dir() / f"cpu_attention-{key}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, lib = Path(tmp, "a.o"), Path(tmp, "a.so")
         for cmd in ([cc, *_COMPILE, "-c", str(_SOURCE), "-o", str(obj)], [cc, str(obj), "-o", str(lib), *_LINK]):

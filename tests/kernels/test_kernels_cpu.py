@@ -3,6 +3,8 @@ its batch and thread invariance, its refusals, and how it is built and selected.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from .kernel_cases import assert_close, cu_lens, loop_decode, loop_extend, make_paged, make_q
@@ -225,6 +227,15 @@ def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
     real_run = cpu_ops.subprocess.run
     monkeypatch.setattr(cpu_ops.subprocess, "run", no_compiling)
     assert cpu_ops._build(cc) == path
+
+
+def test_an_unwritable_cache_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")                                      # a file where the directory would be
+    monkeypatch.setenv("PDDGW_CACHE_DIR", str(blocked))
+    monkeypatch.setattr(cpu_ops.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    path = cpu_ops._build(cpu_ops._compiler())
+    assert path.parent == tmp_path / "tmp" / f"pddgw-{os.getuid()}" / "kernels" and path.exists()
 
 
 def test_a_failed_build_names_the_command(monkeypatch, tmp_path):
