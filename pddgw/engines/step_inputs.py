@@ -29,16 +29,16 @@ class StepInputs:
     to_sample: list[int]        # chunk index of each sampled sequence
 
 
-def _decodes(chunk: Chunk) -> bool:
-    """Whether the chunk is a decode: one new token, a generated one (not the last token of a
-    prompt whose others were cached or chunked: that one is attended as the prompt is)."""
-    return chunk.num_tokens == 1 and chunk.seq.num_computed >= chunk.seq.num_prompt
-
-
 def _generated(chunk: Chunk) -> int:
     """How many of the chunk's tokens (its last ones) are generated, not the prompt's."""
     start = chunk.seq.num_computed
     return max(0, start + chunk.num_tokens - max(start, chunk.seq.num_prompt))
+
+
+def _decodes(chunk: Chunk) -> bool:
+    """Whether the chunk is a decode: one new token, a generated one (not the last token of a
+    prompt whose others were cached or chunked: that one is attended as the prompt is)."""
+    return chunk.num_tokens == 1 == _generated(chunk)
 
 
 class ListInputs:

@@ -29,7 +29,7 @@ def get_ops(backend: str = "auto", device: str = "cpu") -> ModuleType:
     if backend == "cpu" or (backend == "auto" and str(device) == "cpu"):
         from pddgw.kernels import cpu_ops
 
-        if backend == "cpu" and str(device) != "cpu":
+        if str(device) != "cpu":
             raise RuntimeError(f"attention_backend 'cpu' runs on the CPU, not {device!r}")
         if cpu_ops.available():
             return cpu_ops

@@ -180,13 +180,22 @@ INLINE void prefetch(const void *k, const void *v, int64_t bytes) {
     }
 }
 
+INLINE int64_t chunk_width(int64_t BS) {                  /* whole blocks a chunk */
+    return BS < CHUNK ? CHUNK / BS * BS : BS;
+}
+
+/* Bytes of float32 scratch `sequence` keeps on its thread's stack (its arrays below). */
+int64_t scratch_bytes(int64_t H, int64_t D, int64_t BS) {
+    return 4 * (2 * H * D + 2 * H + H * chunk_width(BS) + BS * D);
+}
+
 /* One sequence b into out; 1 when its length or a block id is out of range. */
 INLINE int sequence(int64_t b, const void *q, const void *kc, const void *vc, int64_t block_stride,
                     int64_t num_blocks, const int32_t *bt, int64_t bt_stride, int64_t bt_width,
                     const int32_t *lens, void *out, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                     float scale, enum kind k) {
     const int64_t G = H / KVH, row = KVH * D, bytes = BS * row * (k == F32 ? 4 : 2);
-    const int64_t cw = BS < CHUNK ? CHUNK / BS * BS : BS;        /* whole blocks a chunk */
+    const int64_t cw = chunk_width(BS);
     const int64_t L = lens[b];
     const int32_t *table = bt + b * bt_stride;
     if (L < 1 || L > bt_width * BS) return 1;

@@ -26,6 +26,7 @@ whatever the batch beside a sequence or the thread count (one thread per sequenc
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -56,7 +57,6 @@ _STORE_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 
 _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + \
     [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
 
-_CHUNK = 512                   # keys a chunk: CHUNK in cpu_attention.c
 _MAX_STACK = 1 << 20           # of the 8 MiB threads get by default (OpenMP's workers too)
 
 _lock = threading.Lock()
@@ -112,8 +112,8 @@ def _build(cc: str) -> Path:
 
 
 def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
-    """The decode kernels by dtype and "store_kv", built on first use; {} where they cannot be
-    built (logged once)."""
+    """The decode kernels by dtype, "store_kv" and "scratch_bytes", built on first use; {} where
+    they cannot be built (logged once)."""
     global _kernels
     if _kernels is not None:                 # built (or failed) already: no lock on the hot path
         return _kernels
@@ -131,6 +131,8 @@ def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
                     found[dtype] = fn
                 lib.store_kv.argtypes, lib.store_kv.restype = _STORE_ARGTYPES, ctypes.c_int
                 found["store_kv"] = lib.store_kv
+                lib.scratch_bytes.argtypes, lib.scratch_bytes.restype = [ctypes.c_int64] * 3, ctypes.c_int64
+                found["scratch_bytes"] = lib.scratch_bytes
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 found = {}
                 log.warning("the CPU attention kernel is not available: decode attention uses the "
@@ -236,10 +238,11 @@ def _caches_take(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
             and v_cache.dtype == x.dtype and k_cache.stride() == v_cache.stride() and _rows_contiguous(k_cache))
 
 
+@functools.lru_cache(maxsize=64)
 def _stack_bytes(heads: int, head_dim: int, block_size: int) -> int:
-    """The float32 scratch `sequence` in cpu_attention.c keeps on its stack."""
-    chunk = max(block_size, _CHUNK // block_size * block_size)
-    return 4 * (2 * heads * head_dim + 2 * heads + heads * chunk + block_size * head_dim)
+    """The float32 scratch `sequence` in cpu_attention.c keeps on its stack (asked of the library,
+    which sizes it)."""
+    return _load()["scratch_bytes"](heads, head_dim, block_size)
 
 
 def _rows_contiguous(cache: torch.Tensor) -> bool:
