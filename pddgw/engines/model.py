@@ -26,6 +26,8 @@ from torch import nn
 
 from pddgw.engines.attention import AttnMetadata, paged_attention
 from pddgw.engines.model_spec import ModelSpec, RopeScaling
+from pddgw.kernels import cpu_linear
+from pddgw.kernels.cpu_linear import Packed
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -99,14 +101,19 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-           packed: torch.Tensor | None, add: torch.Tensor | None = None) -> torch.Tensor:
+           packed: Packed | torch.Tensor | None, add: torch.Tensor | None = None) -> torch.Tensor:
     """add [T, N] + x [T, K] @ w [N, K]^T (+ b [N]) -> [T, N] (add None: no residual).
 
-    Through oneDNN when `packed` (w prepacked); in float32 the residual is then fused
-    into the GEMM, which rounds exactly as the separate add does.  (In bfloat16 the
-    fused add would skip the rounding of the product to bfloat16 that transformers
-    does, so it stays separate.)"""
-    if packed is None:
+    With `packed` (`pack_weight`): bfloat16 on AMX tiles (`cpu_linear`, the residual added in
+    the same pass with the same two roundings as a separate add), else through oneDNN; in
+    float32 oneDNN fuses the residual into the GEMM, which rounds exactly as the separate add
+    does.  (In bfloat16 oneDNN's fused add would skip the rounding of the product to bfloat16
+    that transformers does, so it stays separate there.)"""
+    if isinstance(packed, cpu_linear.Packed):
+        if x.dtype == torch.bfloat16:
+            return cpu_linear.linear(x, packed, b, add)
+        y = F.linear(x, w, b)
+    elif packed is None:
         y = F.linear(x, w, b)
     elif add is not None and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise.binary(x, add, packed, b, "add")
@@ -115,11 +122,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     return y if add is None else add + y
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
-    """w [N, K] -> oneDNN's prepacked copy for any number of rows, or None where there is none
-    (not CPU, no oneDNN, a dtype it has no GEMM for on this CPU)."""
+def pack_weight(w: torch.Tensor) -> Packed | torch.Tensor | None:
+    """w [N, K] -> a copy packed for any number of rows: for AMX tiles (`cpu_linear.pack`: bfloat16
+    on a CPU with AMX-BF16), else oneDNN's; None where there is none (not CPU, no oneDNN, a dtype
+    it has no GEMM for on this CPU)."""
     if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         return None
+    if (tiles := cpu_linear.pack(w)) is not None:
+        return tiles
     if not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -162,7 +172,7 @@ class DecoderLayer(nn.Module):
         self.post_norm = _param(h, fill=1.0, **p)
         self.gate_up_w = _param(2 * spec.intermediate_size, h, **p)   # rows: gate | up
         self.down_w = _param(h, spec.intermediate_size, **p)
-        # oneDNN-prepacked copies (`LlamaModel.prepack`), plain attributes: not in the state.
+        # Packed copies (`LlamaModel.prepack`), plain attributes: not in the state.
         self.qkv_pk = self.o_pk = self.gate_up_pk = self.down_pk = None
 
 
@@ -193,7 +203,7 @@ class LlamaModel(nn.Module):
         self.norm = _param(spec.hidden_size, fill=1.0, **p)
         self.lm_head_w = None if spec.tie_word_embeddings else _param(
             spec.vocab_size, spec.hidden_size, **p)
-        self.lm_head_pk: torch.Tensor | None = None   # oneDNN-prepacked lm_head (`prepack`)
+        self.lm_head_pk: Packed | torch.Tensor | None = None   # packed lm_head (`prepack`)
         self._packed_versions: dict[str, int] = {}    # weight name -> its _version when packed
         self.scale = spec.head_dim ** -0.5
         inv = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)   # [D/2]
@@ -219,8 +229,8 @@ class LlamaModel(nn.Module):
         return out
 
     def prepack(self) -> bool:
-        """Prepack every GEMM weight for oneDNN where it can be (CPU, float32 / bfloat16);
-        repacks only weights written since they were packed.  -> whether the forward now
+        """Prepack every GEMM weight (`pack_weight`: AMX tiles or oneDNN) where it can be (CPU,
+        float32 / bfloat16); repacks only weights written since they were packed.  -> whether the forward now
         uses packed weights (False: nothing packable, `F.linear` throughout).
 
         Why: at decode sizes MKL's sgemm (plain `F.linear`) reads a row-major weight

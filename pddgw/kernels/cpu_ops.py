@@ -7,16 +7,10 @@ queries, not one token), so each layer reads the KV twice and writes it once; re
 pages in place takes a bfloat16 SmolLM2 layer at batch 16 x 320 tokens from ~710 to ~360 us,
 pages from memory (`python -m pddgw.bench.cpu_attention`).  Storing a step's new K/V rows is a
 copy in C too: torch's `index_put_` into the pool's strided views took ~7 % of such a decode
-step (two calls a layer, each forking OpenMP threads for a few rows).  torch's extension
-builder was not used: it needs ninja and compiles against torch's headers (tens of seconds);
-this is plain C that builds in about a second.
+step (two calls a layer, each forking OpenMP threads for a few rows).
 
-The library is built once per machine with the system C compiler for this CPU (`-march=native`)
-into the cache directory ($PDDGW_CACHE_DIR, else ~/.cache/pddgw; the system's temporary
-directory where neither is writable), named by a hash of the
-source, the flags, the compiler and the CPU's features, and loaded with ctypes (which releases
-the GIL during a call).  Where no compiler builds it, and for float64 or inputs it does not
-take, the calls go to `reference`.
+The library is built on first use (`cpu_build`); where no compiler builds it, and for float64
+or inputs it does not take, the calls go to `reference`.
 
 Numerics: those of torch's CPU flash attention for 16-bit inputs (cpu_attention.c says how);
 not bit-identical to the reference, but to itself on every CPU with the same features,
@@ -27,30 +21,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 
 import structlog
 import torch
 
-from pddgw.kernels import reference
+from pddgw.kernels import cpu_build, reference
 
 __all__ = ["available", "extend_attention", "paged_decode_attention", "store_kv"]
 
 log = structlog.get_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
-_COMPILE = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11")
-# -ffast-math at compile time only (vectorized expf): linking with it would add crtfastmath,
-# which turns on flush-to-zero for the whole process.
-_LINK = ("-shared", "-fopenmp", "-lmvec", "-lm")
 _SYMBOLS = {torch.float32: "decode_f32", torch.float16: "decode_f16", torch.bfloat16: "decode_bf16"}
 _STORE_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
     [ctypes.c_void_p] + [ctypes.c_int64] * 4
@@ -63,54 +46,6 @@ _lock = threading.Lock()
 _kernels: dict[torch.dtype | str, ctypes._CFuncPtr] | None = None
 
 
-def _cache_dir() -> Path:
-    """$PDDGW_CACHE_DIR (else ~/.cache/pddgw) /kernels, created; where it cannot be (a read-only
-    home), a directory of this user's in the system's temporary directory."""
-    root = os.environ.get("PDDGW_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pddgw")
-    for path in (Path(root) / "kernels", Path(tempfile.gettempdir()) / f"pddgw-{os.getuid()}" / "kernels"):
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
-                return path
-        except OSError:
-            continue
-    raise RuntimeError(f"no writable directory for the CPU kernel ({root} nor the temporary directory)")
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), (sysconfig.get_config_var("CC") or "").split(" ")[0], "cc", "gcc"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def _cpu_features() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build(cc: str) -> Path:
-    """The library's path, compiled now unless a build for this source, compiler and CPU exists."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_COMPILE, *_LINK, version, _cpu_features(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_attention-{key}.so"
-    if out.exists():
-        return out
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp, "a.o"), Path(tmp, "a.so")
-        for cmd in ([cc, *_COMPILE, "-c", str(_SOURCE), "-o", str(obj)], [cc, str(obj), "-o", str(lib), *_LINK]):
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
-        os.replace(lib, out)                  # atomic: concurrent builders each install a whole file
-    return out
-
-
 def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
     """The decode kernels by dtype, "store_kv" and "scratch_bytes", built on first use; {} where
     they cannot be built (logged once)."""
@@ -120,11 +55,8 @@ def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
     with _lock:
         if _kernels is None:
             found: dict[torch.dtype | str, ctypes._CFuncPtr] = {}
-            cc = _compiler()
             try:
-                if cc is None:
-                    raise RuntimeError("no C compiler found (set CC)")
-                lib = ctypes.CDLL(str(_build(cc)))
+                lib = cpu_build.load(_SOURCE)
                 for dtype, name in _SYMBOLS.items():
                     fn = getattr(lib, name)
                     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
@@ -133,7 +65,7 @@ def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
                 found["store_kv"] = lib.store_kv
                 lib.scratch_bytes.argtypes, lib.scratch_bytes.restype = [ctypes.c_int64] * 3, ctypes.c_int64
                 found["scratch_bytes"] = lib.scratch_bytes
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            except cpu_build.BuildFailed as e:
                 found = {}
                 log.warning("the CPU attention kernel is not available: decode attention uses the "
                             "torch reference", reason=str(e))

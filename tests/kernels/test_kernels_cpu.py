@@ -11,7 +11,7 @@ from .kernel_cases import assert_close, cu_lens, loop_decode, loop_extend, make_
 
 import pddgw.kernels as K
 from pddgw.engines.kv_pool import KVPool
-from pddgw.kernels import cpu_ops, reference
+from pddgw.kernels import cpu_build, cpu_ops, reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -203,7 +203,7 @@ def test_auto_on_cpu_selects_the_cpu_backend():
 
 def test_without_a_compiler_auto_falls_back_and_cpu_is_refused(monkeypatch):
     monkeypatch.setattr(cpu_ops, "_kernels", None)
-    monkeypatch.setattr(cpu_ops, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
     assert K.get_ops("auto", "cpu") is reference
     with pytest.raises(RuntimeError, match="does not build here"):
         K.get_ops("cpu", "cpu")
@@ -215,8 +215,8 @@ def test_without_a_compiler_auto_falls_back_and_cpu_is_refused(monkeypatch):
 
 def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("PDDGW_CACHE_DIR", str(tmp_path))
-    cc = cpu_ops._compiler()
-    path = cpu_ops._build(cc)
+    cc = cpu_build.compiler()
+    path = cpu_build.build(cpu_ops._SOURCE, cc)
     assert path.parent == tmp_path / "kernels" and path.exists()
     assert [p.name for p in path.parent.iterdir()] == [path.name]          # no temporary files left
 
@@ -224,25 +224,24 @@ def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
         assert cmd == [cc, "--version"], f"rebuilt: {cmd}"
         return real_run(cmd, **kw)
 
-    real_run = cpu_ops.subprocess.run
-    monkeypatch.setattr(cpu_ops.subprocess, "run", no_compiling)
-    assert cpu_ops._build(cc) == path
+    real_run = cpu_build.subprocess.run
+    monkeypatch.setattr(cpu_build.subprocess, "run", no_compiling)
+    assert cpu_build.build(cpu_ops._SOURCE, cc) == path
 
 
 def test_an_unwritable_cache_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")                                      # a file where the directory would be
     monkeypatch.setenv("PDDGW_CACHE_DIR", str(blocked))
-    monkeypatch.setattr(cpu_ops.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    path = cpu_ops._build(cpu_ops._compiler())
+    monkeypatch.setattr(cpu_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    path = cpu_build.build(cpu_ops._SOURCE, cpu_build.compiler())
     assert path.parent == tmp_path / "tmp" / f"pddgw-{os.getuid()}" / "kernels" and path.exists()
 
 
 def test_a_failed_build_names_the_command(monkeypatch, tmp_path):
     monkeypatch.setenv("PDDGW_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_ops, "_SOURCE", tmp_path / "broken.c")
     (tmp_path / "broken.c").write_text("int f( {\n")
     with pytest.raises(RuntimeError, match="broken.c") as e:
-        cpu_ops._build(cpu_ops._compiler())
+        cpu_build.build(tmp_path / "broken.c", cpu_build.compiler())
     assert "error" in str(e.value)
     assert not list((tmp_path / "kernels").glob("*.so"))

@@ -1,0 +1,177 @@
+/* bfloat16 linear layers on AMX tiles: y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) (+ add [M, N]).
+ *
+ * Why not oneDNN (what torch's packed linear calls): at decode sizes (M <= 32) its inner
+ * product reads a layer's weights at 19-28 GB/s on a 2-core AMX machine where this loop reads
+ * them at 31-43 GB/s, and above M = 32 it changes its reduction (rows computed beside 32 others
+ * differ in the last bit from the same rows alone).  `python -m pddgw.bench.linear` measures it.
+ *
+ * Numerics: every output is one chain over K in order, 32 values a tile step, through
+ * TDPBF16PS (float32 accumulation of bfloat16 pairs), whatever M, the thread count or the row's
+ * neighbours: bit-identical to oneDNN's result for M <= 32, and to itself for every M.  The
+ * float32 sum (+ the bias in float32) is rounded to bfloat16 once; `add` is then added as torch
+ * adds two bfloat16 tensors (float32 sum, rounded again), so `linear(x) + add` is the same bits.
+ *
+ * Layout: `linear_pack` stores w as [N / 16][K / 32] tiles of 16 K-pairs x 16 columns x 2, the
+ * VNNI order TDPBF16PS reads, each 16-column block's tiles contiguous (one stream per block).
+ * Work: OpenMP threads take pairs of 16-column blocks; each pair runs over the rows 32 at a time
+ * with 2 x 2 accumulator tiles, so its weights come from memory once and from cache after.
+ * Needs N % 32 == 0 and K % 32 == 0 (the caller checks); rows may be strided, columns packed.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 where this build has the AMX path and Linux lets the process use the tile registers. */
+int linear_ready(void) {
+#ifdef HAVE_AMX
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
+
+/* w [N, K] (rows `w_stride` elements apart) -> out [N / 16][K / 32][16][16][2]. */
+void linear_pack(const uint16_t *w, int64_t w_stride, uint16_t *out, int64_t N, int64_t K) {
+    int64_t kb = K / 32;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < N / 16; b++)
+        for (int64_t c = 0; c < kb; c++) {
+            uint16_t *t = out + (b * kb + c) * 512;
+            for (int p = 0; p < 16; p++)
+                for (int n = 0; n < 16; n++) {
+                    const uint16_t *src = w + (b * 16 + n) * w_stride + c * 32 + 2 * p;
+                    t[p * 32 + n * 2] = src[0];
+                    t[p * 32 + n * 2 + 1] = src[1];
+                }
+        }
+}
+
+#ifdef HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles: 0, 1 = x rows [0, r0) and [16, 16 + r1); 2, 3 = the two column blocks' weights;
+ * 4, 5 = rows 0.. x blocks 0, 1; 6, 7 = rows 16.. x blocks 0, 1. */
+static void configure(int r0, int r1) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    int low = r1 ? r1 : 1;
+    const uint8_t rows[8] = {(uint8_t)r0, (uint8_t)low, 16, 16, (uint8_t)r0, (uint8_t)r0, (uint8_t)low, (uint8_t)low};
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = rows[i];
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 16 float32 sums (+ bias) -> bfloat16 (+ add, rounded again) at y. */
+static inline void store16(const float *acc, const uint16_t *bias, const uint16_t *add, uint16_t *y) {
+    __m512 v = _mm512_loadu_ps(acc);
+    if (bias)
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16)));
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    if (add) {
+        __m512 s = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)),
+                                 _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)add)), 16)));
+        h = (__m256i)_mm512_cvtneps_pbh(s);
+    }
+    _mm256_storeu_si256((__m256i *)y, h);
+}
+
+/* Rows [m0, m0 + r0 + r1) of the column blocks 2p, 2p + 1. */
+static void block(const uint16_t *x, int64_t x_stride, const uint16_t *b0, const uint16_t *b1,
+                  const uint16_t *bias, const uint16_t *add, int64_t add_stride, uint16_t *y, int64_t y_stride,
+                  int r0, int r1, int64_t kb) {
+    float acc[2][16 * 16] __attribute__((aligned(64)));
+    _tile_zero(4);
+    _tile_zero(5);
+    if (r1) {
+        _tile_zero(6);
+        _tile_zero(7);
+    }
+    for (int64_t c = 0; c < kb; c++) {
+        _tile_loadd(0, x + c * 32, x_stride * 2);
+        _tile_loadd(2, b0 + c * 512, 64);
+        _tile_loadd(3, b1 + c * 512, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 0, 3);
+        if (r1) {
+            _tile_loadd(1, x + 16 * x_stride + c * 32, x_stride * 2);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+        }
+    }
+    for (int half = 0; half < 2; half++) {
+        int rows = half ? r1 : r0;
+        if (!rows)
+            break;
+        if (half) {
+            _tile_stored(6, acc[0], 64);
+            _tile_stored(7, acc[1], 64);
+        } else {
+            _tile_stored(4, acc[0], 64);
+            _tile_stored(5, acc[1], 64);
+        }
+        for (int m = 0; m < rows; m++) {
+            int64_t row = 16 * half + m;
+            for (int j = 0; j < 2; j++)
+                store16(acc[j] + m * 16, bias ? bias + 16 * j : NULL, add ? add + row * add_stride + 16 * j : NULL,
+                        y + row * y_stride + 16 * j);
+        }
+    }
+}
+#endif
+
+/* y [M, N] (rows `y_stride` apart) = x [M, K] (rows `x_stride` apart) @ w^T from `linear_pack`'s
+ * `packed`, + bias [N] (or NULL), + add [M, N] (rows `add_stride` apart, or NULL); bfloat16
+ * throughout.  -> 0, or -1 where this build or process has no AMX (`linear_ready`). */
+int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                const uint16_t *add, int64_t add_stride, uint16_t *y, int64_t y_stride,
+                int64_t M, int64_t N, int64_t K, int threads) {
+#ifdef HAVE_AMX
+    int64_t kb = K / 32, pairs = N / 32;
+    #pragma omp parallel num_threads(threads)
+    {
+        tile_config saved;        /* the thread's tile shapes, put back for another AMX user (oneDNN) */
+        _tile_storeconfig(&saved);
+        int cur0 = -1, cur1 = -1;
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint16_t *b0 = packed + 2 * p * kb * 512, *b1 = b0 + kb * 512;
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+                int64_t left = M - m0;
+                int r0 = left < 16 ? (int)left : 16, r1 = left <= 16 ? 0 : left >= 32 ? 16 : (int)(left - 16);
+                if (r0 != cur0 || r1 != cur1) {
+                    configure(r0, r1);
+                    cur0 = r0;
+                    cur1 = r1;
+                }
+                block(x + m0 * x_stride, x_stride, b0, b1, bias ? bias + 32 * p : NULL,
+                      add ? add + m0 * add_stride + 32 * p : NULL, add_stride, y + m0 * y_stride + 32 * p,
+                      y_stride, r0, r1, kb);
+            }
+        }
+        _tile_loadconfig(&saved);
+    }
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)packed; (void)bias; (void)add; (void)add_stride; (void)y; (void)y_stride;
+    (void)M; (void)N; (void)K; (void)threads;
+    return -1;
+#endif
+}
