@@ -15,7 +15,8 @@ reduction is computed in the same order on every path.  On the tiny model
 
 Per path: the share of requests whose tokens differ from `alone`, the first divergence, and
 the positions whose logits differ in any bit while contexts were equal.  Ops: how often a
-row's result changes with batch composition (GEMMs, rms_norm, decode and extend attention).
+row's result changes with batch composition (GEMMs: packed for AMX tiles in bfloat16 where the
+CPU has them, else oneDNN, and plain `F.linear`; rms_norm, decode and extend attention).
 Results: docs/results/benchmarks.md.
 """
 

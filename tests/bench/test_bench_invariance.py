@@ -16,7 +16,7 @@ import pytest
 
 from pddgw.bench import invariance as inv
 
-OPS = ["linear oneDNN", "linear F.linear", "rms_norm", "decode attn", "extend vs decode", "chunked extend"]
+OPS = ["linear packed", "linear F.linear", "rms_norm", "decode attn", "extend vs decode", "chunked extend"]
 
 
 @pytest.fixture(scope="module")
