@@ -20,7 +20,6 @@ embedded deployment derives its WAN at start instead:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import statistics
@@ -29,9 +28,10 @@ import time
 import structlog
 
 from pddgw.config import Config, NodeConfig, RegimeConfig, ShapingConfig
+from pddgw.core.sampling import SamplingParams
+from pddgw.engines.async_engine import in_passing_thread
 from pddgw.engines.base import Engine, create_engine, engine_class
 from pddgw.engines.kv_pool import DTYPES
-from pddgw.core.sampling import SamplingParams
 from pddgw.engines.types import EngineRequest
 from pddgw.engines.weights import SharedModels, load_spec_for
 
@@ -170,7 +170,7 @@ async def probe_step_s(cfg: Config, models: SharedModels | None = None) -> float
     node = probe_node(cfg)
     if engine_class(cfg.engine_for(node).implementation).runs_inline:
         return _probe(cfg, node, models)            # modeled time: bookkeeping only
-    return await asyncio.to_thread(_probe, cfg, node, models)
+    return await in_passing_thread(_probe, cfg, node, models)
 
 
 async def resolve(cfg: Config, models: SharedModels | None = None) -> tuple[Config, DerivedWan | None]:

@@ -38,6 +38,7 @@ from pddgw.api.server import build_app
 from pddgw.config import Config, ConfigError, NodeConfig, StartupError
 from pddgw.core.roles import Role
 from pddgw.deploy import regime
+from pddgw.engines.async_engine import in_passing_thread
 from pddgw.engines.base import create_engine, engine_class
 from pddgw.engines.dtypes import why
 from pddgw.engines.kv_pool import DTYPES
@@ -60,13 +61,14 @@ FABRIC = "fabric"
 def embedded_nodes(cfg: Config) -> tuple[NodeConfig, ...]:
     """The default topology: router, P, RLD in cluster A; MD in cluster B with its own block size.
 
-    MD's engine steps on every core of the machine (at least `engine.cpu_threads`): under load
-    it decodes all the time while P and RLD run in bursts (on 2 cores, vLLM's client at 16
-    streams: ~13 % more output tokens/s than one thread per engine)."""
+    Every engine steps on every core of the machine (at least `engine.cpu_threads`; 0 keeps
+    torch's default): in one process they take turns on one compute thread
+    (engines/compute_thread.py), so a step has the machine to itself."""
     threads = cfg.engine.cpu_threads and max(cfg.engine.cpu_threads, len(os.sched_getaffinity(0)))
-    md_engine = dataclasses.replace(cfg.engine, block_size=cfg.engine.block_size * 2, cpu_threads=threads)
-    return (NodeConfig("router", Role.ROUTER, "A"), NodeConfig("p0", Role.PREFILL, "A"),
-            NodeConfig("rld0", Role.RLD, "A"), NodeConfig("md0", Role.MD, "B", engine=md_engine))
+    engine = dataclasses.replace(cfg.engine, cpu_threads=threads)
+    md_engine = dataclasses.replace(engine, block_size=cfg.engine.block_size * 2)
+    return (NodeConfig("router", Role.ROUTER, "A"), NodeConfig("p0", Role.PREFILL, "A", engine=engine),
+            NodeConfig("rld0", Role.RLD, "A", engine=engine), NodeConfig("md0", Role.MD, "B", engine=md_engine))
 
 
 def with_topology(cfg: Config) -> Config:
@@ -171,7 +173,7 @@ async def _build_worker(cfg: Config, n: NodeConfig, connect, models: SharedModel
     """Loading weights takes real time: off the loop, unless the engine only models time."""
     if engine_class(cfg.engine_for(n).implementation).runs_inline:
         return _make_worker(cfg, n, connect, models)
-    return await asyncio.to_thread(_make_worker, cfg, n, connect, models)
+    return await in_passing_thread(_make_worker, cfg, n, connect, models)
 
 
 class Embedded:

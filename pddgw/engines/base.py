@@ -17,8 +17,18 @@ from typing import Any
 
 from pddgw.core.ids import in_range
 from pddgw.core.sampling import SamplingParams
-from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, EngineRequest, EngineStats, FinishReason, KVChunk,
-                                 KVLayout, KVSpan, RequestError, RequestOutput)
+from pddgw.engines.types import (
+    DTYPE_ITEMSIZE,
+    AddResult,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    KVChunk,
+    KVLayout,
+    KVSpan,
+    RequestError,
+    RequestOutput,
+)
 
 
 class Engine(ABC):
@@ -38,11 +48,14 @@ class Engine(ABC):
 
     Threads: every method runs on the caller's one engine thread, except `import_buffer`
     and `accept_kv`, which the network side calls while a step may be running.
+    `shares_compute_thread` True: that thread is the process's one compute thread, on which
+    such engines take turns (compute_thread.py); False: a thread of the engine's own.
     Time: `runs_inline` False means `step` takes real time (run it off the event loop);
     True means bookkeeping only, and `step_seconds()` is how long the step stands for.
     """
 
     runs_inline: bool = False
+    shares_compute_thread: bool = False
     # Its KV chunks carry sizes, no data (a cost model): nothing can land in place.
     virtual_kv: bool = False
 

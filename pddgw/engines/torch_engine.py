@@ -49,6 +49,7 @@ class TorchEngine(PagedEngine):
         self.model = model
         self.device = torch.device(cfg.device)
         self.threads = cfg.cpu_threads if self.device.type == "cpu" else 0
+        self.shares_compute_thread = self.device.type == "cpu"     # one OpenMP team a process
         # CPU: oneDNN-prepacked GEMM weights (model.py); a no-op elsewhere and for float64.
         if self.device.type == "cpu" and hasattr(model, "prepack"):
             model.prepack()

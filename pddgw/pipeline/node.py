@@ -30,6 +30,7 @@ from pddgw.core.roles import Role
 from pddgw.core.tokens import TokenLogprobs, TokenRun
 from pddgw.engines.async_engine import AsyncEngine
 from pddgw.engines.base import Engine
+from pddgw.engines.compute_thread import Turn
 from pddgw.engines.types import CapacityError, KVChunk, KVSpan, RequestError
 from pddgw.metrics import NodeMetrics
 from pddgw.net.errors import LinkError
@@ -69,6 +70,11 @@ class _Open:
     router: Link
 
 
+# Who steps first on a shared compute thread (engines/compute_thread.py): a prompt waiting on P
+# holds a first token; a relay covers a request's first tokens.
+_TURNS = {Role.PREFILL: Turn.PREFILL, Role.RLD: Turn.RELAY, Role.MD: Turn.DECODE}
+
+
 class WorkerNode:
     def __init__(self, name: str, role: Role, engine: Engine, connect: Connect,
                  kv_chunk_bytes: int = 1 << 20, stream_interval: int = 1, relay: bool = False):
@@ -77,7 +83,7 @@ class WorkerNode:
         # A relaying P (`NodeConfig.relay`): one engine prefills and relays the requests it
         # prefills; their relay is a target named after this node (`_local_target`).
         self.relay = relay
-        self.aeng = AsyncEngine(engine, name)
+        self.aeng = AsyncEngine(engine, name, _TURNS[role])
         self.engine = engine
         self._connect = connect
         self.metrics = NodeMetrics(name, role, lambda: self.aeng.call(self.engine.stats), self.kv_sent)

@@ -37,12 +37,16 @@ def test_each_engine_steps_with_its_own_thread_count(tiny64):
     assert torch.get_num_threads() == before          # the caller's count is untouched
 
 
-def test_embedded_md_steps_on_every_core():
+def test_every_embedded_engine_steps_on_every_core():
     cores = len(os.sched_getaffinity(0))
     threads = {n.name: (n.engine or Config().engine).cpu_threads for n in embedded_nodes(Config())
                if n.role != Role.ROUTER}
-    assert threads == {"p0": 1, "rld0": 1, "md0": max(1, cores)}
+    assert threads == {"p0": max(1, cores), "rld0": max(1, cores), "md0": max(1, cores)}
     many = Config(engine=dataclasses.replace(Config().engine, cpu_threads=cores + 3))
-    assert {n.name: n.engine.cpu_threads for n in embedded_nodes(many) if n.engine} == {"md0": cores + 3}
+    assert {n.name: n.engine.cpu_threads for n in embedded_nodes(many) if n.engine} == \
+        {"p0": cores + 3, "rld0": cores + 3, "md0": cores + 3}
     default = Config(engine=dataclasses.replace(Config().engine, cpu_threads=0))
-    assert {n.name: n.engine.cpu_threads for n in embedded_nodes(default) if n.engine} == {"md0": 0}
+    assert {n.name: n.engine.cpu_threads for n in embedded_nodes(default) if n.engine} == \
+        {"p0": 0, "rld0": 0, "md0": 0}
+    md = next(n for n in embedded_nodes(Config()) if n.name == "md0")
+    assert md.engine.block_size == 2 * Config().engine.block_size
