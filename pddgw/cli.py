@@ -134,8 +134,8 @@ def preflight(cfg: Config, nodes: Sequence[NodeConfig | None], model_key: str = 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from pddgw.core.sampling import SamplingParams
     from pddgw.engines.base import create_engine
+    from pddgw.core.sampling import SamplingParams
     from pddgw.engines.types import EngineRequest, RequestError
 
     cfg = _config_with_overrides(args)

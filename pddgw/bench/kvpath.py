@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pddgw import messages as m
 from pddgw.config import EngineConfig, NetConfig
 from pddgw.core.sampling import SamplingParams
 from pddgw.engines.model_spec import llama_spec
@@ -43,6 +42,7 @@ from pddgw.engines.weights import build_random
 from pddgw.harness.engines import Decoding
 from pddgw.harness.peer import bench_net, raw_rate, run_peer, running_peer, serve_peer
 from pddgw.logs import setup_logging
+from pddgw import messages as m
 from pddgw.net.link import Link
 from pddgw.net.ws import WsServer
 from pddgw.net.ws import connect as ws_connect

@@ -30,10 +30,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from pddgw.api.server import build_app
 from pddgw.config import Config, EngineConfig, NetConfig, PolicyConfig, RegimeConfig
+from pddgw.logs import setup_logging
 from pddgw.deploy.regime import DerivedWan
 from pddgw.deploy.serve import Embedded, embedded_nodes
 from pddgw.harness.client import Answer, respond, tokens
-from pddgw.logs import setup_logging
 from pddgw.sim.report import percentile
 from pddgw.sim.workload import TRACE_BLOCK_TOKENS, read_mooncake
 from pddgw.tables import add_output_args, emit, format_table

@@ -26,10 +26,10 @@ import uuid
 import aiohttp
 from aiohttp import WSMsgType, web
 
-from pddgw import messages as m
 from pddgw.harness.peer import Ring, bench_net, raw_rate, run_peer, running_peer, serve_peer
 from pddgw.logs import setup_logging
 from pddgw.net import frames
+from pddgw import messages as m
 from pddgw.net.link import Link
 from pddgw.net.ws import WsServer, connect
 from pddgw.net.wsproto import ws_header_size

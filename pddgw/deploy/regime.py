@@ -28,10 +28,10 @@ import time
 import structlog
 
 from pddgw.config import Config, NodeConfig, RegimeConfig, ShapingConfig
-from pddgw.core.sampling import SamplingParams
 from pddgw.engines.async_engine import in_passing_thread
 from pddgw.engines.base import Engine, create_engine, engine_class
 from pddgw.engines.kv_pool import DTYPES
+from pddgw.core.sampling import SamplingParams
 from pddgw.engines.types import EngineRequest
 from pddgw.engines.weights import SharedModels, load_spec_for
 

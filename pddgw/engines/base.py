@@ -17,18 +17,8 @@ from typing import Any
 
 from pddgw.core.ids import in_range
 from pddgw.core.sampling import SamplingParams
-from pddgw.engines.types import (
-    DTYPE_ITEMSIZE,
-    AddResult,
-    EngineRequest,
-    EngineStats,
-    FinishReason,
-    KVChunk,
-    KVLayout,
-    KVSpan,
-    RequestError,
-    RequestOutput,
-)
+from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, EngineRequest, EngineStats, FinishReason, KVChunk,
+                                 KVLayout, KVSpan, RequestError, RequestOutput)
 
 
 class Engine(ABC):

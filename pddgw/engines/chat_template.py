@@ -42,8 +42,8 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pddgw.engines.model_spec import WeightsError, read_json
 from pddgw.engines.types import RequestError
+from pddgw.engines.model_spec import WeightsError, read_json
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"

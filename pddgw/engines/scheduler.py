@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pddgw.engines.block_manager import BlockManager, OutOfBlocks
-from pddgw.engines.sequence import SeqStatus, Sequence
+from pddgw.engines.sequence import Sequence, SeqStatus
 
 
 @dataclass(slots=True)

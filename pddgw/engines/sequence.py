@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from pddgw.core.sampling import SamplingParams
 from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
+from pddgw.core.sampling import SamplingParams
 from pddgw.engines.penalties import TokenCounts
 from pddgw.engines.types import EngineRequest, FinishReason, KVSource
 

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+
 
 # Where staged imports live for TP > 1: memory every worker process can map by name.
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

@@ -38,24 +38,14 @@ from typing import Any
 import torch
 
 from pddgw.config import Config, ConfigError, EngineConfig
-from pddgw.core.tokens import LOGPROB_FLOOR, TokenLogprobs
 from pddgw.engines.base import TrackedEngine, check_kv_span, register_engine
 from pddgw.engines.block_manager import ROOT_HASH, chain_hashes
 from pddgw.engines.dtypes import model_dtype
 from pddgw.engines.kv_pool import DTYPES, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.model_spec import ModelSpec
-from pddgw.engines.types import (
-    DTYPE_ITEMSIZE,
-    AddResult,
-    CapacityError,
-    EngineRequest,
-    EngineStats,
-    KVChunk,
-    KVLayout,
-    KVSpan,
-    RequestError,
-    RequestOutput,
-)
+from pddgw.core.tokens import LOGPROB_FLOOR, TokenLogprobs
+from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, CapacityError, EngineRequest, EngineStats, KVChunk,
+                                 KVLayout, KVSpan, RequestError, RequestOutput)
 
 
 class ReqState(IntEnum):

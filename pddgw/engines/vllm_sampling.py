@@ -28,11 +28,11 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from pddgw.core.sampling import SamplingParams
 from pddgw.engines.grammar import Constraint, Grammars
 from pddgw.engines.penalties import TokenHistory, adjust_logits
 from pddgw.engines.sampler import sample_ids
 from pddgw.engines.types import RequestError
+from pddgw.core.sampling import SamplingParams
 
 KEY = "pddgw"
 log = structlog.get_logger(__name__)

@@ -26,8 +26,8 @@ from typing import Any
 
 import orjson
 
-from pddgw import messages as m
 from pddgw.config import NetConfig
+from pddgw import messages as m
 from pddgw.net.ws import WsServer
 
 RAW_REQ = struct.Struct("!cQQ")          # op (S: peer sends, R: peer receives), total, chunk

@@ -67,11 +67,11 @@ def generate_engine(prompts: Sequence[Prompt], dtype: str = "float64", temperatu
 
     Blocking (model steps): call it off the event loop.
     """
-    import torch  # here: the rest of the harness never loads a model
+    import torch      # here: the rest of the harness never loads a model
 
     from pddgw.config import Config, ModelConfig
-    from pddgw.core.sampling import SamplingParams
     from pddgw.engines.base import create_engine
+    from pddgw.core.sampling import SamplingParams
     from pddgw.engines.types import EngineRequest
     from pddgw.harness.engines import drain
 

@@ -20,29 +20,10 @@ from pddgw.messages.between_nodes import Extend, KvDone, TokenIds
 from pddgw.messages.fields import MAX_BATCH_ITEMS, MAX_HASHES, MAX_ID_CHARS, MAX_TARGETS, MAX_TEXT_CHARS, MAX_TOKEN_IDS
 from pddgw.messages.link import Ack, Auth, Challenge, Error, Hello, Ping, Pong, Welcome
 from pddgw.messages.logprobs import MAX_LOGPROB_POSITIONS, Logprobs, logprob_pieces
-from pddgw.messages.to_node import (
-    Cancel,
-    Demote,
-    HandOff,
-    Prefill,
-    PrefixQuery,
-    PromptLogprobsQuery,
-    StateQuery,
-    Submit,
-)
-from pddgw.messages.to_router import (
-    Draining,
-    HandedOff,
-    HandoffRound,
-    LoadReport,
-    NodeState,
-    Opened,
-    PrefillDone,
-    PrefixAnswer,
-    Ready,
-    TokenBatch,
-    TokenItem,
-)
+from pddgw.messages.to_node import (Cancel, Demote, HandOff, Prefill, PrefixQuery, PromptLogprobsQuery,
+                                    StateQuery, Submit)
+from pddgw.messages.to_router import (Draining, HandedOff, HandoffRound, LoadReport, NodeState, Opened,
+                                      PrefillDone, PrefixAnswer, Ready, TokenBatch, TokenItem)
 
 __all__ = [
     "MAX_BATCH_ITEMS", "MAX_HASHES", "MAX_ID_CHARS", "MAX_LOGPROB_POSITIONS", "MAX_TARGETS", "MAX_TEXT_CHARS",

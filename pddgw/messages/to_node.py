@@ -13,21 +13,8 @@ from typing import Literal
 from pddgw.core.errors import check as _check
 from pddgw.core.ids import TOKEN_ID_LIMIT
 from pddgw.core.sampling import SamplingParams
-from pddgw.messages.fields import (
-    HASH_LIMIT,
-    MAX_HASHES,
-    MAX_ID_CHARS,
-    MAX_TARGETS,
-    MAX_TEXT_CHARS,
-    MAX_TOKEN_IDS,
-    _bools,
-    _flag,
-    _int_tuple,
-    _number,
-    _sampling,
-    _text,
-    _uint,
-)
+from pddgw.messages.fields import (HASH_LIMIT, MAX_HASHES, MAX_ID_CHARS, MAX_TARGETS, MAX_TEXT_CHARS,
+                                   MAX_TOKEN_IDS, _bools, _flag, _int_tuple, _number, _sampling, _text, _uint)
 
 
 @dataclass(frozen=True, slots=True)

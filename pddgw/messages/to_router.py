@@ -12,21 +12,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pddgw.core.errors import check as _check
-from pddgw.core.ids import TOKEN_ID_LIMIT, in_range
 from pddgw.core.roles import ROLES, Role
-from pddgw.messages.fields import (
-    MAX_BATCH_ITEMS,
-    MAX_HASHES,
-    MAX_ID_CHARS,
-    MAX_TARGETS,
-    MAX_TEXT_CHARS,
-    MAX_TOKEN_IDS,
-    _flag,
-    _int_tuple,
-    _number,
-    _text,
-    _uint,
-)
+from pddgw.core.ids import TOKEN_ID_LIMIT, in_range
+from pddgw.messages.fields import (MAX_BATCH_ITEMS, MAX_HASHES, MAX_ID_CHARS, MAX_TARGETS, MAX_TEXT_CHARS,
+                                   MAX_TOKEN_IDS, _flag, _int_tuple, _number, _text, _uint)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,18 @@ Knows nothing about models or roles: it carries `pddgw.messages` by their shapes
 * `errors` — `LinkError` and its subclasses, `CloseCode`.
 """
 
+from pddgw.net.errors import (
+    AuthError,
+    CloseCode,
+    FrameError,
+    FrameTooLarge,
+    LinkClosed,
+    LinkError,
+    LinkTimeout,
+    RemoteError,
+)
+from pddgw.net.inproc import InProcLink, InProcNetwork, inproc_pair
+from pddgw.net.link import Handler, KvSink, Link, LinkState, LinkStats, LinkStream, Priority, PriorityLike
 from pddgw.messages import (
     Ack,
     Cancel,
@@ -26,18 +38,6 @@ from pddgw.messages import (
     TokenIds,
     TokenItem,
 )
-from pddgw.net.errors import (
-    AuthError,
-    CloseCode,
-    FrameError,
-    FrameTooLarge,
-    LinkClosed,
-    LinkError,
-    LinkTimeout,
-    RemoteError,
-)
-from pddgw.net.inproc import InProcLink, InProcNetwork, inproc_pair
-from pddgw.net.link import Handler, KvSink, Link, LinkState, LinkStats, LinkStream, Priority, PriorityLike
 from pddgw.net.ws import WsLink, WsServer, connect
 
 __all__ = [

@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from pddgw import messages as m
 from pddgw.config import NetConfig, ShapingConfig
 from pddgw.net import frames
+from pddgw import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed
 from pddgw.net.link import Handler, KvSink, LinkState, Priority, PriorityLike
 from pddgw.net.mux import LinkBase, sink_buffer, wait_until

@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 
 import structlog
 
-from pddgw import messages as m
 from pddgw.config import NetConfig
+from pddgw import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed, LinkError, LinkTimeout, RemoteError
+
 from pddgw.net.link import Handler, KvSink, Link, LinkState, LinkStats, LinkStream, Priority, PriorityLike
 
 log = structlog.get_logger("pddgw.net")

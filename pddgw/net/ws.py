@@ -28,9 +28,9 @@ import aiohttp
 import structlog
 from aiohttp import WSMsgType, web
 
-from pddgw import messages as m
 from pddgw.config import ConfigError, NetConfig, ShapingConfig
 from pddgw.net import auth, frames
+from pddgw import messages as m
 from pddgw.net.errors import AuthError, CloseCode, FrameError, FrameTooLarge, LinkClosed, LinkError, LinkTimeout
 from pddgw.net.link import Handler, KvSink, LinkState, Priority, PriorityLike
 from pddgw.net.mux import LinkBase, ServiceMeter

@@ -34,12 +34,12 @@ from typing import Any
 
 import structlog
 
-from pddgw import messages as m
 from pddgw.net import frames
+from pddgw import messages as m
 from pddgw.net.errors import AuthError, CloseCode, FrameError, FrameTooLarge, LinkClosed, LinkTimeout
 from pddgw.net.link import KvSink
-from pddgw.net.mask import masked_copy, unmask_inplace
 from pddgw.net.mux import sink_buffer
+from pddgw.net.mask import masked_copy, unmask_inplace
 
 log = structlog.get_logger("pddgw.net")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from pddgw import messages as m
 from pddgw.net.errors import LinkError
 from pddgw.net.link import Link
+from pddgw import messages as m
 from pddgw.pipeline.events import Event, KvReady, NodeFailed
 
 log = structlog.get_logger(__name__)

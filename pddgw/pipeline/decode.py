@@ -29,15 +29,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from collections.abc import Awaitable, Callable
 from enum import IntEnum
 
 import structlog
 
+from pddgw.engines.async_engine import AsyncEngine, EngineStopped, RequestStream
 from pddgw.core.sampling import SamplingParams
 from pddgw.core.tokens import TokenLogprobs, TokenRun
-from pddgw.engines.async_engine import AsyncEngine, EngineStopped, RequestStream
 from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, RequestOutput
 from pddgw.pipeline.prompt_scores import PromptScores
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pddgw import messages as m
 from pddgw.core.roles import Role
 from pddgw.core.tokens import TokenLogprobs, TokenRun
+from pddgw import messages as m
 
 
 @dataclass(frozen=True, slots=True)

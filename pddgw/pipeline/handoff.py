@@ -27,10 +27,10 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from pddgw import messages as m
 from pddgw.config import PolicyConfig
 from pddgw.net.errors import RemoteError
 from pddgw.net.link import Link
+from pddgw import messages as m
 from pddgw.pipeline.decode import DecodeWorker
 from pddgw.pipeline.policy import HandoffInputs, choose_handoff_mode, plan_handoff_round
 from pddgw.pipeline.state import HandoffMode

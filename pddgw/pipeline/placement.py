@@ -34,17 +34,8 @@ from pddgw.net.link import Link, LinkState
 from pddgw.pipeline.affinity import PrefixIndex
 from pddgw.pipeline.estimator import LinkEstimator
 from pddgw.pipeline.flight import Flight, NoRoom
-from pddgw.pipeline.policy import (
-    InstanceLoad,
-    PipelineDecision,
-    PipelineInputs,
-    SingularLimiter,
-    decide_pipeline,
-    pick_cached,
-    pick_instance,
-    prefill_wait_tokens,
-    relay_pressure,
-)
+from pddgw.pipeline.policy import (InstanceLoad, PipelineDecision, PipelineInputs, SingularLimiter, decide_pipeline,
+                                   pick_cached, pick_instance, prefill_wait_tokens, relay_pressure)
 
 log = structlog.get_logger("pddgw.pipeline.router")
 

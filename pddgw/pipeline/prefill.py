@@ -28,9 +28,9 @@ from typing import Any
 
 import structlog
 
+from pddgw.engines.async_engine import AsyncEngine, RequestStream
 from pddgw.core.sampling import SamplingParams
 from pddgw.core.tokens import TokenLogprobs
-from pddgw.engines.async_engine import AsyncEngine, RequestStream
 from pddgw.engines.types import EngineRequest, KVChunk, RequestError
 from pddgw.net.link import Priority
 from pddgw.pipeline.prompt_scores import PromptScores

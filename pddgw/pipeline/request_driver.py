@@ -26,25 +26,17 @@ import structlog
 
 from pddgw import messages as m
 from pddgw.config import Config
-from pddgw.core.roles import Role
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.metrics import RouterCounts, RouterMetrics
+from pddgw.core.roles import Role
 from pddgw.net.errors import LinkError, LinkTimeout
 from pddgw.net.link import LinkStream
 from pddgw.pipeline.alignment import AlignKey, Alignments
-from pddgw.pipeline.estimator import LinkEstimator
-from pddgw.pipeline.events import (
-    Event,
-    HandoffEnded,
-    KvReady,
-    NodeFailed,
-    PrefillFinished,
-    RoundSent,
-    StreamReader,
-    Tokens,
-)
+from pddgw.pipeline.events import (Event, HandoffEnded, KvReady, NodeFailed, PrefillFinished, RoundSent, StreamReader,
+                                   Tokens)
 from pddgw.pipeline.flight import Flight, NodeLost, cancel_all
 from pddgw.pipeline.handoff import drive_handoff
+from pddgw.pipeline.estimator import LinkEstimator
 from pddgw.pipeline.placement import NodeHandle, Placement
 from pddgw.pipeline.recovery import Paths, Recovery
 from pddgw.pipeline.state import RequestState

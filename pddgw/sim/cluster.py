@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pddgw.config import Config
+from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.core.sampling import SamplingParams
 from pddgw.core.tokens import TokenRun
-from pddgw.deploy.serve import Embedded
 from pddgw.net.link import Priority
 from pddgw.net.shaping import Shaper
+from pddgw.deploy.serve import Embedded
 from pddgw.pipeline.router import Router, RouterError
-from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.sim.workload import Conversation, PromptBuilder, Turn
 
 

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from pddgw.config import Config, ConfigError, CostModelConfig, EngineConfig, ModelConfig
-from pddgw.core.tokens import TokenLogprobs
 from pddgw.engines.base import register_engine
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.engines.paged import PagedEngine, Sampled
@@ -35,6 +34,7 @@ from pddgw.engines.sampler import position_uniforms
 from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.tokenizer import ByteTokenizer
+from pddgw.core.tokens import TokenLogprobs
 from pddgw.engines.types import MAX_LOGPROBS, KVChunk, KVSpan, RequestOutput
 from pddgw.sim import profiles
 from pddgw.sim.roofline import Parallel, SeqWork, StepCost, decode_step_cost, max_kv_tokens, step_cost

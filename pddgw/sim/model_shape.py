@@ -30,6 +30,7 @@ from typing import Literal
 from pddgw.core.errors import check as _check
 from pddgw.engines.model_spec import ModelSpec, RopeScaling
 
+
 # KV entry formats (bytes of one cached entry of one layer), per attention family and KV
 # element size (2 = BF16, 1 = FP8):
 #   mla FP8: FlashMLA's FP8 KV layout (deepseek-ai/FlashMLA README, "FP8 KV cache"):

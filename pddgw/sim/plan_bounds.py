@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from pddgw.sim.costmodel_engine import parallel
 from pddgw.sim.plan_space import Candidate, Kind, Plan
-from pddgw.sim.probe import probe_workload
 from pddgw.sim.profiles import HardwareProfile, ModelProfile, as_run, hardware
 from pddgw.sim.roofline import SeqWork, step_cost
 from pddgw.sim.scenario import DeploymentSpec, NodeGroup, Scenario, group_fit
+from pddgw.sim.probe import probe_workload
 from pddgw.sim.workload import Conversation
 
 

@@ -35,8 +35,8 @@ from pddgw.sim.cluster import served_rps
 from pddgw.sim.goodput import Probe, Prober, bisect, bracket, describe, grid, start_rate
 from pddgw.sim.plan_bounds import Bound, Demand, Setting, attainment_bound, capacity, demand, slo_rps_bound
 from pddgw.sim.plan_space import Candidate, Kind, Plan, candidates
-from pddgw.sim.probe import run_probe
 from pddgw.sim.profiles import ModelProfile, model
+from pddgw.sim.probe import run_probe
 from pddgw.sim.run import init_worker
 from pddgw.sim.scenario import deployment_config
 

@@ -34,16 +34,8 @@ from pddgw.config import ConfigError, PolicyConfig
 from pddgw.config_build import load_toml
 from pddgw.core.errors import check as _check
 from pddgw.sim.profiles import HARDWARE, ModelProfile, check_prices, price
-from pddgw.sim.scenario import (
-    DeploymentSpec,
-    GoodputSpec,
-    NodeGroup,
-    Scenario,
-    SloSpec,
-    WorkloadSpec,
-    group_fit,
-    load_scenario,
-)
+from pddgw.sim.scenario import (DeploymentSpec, GoodputSpec, NodeGroup, Scenario, SloSpec, WorkloadSpec, group_fit,
+                                load_scenario)
 
 Kind = Literal["same-dc", "naive-cross-dc", "cross-dc-cached", "pdd", "pdd-relay-on-p"]
 KINDS: tuple[Kind, ...] = ("same-dc", "naive-cross-dc", "cross-dc-cached", "pdd", "pdd-relay-on-p")

@@ -26,7 +26,8 @@ from itertools import repeat
 from operator import floordiv
 from typing import Literal, TypeVar
 
-from pddgw.sim.model_shape import V4_CSA_RATIO, V4_HCA_RATIO, ModelProfile, sum_floor, sum_floor_capped, sum_min
+from pddgw.sim.model_shape import (V4_CSA_RATIO, V4_HCA_RATIO, ModelProfile, sum_floor, sum_floor_capped,
+                                   sum_min)
 from pddgw.sim.profiles import HardwareProfile
 
 _V = TypeVar("_V")

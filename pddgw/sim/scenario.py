@@ -17,21 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pddgw.config import (
-    Config,
-    ConfigError,
-    CostModelConfig,
-    EngineConfig,
-    LogConfig,
-    ModelConfig,
-    NetConfig,
-    NodeConfig,
-    PolicyConfig,
-    ServerConfig,
-    ShapingConfig,
-    check_stream_interval,
-    load_config,
-)
+from pddgw.config import (Config, ConfigError, CostModelConfig, EngineConfig, LogConfig, ModelConfig, NetConfig,
+                          NodeConfig, PolicyConfig, ServerConfig, ShapingConfig, check_stream_interval, load_config)
 from pddgw.config_build import load_toml
 from pddgw.core.errors import check as _check
 from pddgw.sim.costmodel_engine import parallel
