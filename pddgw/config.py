@@ -168,11 +168,11 @@ class EngineConfig:
     # the Triton attention backend (with the torch one it logs a note and runs eagerly);
     # refused on device "cpu".
     cuda_graphs: bool = False
-    # torch intra-op threads of a CPU engine's steps.  The CPU engines of one process take
-    # turns on one compute thread (engines/compute_thread.py), each step with its engine's
-    # count.  1 by default: on a small shared machine, spinning OpenMP workers of several
-    # processes slow each other down by an order of magnitude; the embedded topology's
-    # engines take every core (deploy/serve.py).  0 = torch's default.
+    # torch intra-op threads of a CPU engine's steps.  1 by default: on a small shared machine,
+    # spinning OpenMP workers of several processes slow each other down by an order of
+    # magnitude.  The engines of one process with more than one (0 = torch's default) take
+    # turns on one compute thread (engines/compute_thread.py), each step with its count; the
+    # embedded topology's engines take every core (deploy/serve.py).
     cpu_threads: int = 1
     costmodel: CostModelConfig = field(default_factory=CostModelConfig)
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)

@@ -1,4 +1,4 @@
-"""One compute thread for the CPU engines of a process: they take turns on all of its cores.
+"""One compute thread for the multi-threaded CPU engines of a process: they take turns on its cores.
 
 Why one thread: torch (and the C kernels) parallelise with OpenMP, and every OS thread that
 opens a parallel region keeps a team of worker threads for its life.  Engines on threads of

@@ -111,7 +111,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     that transformers does, so it stays separate there.)"""
     if isinstance(packed, cpu_linear.Packed):
         if x.dtype == torch.bfloat16:
-            return cpu_linear.linear(x, packed, b, add)
+            return cpu_linear.linear(x if x.stride(-1) == 1 else x.contiguous(), packed, b, add)
         y = F.linear(x, w, b)
     elif packed is None:
         y = F.linear(x, w, b)

@@ -49,7 +49,9 @@ class TorchEngine(PagedEngine):
         self.model = model
         self.device = torch.device(cfg.device)
         self.threads = cfg.cpu_threads if self.device.type == "cpu" else 0
-        self.shares_compute_thread = self.device.type == "cpu"     # one OpenMP team a process
+        # One OpenMP team a process: engines stepping on several threads take turns on one
+        # (engines/compute_thread.py); a one-thread engine opens no team and keeps its own.
+        self.shares_compute_thread = self.device.type == "cpu" and self.threads != 1
         # CPU: oneDNN-prepacked GEMM weights (model.py); a no-op elsewhere and for float64.
         if self.device.type == "cpu" and hasattr(model, "prepack"):
             model.prepack()

@@ -1,6 +1,6 @@
 """The process's compute thread (pddgw/engines/compute_thread.py): calls by turn then arrival,
-one at a time on one thread, failures to their callers; CPU engines of a process share it,
-and one-off engine work runs on a thread that ends."""
+one at a time on one thread, failures to their callers; the multi-threaded CPU engines of a
+process share it, and one-off engine work runs on a thread that ends."""
 
 from __future__ import annotations
 
@@ -49,12 +49,13 @@ def test_a_failing_call_fails_its_future_and_the_thread_goes_on():
     assert ct.submit(Turn.CONTROL, lambda: 7).result(timeout=30) == 7
 
 
-def test_cpu_engines_of_a_process_step_on_the_shared_thread(tiny64):
+def test_multi_threaded_cpu_engines_step_on_the_shared_thread(tiny64):
     seen: set[str] = set()
 
     async def main() -> dict[str, list[int]]:
-        engines = [make_engine(tiny64), make_engine(tiny64)]
+        engines = [make_engine(tiny64, cpu_threads=2), make_engine(tiny64, cpu_threads=0)]
         assert all(e.shares_compute_thread for e in engines)
+        assert not make_engine(tiny64, cpu_threads=1).shares_compute_thread    # opens no OpenMP team
         for e in engines:
             real = e.step
 
