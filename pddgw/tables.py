@@ -17,8 +17,10 @@ pddgw.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import Field, field, fields, is_dataclass
 from typing import Any, TextIO
 
@@ -76,6 +78,19 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 def best(values: Iterable[float]) -> float:
     """The smallest of repeated timings: noise only ever adds time."""
     return min(values)
+
+
+def alternating_medians_us(fn: Callable[[], object], other: Callable[[], object], calls: int) -> tuple[float, float]:
+    """Median microseconds of `fn` and `other`, called alternately `calls` times each (a noisy
+    machine's drift falls on both sides alike)."""
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(calls):
+        for f, out in ((fn, a), (other, b)):
+            t = time.perf_counter()
+            f()
+            out.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(a), statistics.median(b)
 
 
 def _cell(value: Any) -> str:

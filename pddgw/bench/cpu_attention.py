@@ -14,9 +14,7 @@ float64 reference on the same values.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +22,7 @@ import torch
 
 from pddgw.engines.kv_pool import KVPool
 from pddgw.kernels import cpu_ops, reference
-from pddgw.tables import add_output_args, emit, format_table, ratio
+from pddgw.tables import add_output_args, alternating_medians_us, emit, format_table, ratio
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # (name, query heads, KV heads, head_dim): SmolLM2-135M (the README's model) and Llama-3-8B.
@@ -53,18 +51,6 @@ class Report:
     points: list[Point]
 
 
-def _median_us(fn: Callable[[], object], other: Callable[[], object], calls: int) -> tuple[float, float]:
-    """Median microseconds of `fn` and `other`, called alternately `calls` times each."""
-    a: list[float] = []
-    b: list[float] = []
-    for _ in range(calls):
-        for f, out in ((fn, a), (other, b)):
-            t = time.perf_counter()
-            f()
-            out.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(a), statistics.median(b)
-
-
 def point(model: str, heads: int, kv_heads: int, head_dim: int, batch: int, context: int, *,
           dtype: torch.dtype, layers: int, block_size: int, calls: int) -> Point:
     gen = torch.Generator().manual_seed(0)
@@ -88,7 +74,7 @@ def point(model: str, heads: int, kv_heads: int, head_dim: int, batch: int, cont
     for _ in range(3):                                                   # warm-up, and the build
         side(cpu_ops.paged_decode_attention)()
         side(reference.paged_decode_attention)()
-    kernel_us, reference_us = _median_us(side(cpu_ops.paged_decode_attention),
+    kernel_us, reference_us = alternating_medians_us(side(cpu_ops.paged_decode_attention),
                                          side(reference.paged_decode_attention), calls)
     k, v = pool.caches[0]
     exact = reference.paged_decode_attention(q.double(), k.double(), v.double(), tables, lens, scale)

@@ -14,17 +14,15 @@ oneDNN's on every GEMM of the first layer (oneDNN changes its reduction above 32
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from pddgw.kernels import cpu_linear
-from pddgw.tables import add_output_args, emit, format_table, ratio
+from pddgw.tables import add_output_args, alternating_medians_us, emit, format_table, ratio
 
 # (name, hidden, q + 2 kv columns, intermediate, layers, vocab (0: no lm_head)).
 MODELS = (("SmolLM2-135M", 576, 960, 1536, 30, 49152), ("Llama-3-8B", 4096, 6144, 14336, 32, 0))
@@ -47,18 +45,6 @@ class Point:
 class Report:
     threads: int
     points: list[Point]
-
-
-def _median_us(fn: Callable[[], object], other: Callable[[], object], calls: int) -> tuple[float, float]:
-    """Median microseconds of `fn` and `other`, called alternately `calls` times each."""
-    a: list[float] = []
-    b: list[float] = []
-    for _ in range(calls):
-        for f, out in ((fn, a), (other, b)):
-            t = time.perf_counter()
-            f()
-            out.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(a), statistics.median(b)
 
 
 def shapes(hidden: int, qkv: int, inter: int, layers: int, vocab: int) -> list[tuple[int, int]]:
@@ -88,7 +74,7 @@ def model_points(name: str, hidden: int, qkv: int, inter: int, layers: int, voca
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen).bfloat16() for k in {w.shape[1] for w in weights}}
         by_tiles(xs), by_onednn(xs)                                        # warm-up
-        tiles_us, onednn_us = _median_us(partial(by_tiles, xs), partial(by_onednn, xs), calls)
+        tiles_us, onednn_us = alternating_medians_us(partial(by_tiles, xs), partial(by_onednn, xs), calls)
         same = all(torch.equal(a, b) for a, b in zip(by_tiles(xs, 4), by_onednn(xs, 4)))
         out.append(Point(model=name, layers=layers, rows=m, tiles_us=tiles_us, onednn_us=onednn_us,
                          speedup=ratio(onednn_us, tiles_us), tiles_gbps=moved / tiles_us / 1e3, same_bits=same))

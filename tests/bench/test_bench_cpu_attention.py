@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from pddgw import tables
 from pddgw.bench import cpu_attention as B
 
 
@@ -18,7 +19,7 @@ def test_a_point_reports_bandwidth_speedup_and_both_errors(monkeypatch):
         calls.append((fn().shape, other().shape, n))
         return 2.0, 5.0
 
-    monkeypatch.setattr(B, "_median_us", timed)
+    monkeypatch.setattr(B, "alternating_medians_us", timed)
     p = B.point("tiny", 4, 2, 32, batch=3, context=40, dtype=torch.float32, layers=4, block_size=16, calls=7)
     assert calls == [((3, 4, 32), (3, 4, 32), 7)]
     assert (p.kernel_us, p.reference_us, p.speedup) == (2.0, 5.0, 2.5)
@@ -31,8 +32,8 @@ def test_the_sides_alternate_and_each_keeps_its_median(monkeypatch):
     order = []
     # Start and end of a, b, a, b, a, b: a takes 1, 5 and 3 s, b 2, 2 and 9 s.
     clock = iter([0, 1, 1, 3, 3, 8, 8, 10, 10, 13, 13, 22])
-    monkeypatch.setattr(B.time, "perf_counter", lambda: next(clock))
-    a, b = B._median_us(lambda: order.append("a"), lambda: order.append("b"), 3)
+    monkeypatch.setattr(tables.time, "perf_counter", lambda: next(clock))
+    a, b = tables.alternating_medians_us(lambda: order.append("a"), lambda: order.append("b"), 3)
     assert order == ["a", "b"] * 3
     assert (a, b) == (3e6, 2e6)
 
@@ -47,14 +48,14 @@ def test_the_pool_is_bounded(monkeypatch):
 
     monkeypatch.setattr(B, "KVPool", pool)
     monkeypatch.setattr(B, "_POOL_BYTES", 2 * 2 * 48 * 2 * 32 * 4 * 3)     # three layers' worth
-    monkeypatch.setattr(B, "_median_us", lambda fn, other, n: (1.0, 1.0))
+    monkeypatch.setattr(B, "alternating_medians_us", lambda fn, other, n: (1.0, 1.0))
     B.point("tiny", 4, 2, 32, batch=2, context=48, dtype=torch.float32, layers=30, block_size=16, calls=1)
     assert made == [3]
 
 
 def test_main_prints_the_table_and_json(monkeypatch, capsys):
     monkeypatch.setattr(B, "SHAPES", (("tiny", 4, 2, 32),))
-    monkeypatch.setattr(B, "_median_us", lambda fn, other, n: (1.0, 3.0))
+    monkeypatch.setattr(B, "alternating_medians_us", lambda fn, other, n: (1.0, 3.0))
     assert B.main(["--quick", "--dtype", "bfloat16", "--layers", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("decode attention, one layer  bfloat16")

@@ -27,7 +27,7 @@ def test_a_point_reports_speedup_bandwidth_and_equal_bits(monkeypatch):
         calls.append((len(fn()), len(other()), n))
         return 4.0, 6.0
 
-    monkeypatch.setattr(B, "_median_us", timed)
+    monkeypatch.setattr(B, "alternating_medians_us", timed)
     # Layers of 2 * (128*64 + 64*64 + 192*64 + 64*96) = 61,440 bytes and a 49,152-byte lm_head:
     # 3 layers fit in 250,000 bytes beside it.
     pts = B.model_points("tiny", 64, 128, 96, 10, 384, rows=(1, 33), max_bytes=250_000, calls=5)
@@ -40,7 +40,7 @@ def test_a_point_reports_speedup_bandwidth_and_equal_bits(monkeypatch):
 
 def test_main_prints_the_table_and_json(monkeypatch, capsys):
     monkeypatch.setattr(B, "MODELS", (("tiny", 64, 128, 96, 2, 384),))
-    monkeypatch.setattr(B, "_median_us", lambda fn, other, n: (2.0, 3.0))
+    monkeypatch.setattr(B, "alternating_medians_us", lambda fn, other, n: (2.0, 3.0))
     if not cpu_linear.available():
         assert B.main(["--quick"]) == 0
         assert "not available here" in capsys.readouterr().out
