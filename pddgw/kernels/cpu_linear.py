@@ -5,8 +5,8 @@ kernel does not take it (not bfloat16 on the CPU, N or K not a multiple of 32, n
 this CPU or this build, no C compiler); `linear(x, packed, bias, add)` computes with it.  The
 model keeps oneDNN's packed GEMM where `pack` says None (model.py `pack_weight`).
 
-Why hand-written, and its numerics: cpu_linear.c's header (measured: 1.4-1.9 x oneDNN at decode
-sizes, `python -m pddgw.bench.linear`; bit-identical to oneDNN for M <= 32 and, unlike it,
+Why hand-written, and its numerics: cpu_linear.c's header (measured: 1.15-1.44 x oneDNN at
+decode sizes, `python -m pddgw.bench.linear`; bit-identical to oneDNN for M <= 32 and, unlike it,
 batch-invariant for every M).  The call releases the GIL; its threads are torch's count.
 """
 
@@ -82,8 +82,7 @@ def pack(w: torch.Tensor) -> Packed | None:
         return None
     n, k = w.shape
     out = torch.empty(n * k, dtype=torch.bfloat16)
-    with torch.no_grad():
-        lib.linear_pack(w.data_ptr(), w.stride(0), out.data_ptr(), n, k)
+    lib.linear_pack(w.data_ptr(), w.stride(0), out.data_ptr(), n, k)
     return Packed(out, n, k)
 
 
