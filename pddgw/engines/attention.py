@@ -40,4 +40,4 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return meta.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
                                                meta.seq_lens, scale)
     return meta.ops.extend_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens,
-                                     meta.seq_lens, scale, generated=meta.generated)
+                                     meta.seq_lens, scale, generated=meta.generated, new_kv=(k, v))

@@ -125,7 +125,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, generated: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, generated: torch.Tensor | None = None,
+                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`reference.extend_attention`'s contract, except that the last `generated[b]` rows of each
     sequence b (tokens it generated: a decode in a step that also prefills, tokens relayed
     before a handoff) go to the decode kernel, each as a sequence ending at its position.  A
@@ -133,7 +134,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     prefill or extended with others (the invariants of DESIGN.md); the prompt's rows stay with
     the reference, a one-token chunk of a prompt too, so that chunking does not change them."""
     if generated is None or _kernel(q, k_cache, v_cache) is None or not bool(generated.any()):
-        return reference.extend_attention(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale)
+        return reference.extend_attention(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale,
+                                          new_kv=new_kv)
     gen = generated.long()                                                        # [B]
     first = cu_q_lens[1:].long() - gen                                            # [B] first generated row
     owner = torch.repeat_interleave(torch.arange(gen.shape[0]), gen)              # [G] sequence of each
@@ -151,7 +153,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cu = torch.zeros(int(some.sum()) + 1, dtype=cu_q_lens.dtype)
         torch.cumsum(prompt[some], 0, out=cu[1:])
         out[rest] = reference.extend_attention(q[rest], k_cache, v_cache, block_tables[some], cu,
-                                               (seq_lens.long() - gen)[some].to(seq_lens.dtype), scale)
+                                               (seq_lens.long() - gen)[some].to(seq_lens.dtype), scale,
+                                               new_kv=None if new_kv is None else (new_kv[0][rest], new_kv[1][rest]))
     return out
 
 

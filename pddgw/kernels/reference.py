@@ -157,7 +157,8 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, generated: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, generated: torch.Tensor | None = None,
+                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Packed new tokens q [T, q_heads, head_dim] of B sequences (cu_q_lens [B+1]).
 
     Their K/V are already in the cache.  Query i of sequence b sits at absolute
@@ -166,6 +167,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     not needed here, where decode and extend round alike: every sequence with
     one new token goes through the batched decode path together; each longer
     extend is computed on its own, in query chunks that bound the causal mask.
+    `new_kv`: the new tokens' own K and V [T, kv_heads, head_dim], as stored: a
+    sequence whose whole context is new (a prompt's only chunk) attends over them,
+    in the cache's dtype and the gathered layout, instead of reading its pages back.
     """
     out = torch.empty_like(q)
     cu = [int(x) for x in cu_q_lens.tolist()]
@@ -183,9 +187,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if n <= 1:
             continue
         total = lens[b]
-        index = _page_index(block_tables[b : b + 1], seq_lens[b : b + 1],
-                            -(-total // k_cache.shape[1]), k_cache.shape[1])
-        k, v = _gather_kv(k_cache, v_cache, index, 1, total)                     # [1, S, KVH, D]
+        if new_kv is not None and n == total:
+            k, v = (x[cu[b] : cu[b + 1]].to(k_cache.dtype).contiguous()[None] for x in new_kv)   # [1, S, KVH, D]
+        else:
+            index = _page_index(block_tables[b : b + 1], seq_lens[b : b + 1],
+                                -(-total // k_cache.shape[1]), k_cache.shape[1])
+            k, v = _gather_kv(k_cache, v_cache, index, 1, total)                 # [1, S, KVH, D]
         chunk = max(1, _MAX_SCORE_ELEMS // (q.shape[1] * total))
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)

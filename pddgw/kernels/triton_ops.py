@@ -499,11 +499,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, generated: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, generated: torch.Tensor | None = None,
+                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Packed new tokens q [T, q_heads, head_dim] of B sequences (cu_q_lens [B+1]).
 
     Their K/V are already in the cache.  Query i of sequence b sits at absolute
     position seq_lens[b] - q_len_b + i and attends causally up to itself.
-    `generated` (how many new tokens are generated ones) is not used: every row takes this kernel.
+    `generated` (how many new tokens are generated ones) is not used: every row takes this kernel;
+    nor is `new_kv` (the kernel reads the pages in place).
     """
     return _attention(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale)

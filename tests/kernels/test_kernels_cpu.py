@@ -108,6 +108,31 @@ def test_without_generated_rows_an_extend_is_the_reference_s():
     assert torch.equal(cpu_ops.extend_attention(*args, generated=torch.zeros(2, dtype=torch.int32)), want)
 
 
+@pytest.mark.parametrize("ops", [reference, cpu_ops], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_whole_prompt_attends_over_its_new_kv_with_the_pages_bits(ops, dtype):
+    """Sequences 0 and 2 are whole prompts (their pages hold exactly the new rows); sequence 1
+    extends a cached prefix by 5 tokens (the last of them generated): only its pages serve it."""
+    lens, q_lens = [37, 70, 90], [37, 5, 90]
+    p = make_paged(lens, kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    bs = p.k_cache.shape[1]
+
+    def rows(cache):                                   # the new tokens' rows, read from their pages
+        return torch.cat([torch.stack([cache[p.block_tables[b, i // bs], i % bs] for i in range(n - q, n)])
+                          for b, (n, q) in enumerate(zip(lens, q_lens))])
+
+    new_kv = (rows(p.k_cache).float(), rows(p.v_cache).float())    # in another dtype: converted as stored
+    q = make_q(sum(q_lens), 9, 64, dtype)
+    args = (q, p.k_cache, p.v_cache, p.block_tables, cu_lens(q_lens), p.seq_lens, 0.125)
+    gen = torch.tensor([0, 1, 0], dtype=torch.int32)
+    want = ops.extend_attention(*args, generated=gen)
+    assert torch.equal(ops.extend_attention(*args, generated=gen, new_kv=new_kv), want)
+    zeros = (torch.zeros_like(new_kv[0]), torch.zeros_like(new_kv[1]))
+    got = ops.extend_attention(*args, generated=gen, new_kv=zeros)
+    assert torch.equal(got[37:42], want[37:42])                       # the extend: its pages
+    assert not torch.equal(got[:37], want[:37]) and not torch.equal(got[42:], want[42:])
+
+
 def test_shapes_whose_scratch_would_not_fit_the_stack_go_to_the_reference(monkeypatch):
     p = make_paged([9, 20], kv_heads=2, head_dim=16, block_size=8, dtype=torch.float32)
     q = make_q(2, 4, 16, torch.float32)
