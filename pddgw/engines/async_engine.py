@@ -141,9 +141,11 @@ async def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
     as it did in `pddgw serve` while a default-executor thread kept the team it had loaded
     the weights with.
     """
-    loop = asyncio.get_running_loop()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pddgw-once") as ex:
-        return await loop.run_in_executor(ex, fn, *args)
+    ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pddgw-once")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(ex, fn, *args)
+    finally:
+        ex.shutdown(wait=False)         # the thread ends after fn, never holding the loop meanwhile
 
 
 class AsyncEngine:

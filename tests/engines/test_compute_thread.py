@@ -87,4 +87,25 @@ def test_one_off_work_runs_on_a_thread_that_ends():
 
     ran_on = asyncio.run(main())
     assert ran_on is not threading.current_thread() and ran_on.name.startswith("pddgw-once")
+    ran_on.join(timeout=60)
     assert not ran_on.is_alive()
+
+
+def test_cancelling_one_off_work_does_not_hold_the_loop():
+    gate, done = threading.Event(), threading.Event()
+
+    def work() -> None:
+        gate.wait(30)
+        done.set()
+
+    async def main() -> bool:
+        task = asyncio.create_task(in_passing_thread(work))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        still_running = not done.is_set()          # the loop did not wait for the work to end
+        gate.set()
+        return still_running
+
+    assert asyncio.run(main())
