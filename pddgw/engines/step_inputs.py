@@ -70,8 +70,8 @@ class ListInputs:
         table = torch.zeros((len(tables), width), dtype=torch.int32)          # [B, width]
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        is_decode = all(map(_decodes, chunks))
         generated = [_generated(c) for c in chunks]
+        is_decode = all(c.num_tokens == 1 == g for c, g in zip(chunks, generated))     # `_decodes` of each
         meta = AttnMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),  # [T]
             block_tables=table.to(dev),                                       # [B, width]

@@ -52,7 +52,7 @@ class TorchEngine(PagedEngine):
         # One OpenMP team a process: engines stepping on several threads take turns on one
         # (engines/compute_thread.py); a one-thread engine opens no team and keeps its own.
         self.shares_compute_thread = self.device.type == "cpu" and self.threads != 1
-        # CPU: oneDNN-prepacked GEMM weights (model.py); a no-op elsewhere and for float64.
+        # CPU: prepacked GEMM weights (model.py: AMX tiles or oneDNN); a no-op elsewhere and for float64.
         if self.device.type == "cpu" and hasattr(model, "prepack"):
             model.prepack()
         self.ops = get_ops(cfg.attention_backend, cfg.device)

@@ -10,7 +10,8 @@ compiles against torch's headers (tens of seconds); these are plain C files that
 about a second.
 
 `load` raises (OSError, RuntimeError, SubprocessError) where no compiler builds a source;
-the callers log that once and keep their torch fallback.
+the callers log that once and keep their torch fallback.  `Once` holds what a caller binds
+from its library, made on first use.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar, cast
 
-__all__ = ["BuildFailed", "build", "compiler", "load"]
+__all__ = ["BuildFailed", "Once", "build", "compiler", "load"]
+
+T = TypeVar("T")
 
 COMPILE = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11")
 # -ffast-math at compile time only (vectorized expf): linking with it would add crtfastmath,
@@ -88,3 +94,22 @@ def load(source: Path) -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     return ctypes.CDLL(str(build(source, cc)))
+
+
+class Once(Generic[T]):
+    """`make()`'s result, made on the first call under a lock and read without it after (every
+    kernel call asks: no lock on that path); `make` handles its own failures."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._made = False
+        self._value: T | None = None
+
+    def __call__(self) -> T:
+        if not self._made:
+            with self._lock:
+                if not self._made:
+                    self._value = self._make()
+                    self._made = True        # after the value: a reader without the lock sees it whole
+        return cast(T, self._value)

@@ -13,7 +13,6 @@ batch-invariant for every M).  The call releases the GIL; its threads are torch'
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,11 +30,6 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _ALIGN = 32                    # N and K: whole pairs of 16-column blocks, whole 32-value K steps
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
 @dataclass(frozen=True, slots=True)
 class Packed:
     """A weight [n, k] in cpu_linear.c's tile order (`data`: n * k bfloat16 values)."""
@@ -45,26 +39,23 @@ class Packed:
     k: int
 
 
-def _load() -> ctypes.CDLL | None:
-    """The library where it builds and this process may use AMX tiles; None otherwise (logged once)."""
-    global _lib, _tried
-    if _tried:                               # decided already: no lock on the hot path
-        return _lib
-    with _lock:
-        if not _tried:
-            try:
-                lib = cpu_build.load(_SOURCE)
-                lib.linear_pack.argtypes, lib.linear_pack.restype = [_P, _I, _P, _I, _I], None
-                lib.linear_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int]
-                lib.linear_bf16.restype = ctypes.c_int
-                if lib.linear_ready() == 1:
-                    _lib = lib
-                else:
-                    log.info("no AMX-BF16 here: bfloat16 linear layers use oneDNN")
-            except cpu_build.BuildFailed as e:
-                log.warning("the CPU linear kernel is not available: linear layers use oneDNN", reason=str(e))
-            _tried = True                    # after _lib: a reader without the lock sees the final value
-    return _lib
+def _bind() -> ctypes.CDLL | None:
+    """The library where it builds and this process may use AMX tiles; None otherwise (logged)."""
+    try:
+        lib = cpu_build.load(_SOURCE)
+    except cpu_build.BuildFailed as e:
+        log.warning("the CPU linear kernel is not available: linear layers use oneDNN", reason=str(e))
+        return None
+    lib.linear_pack.argtypes, lib.linear_pack.restype = [_P, _I, _P, _I, _I], None
+    lib.linear_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int]
+    lib.linear_bf16.restype = ctypes.c_int
+    if lib.linear_ready() != 1:
+        log.info("no AMX-BF16 here: bfloat16 linear layers use oneDNN")
+        return None
+    return lib
+
+
+_load = cpu_build.Once(_bind)                 # built on first use, once per process
 
 
 def available() -> bool:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 from pathlib import Path
 
 import structlog
@@ -42,35 +41,28 @@ _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [
 
 _MAX_STACK = 1 << 20           # of the 8 MiB threads get by default (OpenMP's workers too)
 
-_lock = threading.Lock()
-_kernels: dict[torch.dtype | str, ctypes._CFuncPtr] | None = None
+def _bind() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
+    """The decode kernels by dtype, "store_kv" and "scratch_bytes"; {} where they cannot be built
+    (logged)."""
+    found: dict[torch.dtype | str, ctypes._CFuncPtr] = {}
+    try:
+        lib = cpu_build.load(_SOURCE)
+    except cpu_build.BuildFailed as e:
+        log.warning("the CPU attention kernel is not available: decode attention uses the torch reference",
+                    reason=str(e))
+        return found
+    for dtype, name in _SYMBOLS.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        found[dtype] = fn
+    lib.store_kv.argtypes, lib.store_kv.restype = _STORE_ARGTYPES, ctypes.c_int
+    found["store_kv"] = lib.store_kv
+    lib.scratch_bytes.argtypes, lib.scratch_bytes.restype = [ctypes.c_int64] * 3, ctypes.c_int64
+    found["scratch_bytes"] = lib.scratch_bytes
+    return found
 
 
-def _load() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
-    """The decode kernels by dtype, "store_kv" and "scratch_bytes", built on first use; {} where
-    they cannot be built (logged once)."""
-    global _kernels
-    if _kernels is not None:                 # built (or failed) already: no lock on the hot path
-        return _kernels
-    with _lock:
-        if _kernels is None:
-            found: dict[torch.dtype | str, ctypes._CFuncPtr] = {}
-            try:
-                lib = cpu_build.load(_SOURCE)
-                for dtype, name in _SYMBOLS.items():
-                    fn = getattr(lib, name)
-                    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-                    found[dtype] = fn
-                lib.store_kv.argtypes, lib.store_kv.restype = _STORE_ARGTYPES, ctypes.c_int
-                found["store_kv"] = lib.store_kv
-                lib.scratch_bytes.argtypes, lib.scratch_bytes.restype = [ctypes.c_int64] * 3, ctypes.c_int64
-                found["scratch_bytes"] = lib.scratch_bytes
-            except cpu_build.BuildFailed as e:
-                found = {}
-                log.warning("the CPU attention kernel is not available: decode attention uses the "
-                            "torch reference", reason=str(e))
-            _kernels = found                 # published whole: readers without the lock see all or none
-    return _kernels
+_load = cpu_build.Once(_bind)                 # built on first use, once per process
 
 
 def available() -> bool:
