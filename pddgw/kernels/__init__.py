@@ -1,10 +1,11 @@
-"""Attention kernels behind one interface.
+"""Attention kernels behind one interface, and the CPU's GEMM kernel.
 
 `get_ops(backend, device)` returns the module (Triton, the CPU kernels or the torch
 reference) whose `store_kv`, `paged_decode_attention` and `extend_attention` the
 engine calls.  "auto" is Triton on CUDA, the CPU backend (`cpu_ops`: decode attention
 in C) on the CPU where its kernel builds, and the torch reference elsewhere.  Triton
-is imported only when it is selected.
+is imported only when it is selected.  The CPU's bfloat16 GEMMs on AMX tiles are
+`cpu_linear` (the model packs its weights for them); `cpu_build` builds both C kernels.
 """
 
 from __future__ import annotations
