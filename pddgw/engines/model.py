@@ -26,7 +26,7 @@ from torch import nn
 
 from pddgw.engines.attention import AttnMetadata, paged_attention
 from pddgw.engines.model_spec import ModelSpec, RopeScaling
-from pddgw.kernels import cpu_linear
+from pddgw.kernels import cpu_linear, cpu_pointwise
 from pddgw.kernels.cpu_linear import Packed
 
 
@@ -41,6 +41,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # No casts to place: torch's rms_norm computes the same products (bit-equal on
         # CPU) in fewer dispatches.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if (fused := cpu_pointwise.rms_norm(x, weight, eps)) is not None:     # bfloat16 on the CPU, same bits
+        return fused
     xf = x.to(acc_dtype(x.dtype))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -79,7 +81,10 @@ def rope_rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torc
     """x [T, H, D] -> rotate-half RoPE: [x1 c - x2 s, x2 c + x1 s] (halves x1, x2 of D).
 
     Written as x * [c, c] + roll(x) * [-s, s], which rounds exactly like the halves
-    (negation is exact, a + (-b) == a - b): four ops instead of eight."""
+    (negation is exact, a + (-b) == a - b): four ops instead of eight; one pass in C for
+    bfloat16 on the CPU (`cpu_pointwise.rope`, the same bits)."""
+    if (fused := cpu_pointwise.rope(x, cos2, sin2)) is not None:
+        return fused
     return x * cos2 + x.roll(x.shape[-1] // 2, -1) * sin2
 
 
