@@ -33,6 +33,7 @@ __all__ = ["available", "extend_attention", "paged_decode_attention", "store_kv"
 log = structlog.get_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
+_PROMPT_SOURCE = Path(__file__).with_name("cpu_prompt_attention.c")
 _SYMBOLS = {torch.float32: "decode_f32", torch.float16: "decode_f16", torch.bfloat16: "decode_bf16"}
 _STORE_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
     [ctypes.c_void_p] + [ctypes.c_int64] * 4
@@ -63,6 +64,26 @@ def _bind() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
 
 
 _load = cpu_build.Once(_bind)                 # built on first use, once per process
+
+
+def _bind_prompt() -> ctypes._CFuncPtr | None:
+    """The AMX prompt kernel where it builds and this process may use AMX tiles; None otherwise."""
+    try:
+        lib = cpu_build.load(_PROMPT_SOURCE)
+    except cpu_build.BuildFailed as e:
+        log.warning("the CPU prompt attention kernel is not available: prompts attend through torch",
+                    reason=str(e))
+        return None
+    if lib.prompt_ready() != 1:
+        return None
+    fn = lib.prompt_attention_bf16
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + \
+        [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_load_prompt = cpu_build.Once(_bind_prompt)
 
 
 def available() -> bool:
@@ -126,8 +147,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     prefill or extended with others (the invariants of DESIGN.md); the prompt's rows stay with
     the reference, a one-token chunk of a prompt too, so that chunking does not change them."""
     if generated is None or _kernel(q, k_cache, v_cache) is None or not bool(generated.any()):
-        return reference.extend_attention(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale,
-                                          new_kv=new_kv)
+        return _prompts(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale, new_kv)
     gen = generated.long()                                                        # [B]
     first = cu_q_lens[1:].long() - gen                                            # [B] first generated row
     owner = torch.repeat_interleave(torch.arange(gen.shape[0]), gen)              # [G] sequence of each
@@ -144,10 +164,52 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         rest = keep.nonzero().flatten()                                           # the prompts' rows
         cu = torch.zeros(int(some.sum()) + 1, dtype=cu_q_lens.dtype)
         torch.cumsum(prompt[some], 0, out=cu[1:])
-        out[rest] = reference.extend_attention(q[rest], k_cache, v_cache, block_tables[some], cu,
-                                               (seq_lens.long() - gen)[some].to(seq_lens.dtype), scale,
-                                               new_kv=None if new_kv is None else (new_kv[0][rest], new_kv[1][rest]))
+        out[rest] = _prompts(q[rest], k_cache, v_cache, block_tables[some], cu,
+                             (seq_lens.long() - gen)[some].to(seq_lens.dtype), scale,
+                             None if new_kv is None else (new_kv[0][rest], new_kv[1][rest]))
     return out
+
+
+def _prompts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+             cu_q_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+             new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """`reference.extend_attention` for prompts' rows, except that whole prompts (every key one of
+    the step's new rows, more than one) in bfloat16 go to the AMX prompt kernel, all in one call."""
+    fn = _load_prompt() if new_kv is not None and _prompt_kernel_takes(q, *new_kv, k_cache) else None
+    if fn is None:
+        return reference.extend_attention(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale,
+                                          new_kv=new_kv)
+    assert new_kv is not None
+    cu, lens = cu_q_lens.tolist(), seq_lens.tolist()
+    whole = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == lens[b] > 1]
+    if not whole:
+        return reference.extend_attention(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale,
+                                          new_kv=new_kv)
+    k, v = new_kv
+    t, h, d = q.shape
+    out = torch.empty_like(q)                                                     # [T, H, D]
+    starts = torch.tensor([cu[b] for b in whole], dtype=torch.int64)
+    counts = torch.tensor([lens[b] for b in whole], dtype=torch.int64)
+    fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), starts.data_ptr(),
+       counts.data_ptr(), len(whole), h, k.shape[1], d, scale, out.data_ptr(), torch.get_num_threads())
+    if len(whole) < len(lens):
+        rest = [b for b in range(len(lens)) if b not in set(whole)]
+        rows = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in rest])          # their packed rows
+        sub = torch.zeros(len(rest) + 1, dtype=cu_q_lens.dtype)
+        torch.cumsum(torch.tensor([cu[b + 1] - cu[b] for b in rest]), 0, out=sub[1:])
+        idx = torch.tensor(rest)
+        out[rows] = reference.extend_attention(q[rows], k_cache, v_cache, block_tables[idx], sub, seq_lens[idx],
+                                               scale, new_kv=(k[rows], v[rows]))
+    return out
+
+
+def _prompt_kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """bfloat16 on the CPU, keys stored as computed (a bfloat16 cache), each token's heads packed,
+    head_dim a multiple of 32 up to 128, whole groups of query heads."""
+    d = q.shape[2]
+    return (q.dtype == k.dtype == v.dtype == k_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
+            and d % 32 == 0 and d <= 128 and q.shape[1] % k.shape[1] == 0
+            and all(x.stride()[1:] == (d, 1) for x in (q, k, v)))
 
 
 def _kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
