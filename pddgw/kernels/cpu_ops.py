@@ -41,6 +41,7 @@ _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [
     [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
 
 _MAX_STACK = 1 << 20           # of the 8 MiB threads get by default (OpenMP's workers too)
+_PACK_BYTES = 64 << 20         # the prompt kernel's packed keys per call (one sequence may need more)
 
 def _bind() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
     """The decode kernels by dtype, "store_kv" and "scratch_bytes"; {} where they cannot be built
@@ -77,7 +78,8 @@ def _bind_prompt() -> ctypes._CFuncPtr | None:
     if lib.prompt_ready() != 1:
         return None
     fn = lib.prompt_attention_bf16
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + \
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + \
+        [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + \
         [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
@@ -173,43 +175,47 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _prompts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
              cu_q_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float,
              new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """`reference.extend_attention` for prompts' rows, except that whole prompts (every key one of
-    the step's new rows, more than one) in bfloat16 go to the AMX prompt kernel, all in one call."""
-    fn = _load_prompt() if new_kv is not None and _prompt_kernel_takes(q, *new_kv, k_cache) else None
+    """`reference.extend_attention` for prompts' rows, computed by the AMX prompt kernel where it
+    takes them (bfloat16 on a CPU with AMX): every row, whole prompts and chunks alike, its keys
+    read from the pages; the sequences in groups whose packed keys fit `_PACK_BYTES`."""
+    fn = _load_prompt() if _prompt_kernel_takes(q, k_cache, v_cache) else None
     if fn is None:
         return reference.extend_attention(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale,
                                           new_kv=new_kv)
-    assert new_kv is not None
-    cu, lens = cu_q_lens.tolist(), seq_lens.tolist()
-    whole = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == lens[b] > 1]
-    if not whole:
-        return reference.extend_attention(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale,
-                                          new_kv=new_kv)
-    k, v = new_kv
-    t, h, d = q.shape
     out = torch.empty_like(q)                                                     # [T, H, D]
-    starts = torch.tensor([cu[b] for b in whole], dtype=torch.int64)
-    counts = torch.tensor([lens[b] for b in whole], dtype=torch.int64)
-    fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), starts.data_ptr(),
-       counts.data_ptr(), len(whole), h, k.shape[1], d, scale, out.data_ptr(), torch.get_num_threads())
-    if len(whole) < len(lens):
-        rest = [b for b in range(len(lens)) if b not in set(whole)]
-        rows = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in rest])          # their packed rows
-        sub = torch.zeros(len(rest) + 1, dtype=cu_q_lens.dtype)
-        torch.cumsum(torch.tensor([cu[b + 1] - cu[b] for b in rest]), 0, out=sub[1:])
-        idx = torch.tensor(rest)
-        out[rows] = reference.extend_attention(q[rows], k_cache, v_cache, block_tables[idx], sub, seq_lens[idx],
-                                               scale, new_kv=(k[rows], v[rows]))
+    cu = cu_q_lens.to(torch.int64)
+    starts, counts = cu[:-1].contiguous(), (cu[1:] - cu[:-1]).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    tables = block_tables.to(torch.int32)
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    nb, bs, kvh, d = k_cache.shape
+    sizes = [-(-n // 32) * 32 * 4 * kvh * d for n in lens.tolist()]               # packed K and V bytes
+    first = 0
+    while first < len(sizes):
+        last, size = first + 1, sizes[first]
+        while last < len(sizes) and size + sizes[last] <= _PACK_BYTES:
+            size += sizes[last]
+            last += 1
+        bad = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), nb, bs,
+                 tables[first:].data_ptr(), tables.stride(0), tables.shape[1], starts[first:].data_ptr(),
+                 counts[first:].data_ptr(), lens[first:].data_ptr(), last - first, q.shape[1], kvh, d, scale,
+                 out.data_ptr(), torch.get_num_threads())
+        if bad:
+            raise ValueError(f"prompt attention: seq_lens {seq_lens.tolist()}, cu_q_lens {cu_q_lens.tolist()} or "
+                             f"their block ids are outside the table ({tables.shape[1]} blocks of {bs}) or the pool "
+                             f"({nb} blocks)")
+        first = last
     return out
 
 
-def _prompt_kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """bfloat16 on the CPU, keys stored as computed (a bfloat16 cache), each token's heads packed,
-    head_dim a multiple of 32 up to 128, whole groups of query heads."""
+def _prompt_kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """bfloat16 on the CPU (the caches too, rows packed alike), each row's heads packed, head_dim a
+    multiple of 32 up to 128, whole groups of query heads."""
     d = q.shape[2]
-    return (q.dtype == k.dtype == v.dtype == k_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
-            and d % 32 == 0 and d <= 128 and q.shape[1] % k.shape[1] == 0
-            and all(x.stride()[1:] == (d, 1) for x in (q, k, v)))
+    return (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
+            and k_cache.stride() == v_cache.stride() and _rows_contiguous(k_cache) and q.stride()[1:] == (d, 1)
+            and d % 32 == 0 and d <= 128 and q.shape[1] % k_cache.shape[2] == 0)
 
 
 def _kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):

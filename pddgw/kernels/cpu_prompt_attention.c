@@ -1,16 +1,19 @@
-/* Causal attention of whole bfloat16 prompts on AMX tiles: every key of a sequence is one of
- * its new tokens (a prompt's only chunk), read from the step's K/V rows, not from the pages.
- * Built and loaded by cpu_ops.py, which states why it exists.
+/* Causal attention of bfloat16 prompt rows on AMX tiles: chunks of prompts at any position,
+ * every key read from the KV pool's pages.  Built and loaded by cpu_ops.py, which states why.
  *
- * Shapes (elements): q [T, H, D] (tokens q_stride apart, heads packed), k / v [T, KVH, D]
- * (tokens k_stride / v_stride apart, heads packed), out [T, H, D] packed; sequence i holds the
- * rows [starts[i], starts[i] + lens[i]) at positions 0 .. lens[i] - 1.  D % 32 == 0, D <= 128.
+ * Shapes (elements): q [T, H, D] (tokens q_stride apart, heads packed), out [T, H, D] packed;
+ * k/v caches [num_blocks, BS, KVH, D] (block stride `block_stride`, rows packed); tables
+ * [B, >= ceil(len / BS)] int32 (row stride `table_stride`, width `table_width`); sequence i has
+ * q_lens[i] rows from q_starts[i], the last of its seq_lens[i] tokens (their K/V already
+ * stored).  D % 32 == 0, D <= 128.
  *
- * Math, one (sequence, head, 16 queries) task per thread in a fixed order, so that a row's
- * result does not depend on the batch beside it or the thread count: scores q.k in float32 (one
- * TDPBF16PS chain over D), times `scale`; over the keys up to the query's position, the
- * probabilities exp(score - max) summed in float32 and rounded to bfloat16 to weight V (one
- * float32 chain over the keys in order); the sum divides the result, rounded to bfloat16.
+ * Math, one (sequence, head, 16 rows) task per thread: scores q.k in float32 (one TDPBF16PS
+ * chain over D), times `scale`; over the keys up to the row's position, exp(score - max) (a
+ * polynomial, below) summed in float32 in 16 lanes in key order and rounded to bfloat16 to
+ * weight V (one float32 chain over 32-key steps from key 0); that sum divides the result,
+ * rounded to bfloat16.  Keys past a row's position add exact zeros, so a row's bits depend
+ * only on its query and the keys up to it: not on the batch, the thread count, the other rows
+ * of its task, or how its prompt was split into chunks.
  * The keys of a (sequence, KV head) are first packed in the tiles' order, zero past the end.
  */
 #include <float.h>
@@ -57,33 +60,39 @@ static void configure(void) {          /* every tile 16 rows of 64 bytes */
     _tile_loadconfig(&cfg);
 }
 
-/* Keys [L, D] (rows `stride` apart) -> kp [D / 32][L32 / 16][16 pairs][16 keys][2], the B operand
- * of q.k; values -> vp [L32 / 32][D / 16][16 pairs][16 columns][2], the B operand of p.v; both
- * zero past L (L32: L rounded up to 32). */
-static void pack(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, int64_t L,
-                 int64_t L32, int64_t D, uint16_t *kp, uint16_t *vp) {
+/* Keys [0, L) of KV head g from the pages -> kp [D / 32][L32 / 16][16 pairs][16 keys][2], the B
+ * operand of q.k; values -> vp [L32 / 32][D / 16][16 pairs][16 columns][2], the B operand of p.v;
+ * both zero past L (L32: L rounded up to 32).  row(c, j): key j's row of head g in cache c. */
+#define ROW(c, j) ((c) + (int64_t)table[(j) / bs] * block_stride + ((j) % bs) * row_elems)
+static void pack(const uint16_t *kc, const uint16_t *vc, int64_t block_stride, int64_t bs, int64_t row_elems,
+                 const int32_t *table, int64_t L, int64_t L32, int64_t D, uint16_t *kp, uint16_t *vp) {
     int64_t kblocks = L32 / 16, pairs = D / 2;
+    uint16_t rows[16 * 128] __attribute__((aligned(64)));          /* 16 keys' rows, D apart */
     /* A tile row: one pair of d for 16 keys, gathered from their rows (keys past L read as 0). */
-    const __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32((int)(k_stride * 2)));
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)(D * 2)));
     for (int64_t b = 0; b < kblocks; b++) {
-        __mmask16 m = L - b * 16 >= 16 ? (__mmask16)0xffff : L > b * 16 ? (__mmask16)((1u << (L - b * 16)) - 1) : 0;
-        const uint16_t *base = k + b * 16 * k_stride;
+        int64_t n = L - b * 16 >= 16 ? 16 : L > b * 16 ? L - b * 16 : 0;
+        for (int64_t r = 0; r < n; r++)
+            memcpy(rows + r * D, ROW(kc, b * 16 + r), (size_t)D * 2);
+        __mmask16 m = (__mmask16)((1u << n) - 1);
         for (int64_t pr = 0; pr < pairs; pr++) {
-            __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, rows16, base + 2 * pr, 1);
+            __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at, rows + 2 * pr, 1);
             _mm512_storeu_si512(kp + (((pr / 16) * kblocks + b) * 16 + pr % 16) * 32, g);
         }
     }
     const __m256i zero = _mm256_setzero_si256();
     for (int64_t j = 0; j < L32; j += 2) {                  /* keys j, j + 1 interleaved */
+        const uint16_t *r0 = j < L ? ROW(vc, j) : NULL, *r1 = j + 1 < L ? ROW(vc, j + 1) : NULL;
         for (int64_t c = 0; c < D / 16; c++) {
-            __m256i a = j < L ? _mm256_loadu_si256((const __m256i *)(v + j * v_stride + c * 16)) : zero;
-            __m256i b = j + 1 < L ? _mm256_loadu_si256((const __m256i *)(v + (j + 1) * v_stride + c * 16)) : zero;
+            __m256i a = r0 ? _mm256_loadu_si256((const __m256i *)(r0 + c * 16)) : zero;
+            __m256i b = r1 ? _mm256_loadu_si256((const __m256i *)(r1 + c * 16)) : zero;
             __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
             _mm512_storeu_si512(vp + (((j / 32) * (D / 16) + c) * 16 + (j % 32) / 2) * 32, pair);
         }
     }
 }
+#undef ROW
 
 /* e^x for x <= 0 (16 lanes): x log2(e) = n + f with |f| <= 1/2, 2^f = e^(f ln 2) by its Taylor
  * series to degree 7 (relative error below 2e-8, under float32's rounding), scaled by 2^n; below
@@ -125,18 +134,18 @@ static float probabilities(const float *sr, uint16_t *pr, int64_t n, int64_t wid
     return _mm512_reduce_add_ps(vsum);
 }
 
-/* Queries [q0, q0 + rows) of one head (q rows `q_stride` apart) over the packed keys -> out rows
- * (`o_stride` apart).  s: [16][L32] float32, p: [16][L32] bfloat16 scratch. */
+/* Rows [q0, q0 + rows) of one head's queries (`q_stride` apart; row i at position pos0 + i) over
+ * the packed keys -> out rows (`o_stride` apart).  s: [16][L32] float32, p: [16][L32] bfloat16. */
 static void task(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const uint16_t *vp, int64_t L32,
-                 int64_t D, int64_t q0, int rows, float scale, uint16_t *out, int64_t o_stride,
+                 int64_t D, int64_t pos0, int64_t q0, int rows, float scale, uint16_t *out, int64_t o_stride,
                  float *s, uint16_t *p) {
     uint16_t qbuf[Q_ROWS * 128] __attribute__((aligned(64)));
     float obuf[Q_ROWS * 16] __attribute__((aligned(64))), sums[Q_ROWS];
     memset(qbuf, 0, sizeof qbuf);
     for (int r = 0; r < rows; r++)
         memcpy(qbuf + r * D, q + (q0 + r) * q_stride, (size_t)D * 2);
-    int64_t steps = D / 32, kblocks = L32 / 16, end = q0 + Q_ROWS;       /* keys [0, end) */
-    int64_t nk16 = end / 16, nk32 = (end + 31) / 32;
+    int64_t steps = D / 32, kblocks = L32 / 16, end = pos0 + q0 + rows;    /* keys [0, end) */
+    int64_t nk16 = (end + 15) / 16, nk32 = (end + 31) / 32;
     /* Scores: q tiles 0 .. steps - 1 stay loaded; tiles 4, 5 sum two key blocks, 6, 7 their keys. */
     _tile_loadd(0, qbuf, D * 2);
     if (steps > 1)
@@ -173,9 +182,9 @@ static void task(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const 
         if (two)
             _tile_stored(5, s + (b + 1) * 16, L32 * 4);
     }
-    /* Probabilities: query r sees keys [0, q0 + r]; zero up to the last 32-key step. */
+    /* Probabilities: row r sees keys [0, pos0 + q0 + r]; zero up to the last 32-key step. */
     for (int r = 0; r < Q_ROWS; r++) {
-        int64_t n = r < rows ? q0 + r + 1 : 0;
+        int64_t n = r < rows ? pos0 + q0 + r + 1 : 0;
         float sum = probabilities(s + r * L32, p + r * L32, n, nk32 * 32, scale);
         sums[r] = n ? sum : 1.0f;
     }
@@ -219,57 +228,67 @@ static void task(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const 
 }
 #endif
 
-/* -> 0, or -1 where this build or process has no AMX or D is not a multiple of 32 up to 128. */
-int prompt_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                          const uint16_t *v, int64_t v_stride, const int64_t *starts, const int64_t *lens,
-                          int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, uint16_t *out,
-                          int threads) {
+/* -> 0; 1 where a length or a block id it would read is out of range (nothing is computed);
+ * -1 where this build or process has no AMX or D is not a multiple of 32 up to 128. */
+int prompt_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc,
+                          int64_t block_stride, int64_t num_blocks, int64_t bs, const int32_t *tables,
+                          int64_t table_stride, int64_t table_width, const int64_t *q_starts,
+                          const int64_t *q_lens, const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
+                          int64_t D, float scale, uint16_t *out, int threads) {
 #ifdef HAVE_AMX
     if (D % 32 || D > 128 || D < 32 || H % KVH)
         return -1;
+    for (int64_t i = 0; i < B; i++) {
+        int64_t L = seq_lens[i];
+        if (q_lens[i] < 0 || L < q_lens[i] || (L + bs - 1) / bs > table_width)
+            return 1;
+        for (int64_t j = 0; j < (L + bs - 1) / bs; j++) {
+            int32_t id = tables[i * table_stride + j];
+            if (id < 0 || id >= num_blocks)
+                return 1;
+        }
+    }
     int64_t group = H / KVH, packed = 0, most = 0, tasks = 0;
     int64_t *base = malloc((size_t)(B + 1) * sizeof *base);      /* each sequence's first task */
+    int64_t *off = malloc((size_t)(B + 1) * sizeof *off);        /* each sequence's packed keys */
     for (int64_t i = 0; i < B; i++) {
-        int64_t L32 = (lens[i] + 31) / 32 * 32;
-        packed += L32;
+        int64_t L32 = (seq_lens[i] + 31) / 32 * 32;
+        off[i] = packed;
+        packed += 2 * L32 * KVH * D;
         most = L32 > most ? L32 : most;
         base[i] = tasks;
-        tasks += H * ((lens[i] + Q_ROWS - 1) / Q_ROWS);
+        tasks += H * ((q_lens[i] + Q_ROWS - 1) / Q_ROWS);
     }
     base[B] = tasks;
-    uint16_t *kv = malloc((size_t)(2 * packed * KVH * D) * 2);
-    int64_t *off = malloc((size_t)B * sizeof *off);               /* each sequence's packed keys */
-    for (int64_t i = 0, o = 0; i < B; i++) {
-        off[i] = o;
-        o += (lens[i] + 31) / 32 * 32 * KVH * D * 2;
-    }
+    uint16_t *kv = malloc((size_t)packed * 2);
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < B * KVH; w++) {
-            int64_t i = w / KVH, g = w % KVH, L32 = (lens[i] + 31) / 32 * 32;
+            int64_t i = w / KVH, g = w % KVH, L32 = (seq_lens[i] + 31) / 32 * 32;
             uint16_t *kp = kv + off[i] + 2 * g * L32 * D;
-            pack(k + starts[i] * k_stride + g * D, k_stride, v + starts[i] * v_stride + g * D, v_stride,
-                 lens[i], L32, D, kp, kp + L32 * D);
+            if (q_lens[i])
+                pack(kc + g * D, vc + g * D, block_stride, bs, KVH * D, tables + i * table_stride, seq_lens[i],
+                     L32, D, kp, kp + L32 * D);
         }
         tile_config saved;        /* the thread's tile shapes, put back for another AMX user */
         _tile_storeconfig(&saved);
         configure();
         float *s = malloc((size_t)(Q_ROWS * most) * sizeof *s);
         uint16_t *p = malloc((size_t)(Q_ROWS * most) * 2);
-        /* Tasks from the last (longest) query block of each sequence down, for balance. */
+        /* Tasks from the last (longest) row block of each sequence down, for balance. */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t i = 0;
             while (base[i + 1] <= t)
                 i++;
-            int64_t blocks = (lens[i] + Q_ROWS - 1) / Q_ROWS, local = t - base[i];
-            int64_t h = local % H, qb = blocks - 1 - local / H, q0 = qb * Q_ROWS;
-            int64_t L32 = (lens[i] + 31) / 32 * 32, g = h / group;
-            int rows = lens[i] - q0 < Q_ROWS ? (int)(lens[i] - q0) : Q_ROWS;
+            int64_t blocks = (q_lens[i] + Q_ROWS - 1) / Q_ROWS, local = t - base[i];
+            int64_t h = local % H, q0 = (blocks - 1 - local / H) * Q_ROWS;
+            int64_t L32 = (seq_lens[i] + 31) / 32 * 32, g = h / group;
+            int rows = q_lens[i] - q0 < Q_ROWS ? (int)(q_lens[i] - q0) : Q_ROWS;
             const uint16_t *kp = kv + off[i] + 2 * g * L32 * D;
-            task(q + starts[i] * q_stride + h * D, q_stride, kp, kp + L32 * D, L32, D, q0, rows, scale,
-                 out + starts[i] * H * D + h * D, H * D, s, p);
+            task(q + q_starts[i] * q_stride + h * D, q_stride, kp, kp + L32 * D, L32, D, seq_lens[i] - q_lens[i],
+                 q0, rows, scale, out + q_starts[i] * H * D + h * D, H * D, s, p);
         }
         free(s);
         free(p);
@@ -280,8 +299,9 @@ int prompt_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
     free(base);
     return 0;
 #else
-    (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)starts; (void)lens;
-    (void)B; (void)H; (void)KVH; (void)D; (void)scale; (void)out; (void)threads;
+    (void)q; (void)q_stride; (void)kc; (void)vc; (void)block_stride; (void)num_blocks; (void)bs; (void)tables;
+    (void)table_stride; (void)table_width; (void)q_starts; (void)q_lens; (void)seq_lens; (void)B; (void)H;
+    (void)KVH; (void)D; (void)scale; (void)out; (void)threads;
     return -1;
 #endif
 }

@@ -73,7 +73,8 @@ def test_an_extend_s_generated_rows_are_the_decode_kernel_s_bits(dtype):
     """Each generated token's row (the last `generated[b]` of sequence b) is the decode kernel's
     result for that token alone, its sequence ending there: a decode beside a prefill and tokens
     relayed before a handoff attend as they did when decoded.  The prompts' rows, one-token
-    chunks included, are the reference's (float64: everything is)."""
+    chunks included, are what an extend of them alone gives (the reference's, float64 wholly,
+    or in bfloat16 on AMX the prompt kernel's)."""
     # (cached prefix, new tokens, of them generated): a prefill chunk, a decode, an empty entry,
     # a prompt's last token, a handoff's catch-up (5 prompt tokens, then 4 relayed), all relayed.
     cases = [(0, 9, 0), (10, 1, 1), (3, 0, 0), (21, 1, 0), (30, 9, 4), (12, 3, 3)]
@@ -88,20 +89,27 @@ def test_an_extend_s_generated_rows_are_the_decode_kernel_s_bits(dtype):
     if dtype == torch.float64:
         assert torch.equal(out, ref)
         return
+    prompt_rows = torch.cat([torch.arange(int(cu[b]), int(cu[b]) + k - g) for b, (_, k, g) in enumerate(cases)])
+    prompts = cpu_ops.extend_attention(q[prompt_rows], *caches, p.block_tables,
+                                       cu_lens([k - g for _, k, g in cases]), p.seq_lens - gen, 0.25)
+    if dtype != torch.bfloat16:
+        assert torch.equal(out[prompt_rows], ref[prompt_rows])
     for b, (prefix, k, g) in enumerate(cases):
         for j in range(k):
             row = int(cu[b]) + j
             if j < k - g:
-                assert torch.equal(out[row], ref[row]), (b, j)                  # a prompt's row
+                assert torch.equal(out[row], prompts[int((prompt_rows == row).nonzero())]), (b, j)
                 continue
             alone = cpu_ops.paged_decode_attention(q[row : row + 1], *caches, p.block_tables[b : b + 1],
                                                    torch.tensor([prefix + j + 1], dtype=torch.int32), 0.25)
             assert torch.equal(out[row], alone[0]), (b, j)
 
 
-def test_without_generated_rows_an_extend_is_the_reference_s():
-    p = make_paged([5, 17], kv_heads=1, head_dim=32, block_size=4, dtype=torch.bfloat16)
-    q = make_q(2, 2, 32, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_without_generated_rows_an_extend_is_the_reference_s(dtype):
+    # (bfloat16 prompt rows go to the AMX prompt kernel where there is one: test_cpu_prompt_attention.py)
+    p = make_paged([5, 17], kv_heads=1, head_dim=32, block_size=4, dtype=dtype)
+    q = make_q(2, 2, 32, dtype)
     args = (q, p.k_cache, p.v_cache, p.block_tables, cu_lens([1, 1]), p.seq_lens, 0.5)
     want = reference.extend_attention(*args)
     assert torch.equal(cpu_ops.extend_attention(*args), want)
@@ -129,6 +137,9 @@ def test_a_whole_prompt_attends_over_its_new_kv_with_the_pages_bits(ops, dtype):
     assert torch.equal(ops.extend_attention(*args, generated=gen, new_kv=new_kv), want)
     zeros = (torch.zeros_like(new_kv[0]), torch.zeros_like(new_kv[1]))
     got = ops.extend_attention(*args, generated=gen, new_kv=zeros)
+    if ops is cpu_ops and dtype == torch.bfloat16 and cpu_ops._load_prompt() is not None:
+        assert torch.equal(got, want)                                 # the prompt kernel reads the pages
+        return
     assert torch.equal(got[37:42], want[37:42])                       # the extend: its pages
     assert not torch.equal(got[:37], want[:37]) and not torch.equal(got[42:], want[42:])
 
