@@ -37,6 +37,10 @@ T = TypeVar("T")
 # capacity), wait this long for a wake-up before stepping again.
 _IDLE_POLL_S = 0.005
 
+# A prefill engine on the compute thread queues its next step as its last ends, ahead of the
+# relay's and main decode's steps; after this many in a row, behind the steps waiting then.
+PREFILL_STREAK = 8
+
 
 class EngineStopped(RuntimeError):
     """The engine loop stopped (shut down or crashed) while a request was live."""
@@ -318,6 +322,9 @@ class AsyncEngine:
                 if not (eng.has_work() if inline else await self._on_engine(eng.has_work)):
                     await self._wake.wait()
                     continue
+                if self._compute is not None and self.turn == Turn.PREFILL:
+                    await self._prefill_streak()
+                    continue
                 began = loop.time()
                 outputs = eng.step() if inline else await self._on_engine(eng.step, turn=self.turn)
                 # The modeled duration counts from the step's start: the host's own time for the
@@ -338,6 +345,28 @@ class AsyncEngine:
             log.exception("engine_loop_crashed", engine=self.name)
             self._closed = True
             self._fail_all(EngineStopped(f"{self.name} crashed: {e!r}"))
+
+    async def _prefill_streak(self) -> None:
+        """Steps of a prefill engine on the compute thread while it has work, each queued by the
+        last as it ends (`_step_and_queue`): a burst of prompts is prefilled back to back instead
+        of each step waiting behind the relay's and main decode's between them."""
+        fut: concurrent.futures.Future | None = self._submit(self.turn, self._step_and_queue, 1)
+        while fut is not None:
+            outputs, fut = await asyncio.wrap_future(fut)
+            self._hand_out(outputs)
+
+    def _step_and_queue(self, streak: int) -> tuple[list[RequestOutput], concurrent.futures.Future | None]:
+        """On the compute thread: one step, then the next queued at once while the engine has work:
+        at its own turn, before any lower turn's call can start, or every PREFILL_STREAK steps at
+        the last turn, behind every call waiting then (each relay and main decode steps once)."""
+        if self._closed:
+            return [], None
+        outputs = self.engine.step()
+        if self._closed or not self.engine.has_work():
+            return outputs, None
+        if streak < PREFILL_STREAK:
+            return outputs, self._submit(self.turn, self._step_and_queue, streak + 1)
+        return outputs, self._submit(Turn.DECODE, self._step_and_queue, 1)
 
     def _hand_out(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs to their readers: a stream's queue each, a sink's all in one call."""

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from pddgw.engines import compute_thread
+from pddgw.engines import async_engine, compute_thread
 from pddgw.engines.async_engine import AsyncEngine, in_passing_thread
 from pddgw.engines.compute_thread import ComputeThread, Turn
 
@@ -109,3 +109,70 @@ def test_cancelling_one_off_work_does_not_hold_the_loop():
         return still_running
 
     assert asyncio.run(main())
+
+
+def _prefill_engine(model, steps: int, on_step, monkeypatch) -> tuple[AsyncEngine, ComputeThread]:
+    """A prefill engine on a compute thread of its own whose one request takes `steps` steps (16
+    prompt tokens each, the first token with the last), `on_step(n)` called as step n begins."""
+    ct = ComputeThread(name="test-compute-streak")
+    monkeypatch.setattr(compute_thread, "shared", lambda: ct)
+    engine = make_engine(model, cpu_threads=2, max_num_batched_tokens=16, max_num_seqs=4, num_blocks=64)
+    real, count = engine.step, iter(range(1, 1000))
+
+    def step():
+        on_step(next(count))
+        return real()
+    engine.step = step
+    aeng = AsyncEngine(engine, "p", Turn.PREFILL)
+    return aeng, ct
+
+
+def test_a_prefill_engine_steps_back_to_back_and_yields_every_streak(tiny64, monkeypatch):
+    """Steps of the other engines queued during the streak run after its PREFILL_STREAK-th step
+    (relay first), control calls between any two steps; the streak then goes on."""
+    monkeypatch.setattr(async_engine, "PREFILL_STREAK", 3)
+    order: list[str] = []
+    ct_box: list[ComputeThread] = []
+
+    def on_step(n: int) -> None:
+        order.append(f"P{n}")
+        ct = ct_box[0]
+        if n == 2:      # the relay's and main decode's steps arrive mid-streak
+            ct.submit(Turn.DECODE, order.append, "MD")
+            ct.submit(Turn.RELAY, order.append, "RLD")
+        if n == 4:
+            ct.submit(Turn.CONTROL, order.append, "import")
+
+    async def main() -> list[int]:
+        aeng, ct = _prefill_engine(tiny64, 7, on_step, monkeypatch)
+        ct_box.append(ct)
+        aeng.start()
+        ids = [t async for out in aeng.generate(req("r", list(range(3, 3 + 7 * 16)), 1)) for t in out.ids]
+        await aeng.stop()
+        return ids
+
+    assert len(asyncio.run(main())) == 1
+    assert order == ["P1", "P2", "P3", "RLD", "MD", "P4", "import", "P5", "P6", "P7"]
+
+
+def test_no_step_of_a_streak_runs_once_the_engine_is_stopped(tiny64, monkeypatch):
+    closed_at_step: list[bool] = []
+    box: list[AsyncEngine] = []
+    second = threading.Event()
+
+    def on_step(n: int) -> None:
+        closed_at_step.append(box[0]._closed)
+        if n == 2:
+            second.set()
+
+    async def main() -> None:
+        aeng, ct = _prefill_engine(tiny64, 50, on_step, monkeypatch)
+        box.append(aeng)
+        aeng.start()
+        await aeng.add(req("r", [3 + i % 300 for i in range(50 * 16)], 1))
+        await asyncio.get_running_loop().run_in_executor(None, second.wait, 30)
+        await aeng.stop()
+        await asyncio.wrap_future(ct.submit(Turn.DECODE, lambda: None))     # whatever was queued has run
+
+    asyncio.run(main())
+    assert 2 <= len(closed_at_step) < 50 and not any(closed_at_step)
