@@ -1,11 +1,12 @@
-"""Attention kernels behind one interface, and the CPU's GEMM kernel.
+"""Attention kernels behind one interface, and the CPU's layer kernels.
 
 `get_ops(backend, device)` returns the module (Triton, the CPU kernels or the torch
 reference) whose `store_kv`, `paged_decode_attention` and `extend_attention` the
 engine calls.  "auto" is Triton on CUDA, the CPU backend (`cpu_ops`: decode attention
-in C) on the CPU where its kernel builds, and the torch reference elsewhere.  Triton
-is imported only when it is selected.  The CPU's bfloat16 GEMMs on AMX tiles are
-`cpu_linear` (the model packs its weights for them); `cpu_build` builds both C kernels.
+in C, bfloat16 prompt rows on AMX tiles) on the CPU where its kernel builds, and the
+torch reference elsewhere.  Triton is imported only when it is selected.  The CPU's
+bfloat16 GEMMs on AMX tiles are `cpu_linear` (the model packs its weights for them),
+its bfloat16 RMSNorm and RoPE passes `cpu_pointwise`; `cpu_build` builds the C kernels.
 """
 
 from __future__ import annotations

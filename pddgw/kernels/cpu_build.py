@@ -1,4 +1,4 @@
-"""Build and load the C kernels of this folder (`cpu_attention.c`, `cpu_linear.c`) for this CPU.
+"""Build and load the C kernels of this folder (`cpu_*.c`) for this CPU.
 
 Each source is compiled once per machine with the system C compiler for this CPU
 (`-march=native`) into the cache directory ($PDDGW_CACHE_DIR, else ~/.cache/pddgw; a
