@@ -69,17 +69,18 @@ def _attention(model: str, heads: int, kv_heads: int, d: int, prompts: int, leng
     q = qkv[:, : heads * d].view(t, heads, d)
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
-    # One page per token, in order: the reference's whole prompts read k / v, not the pages.
-    cache = torch.zeros(t, 1, kv_heads, d, dtype=torch.bfloat16)
+    # One page per token, in order, holding the step's K / V as the engine stores them (the kernel
+    # reads the pages; the reference's whole prompts read k / v).
+    k_cache, v_cache = k.clone()[:, None], v.clone()[:, None]                     # [T, 1, KVH, D]
     tables = torch.arange(t, dtype=torch.int32).view(prompts, length)
     cu = torch.arange(0, t + 1, length, dtype=torch.int32)
     lens = torch.full((prompts,), length, dtype=torch.int32)
     scale = d ** -0.5
 
     def side(ops) -> Callable[[], torch.Tensor]:
-        return lambda: ops.extend_attention(q, cache, cache, tables, cu, lens, scale, new_kv=(k, v))
+        return lambda: ops.extend_attention(q, k_cache, v_cache, tables, cu, lens, scale, new_kv=(k, v))
 
-    exact = reference.extend_attention(q.double(), cache.double(), cache.double(), tables, cu, lens, scale,
+    exact = reference.extend_attention(q.double(), k_cache.double(), v_cache.double(), tables, cu, lens, scale,
                                        new_kv=(k.double(), v.double()))
     return _timed("prompt attention", model, f"{prompts} x {length}", side(cpu_ops), side(reference), calls, exact)
 

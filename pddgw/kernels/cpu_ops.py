@@ -11,7 +11,7 @@ step (two calls a layer, each forking OpenMP threads for a few rows).
 
 Prompt rows: torch's SDPA runs one call per prompt and rounds like nothing else here; the AMX
 kernel takes a bfloat16 prefill step's attention 2-3 x faster (`python -m pddgw.bench.prefill_ops`:
-SmolLM2's 4 x 256 tokens 1.5 -> 0.7 ms a layer), reads every key from the pages, and gives a row
+SmolLM2's 4 x 256 tokens ~1.6 -> ~0.8 ms a layer), reads every key from the pages, and gives a row
 the same bits however its prompt was chunked (cpu_prompt_attention.c says how).
 
 The libraries are built on first use (`cpu_build`); where no compiler builds them, and for
