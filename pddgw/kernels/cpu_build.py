@@ -10,8 +10,8 @@ compiles against torch's headers (tens of seconds); these are plain C files that
 about a second.
 
 `load` raises (OSError, RuntimeError, SubprocessError) where no compiler builds a source;
-the callers log that once and keep their torch fallback.  `Once` holds what a caller binds
-from its library, made on first use.
+`load_or_log` logs that once instead, and the callers keep their torch fallback.  `Once`
+holds what a caller binds from its library, made on first use.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -29,15 +30,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, TypeVar, cast
 
-__all__ = ["BuildFailed", "Once", "build", "compiler", "load"]
+import structlog
+
+__all__ = ["BuildFailed", "Once", "build", "compiler", "load", "load_or_log"]
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 COMPILE = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11")
 # -ffast-math at compile time only (vectorized expf): linking with it would add crtfastmath,
 # which turns on flush-to-zero for the whole process.
 LINK = ("-shared", "-fopenmp", "-lmvec", "-lm")
 BuildFailed = (OSError, RuntimeError, subprocess.SubprocessError)
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"', re.MULTILINE)
 
 
 def cache_dir() -> Path:
@@ -70,10 +75,17 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
+def _texts(source: Path) -> list[str]:
+    """The source's text and that of the headers of this folder it includes (`#include "x.h"`)."""
+    text = source.read_text()
+    return [text, *(source.with_name(name).read_text() for name in _LOCAL_INCLUDE.findall(text))]
+
+
 def build(source: Path, cc: str) -> Path:
-    """The library of `source`, compiled now unless a build for this source, compiler and CPU exists."""
+    """The library of `source`, compiled now unless a build for this source (and the headers it
+    includes), compiler and CPU exists."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), *COMPILE, *LINK, version, _cpu_features(),
+    key = hashlib.sha256("\0".join([*_texts(source), *COMPILE, *LINK, version, _cpu_features(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
@@ -94,6 +106,15 @@ def load(source: Path) -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     return ctypes.CDLL(str(build(source, cc)))
+
+
+def load_or_log(source: Path, instead: str) -> ctypes.CDLL | None:
+    """`load(source)`, or None after one warning saying why and what runs `instead`."""
+    try:
+        return load(source)
+    except BuildFailed as e:
+        log.warning("a CPU kernel is not available", kernel=source.name, instead=instead, reason=str(e))
+        return None
 
 
 class Once(Generic[T]):

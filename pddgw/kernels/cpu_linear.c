@@ -21,23 +21,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define HAVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "cpu_amx.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* 1 where this build has the AMX path and Linux lets the process use the tile registers. */
-int linear_ready(void) {
-#ifdef HAVE_AMX
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#else
-    return 0;
-#endif
+int linear_ready(void) {                  /* the loader's question: cpu_amx.h's amx_ready */
+    return amx_ready();
 }
 
 /* w [N, K] (rows `w_stride` elements apart) -> out [N / 16][K / 32][16][16][2]. */
@@ -57,12 +44,6 @@ void linear_pack(const uint16_t *w, int64_t w_stride, uint16_t *out, int64_t N, 
 }
 
 #ifdef HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* Tiles: 0, 1 = x rows [0, r0) and [16, 16 + r1); 2, 3 = the two column blocks' weights;
  * 4, 5 = rows 0.. x blocks 0, 1; 6, 7 = rows 16.. x blocks 0, 1. */
 static void configure(int r0, int r1) {

@@ -41,10 +41,8 @@ class Packed:
 
 def _bind() -> ctypes.CDLL | None:
     """The library where it builds and this process may use AMX tiles; None otherwise (logged)."""
-    try:
-        lib = cpu_build.load(_SOURCE)
-    except cpu_build.BuildFailed as e:
-        log.warning("the CPU linear kernel is not available: linear layers use oneDNN", reason=str(e))
+    lib = cpu_build.load_or_log(_SOURCE, "oneDNN's linear layers")
+    if lib is None:
         return None
     lib.linear_pack.argtypes, lib.linear_pack.restype = [_P, _I, _P, _I, _I], None
     lib.linear_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int]

@@ -28,14 +28,12 @@ import ctypes
 import functools
 from pathlib import Path
 
-import structlog
 import torch
 
 from pddgw.kernels import cpu_build, reference
 
 __all__ = ["available", "extend_attention", "paged_decode_attention", "store_kv"]
 
-log = structlog.get_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _PROMPT_SOURCE = Path(__file__).with_name("cpu_prompt_attention.c")
@@ -48,15 +46,13 @@ _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [
 _MAX_STACK = 1 << 20           # of the 8 MiB threads get by default (OpenMP's workers too)
 _PACK_BYTES = 64 << 20         # the prompt kernel's packed keys per call (one sequence may need more)
 
+
 def _bind() -> dict[torch.dtype | str, ctypes._CFuncPtr]:
     """The decode kernels by dtype, "store_kv" and "scratch_bytes"; {} where they cannot be built
     (logged)."""
     found: dict[torch.dtype | str, ctypes._CFuncPtr] = {}
-    try:
-        lib = cpu_build.load(_SOURCE)
-    except cpu_build.BuildFailed as e:
-        log.warning("the CPU attention kernel is not available: decode attention uses the torch reference",
-                    reason=str(e))
+    lib = cpu_build.load_or_log(_SOURCE, "the torch reference's decode attention")
+    if lib is None:
         return found
     for dtype, name in _SYMBOLS.items():
         fn = getattr(lib, name)
@@ -74,13 +70,8 @@ _load = cpu_build.Once(_bind)                 # built on first use, once per pro
 
 def _bind_prompt() -> ctypes._CFuncPtr | None:
     """The AMX prompt kernel where it builds and this process may use AMX tiles; None otherwise."""
-    try:
-        lib = cpu_build.load(_PROMPT_SOURCE)
-    except cpu_build.BuildFailed as e:
-        log.warning("the CPU prompt attention kernel is not available: prompts attend through torch",
-                    reason=str(e))
-        return None
-    if lib.prompt_ready() != 1:
+    lib = cpu_build.load_or_log(_PROMPT_SOURCE, "the torch reference's prompt attention")
+    if lib is None or lib.prompt_ready() != 1:
         return None
     fn = lib.prompt_attention_bf16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + \

@@ -31,16 +31,14 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 def _bind() -> ctypes.CDLL | None:
     """The library where it builds and this CPU has AVX-512 BF16; None otherwise (logged)."""
-    try:
-        lib = cpu_build.load(_SOURCE)
-    except cpu_build.BuildFailed as e:
-        log.warning("the CPU RMSNorm kernel is not available: RMSNorm uses torch ops", reason=str(e))
+    lib = cpu_build.load_or_log(_SOURCE, "torch ops for RMSNorm and RoPE")
+    if lib is None:
         return None
     lib.rms_squares.argtypes, lib.rms_squares.restype = [_P, _I, _P, _I, _I, ctypes.c_int], ctypes.c_int
     lib.rms_scale.argtypes, lib.rms_scale.restype = [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int], ctypes.c_int
     lib.rope_bf16.argtypes, lib.rope_bf16.restype = [_P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int], ctypes.c_int
     if lib.rms_squares(None, 0, None, 0, 0, 1) != 0:
-        log.info("no AVX-512 BF16 here: bfloat16 RMSNorm uses torch ops")
+        log.info("no AVX-512 BF16 here: bfloat16 RMSNorm and RoPE use torch ops")
         return None
     return lib
 

@@ -22,33 +22,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define HAVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "cpu_amx.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define Q_ROWS 16                /* queries a task */
 
-/* 1 where this build has the AMX path and Linux lets the process use the tile registers. */
-int prompt_ready(void) {
-#ifdef HAVE_AMX
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#else
-    return 0;
-#endif
+int prompt_ready(void) {                  /* the loader's question: cpu_amx.h's amx_ready */
+    return amx_ready();
 }
 
 #ifdef HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 static void configure(void) {          /* every tile 16 rows of 64 bytes */
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);

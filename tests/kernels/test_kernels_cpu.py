@@ -11,7 +11,7 @@ from .kernel_cases import assert_close, cu_lens, loop_decode, loop_extend, make_
 
 import pddgw.kernels as K
 from pddgw.engines.kv_pool import KVPool
-from pddgw.kernels import cpu_build, cpu_ops, reference
+from pddgw.kernels import cpu_build, cpu_linear, cpu_ops, cpu_pointwise, reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -265,6 +265,18 @@ def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
     assert cpu_build.build(cpu_ops._SOURCE, cc) == path
 
 
+def test_a_header_the_source_includes_is_part_of_its_build(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDDGW_CACHE_DIR", str(tmp_path / "cache"))
+    src, header = tmp_path / "k.c", tmp_path / "k.h"
+    src.write_text('#include "k.h"\nint answer(void) { return ANSWER; }\n')
+    header.write_text("#define ANSWER 41\n")
+    first = cpu_build.build(src, cpu_build.compiler())
+    header.write_text("#define ANSWER 42\n")
+    second = cpu_build.build(src, cpu_build.compiler())
+    assert first != second and first.exists()
+    assert cpu_build.load(src).answer() == 42
+
+
 def test_an_unwritable_cache_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")                                      # a file where the directory would be
@@ -281,3 +293,18 @@ def test_a_failed_build_names_the_command(monkeypatch, tmp_path):
         cpu_build.build(tmp_path / "broken.c", cpu_build.compiler())
     assert "error" in str(e.value)
     assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_the_c_kernels_this_cpu_can_run_build_and_load():
+    """A kernel that does not build logs a warning and its callers fall back to torch, and its
+    tests skip: on a CPU that has what a kernel needs, its not loading is a failure."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        flags = set()
+    if not {"avx512_bf16", "amx_bf16"} & flags:
+        pytest.skip("no AVX-512 BF16 or AMX-BF16 on this CPU")
+    assert cpu_pointwise.available() == ("avx512_bf16" in flags)
+    if "amx_bf16" in flags:
+        assert cpu_linear.available() and cpu_ops._load_prompt() is not None
