@@ -358,7 +358,7 @@ class AsyncEngine:
     def _step_and_queue(self, streak: int) -> tuple[list[RequestOutput], concurrent.futures.Future | None]:
         """On the compute thread: one step, then the next queued at once while the engine has work:
         at its own turn, before any lower turn's call can start, or every PREFILL_STREAK steps at
-        the last turn, behind every call waiting then (each relay and main decode steps once)."""
+        the last turn, behind every call waiting then (the relay and main decode step once)."""
         if self._closed:
             return [], None
         outputs = self.engine.step()

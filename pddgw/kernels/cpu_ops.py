@@ -142,8 +142,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sequence b (tokens it generated: a decode in a step that also prefills, tokens relayed
     before a handoff) go to the decode kernel, each as a sequence ending at its position.  A
     generated token's attention is then the same bits whether it was decoded alone, beside a
-    prefill or extended with others (the invariants of DESIGN.md); the prompt's rows stay with
-    the reference, a one-token chunk of a prompt too, so that chunking does not change them."""
+    prefill or extended with others (the invariants of DESIGN.md); the prompts' rows, a one-token
+    chunk of a prompt too, go to `_prompts` (the AMX prompt kernel or the reference) as a prompt's
+    rows always do."""
     if generated is None or _kernel(q, k_cache, v_cache) is None or not bool(generated.any()):
         return _prompts(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale, new_kv)
     gen = generated.long()                                                        # [B]

@@ -1,11 +1,12 @@
-/* bfloat16 RMSNorm in two passes around torch's own row mean (cpu_norm.py says why).
+/* bfloat16 RMSNorm in two passes around torch's own row mean, and RoPE in one pass, each the
+ * bits of the torch ops they replace (cpu_pointwise.py says why).
  *
- * transformers computes  w * bf16(xf * rsqrt(mean(xf * xf) + eps))  with xf = float32(x), in
- * five or six torch passes over [T, N] float32 temporaries.  Here `rms_squares` writes the
- * squares xf * xf (the same float32 products torch's pow(2) makes), torch reduces them (its
- * own summation order, so the mean is the same bits), and `rms_scale` does the rest in one
- * pass: float32(x) * r[t] rounded to bfloat16, times float32(w) rounded again (what torch's
- * bfloat16 multiply does), rounding to nearest even as torch does.
+ * RMSNorm: transformers computes  w * bf16(xf * rsqrt(mean(xf * xf) + eps))  with xf =
+ * float32(x).  `rms_squares` writes the squares xf * xf (the same float32 products torch's
+ * pow(2) makes), torch reduces them (its own summation order, so the mean is the same bits),
+ * and `rms_scale` does the rest: float32(x) * r[t] rounded to bfloat16, times float32(w) rounded
+ * again (what torch's bfloat16 multiply does), rounding to nearest even as torch does.
+ * RoPE (`rope_bf16`): each product and the sum rounded to bfloat16 as torch's ops round them.
  */
 #include <stdint.h>
 
