@@ -3,7 +3,10 @@ its batch and thread invariance, its refusals, and how it is built and selected.
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,6 +278,16 @@ def test_a_header_the_source_includes_is_part_of_its_build(monkeypatch, tmp_path
     second = cpu_build.build(src, cpu_build.compiler())
     assert first != second and first.exists()
     assert cpu_build.load(src).answer() == 42
+
+
+def test_every_c_source_and_header_ships_with_the_package():
+    """An installed (not editable) pddgw builds its kernels from the package's own files."""
+    root = Path(cpu_build.__file__).parents[2]
+    with open(root / "pyproject.toml", "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["pddgw.kernels"]
+    files = [p.name for p in Path(cpu_build.__file__).parent.iterdir() if p.suffix in (".c", ".h")]
+    assert {"cpu_attention.c", "cpu_amx.h"} <= set(files)
+    assert all(any(fnmatch.fnmatch(name, pat) for pat in patterns) for name in files), (files, patterns)
 
 
 def test_an_unwritable_cache_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
