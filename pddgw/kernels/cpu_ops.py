@@ -187,7 +187,8 @@ def _prompts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bloc
     if tables.stride(1) != 1:
         tables = tables.contiguous()
     nb, bs, kvh, d = k_cache.shape
-    sizes = [-(-n // 32) * 32 * 4 * kvh * d for n in lens.tolist()]               # packed K and V bytes
+    dp = -(-d // 32) * 32                                                         # q.k's padded head_dim
+    sizes = [-(-n // 32) * 32 * 2 * kvh * (dp + d) for n in lens.tolist()]        # packed K and V bytes
     first = 0
     while first < len(sizes):
         last, size = first + 1, sizes[first]
@@ -208,11 +209,11 @@ def _prompts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bloc
 
 def _prompt_kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """bfloat16 on the CPU (the caches too, rows packed alike), each row's heads packed, head_dim a
-    multiple of 32 up to 128, whole groups of query heads."""
+    multiple of 16 up to 128, whole groups of query heads."""
     d = q.shape[2]
     return (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
             and k_cache.stride() == v_cache.stride() and _rows_contiguous(k_cache) and q.stride()[1:] == (d, 1)
-            and d % 32 == 0 and d <= 128 and q.shape[1] % k_cache.shape[2] == 0)
+            and d % 16 == 0 and d <= 128 and q.shape[1] % k_cache.shape[2] == 0)
 
 
 def _kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):

@@ -5,7 +5,7 @@
  * k/v caches [num_blocks, BS, KVH, D] (block stride `block_stride`, rows packed); tables
  * [B, >= ceil(len / BS)] int32 (row stride `table_stride`, width `table_width`); sequence i has
  * q_lens[i] rows from q_starts[i], the last of its seq_lens[i] tokens (their K/V already
- * stored).  D % 32 == 0, D <= 128.
+ * stored).  D % 16 == 0, D <= 128; q.k runs over D rounded up to 32 (DP), the rest zeros.
  *
  * Math, one (sequence, head, 16 rows) task per thread: scores q.k in float32 (one TDPBF16PS
  * chain over D), times `scale`; over the keys up to the row's position, exp(score - max) (a
@@ -25,6 +25,7 @@
 #include "cpu_amx.h"
 
 #define Q_ROWS 16                /* queries a task */
+#define DP ((D + 31) / 32 * 32)  /* D rounded up to a whole q.k step */
 
 int prompt_ready(void) {                  /* the loader's question: cpu_amx.h's amx_ready */
     return amx_ready();
@@ -42,13 +43,13 @@ static void configure(void) {          /* every tile 16 rows of 64 bytes */
     _tile_loadconfig(&cfg);
 }
 
-/* Keys [0, L) of KV head g from the pages -> kp [D / 32][L32 / 16][16 pairs][16 keys][2], the B
+/* Keys [0, L) of KV head g from the pages -> kp [DP / 32][L32 / 16][16 pairs][16 keys][2], the B
  * operand of q.k; values -> vp [L32 / 32][D / 16][16 pairs][16 columns][2], the B operand of p.v;
  * both zero past L (L32: L rounded up to 32).  row(c, j): key j's row of head g in cache c. */
 #define ROW(c, j) ((c) + (int64_t)table[(j) / bs] * block_stride + ((j) % bs) * row_elems)
 static void pack(const uint16_t *kc, const uint16_t *vc, int64_t block_stride, int64_t bs, int64_t row_elems,
                  const int32_t *table, int64_t L, int64_t L32, int64_t D, uint16_t *kp, uint16_t *vp) {
-    int64_t kblocks = L32 / 16, pairs = D / 2;
+    int64_t kblocks = L32 / 16, pairs = D / 2, padded = (D + 31) / 32 * 16;      /* pairs of DP */
     uint16_t rows[16 * 128] __attribute__((aligned(64)));          /* 16 keys' rows, D apart */
     /* A tile row: one pair of d for 16 keys, gathered from their rows (keys past L read as 0). */
     const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -58,8 +59,9 @@ static void pack(const uint16_t *kc, const uint16_t *vc, int64_t block_stride, i
         for (int64_t r = 0; r < n; r++)
             memcpy(rows + r * D, ROW(kc, b * 16 + r), (size_t)D * 2);
         __mmask16 m = (__mmask16)((1u << n) - 1);
-        for (int64_t pr = 0; pr < pairs; pr++) {
-            __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at, rows + 2 * pr, 1);
+        for (int64_t pr = 0; pr < padded; pr++) {
+            __m512i g = pr < pairs ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at, rows + 2 * pr, 1)
+                                   : _mm512_setzero_si512();
             _mm512_storeu_si512(kp + (((pr / 16) * kblocks + b) * 16 + pr % 16) * 32, g);
         }
     }
@@ -126,17 +128,17 @@ static void task(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const 
     float obuf[Q_ROWS * 16] __attribute__((aligned(64))), sums[Q_ROWS];
     memset(qbuf, 0, sizeof qbuf);
     for (int r = 0; r < rows; r++)
-        memcpy(qbuf + r * D, q + (q0 + r) * q_stride, (size_t)D * 2);
-    int64_t steps = D / 32, kblocks = L32 / 16, end = pos0 + q0 + rows;    /* keys [0, end) */
+        memcpy(qbuf + r * DP, q + (q0 + r) * q_stride, (size_t)D * 2);
+    int64_t steps = DP / 32, kblocks = L32 / 16, end = pos0 + q0 + rows;   /* keys [0, end) */
     int64_t nk16 = (end + 15) / 16, nk32 = (end + 31) / 32;
     /* Scores: q tiles 0 .. steps - 1 stay loaded; tiles 4, 5 sum two key blocks, 6, 7 their keys. */
-    _tile_loadd(0, qbuf, D * 2);
+    _tile_loadd(0, qbuf, DP * 2);
     if (steps > 1)
-        _tile_loadd(1, qbuf + 32, D * 2);
+        _tile_loadd(1, qbuf + 32, DP * 2);
     if (steps > 2)
-        _tile_loadd(2, qbuf + 64, D * 2);
+        _tile_loadd(2, qbuf + 64, DP * 2);
     if (steps > 3)
-        _tile_loadd(3, qbuf + 96, D * 2);
+        _tile_loadd(3, qbuf + 96, DP * 2);
     for (int64_t b = 0; b < nk16; b += 2) {
         int two = b + 1 < nk16;
         _tile_zero(4);
@@ -219,7 +221,7 @@ int prompt_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
                           const int64_t *q_lens, const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
                           int64_t D, float scale, uint16_t *out, int threads) {
 #ifdef HAVE_AMX
-    if (D % 32 || D > 128 || D < 32 || H % KVH)
+    if (D % 16 || D > 128 || D < 16 || H % KVH)
         return -1;
     for (int64_t i = 0; i < B; i++) {
         int64_t L = seq_lens[i];
@@ -237,7 +239,7 @@ int prompt_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
     for (int64_t i = 0; i < B; i++) {
         int64_t L32 = (seq_lens[i] + 31) / 32 * 32;
         off[i] = packed;
-        packed += 2 * L32 * KVH * D;
+        packed += L32 * KVH * (DP + D);
         most = L32 > most ? L32 : most;
         base[i] = tasks;
         tasks += H * ((q_lens[i] + Q_ROWS - 1) / Q_ROWS);
@@ -249,10 +251,10 @@ int prompt_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
         #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < B * KVH; w++) {
             int64_t i = w / KVH, g = w % KVH, L32 = (seq_lens[i] + 31) / 32 * 32;
-            uint16_t *kp = kv + off[i] + 2 * g * L32 * D;
+            uint16_t *kp = kv + off[i] + g * L32 * (DP + D);
             if (q_lens[i])
                 pack(kc + g * D, vc + g * D, block_stride, bs, KVH * D, tables + i * table_stride, seq_lens[i],
-                     L32, D, kp, kp + L32 * D);
+                     L32, D, kp, kp + L32 * DP);
         }
         tile_config saved;        /* the thread's tile shapes, put back for another AMX user */
         _tile_storeconfig(&saved);
@@ -269,8 +271,8 @@ int prompt_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
             int64_t h = local % H, q0 = (blocks - 1 - local / H) * Q_ROWS;
             int64_t L32 = (seq_lens[i] + 31) / 32 * 32, g = h / group;
             int rows = q_lens[i] - q0 < Q_ROWS ? (int)(q_lens[i] - q0) : Q_ROWS;
-            const uint16_t *kp = kv + off[i] + 2 * g * L32 * D;
-            task(q + q_starts[i] * q_stride + h * D, q_stride, kp, kp + L32 * D, L32, D, seq_lens[i] - q_lens[i],
+            const uint16_t *kp = kv + off[i] + g * L32 * (DP + D);
+            task(q + q_starts[i] * q_stride + h * D, q_stride, kp, kp + L32 * DP, L32, D, seq_lens[i] - q_lens[i],
                  q0, rows, scale, out + q_starts[i] * H * D + h * D, H * D, s, p);
         }
         free(s);
