@@ -356,13 +356,14 @@ class AsyncEngine:
             self._hand_out(outputs)
 
     def _step_and_queue(self, streak: int) -> tuple[list[RequestOutput], concurrent.futures.Future | None]:
-        """On the compute thread: one step, then the next queued at once while the engine has work:
-        at its own turn, before any lower turn's call can start, or every PREFILL_STREAK steps at
-        the last turn, behind every call waiting then (the relay and main decode step once)."""
+        """On the compute thread: one step, then the next queued at once while prompts are left to
+        compute (`Engine.prompt_work`; a relaying P's decodes alone wait their turn as before): at
+        its own turn, before any lower turn's call can start, or every PREFILL_STREAK steps at the
+        last turn, behind every call waiting then (the relay and main decode step once)."""
         if self._closed:
             return [], None
         outputs = self.engine.step()
-        if self._closed or not self.engine.has_work():
+        if self._closed or not self.engine.prompt_work():
             return outputs, None
         if streak < PREFILL_STREAK:
             return outputs, self._submit(self.turn, self._step_and_queue, streak + 1)

@@ -53,6 +53,12 @@ class Engine(ABC):
         """Modeled duration of the last `step` (0 for an engine whose steps take real time)."""
         return 0.0
 
+    def prompt_work(self) -> bool:
+        """Whether some request has prompt tokens left to compute: a prefill engine's steps run
+        back to back while this holds (async_engine.py, `PREFILL_STREAK`).  This default: while
+        it has any work."""
+        return self.has_work()
+
     def held_last_step(self) -> bool:
         """Whether the last `step` sampled tokens it holds back for a later output
         (`EngineRequest.output_interval`): a step that returned nothing still advanced, and the

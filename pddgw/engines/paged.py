@@ -244,6 +244,10 @@ class PagedEngine(TrackedEngine):
     def has_work(self) -> bool:
         return bool(self._events) or self.scheduler.has_work()
 
+    def prompt_work(self) -> bool:
+        return any(s.status in (SeqStatus.WAITING, SeqStatus.READY)
+                   or (s.status == SeqStatus.RUNNING and s.num_computed < s.num_prompt) for s in self.seqs.values())
+
     # ---- contract: prefix cache -----------------------------------------------
     def match_prefix(self, block_hashes: Seq[int], pin_key: str | None = None) -> int:
         self._reclaim()

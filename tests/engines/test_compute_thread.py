@@ -176,3 +176,27 @@ def test_no_step_of_a_streak_runs_once_the_engine_is_stopped(tiny64, monkeypatch
 
     asyncio.run(main())
     assert 2 <= len(closed_at_step) < 50 and not any(closed_at_step)
+
+
+def test_a_prefill_engine_s_decodes_alone_do_not_run_back_to_back(tiny64, monkeypatch):
+    """A relaying P decodes what it prefilled: once no prompt is left to compute, each of its steps
+    waits behind the steps queued meanwhile, as any engine's does."""
+    order: list[str] = []
+    ct_box: list[ComputeThread] = []
+
+    def on_step(n: int) -> None:
+        order.append(f"P{n}")
+        if n == 2:                       # a decode step: the 16-token prompt was step 1
+            ct_box[0].submit(Turn.DECODE, order.append, "MD")
+
+    async def main() -> list[int]:
+        aeng, ct = _prefill_engine(tiny64, 1, on_step, monkeypatch)
+        ct_box.append(ct)
+        aeng.start()
+        ids = [t async for out in aeng.generate(req("r", list(range(3, 19)), 4)) for t in out.ids]
+        await aeng.stop()
+        return ids
+
+    assert len(asyncio.run(main())) == 4
+    assert order[:3] == ["P1", "P2", "MD"]
+    assert [s for s in order if s != "MD"] == ["P1", "P2", "P3", "P4"]
