@@ -11,11 +11,11 @@ engines on threads of their own, its opening burst's TTFT P99 1.9 instead of 3.4
 
 Order: the calls waiting run by `Turn`, then arrival: short control calls (admissions, KV
 imports and exports, aborts) first, then a prefill's step (a prompt waiting holds a first
-token), a relay's, a main decode's.  An engine has at most one step waiting.  A prefill
-engine's next step is queued as its last ends (async_engine.py, `PREFILL_STREAK`), so a burst
-of prompts is prefilled back to back; every PREFILL_STREAK steps its next queues at the last
-turn, behind every call waiting then: the relay and main decode step at least once in that
-many prefill steps, and no turn starves another.
+token), a relay's, a main decode's.  An engine has at most one step waiting.  While prompts
+are left to compute, a prefill engine's next step is queued as its last ends (async_engine.py,
+`PREFILL_STREAK`), so a burst of prompts is prefilled back to back; every PREFILL_STREAK steps
+its next queues at the last turn, behind every call waiting then: the relay and main decode
+step at least once in that many prefill steps, and no turn starves another.
 
 Contract: a call runs to its end before the next starts (engines need no locks); a call's
 exception is its future's; the thread lives as long as the process (a daemon).
