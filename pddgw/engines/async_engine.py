@@ -367,7 +367,7 @@ class AsyncEngine:
             return outputs, None
         if streak < PREFILL_STREAK:
             return outputs, self._submit(self.turn, self._step_and_queue, streak + 1)
-        return outputs, self._submit(Turn.DECODE, self._step_and_queue, 1)
+        return outputs, self._submit(max(Turn), self._step_and_queue, 1)        # the last turn
 
     def _hand_out(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs to their readers: a stream's queue each, a sink's all in one call."""

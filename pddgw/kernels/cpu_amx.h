@@ -1,12 +1,13 @@
 /* What the AMX kernels (cpu_linear.c, cpu_prompt_attention.c) share: whether this build has the
  * tiles (HAVE_AMX), the process's permission to use them (amx_ready), and the tile configuration
- * layout.  cpu_build hashes this header with each source that includes it. */
+ * layout.  Include it after cpu_bf16.h (the tiles' kernels write bfloat16 through it); cpu_build
+ * hashes both with each source that includes them. */
 #ifndef PDDGW_CPU_AMX_H
 #define PDDGW_CPU_AMX_H
 
 #include <stdint.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_BF16) && defined(__linux__)
 #define HAVE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
 #include "cpu_amx.h"
 
 int linear_ready(void) {                  /* the loader's question: cpu_amx.h's amx_ready */
@@ -63,15 +64,10 @@ static void configure(int r0, int r1) {
 static inline void store16(const float *acc, const uint16_t *bias, const uint16_t *add, uint16_t *y) {
     __m512 v = _mm512_loadu_ps(acc);
     if (bias)
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16)));
-    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    if (add) {
-        __m512 s = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)),
-                                 _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)add)), 16)));
-        h = (__m256i)_mm512_cvtneps_pbh(s);
-    }
+        v = _mm512_add_ps(v, load16(bias));
+    __m256i h = round16(v);
+    if (add)
+        h = round16(_mm512_add_ps(widen(h), load16(add)));
     _mm256_storeu_si256((__m256i *)y, h);
 }
 

@@ -10,26 +10,7 @@
  */
 #include <stdint.h>
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-#define HAVE_BF16 1
-#include <immintrin.h>
-
-static inline __m512 widen(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline __m512 load16(const uint16_t *p) {
-    return widen(_mm256_loadu_si256((const __m256i *)p));
-}
-
-static inline __m512 load_tail(const uint16_t *p, __mmask16 m) {
-    return widen(_mm256_maskz_loadu_epi16(m, p));
-}
-
-static inline __m256i round16(__m512 v) {
-    return (__m256i)_mm512_cvtneps_pbh(v);
-}
-#endif
+#include "cpu_bf16.h"
 
 /* sq [T, N] (packed) = float32(x)^2 of x [T, N] (rows `x_stride` elements apart). -> 0, or -1
  * where this build has no AVX-512 BF16. */

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
 #include "cpu_amx.h"
 
 #define Q_ROWS 16                /* queries a task */
@@ -114,7 +115,7 @@ static float probabilities(const float *sr, uint16_t *pr, int64_t n, int64_t wid
         __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : n > j ? (__mmask16)((1u << (n - j)) - 1) : 0;
         __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vs, mx)));
         vsum = _mm512_add_ps(vsum, e);
-        _mm256_storeu_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+        _mm256_storeu_si256((__m256i *)(pr + j), round16(e));
     }
     return _mm512_reduce_add_ps(vsum);
 }
@@ -206,7 +207,7 @@ static void task(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const 
             default: _tile_stored(7, obuf, 64); break;
             }
             for (int r = 0; r < rows; r++)
-                _mm256_storeu_si256((__m256i *)(out + (q0 + r) * o_stride + (c0 + c) * 16), (__m256i)_mm512_cvtneps_pbh(
+                _mm256_storeu_si256((__m256i *)(out + (q0 + r) * o_stride + (c0 + c) * 16), round16(
                     _mm512_div_ps(_mm512_loadu_ps(obuf + r * 16), _mm512_set1_ps(sums[r]))));
         }
     }
