@@ -59,6 +59,8 @@ def _config_with_overrides(args: argparse.Namespace) -> Config:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model))
     if args.dtype:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=args.dtype))
+    if not args.config:          # the embedded default: the first token straight from P
+        cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, first_token_from_p=True))
     return cfg
 
 
@@ -286,13 +288,14 @@ DEFAULT_SYSTEM = ("You are a careful assistant running inside an agent loop. You
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """A streaming chat client: RLD's eager tokens in one colour, MD's in another."""
+    """A streaming chat client: P's first token, RLD's eager tokens and MD's each in its colour."""
     import asyncio
 
     import aiohttp
 
     url = args.url or f"ws://{args.host}:{args.port}/v1/responses"
-    colour = {"rld": "\x1b[33m", "md": "\x1b[36m"} if sys.stdout.isatty() and not args.json else {}
+    tty = sys.stdout.isatty() and not args.json
+    colour = {"prefill": "\x1b[35m", "rld": "\x1b[33m", "md": "\x1b[36m"} if tty else {}
     reset = "\x1b[0m" if colour else ""
 
     async def turn(ws, history: list[dict]) -> str:
@@ -316,8 +319,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 if args.json:
                     print(orjson.dumps(ev["response"]).decode())
                 else:
-                    print(f"\n[{tl['pipeline']}, ttft {tl['ttft_ms']:.0f} ms, rld {tl['tokens_by_role'].get('rld', 0)}"
-                          f" / md {tl['tokens_by_role'].get('md', 0)} tokens, handoff at {tl['handoff_position']},"
+                    by_role = " / ".join(f"{r} {tl['tokens_by_role'].get(r, 0)}" for r in ("prefill", "rld", "md"))
+                    print(f"\n[{tl['pipeline']}, ttft {tl['ttft_ms']:.0f} ms, {by_role} tokens,"
+                          f" handoff at {tl['handoff_position']},"
                           f" stall {tl['handoff_stall_ms']} ms, max itl {tl.get('max_itl_ms')} ms,"
                           f" wan {tl['wan_kv_bytes']} B]")
                 return ev["response"]["output"][0]["content"][0]["text"]

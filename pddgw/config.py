@@ -217,6 +217,12 @@ class PolicyConfig:
     # P-MD only if MD's missing KV crosses the WAN (half an RTT + bytes/bandwidth)
     # within this many ms; otherwise RLD covers the wait (P-RLD-MD).
     p_md_max_transfer_ms: float = 200.0
+    # P also sends the router the first token the moment it samples it (unless P relays the
+    # request itself): the client's first token waits for no KV transfer, and the transfer's wait
+    # moves to the second token (TPOT; it misses a TPOT SLO that short answers would have met).
+    # Off: the first decoder emits it, as vLLM's and SGLang's disaggregated serving do (and the
+    # systems `pddgw sim` and `pddgw plan` compare).  The embedded default turns it on.
+    first_token_from_p: bool = False
     # MD at or above this load starts decoding late, so even a request whose KV
     # fits the budget goes through RLD for its first tokens.
     md_busy_load: float = 0.9

@@ -185,7 +185,7 @@ class RouterMetrics:
                                      "(reports after a response ended too).")
         self.front_door = FrontDoorMetrics(reg)
         # Children looked up once: `labels()` takes a lock and a dict lookup per call.
-        self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ("rld", "md")}
+        self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ("prefill", "rld", "md")}
         for mode in ("one-shot", "catch-up"):
             self.handoffs.labels(mode)
         self._by_role = {"rld": 0, "md": 0, "prefill": 0}

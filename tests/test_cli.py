@@ -117,6 +117,17 @@ def test_device_checks_in_process():
             cli.check_device("x", f"cuda:{n}")
 
 
+def test_the_embedded_default_sends_p_s_first_token_early_and_a_config_says_for_itself(tmp_path):
+    """No config: `policy.first_token_from_p` on (P's first token straight to the client); a config
+    file's own setting, else the default (off), is kept."""
+    parse = cli.build_parser().parse_args
+    assert cli._config_with_overrides(parse(["serve"])).policy.first_token_from_p is True
+    for text, want in (("", False), ("[policy]\nfirst_token_from_p = true\n", True)):
+        path = tmp_path / "c.toml"
+        path.write_text(text)
+        assert cli._config_with_overrides(parse(["serve", "--config", str(path)])).policy.first_token_from_p is want
+
+
 def test_unreadable_secret_file(tmp_path):
     secret = tmp_path / "etc" / "link-secret"
     cfg = nodes_config(tmp_path, net=f'[net]\nsecret_file = "{secret}"\n')

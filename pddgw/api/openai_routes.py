@@ -43,6 +43,7 @@ from pddgw.api.openai_parse import GenRequest, json_body, parse_chat, parse_comp
 from pddgw.api.responses_format import ResponsesFormat
 from pddgw.api.sse import ClientGone, SseStream, until_gone
 from pddgw.api.toolcalls import ToolFormat, format_for, grammar_for
+from pddgw.core.roles import Role
 from pddgw.core.tokens import TokenRun
 from pddgw.engines.grammar import NO_EOS_REASON, check_spec, grammar_stops
 from pddgw.engines.types import RequestError
@@ -190,8 +191,9 @@ class OpenAIRoutes:
         """Generate the request's choices on the router and answer (streamed or not).
 
         Choice i is a router request of its own, with seed `choice_seed(seed, i)` and the
-        same prompt; choices 1..best_of-1 start once choice 0 has its first token (P has then
-        prefilled the prompt, so their prefills find it in P's prefix cache).  A stop
+        same prompt; choices 1..best_of-1 start once choice 0 has its first token from a
+        decoder (P has then prefilled the prompt and the decoder holds it, so their prefills
+        find it in P's prefix cache and MD's; P's own early first token is too soon for MD's).  A stop
         string ends a choice's text at the door and stops its router request at once
         (StopRequest: cancelled on every node); its usage counts the tokens kept."""
         door = self.door
@@ -209,7 +211,7 @@ class OpenAIRoutes:
         fmt = choices[0].fmt
         sse = SseStream(request) if req.stream else None
         gone = sse.gone if sse is not None else asyncio.Event()
-        first = asyncio.Event()         # choice 0 has a token (or ended): the others may start
+        first = asyncio.Event()         # choice 0 has a decoder's token (or ended): the others may start
 
         async def one(c: Choice) -> Result:
             async def emit(run: TokenRun) -> None:
@@ -217,7 +219,8 @@ class OpenAIRoutes:
                 if kept < len(run.ids):      # a stop string ended the text inside this run
                     run = dataclasses.replace(run, ids=run.ids[:kept], logprobs=run.logprobs[:kept])
                 c.runs.append(run)
-                first.set()
+                if run.role != Role.PREFILL:
+                    first.set()
                 if sse is not None:
                     await sse.send(c.head() + c.fmt.delta(run, text))
                 if c.text.stop is not None:

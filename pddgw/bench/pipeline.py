@@ -135,12 +135,12 @@ def summarize(results: list[dict], wan_bytes: int, drain_s: float) -> dict:
     n = len(results)
     ttft = [r["ttft_ms"] for r in results]
     rld = sum(r["tokens_by_role"].get("rld", 0) for r in results)
-    out_tokens = sum(sum(r["tokens_by_role"].values()) for r in results)
+    decoded = rld + sum(r["tokens_by_role"].get("md", 0) for r in results)     # P's first tokens aside
     stalls = [r["handoff_stall_ms"] for r in results if r["handoff_stall_ms"] is not None]
     pipelines = Counter(r["pipeline"] for r in results)
     return {"requests": n, **{f"ttft_p{q}_ms": round(percentile(ttft, q), 1) for q in (50, 90, 99)},
             "pipeline_share": {k: round(v / n, 3) for k, v in sorted(pipelines.items())},
-            "rld_token_share": round(rld / max(1, out_tokens), 3),
+            "rld_token_share": round(rld / max(1, decoded), 3),
             "max_handoff_stall_ms": max(stalls) if stalls else None,
             "wan_kv_mb": round(wan_bytes / 1e6, 3), "background_drain_s": round(drain_s, 2)}
 

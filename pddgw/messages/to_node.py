@@ -74,6 +74,9 @@ class Prefill:
     """Compute the prompt on P; stream its KV to `targets` from `starts` on (parallel).
 
     `holds[i]`: target i holds after the KV (KvDone.hold), else decodes at once.
+    `first_to_router`: P also sends the first token to the router the moment it
+    is sampled (a TokenItem at position 0, its Logprobs before it), before any
+    target's KvDone, unless it ends the request (a stop token).
     """
 
     request_id: str
@@ -81,6 +84,7 @@ class Prefill:
     starts: tuple[int, ...]
     prompt: tuple[int, ...]
     holds: tuple[bool, ...] = ()
+    first_to_router: bool = False
     sampling: SamplingParams = field(kw_only=True)
     tag: Literal["prefill"] = "prefill"
 
@@ -98,6 +102,7 @@ class Prefill:
         _check(len(self.prompt) > 0, "prompt must not be empty")
         _check(all(s <= len(self.prompt) for s in self.starts), "a start is past the prompt's end")
         _bools(self, "holds", self.holds, len(self.targets))
+        _flag(self.first_to_router, "first_to_router")
 
 
 @dataclass(frozen=True, slots=True)

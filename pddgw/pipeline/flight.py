@@ -154,11 +154,12 @@ class Flight:
         return StreamReader(node, role, None if k is None else min(k, vocab_size))
 
     async def deliver(self, got: TokenRun, metrics: RouterMetrics) -> None:
-        """A decoder's run: merged by position, each run now in order emitted and counted."""
+        """A decoder's run (or P's first token): merged by position, each run now in order
+        emitted and counted."""
         tr = self.tracker
         if got.ids:
             state = tr.state
-            if state == RequestState.PREFILLING:
+            if state == RequestState.PREFILLING and got.role != Role.PREFILL:   # not P's first token
                 tr.advance(RequestState.MD_DECODING if got.role == Role.MD else RequestState.RLD_DECODING)
             elif got.role == Role.MD and state == RequestState.HANDING_OFF:
                 tr.advance(RequestState.MD_DECODING)

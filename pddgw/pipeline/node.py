@@ -37,7 +37,7 @@ from pddgw.net.errors import LinkError
 from pddgw.net.link import Link, LinkState
 from pddgw.pipeline.decode import DecodeWorker
 from pddgw.pipeline.handoff import relay_handoff, round_sender
-from pddgw.pipeline.prefill import KVTarget, PrefillWorker
+from pddgw.pipeline.prefill import FirstSink, KVTarget, PrefillWorker
 
 log = structlog.get_logger(__name__)
 
@@ -221,7 +221,7 @@ class WorkerNode:
                 return await self._submit(link, msg)
             case m.Prefill():
                 self._refuse_new(msg.request_id)
-                return await self._run_prefill(msg)
+                return await self._run_prefill(link, msg)
             case KVChunk(span=KVSpan(request_id=rid)):
                 if rid in self._cancelled or (self.decode is not None and self.decode.past_import(rid)):
                     # P's frames still in flight when the request was cancelled here, or from an
@@ -353,7 +353,7 @@ class WorkerNode:
         self._open.pop(rid, None)
         return done
 
-    async def _run_prefill(self, msg: m.Prefill) -> m.PrefillDone:
+    async def _run_prefill(self, router: Link, msg: m.Prefill) -> m.PrefillDone:
         if self.prefill is None:
             raise RequestError(f"{self.role} node {self.name} does not prefill")
         rid = msg.request_id
@@ -373,7 +373,8 @@ class WorkerNode:
         assert task is not None
         self._prefills[rid] = task
         try:
-            res = await self.prefill.prefill(rid, msg.prompt, msg.sampling, targets)
+            res = await self.prefill.prefill(rid, msg.prompt, msg.sampling, targets,
+                                             _first_sink(rid, router) if msg.first_to_router else None)
         except asyncio.CancelledError:
             if rid not in self._moving:
                 raise
@@ -595,6 +596,15 @@ class WorkerNode:
                     await op.router.send(_item(run))
             except LinkError as e:
                 await self._router_lost(run.request_id, e)
+
+
+def _first_sink(rid: str, router: Link) -> FirstSink:
+    """P's first token to the router as it is sampled: its Logprobs pieces, then the item."""
+    async def send(token: int, lp: TokenLogprobs | None) -> None:
+        for piece in m.logprob_pieces(rid, 0, (lp,)) if lp is not None else ():
+            await router.send(piece)
+        await router.send(m.TokenItem(rid, 0, (token,)))
+    return send
 
 
 def _item(run: TokenRun) -> m.TokenItem:

@@ -10,6 +10,9 @@ Invariants:
   * targets run in parallel: a slow WAN never holds back the local fabric;
   * a target gets `done(first_token, logprobs)` as soon as it has its whole
     range and the first token is sampled (RLD does not wait for the WAN);
+  * `on_first` (the router, when it asked) gets the first token the moment it
+    is sampled, before any target's `done`, unless it ends the request; its
+    failure costs only that head start;
   * the KV stays pinned until every target is served; a failed target is
     reported and the others go on;
   * chunks are cut at block boundaries and only whole blocks go out until
@@ -58,6 +61,8 @@ class KVTarget:
 
 # The first output token, and its logprobs when the request asked for them.
 First = tuple[int, TokenLogprobs | None]
+# Takes the first token and its logprobs as soon as they are sampled.
+FirstSink = Callable[[int, TokenLogprobs | None], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -103,7 +108,7 @@ class PrefillWorker:
         self.scored = PromptScores()
 
     async def prefill(self, rid: str, prompt: tuple[int, ...], sampling: SamplingParams,
-                      targets: list[KVTarget]) -> PrefillResult:
+                      targets: list[KVTarget], on_first: FirstSink | None = None) -> PrefillResult:
         if rid in self.inflight:
             raise RequestError(f"request {rid!r} is already prefilling here")
         n = len(prompt)
@@ -130,9 +135,12 @@ class PrefillWorker:
                 async for out in outputs:
                     if out.prompt_logprobs:
                         self.scored.put(rid, out.prompt_logprobs)
-                    if out.ids and not first.done():
+                    early = out.ids and not first.done()
+                    if early:
                         first.set_result((out.ids[0], out.logprobs[0] if out.logprobs else None))
                     await progress.update(min(out.num_computed_tokens, n), out.done)
+                    if early and on_first is not None and out.reason != "stop":
+                        await _tell_first(rid, on_first, *first.result())
             if not first.done():
                 raise RequestError(f"request {rid!r} ended on P without a first token")
             await asyncio.gather(*senders)
@@ -217,6 +225,14 @@ class PrefillWorker:
         if self.engine_suffix:
             chunks = [replace(c, span=replace(c.span, request_id=rid)) for c in chunks]
         return chunks
+
+
+async def _tell_first(rid: str, on_first: FirstSink, token: int, lp: TokenLogprobs | None) -> None:
+    """The head start: a failure here is the router's link's, which the request's own paths hear."""
+    try:
+        await on_first(token, lp)
+    except Exception as e:
+        log.warning("first_token_not_sent", request_id=rid, error=f"{type(e).__name__}: {e}")
 
 
 async def _uninterrupted(coro: Coroutine[Any, Any, None]) -> None:

@@ -3,15 +3,17 @@
 A `RequestDriver` holds what the attempt knows in fields and has one method
 per event (events.py): `on_tokens`, `on_node_failed`, `on_kv_ready`,
 `on_prefill_done`, `on_round_sent`, `on_handoff_ended`, `on_stream_error`.
-The decoders' streams push their messages, turned into events at the edge,
-into the attempt's one queue; `run` takes them in order until the merge is
-complete (every position once, in order).  Invariants:
+The decoders' streams (and P's, unless P relays the request: its first token
+as sampled) push their messages, turned into events at the edge, into the
+attempt's one queue; `run` takes them in order until the merge is complete
+(every position once, in order).  Invariants:
   * P is depended on until every decoder confirmed its KV (its first token,
-    MD's Ready), not only until PrefillDone: P's link is watched until then.
+    MD's Ready), not only until PrefillDone: P's stream, whose link's loss
+    it reports, stays open until then.
   * What a node's loss means is `recovery.Paths.lost`'s answer alone; the
     driver only carries it out.  A loss no path survives raises `NodeLost`
     (the router re-drives).
-  * The attempt's tasks (link watch, prefill, handoff) are cancelled and
+  * The attempt's tasks (prefill, handoff) are cancelled and
     awaited when it ends, unless MD cache alignment takes the request over
     (alignment.py): then its cleanup ends them and releases the request.
 """
@@ -81,7 +83,6 @@ class RequestDriver:
         self.readers: dict[str, StreamReader] = {}
         self.broken: set[str] = set()          # decoders whose stream reported its failure
         self.tasks: list[asyncio.Task] = []
-        self.p_watch: asyncio.Task | None = None
         self.prefill_task: asyncio.Task | None = None
         self.handoff: asyncio.Task | None = None
 
@@ -91,11 +92,14 @@ class RequestDriver:
                 self.readers[node.name] = self.fl.reader(node, self.role_of[node.name],
                                                          self.router.spec.vocab_size)
                 self.streams[node.name].push(functools.partial(self.on_stream_message, node))
-        # P's PrefillDone only says P's transport took the bytes: a P lost after it still loses
-        # what its wire had not delivered, so its link is watched until every decoder has its KV.
-        self.p_watch = watch_link(self.p, self.fl.rid, self.router.timeout, self.events)
-        if self.p_watch is not None:
-            self.tasks.append(self.p_watch)
+        if self.p is not self.rld:
+            # P's stream of the request: its first token as sampled, and the loss of its link.  P's
+            # PrefillDone only says P's transport took the bytes: a P lost after it still loses what
+            # its wire had not delivered, so the stream stays until every decoder has its KV.  (A
+            # relaying P's loss is its relay stream's.)
+            self.readers[self.p.name] = self.fl.reader(self.p, Role.PREFILL, self.router.spec.vocab_size)
+            self.streams[self.p.name] = self.p.link.stream(self.fl.rid, timeout=self.router.timeout)
+            self.streams[self.p.name].push(functools.partial(self.on_stream_message, self.p))
         self.prefill_task = asyncio.create_task(self._prefill())
         self.tasks.append(self.prefill_task)
         try:
@@ -128,6 +132,9 @@ class RequestDriver:
         """A decoder's stream message, or what ended its stream -> its event, queued."""
         if node.name in self.broken:
             return
+        if isinstance(msg, LinkTimeout) and node is self.p and self.p is not self.rld:
+            self._p_stream_done()         # P owes nothing on it: the request's own timeout governs
+            return
         try:
             if isinstance(msg, LinkError):
                 raise msg
@@ -145,7 +152,10 @@ class RequestDriver:
 
     async def on_tokens(self, ev: Tokens) -> None:
         """Tokens confirm their decoder's KV arrived; a lost RLD's are dropped (MD took over);
-        RLD's last frees its relay slot."""
+        RLD's last frees its relay slot.  P's first token confirms nothing: it only comes early."""
+        if ev.run.role == Role.PREFILL:
+            await self.fl.deliver(ev.run, self.router.metrics)
+            return
         self._kv_confirmed(ev.node)
         if ev.node is self.rld and not self.paths.rld_alive:
             return
@@ -247,15 +257,22 @@ class RequestDriver:
         awaiting = self.paths.awaiting_kv
         if self.role_of[node.name] in awaiting:
             awaiting.discard(self.role_of[node.name])
-            if not awaiting and self.p_watch is not None:
-                self.p_watch.cancel()
+            if not awaiting:
+                self._p_stream_done()
+
+    def _p_stream_done(self) -> None:
+        """Nothing depends on P any more: its stream ends (its loss is no longer this request's)."""
+        st = self.streams.pop(self.p.name, None) if self.p is not self.rld else None
+        if st is not None:
+            st.close()
 
     async def _prefill(self) -> None:
         """Ask P to prefill; its reply (or failure) is an event.  Holds the WAN backlog the
         request queues and P's prefill backlog while it runs."""
         fl, p, r = self.fl, self.p, self.router
+        early = r.cfg.policy.first_token_from_p and p is not self.rld       # a relaying P's relay emits it
         msg = m.Prefill(request_id=fl.rid, targets=tuple(self.starts), starts=tuple(self.starts.values()),
-                         prompt=fl.prompt, holds=self.holds, sampling=fl.sampling)
+                         prompt=fl.prompt, holds=self.holds, first_to_router=early, sampling=fl.sampling)
         wan = fl.ledger.take("wan", r, wan_backlog=sum((len(fl.prompt) - start) * r.kv_bytes_per_token
                                                        for name, start in self.starts.items()
                                                        if r.crosses_wan(p, name)))
@@ -341,29 +358,3 @@ class RequestDriver:
         for st in self.streams.values():
             st.close()
         await self.router.release(self.fl)
-
-
-def watch_link(node: NodeHandle, rid: str, timeout: float, events: asyncio.Queue[Event]) -> asyncio.Task | None:
-    """Report `node`'s link lost (NodeFailed) while the task runs, at once: a stream of `rid`
-    on the link (the node sends nothing on it) fails the moment the connection drops.
-    None when the link has a stream of `rid` already (that one reports the loss)."""
-    try:
-        st = node.link.stream(rid, timeout=timeout)
-    except ValueError:
-        return None
-    except LinkError as e:
-        events.put_nowait(NodeFailed(node, str(e)))
-        return None
-
-    async def watch() -> None:
-        try:
-            async for _ in st:
-                pass
-        except LinkTimeout:
-            pass                # the request's own timeout governs
-        except LinkError as e:
-            events.put_nowait(NodeFailed(node, str(e)))
-        finally:
-            st.close()
-
-    return asyncio.create_task(watch(), name=f"watch-{node.name}-{rid}")

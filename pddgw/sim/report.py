@@ -221,7 +221,7 @@ def summarize(run: RunResult, slo: SloSpec) -> dict[str, Any]:
         "throughput_rps": round(served_rps(run), 4),
         # Requests per second that met every SLO, over the whole run (first arrival to last answer).
         "slo_rps": round(sum(meets_slo(r, slo) for r in reqs) / run.duration_s, 4),
-        "output_tokens": rld + md,
+        "output_tokens": sum(r.output_tokens for r in ok),
         "rld_token_share": round(rld / max(1, rld + md), 4),
         "pipeline_share": {k: round(v / max(1, len(reqs)), 4) for k, v in sorted(pipelines.items())},
         "md_prefix_hit_mean": round(sum(hit) / len(hit), 4) if hit else None,

@@ -5,7 +5,7 @@ page on a real 127.0.0.1 port; Playwright drives the system's Chromium
 (`executable_path`: Playwright's own browser download needs the internet).
 The test reads the WebSocket frames the page exchanges and checks the page
 against them: the text of the answer, one span per delta coloured by the
-delta's role (RLD / MD, as the legend shows), the timeline under each
+delta's role (P / RLD / MD, as the legend shows), the timeline under each
 answer, and a second turn that sends the whole conversation as `input`.
 A screenshot goes to tmp_path (and to $PDDGW_SCREENSHOT_DIR when set).
 
@@ -28,7 +28,7 @@ from aiohttp import web
 from pddgw.api.server import build_app
 from pddgw.api.webchat import add_webchat_routes
 from pddgw.cli import DEFAULT_SYSTEM
-from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, ServerConfig, ShapingConfig
+from pddgw.config import Config, EngineConfig, ModelConfig, NetConfig, PolicyConfig, ServerConfig, ShapingConfig
 from pddgw.deploy.serve import Embedded
 
 
@@ -47,6 +47,7 @@ def _cfg(api_keys: tuple[str, ...] = ()) -> Config:
     return Config(model=ModelConfig(dtype="float64"),
                   engine=EngineConfig(num_blocks=256, block_size=16, max_num_batched_tokens=256),
                   net=NetConfig(links=(ShapingConfig(name="wan", gbps=0.5, latency_ms=20.0),)),
+                  policy=PolicyConfig(first_token_from_p=True),     # the embedded default's: P's colour too
                   server=ServerConfig(max_streams_per_connection=4, api_keys=api_keys,
                                       allow_request_steering=True))
 
@@ -125,10 +126,13 @@ class Frames:
 
 
 SPANS_JS = """(msg) => {
-  const rld = getComputedStyle(document.getElementById('swatch-rld'));
-  const md = getComputedStyle(document.getElementById('swatch-md'));
+  const legend = {};
+  for (const role of ['prefill', 'rld', 'md']) {
+    const s = getComputedStyle(document.getElementById('swatch-' + role));
+    legend[role] = [s.color, s.backgroundColor];
+  }
   return {
-    legend: {rld: [rld.color, rld.backgroundColor], md: [md.color, md.backgroundColor]},
+    legend,
     text: msg.querySelector('.answer').textContent,
     dataText: msg.dataset.text,
     spans: [...msg.querySelectorAll('.answer .tok')].map(s => ({
@@ -174,7 +178,7 @@ def check_turn(page_view: dict[str, Any], events: list[dict[str, Any]]) -> dict[
     assert page_view["states"] == [s["state"] for s in tl["states"]] and tl["states"][-1]["state"] == "FINISHED"
     # Each span wears its role's colours, the legend's.
     legend = page_view["legend"]
-    assert legend["rld"] != legend["md"]
+    assert len({tuple(c) for c in legend.values()}) == 3          # three roles, three colours
     for s in page_view["spans"]:
         assert s["colour"] == legend[s["role"]], s
     # The timeline: the pipeline and the TTFT the server measured, shown under the answer.
@@ -236,9 +240,9 @@ async def test_web_chat_streams_colours_tokens_by_role_and_shows_the_timeline(we
                 {"type": "message", "role": "assistant", "content": text1},
                 {"type": "message", "role": "user", "content": "Start with the tests."}]
             assert frames.sent[1]["pddgw"] == {"states": True} and frames.sent[1]["instructions"] == DEFAULT_SYSTEM
-            # Both roles' colours were checked across the two turns.
+            # Every role's colours were checked across the two turns.
             roles = {r for tl in (tl1, tl2) for r, n in tl["tokens_by_role"].items() if n}
-            assert roles == {"rld", "md"}, (tl1["tokens_by_role"], tl2["tokens_by_role"])
+            assert roles == {"prefill", "rld", "md"}, (tl1["tokens_by_role"], tl2["tokens_by_role"])
 
             # The two answers, their colours and timelines.
             shot = tmp_path / "webchat.png"

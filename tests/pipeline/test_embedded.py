@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import orjson
 import pytest
 
 from pddgw.api.server import build_app
@@ -26,7 +27,8 @@ def make_cfg(gbps: float = 0.05, **policy) -> Config:
     return Config(model=ModelConfig(dtype="float64"),
                   engine=EngineConfig(num_blocks=256, block_size=16, max_num_batched_tokens=256),
                   net=NetConfig(links=(ShapingConfig(name="wan", gbps=gbps, latency_ms=20.0),)),
-                  policy=PolicyConfig(**policy), server=ServerConfig(max_streams_per_connection=4))
+                  policy=PolicyConfig(**{"first_token_from_p": True, **policy}),    # the embedded default's
+                  server=ServerConfig(max_streams_per_connection=4))
 
 
 def relay_on_p(cfg: Config) -> Config:
@@ -72,7 +74,9 @@ async def test_p_md_and_second_turn_sends_only_missing_blocks(deploy):
     assert r1.token_ids == reference(p1, 20)
     r1.assert_positions_once_in_order()
     tl = r1.timeline
-    assert (tl["pipeline"], tl["tokens_by_role"]) == ("P-MD", {"md": 20})
+    # P's first token goes to the client as P samples it, before its KV reaches MD.
+    assert (tl["pipeline"], tl["tokens_by_role"]) == ("P-MD", {"prefill": 1, "md": 19})
+    assert [d["pddgw"]["role"] for d in r1.deltas] == ["prefill"] + ["md"] * 19
     assert tl["wan_kv_bytes"] == 150 * BYTES_PER_TOKEN          # MD held nothing
     await side.router.drain()
     # Turn 2 re-sends turn 1 + the answer + a new question: MD (block 32) holds
@@ -83,6 +87,49 @@ async def test_p_md_and_second_turn_sends_only_missing_blocks(deploy):
     held = (150 + 20 - 1) // 32 * 32
     assert r2.final["response"]["usage"]["input_tokens_details"]["cached_tokens"] == held
     assert r2.timeline["wan_kv_bytes"] == (len(p2) - held) * BYTES_PER_TOKEN
+
+
+async def test_p_md_first_token_reaches_the_client_before_md_has_the_kv(deploy, monkeypatch):
+    """P sends the router its first token as it samples it: the client has it while MD has not
+    even taken the KV (held here until the client has it), and then the rest, exact."""
+    from pddgw.pipeline.decode import DecodeWorker
+
+    ws, side, _ = await deploy(make_cfg(pipeline="P-MD"))
+    gate, kv_done = asyncio.Event(), DecodeWorker.kv_done
+
+    async def held(self, *args):
+        await gate.wait()
+        return await kv_done(self, *args)
+
+    monkeypatch.setattr(DecodeWorker, "kv_done", held)
+    p = prompt_of(100)
+    await create(ws, prompt_token_ids=p, max_output_tokens=12, temperature=0)
+    first = {}
+    async with asyncio.timeout(60):
+        while first.get("type") != "response.output_text.delta":
+            first = orjson.loads((await ws.receive()).data)
+            assert first["type"] not in ("response.completed", "error"), first
+    assert not gate.is_set()
+    assert (first["pddgw"]["position"], first["pddgw"]["role"], first["pddgw"]["token_ids"]) == (
+        0, "prefill", reference(p, 1))
+    gate.set()
+    r = (await collect(ws))[None]
+    r.events.insert(0, first)
+    assert r.final["type"] == "response.completed", r.final
+    assert r.token_ids == reference(p, 12)
+    r.assert_positions_once_in_order()
+    assert r.timeline["tokens_by_role"] == {"prefill": 1, "md": 11}
+
+
+async def test_a_stop_token_first_ends_on_the_decoder_and_p_sends_none_early(deploy):
+    """A first token that ends the request (a stop token) is not sent ahead: the decoder emits it
+    with the request's end, as before."""
+    ws, side, _ = await deploy(make_cfg(pipeline="P-MD"))
+    p = prompt_of(40)
+    stop = reference(p, 1)[0]
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=12, temperature=0, stop_token_ids=[stop])
+    assert r.final["type"] == "response.completed", r.final
+    assert r.token_ids == [stop] and r.timeline["tokens_by_role"] == {"md": 1}
 
 
 @pytest.mark.parametrize("relay", ["rld node", "relay on p"])
@@ -105,8 +152,10 @@ async def test_p_rld_md_handoff_same_tokens(deploy, mode, relay):
     tl = r.timeline
     assert tl["pipeline"] == "P-RLD-MD" and tl["handoff_mode"] == mode
     at = tl["handoff_position"]
-    assert 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
-    assert [d["pddgw"]["role"] for d in r.deltas] == ["rld"] * at + ["md"] * (n - at)
+    # A relaying P emits its first token as the relay; else P's comes straight from P.
+    by_role = {"rld": at, "md": n - at} if relay == "relay on p" else {"prefill": 1, "rld": at - 1, "md": n - at}
+    assert 0 < at < n and tl["tokens_by_role"] == by_role
+    assert [d["pddgw"]["role"] for d in r.deltas] == [role for role, k in by_role.items() for _ in range(k)]
     assert tl["handoff_stall_ms"] is not None and tl["handoff_stall_ms"] >= 20.0  # >= one WAN one-way
     assert tl["wan_kv_bytes"] == 120 * BYTES_PER_TOKEN
     if mode == "catch-up":
@@ -132,12 +181,13 @@ async def test_a_stream_interval_sends_tokens_in_runs_and_keeps_every_path_exact
     r.assert_positions_once_in_order()
     tl = r.timeline
     at = tl["handoff_position"]
-    assert tl["pipeline"] == "P-RLD-MD" and 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
+    assert tl["pipeline"] == "P-RLD-MD" and 0 < at < n
+    assert tl["tokens_by_role"] == {"prefill": 1, "rld": at - 1, "md": n - at}
     sizes = [(d["pddgw"]["role"], len(d["pddgw"]["token_ids"])) for d in r.deltas]
-    # P's first token alone; then each decoder's first token alone, runs of five, and what is
-    # left at its end (RLD: its freeze).  Where the handoff falls is the WAN's timing, so the
-    # pattern is pinned from each side's count; one side holds >= 201 of the 402 tokens.
-    assert sizes[0] == ("rld", 1)
+    # P's first token alone, from P; then each decoder's first token alone, runs of five, and
+    # what is left at its end (RLD: its freeze).  Where the handoff falls is the WAN's timing, so
+    # the pattern is pinned from each side's count; one side holds >= 201 of the 402 tokens.
+    assert sizes[0] == ("prefill", 1)
     runs = {}
     for role, count in (("rld", at - 1), ("md", n - at)):
         runs[role] = [k for rl, k in sizes[1:] if rl == role]
@@ -177,7 +227,7 @@ async def test_rld_local_and_eager_tokens_first(deploy):
     p = prompt_of(60)
     r = await chat(ws, prompt_token_ids=p, max_output_tokens=12, temperature=0)
     assert r.token_ids == reference(p, 12)
-    assert r.timeline["pipeline"] == "P-RLD" and r.timeline["tokens_by_role"] == {"rld": 12}
+    assert r.timeline["pipeline"] == "P-RLD" and r.timeline["tokens_by_role"] == {"prefill": 1, "rld": 11}
     assert r.timeline["wan_kv_bytes"] == 0
 
 

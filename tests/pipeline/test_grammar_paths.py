@@ -66,7 +66,7 @@ async def test_every_path_gives_the_local_engines_tokens(deploy, pipeline, mode)
     assert tl["pipeline"] == pipeline
     if pipeline == "P-RLD-MD":
         at = tl["handoff_position"]
-        assert 0 < at < len(toks) and tl["tokens_by_role"] == {"rld": at, "md": len(toks) - at}
+        assert 0 < at < len(toks) and tl["tokens_by_role"] == {"prefill": 1, "rld": at - 1, "md": len(toks) - at}
 
 
 async def test_a_redrive_after_rld_is_lost_gives_the_local_engines_tokens():

@@ -99,7 +99,8 @@ async def test_every_path_streams_the_local_engines_logprobs(deploy, pipeline, m
     assert tl["pipeline"] == pipeline
     if pipeline == "P-RLD-MD":
         at = tl["handoff_position"]
-        assert 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}   # both carried logprobs
+        # P's first token, RLD's and MD's: all carried logprobs.
+        assert 0 < at < n and tl["tokens_by_role"] == {"prefill": 1, "rld": at - 1, "md": n - at}
     # The same request without logprobs: the same tokens, runs without logprobs.
     out2, runs2 = await run_on(side, "plain-" + pipeline + (mode or ""), p,
                                SamplingParams(max_tokens=n, temperature=0.8, seed=77), pipeline, mode)

@@ -104,8 +104,8 @@ async def test_p_md_counts_exactly(deploy):
 
     assert delta(before, after, "pddgw:generation_tokens_total") == 20
     assert delta(before, after, "pddgw:prompt_tokens_total") == 150
-    assert delta(before, after, "pddgw:generation_tokens_by_role_total", role="md") == 20
-    assert delta(before, after, "pddgw:generation_tokens_by_role_total", role="rld") == 0
+    assert {role: delta(before, after, "pddgw:generation_tokens_by_role_total", role=role)
+            for role in ("prefill", "rld", "md")} == {"prefill": 1, "rld": 0, "md": 19}
     assert val(after, "pddgw:rld_token_share") == 0.0
     assert {pl: delta(before, after, "pddgw:pipeline_requests_total", pipeline=pl)
             for pl in ("P-MD", "P-RLD-MD", "P-RLD")} == {"P-MD": 1, "P-RLD-MD": 0, "P-RLD": 0}
@@ -180,9 +180,9 @@ async def test_p_rld_md_counts_the_handoff_and_both_links(deploy, mode):
     stall = delta(before, after, "pddgw:handoff_stall_seconds_sum", mode=mode)
     assert stall == pytest.approx(tl["handoff_stall_ms"] / 1000.0, abs=1e-6)
     assert delta(before, after, "pddgw:generation_tokens_total") == n
-    assert delta(before, after, "pddgw:generation_tokens_by_role_total", role="rld") == at
-    assert delta(before, after, "pddgw:generation_tokens_by_role_total", role="md") == n - at
-    assert val(after, "pddgw:rld_token_share") == pytest.approx(at / n)
+    assert {role: delta(before, after, "pddgw:generation_tokens_by_role_total", role=role)
+            for role in ("prefill", "rld", "md")} == {"prefill": 1, "rld": at - 1, "md": n - at}
+    assert val(after, "pddgw:rld_token_share") == pytest.approx((at - 1) / (n - 1))
     assert delta(before, after, "pddgw:fallbacks_total") == 0
     assert delta(before, after, "pddgw:redrives_total") == 0
 
@@ -205,7 +205,7 @@ async def test_wan_bytes_reported_after_the_response_count(deploy):
     p = prompt_of(120)
     r = await chat(ws, prompt_token_ids=p, max_output_tokens=3, temperature=0)
     assert r.final["type"] == "response.completed", r.final
-    assert r.timeline["tokens_by_role"] == {"rld": 3} and r.timeline["wan_kv_bytes"] == 0
+    assert r.timeline["tokens_by_role"] == {"prefill": 1, "rld": 2} and r.timeline["wan_kv_bytes"] == 0
     await side.router.drain()                    # MD's alignment: P's KV is in
     after, _ = await scrape()
     assert delta(before, after, "pddgw:wan_kv_bytes_total") == 120 * BYTES_PER_TOKEN
@@ -290,10 +290,10 @@ def test_runs_counted_locally_are_exact_at_every_scrape():
     rm = pm.RouterMetrics()
     ref_reg = CollectorRegistry()
     ref = Histogram("ref_itl", "", buckets=pm.ITL_BUCKETS, registry=ref_reg)
-    t, total, by_role = 0.0, 0, {"rld": 0, "md": 0}
+    t, total, by_role = 0.0, 0, {"prefill": 0, "rld": 0, "md": 0}
     for n in (1, 7, pm._MAX_PENDING + 3, 2 * pm._MAX_PENDING):   # scrapes in between, the bound crossed
         for i in range(n):
-            role, count = ("rld" if i % 3 else "md"), 1 + i % 4
+            role, count = ("prefill" if i % 5 == 0 else "rld" if i % 3 else "md"), 1 + i % 4
             prev, t = (t if total else None), t + 0.001 * ((i * 7919) % 613) + 1e-9 * i
             rm.emitted(role, count, t, prev, 0.0, 100)
             if prev is not None:

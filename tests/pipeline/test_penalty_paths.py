@@ -78,7 +78,7 @@ async def test_every_path_gives_the_local_engines_tokens(deploy, pipeline, mode)
     assert tl["pipeline"] == pipeline
     if pipeline == "P-RLD-MD":
         at = tl["handoff_position"]
-        assert 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
+        assert 0 < at < n and tl["tokens_by_role"] == {"prefill": 1, "rld": at - 1, "md": n - at}
 
 
 async def redrive_after_losing_rld(name: str, sp: SamplingParams, kill_at: int = 10) -> list[int]:

@@ -135,7 +135,7 @@ async def test_a_stop_string_after_a_redrive_cuts_the_local_engines_text(steered
     assert len(lost) == 1 and lost[0].done() and side.router.counts.as_dict()["redrives"] == 1
     # The re-drive point (RLD's tokens, given to MD) comes before the stop: MD's tokens hold it.
     (redrive,) = tl["redrives"]
-    at = tl["tokens_by_role"]["rld"]
+    at = tl["tokens_by_role"]["prefill"] + tl["tokens_by_role"]["rld"]       # P's first, then RLD's
     assert redrive["position"] == at and kill_at <= at < len(tl["output_token_ids"]) and tl["tokens_by_role"]["md"] > 0
 
 
@@ -156,4 +156,4 @@ async def test_n_choices_are_the_local_engines_tokens_of_their_seeds_on_every_pa
         assert (tl["pipeline"], tl["handoff_mode"]) == (pipeline, mode)
         if pipeline == "P-RLD-MD":
             at = tl["handoff_position"]
-            assert 0 < at < n and tl["tokens_by_role"] == {"rld": at, "md": n - at}
+            assert 0 < at < n and tl["tokens_by_role"] == {"prefill": 1, "rld": at - 1, "md": n - at}

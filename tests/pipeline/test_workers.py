@@ -171,6 +171,44 @@ def test_p_md_only_missing_blocks_cross(model):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("stop_first", [False, True])
+def test_p_tells_the_first_token_before_any_target_has_its_kv(model, stop_first):
+    """`on_first` gets the first token (and its logprobs) as P samples it, before any target's
+    `done`; not when it ends the request (a stop token): the decoder emits it with the end."""
+    prompt = tuple(range(30, 30 + 150))                   # three steps of 64 on P
+    sp = SamplingParams(max_tokens=6, logprobs=2)
+    expected = reference(model, prompt, sp)
+    if stop_first:
+        sp = dataclasses.replace(sp, stop_token_ids=(expected[0],))
+
+    async def main():
+        c = Cluster(model)
+        c.rid = "f"
+        await c.md.open("f", prompt, sp)
+        seen: list[tuple] = []
+        target = c.target("md", c.md, 0, True)
+        done = target.done
+
+        async def logged_done(first, lp):
+            seen.append(("done", first, lp))
+            await done(first, lp)
+
+        async def on_first(first, lp):
+            seen.append(("first", first, lp))
+
+        target.done = logged_done
+        res = await c.p.prefill("f", prompt, sp, [target], on_first)
+        await asyncio.wait_for(c.finished.wait(), 30)
+        lp = res.first_logprobs
+        assert lp is not None and len(lp.top_ids) == 2
+        told = [] if stop_first else [("first", expected[0], lp)]
+        assert seen == told + [("done", expected[0], lp)]
+        assert tokens_of(c.events["md"]) == (expected[:1] if stop_first else expected)
+        await c.stop()
+
+    asyncio.run(main())
+
+
 def test_rld_finishes_locally_without_handoff(model):
     prompt = tuple(range(70, 100))
     sp = SamplingParams(max_tokens=15, temperature=0.7, seed=5)

@@ -3,7 +3,7 @@
 // One socket, kept open (reconnects when it drops).  Each turn sends response.create with the
 // whole conversation as `input` messages, asking for what the page shows beyond the lean default
 // (`return_token_ids`, `pddgw.states`); each response.output_text.delta becomes a span coloured
-// by pddgw.role (rld / md) carrying data-position and data-token-ids; response.completed adds the
+// by pddgw.role (prefill / rld / md) carrying data-position and data-token-ids; response.completed adds the
 // answer to the history and shows its pddgw timeline; an error event ends the turn.
 "use strict";
 
@@ -141,8 +141,8 @@
     const tl = resp.pddgw || {};
     const usage = resp.usage || {};
     const byRole = tl.tokens_by_role || {};
-    const rld = byRole.rld || 0;
-    const md = byRole.md || 0;
+    const shares = [["prefill", "P"], ["rld", "RLD"], ["md", "MD"]]
+      .map(([role, label]) => [role, label, byRole[role] || 0]);
     const box = el("div", "timeline");
     box.dataset.pipeline = tl.pipeline || "";
     box.dataset.ttftMs = tl.ttft_ms ?? "";
@@ -172,19 +172,14 @@
     if (tl.fallback_reason) chips.append(chip("fallback", tl.fallback_reason, "warn"));
     box.append(chips);
 
-    // Who produced the answer: RLD's share, then MD's, split at the handoff.
-    const total = rld + md;
-    if (total > 0) {
+    // Who produced the answer: P's first token, RLD's share, then MD's, split at the handoff.
+    if (shares.some(([, , n]) => n > 0)) {
       const bar = el("div", "split");
-      bar.title = `rld ${rld} / md ${md} tokens`;
-      if (rld) {
-        const s = el("span", "seg rld", `RLD ${rld}`);
-        s.style.flexGrow = String(rld);
-        bar.append(s);
-      }
-      if (md) {
-        const s = el("span", "seg md", `MD ${md}`);
-        s.style.flexGrow = String(md);
+      bar.title = shares.map(([role, , n]) => `${role} ${n}`).join(" / ") + " tokens";
+      for (const [role, label, n] of shares) {
+        if (!n) continue;
+        const s = el("span", "seg " + role, `${label} ${n}`);
+        s.style.flexGrow = String(n);
         bar.append(s);
       }
       box.append(bar);
