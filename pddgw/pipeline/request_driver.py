@@ -98,8 +98,12 @@ class RequestDriver:
             # its wire had not delivered, so the stream stays until every decoder has its KV.  (A
             # relaying P's loss is its relay stream's.)
             self.readers[self.p.name] = self.fl.reader(self.p, Role.PREFILL, self.router.spec.vocab_size)
-            self.streams[self.p.name] = self.p.link.stream(self.fl.rid, timeout=self.router.timeout)
-            self.streams[self.p.name].push(functools.partial(self.on_stream_message, self.p))
+            try:
+                self.streams[self.p.name] = self.p.link.stream(self.fl.rid, timeout=self.router.timeout)
+            except LinkError as e:        # its link is closed already: P is lost
+                self.events.put_nowait(NodeFailed(self.p, str(e)))
+            else:
+                self.streams[self.p.name].push(functools.partial(self.on_stream_message, self.p))
         self.prefill_task = asyncio.create_task(self._prefill())
         self.tasks.append(self.prefill_task)
         try:

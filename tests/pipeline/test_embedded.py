@@ -121,6 +121,31 @@ async def test_p_md_first_token_reaches_the_client_before_md_has_the_kv(deploy, 
     assert r.timeline["tokens_by_role"] == {"prefill": 1, "md": 11}
 
 
+async def test_p_s_link_closed_as_the_attempt_starts_is_a_lost_p(deploy, monkeypatch):
+    """The router's stream on P's link cannot open (the link closed): P is lost for the request,
+    which is re-driven on MD (computing the prompt there) and ends exact."""
+    from pddgw.net.errors import CloseCode, LinkClosed
+    from pddgw.pipeline.request_driver import RequestDriver
+
+    ws, side, _ = await deploy(make_cfg(pipeline="P-MD"))
+    run, refused = RequestDriver.run, []
+
+    async def p_closed_first(self):
+        if not refused:
+            def closed(rid, **kw):
+                refused.append(rid)
+                raise LinkClosed(f"link to {self.p.name} closed (test)", CloseCode.GOING_AWAY)
+            monkeypatch.setattr(self.p.link, "stream", closed)
+        return await run(self)
+
+    monkeypatch.setattr(RequestDriver, "run", p_closed_first)
+    p = prompt_of(60)
+    r = await chat(ws, prompt_token_ids=p, max_output_tokens=8, temperature=0)
+    assert r.final["type"] == "response.completed", r.final
+    assert r.token_ids == reference(p, 8) and len(refused) == 1
+    assert r.timeline["redrives"] and r.timeline["tokens_by_role"] == {"md": 8}
+
+
 async def test_a_stop_token_first_ends_on_the_decoder_and_p_sends_none_early(deploy):
     """A first token that ends the request (a stop token) is not sent ahead: the decoder emits it
     with the request's end, as before."""
