@@ -590,20 +590,23 @@ class WorkerNode:
                 if run.reason == "error":
                     await op.router.send(m.Error(run.request_id, "decode", run.error[:4000]))
                 else:
-                    # Their logprobs first, on the same link: the router joins them at its edge (messages/logprobs.py).
-                    for piece in m.logprob_pieces(run.request_id, run.position, run.logprobs):
-                        await op.router.send(piece)
-                    await op.router.send(_item(run))
+                    await _send_run(op.router, run)
             except LinkError as e:
                 await self._router_lost(run.request_id, e)
 
 
+async def _send_run(link: Link, run: TokenRun) -> None:
+    """A run to the router: its logprobs first, on the same link (the router joins them at its
+    edge, messages/logprobs.py), then its item."""
+    for piece in m.logprob_pieces(run.request_id, run.position, run.logprobs):
+        await link.send(piece)
+    await link.send(_item(run))
+
+
 def _first_sink(rid: str, router: Link) -> FirstSink:
-    """P's first token to the router as it is sampled: its Logprobs pieces, then the item."""
+    """P's first token to the router as it is sampled: a run at position 0."""
     async def send(token: int, lp: TokenLogprobs | None) -> None:
-        for piece in m.logprob_pieces(rid, 0, (lp,)) if lp is not None else ():
-            await router.send(piece)
-        await router.send(m.TokenItem(rid, 0, (token,)))
+        await _send_run(router, TokenRun(rid, 0, (token,), logprobs=() if lp is None else (lp,)))
     return send
 
 

@@ -85,6 +85,7 @@ class RequestDriver:
         self.tasks: list[asyncio.Task] = []
         self.prefill_task: asyncio.Task | None = None
         self.handoff: asyncio.Task | None = None
+        self.p_relays = p is rld            # else the router holds a stream of its own on P's link
 
     async def run(self) -> None:
         for node in (self.rld, self.md):
@@ -92,7 +93,7 @@ class RequestDriver:
                 self.readers[node.name] = self.fl.reader(node, self.role_of[node.name],
                                                          self.router.spec.vocab_size)
                 self.streams[node.name].push(functools.partial(self.on_stream_message, node))
-        if self.p is not self.rld:
+        if not self.p_relays:
             # P's stream of the request: its first token as sampled, and the loss of its link.  P's
             # PrefillDone only says P's transport took the bytes: a P lost after it still loses what
             # its wire had not delivered, so the stream stays until every decoder has its KV.  (A
@@ -136,7 +137,7 @@ class RequestDriver:
         """A decoder's stream message, or what ended its stream -> its event, queued."""
         if node.name in self.broken:
             return
-        if isinstance(msg, LinkTimeout) and node is self.p and self.p is not self.rld:
+        if isinstance(msg, LinkTimeout) and node is self.p and not self.p_relays:
             self._p_stream_done()         # P owes nothing on it: the request's own timeout governs
             return
         try:
@@ -170,7 +171,7 @@ class RequestDriver:
     def on_node_failed(self, node: NodeHandle, why: str) -> None:
         fl = self.fl
         who = Role.PREFILL if node is self.p else self.role_of[node.name]
-        if node is self.p and node is self.rld:
+        if node is self.p and self.p_relays:
             # A relaying P lost: while a decoder still waits for KV from it, nothing it made
             # survives (a re-drive); after, it is the relay that is lost.
             assert self.prefill_task is not None
@@ -266,7 +267,7 @@ class RequestDriver:
 
     def _p_stream_done(self) -> None:
         """Nothing depends on P any more: its stream ends (its loss is no longer this request's)."""
-        st = self.streams.pop(self.p.name, None) if self.p is not self.rld else None
+        st = None if self.p_relays else self.streams.pop(self.p.name, None)
         if st is not None:
             st.close()
 
@@ -274,7 +275,7 @@ class RequestDriver:
         """Ask P to prefill; its reply (or failure) is an event.  Holds the WAN backlog the
         request queues and P's prefill backlog while it runs."""
         fl, p, r = self.fl, self.p, self.router
-        early = r.cfg.policy.first_token_from_p and p is not self.rld       # a relaying P's relay emits it
+        early = r.cfg.policy.first_token_from_p and not self.p_relays      # a relaying P's relay emits it
         msg = m.Prefill(request_id=fl.rid, targets=tuple(self.starts), starts=tuple(self.starts.values()),
                          prompt=fl.prompt, holds=self.holds, first_to_router=early, sampling=fl.sampling)
         wan = fl.ledger.take("wan", r, wan_backlog=sum((len(fl.prompt) - start) * r.kv_bytes_per_token
