@@ -11,7 +11,8 @@ b=8/32 (`ratio_greedy`), b=32 with penalties and a JSON-schema mask (`ratio_samp
 only), and prefill (time to the first token).
 
 Reported: tok/s per side and the ratios, whether greedy tokens matched (`tokens_match`,
-`vllm_tokens_match`; expected in float32 only), and pddgw's per-step phases
+`vllm_tokens_match`; expected in float32 only), how many requests each two sides decoded alike
+(`equal_requests`: in bfloat16, how far any two engines agree), and pddgw's per-step phases
 (`sides.Breakdown`).  vLLM needs `--vllm-python` (or PDDGW_VLLM_PYTHON); without it the
 report says why it is absent.  Results: docs/results/benchmarks.md.
 """
@@ -97,6 +98,7 @@ class Row:
     vllm_tok_s: float | None = None
     ratio_vllm: float | None = None  # pddgw tok/s / vLLM tok/s
     vllm_tokens_match: bool | None = None
+    equal_requests: dict[str, int] | None = None   # greedy: `equal_requests`; None: sampled
     breakdown: Breakdown | None = None
 
 
@@ -128,10 +130,25 @@ def cases(s: Settings) -> list[Case]:
     return out + [Case("prefill", s.prefill_batch, s.prefill_prompt_len, 1)]
 
 
+SIDES = ("pddgw", "transformers", "vllm")
+
+
+def equal_requests(outputs: dict[str, list[tuple[tuple[int, ...], ...]]]) -> dict[str, int]:
+    """Output ids per side, one batch per repeat -> for each pair of sides ("pddgw=vllm"), how many
+    of the batch's requests had the same ids to the end in every repeat."""
+    names = [n for n in SIDES if n in outputs]
+    out = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            runs = list(zip(outputs[a], outputs[b]))
+            out[f"{a}={b}"] = sum(all(x[r] == y[r] for x, y in runs) for r in range(len(runs[0][0])))
+    return out
+
+
 def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[int]]], repeats: int,
             progress: Callable[[str], None], breakdown: bool = False) -> list[Row]:
     """A row per case from `time_cases` ("pddgw" and "transformers" sides required, "vllm" optional)."""
-    s_of, differ = time_cases(sides, todo, prompts, repeats, progress)
+    s_of, tokens = time_cases(sides, todo, prompts, repeats, progress)
     ours_side = next(side for side in sides if side.name == "pddgw")
     tps = {(c, n): c.measured_tokens / s for (c, n), s in s_of.items()}
     greedy = {c.prompt_key: tps[(c, "pddgw")] for c in todo if c.sampling is None}
@@ -141,7 +158,7 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
         ours, s = tps[(c, "pddgw")], c.sampling
 
         def matched(name: str) -> bool | None:
-            return None if s is not None or (c, name) not in s_of else (c, name) not in differ  # noqa: B023
+            return None if s is not None or (c, name) not in s_of else tokens[(c, name)] == tokens[(c, "pddgw")]  # noqa: B023
 
         rows.append(Row(
             c.label, c.kind, c.batch, c.prompt_len, c.output_len, c.measured_tokens, s_of[(c, "pddgw")],
@@ -152,6 +169,8 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
             ratio_sampled=None if c.variant is None else ratio(ours, plain.get(c.prompt_key)),
             vllm_s=s_of.get((c, "vllm")), vllm_tok_s=tps.get((c, "vllm")),
             ratio_vllm=ratio(ours, tps.get((c, "vllm"))), vllm_tokens_match=matched("vllm"),
+            equal_requests=None if s is not None else equal_requests({n: tokens[(c, n)] for n in SIDES
+                                                                      if (c, n) in tokens}),
             breakdown=ours_side.breakdown(p, c.output_len, c.kind, s, c.variant) if breakdown else None))
     return rows
 
@@ -189,6 +208,11 @@ def render(report: Report) -> str:
                           f"(greedy only); +penalties: repetition 1.1, presence 0.5, frequency 0.5; "
                           f"+json_schema: a JSON-schema mask; /sampled = pddgw tok/s over the plain "
                           f"sampled row's (pddgw only)")
+    pairs = [k for k in ("pddgw=transformers", "pddgw=vllm", "transformers=vllm")
+             if any(r.equal_requests and k in r.equal_requests for r in report.rows)]
+    out += "\n\ngreedy requests with the same tokens to the end, of the batch, every repeat\n"
+    out += format_table(["case", *pairs], [(r.case, *(f"{r.equal_requests[k]}/{r.batch}" for k in pairs))
+                                           for r in report.rows if r.equal_requests])
     if any(r.breakdown for r in report.rows):
         out += "\n\npddgw per step, ms (decode: steps after the first token; prefill: its step)\n"
         out += format_table(

@@ -447,23 +447,24 @@ def started(spec: ModelSpec, dtype_name: str, device: str, cuda_graphs: str | No
 
 
 def time_cases(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[int]]], repeats: int,
-               progress: Callable[[str], None]) -> tuple[dict[tuple[Case, str], float], set[tuple[Case, str]]]:
-    """-> the median seconds of each (case, side name) (`Run.seconds` of the case's kind), and the pairs
-    whose tokens were not pddgw's in some repeat.  A "pddgw" side is required; a side without
+               progress: Callable[[str], None]
+               ) -> tuple[dict[tuple[Case, str], float], dict[tuple[Case, str], list[tuple[tuple[int, ...], ...]]]]:
+    """-> the median seconds of each (case, side name) (`Run.seconds` of the case's kind), and the
+    output ids of each pair, one `Run.tokens` per repeat.  A "pddgw" side is required; a side without
     `samples` sits out the sampled cases, one without `variants` the variant ones."""
     times: dict[tuple[Case, str], list[float]] = defaultdict(list)
-    differ: set[tuple[Case, str]] = set()
+    tokens: dict[tuple[Case, str], list[tuple[tuple[int, ...], ...]]] = defaultdict(list)
     for rep in range(repeats):
         for c, p in zip(todo, prompts):
-            got = {}
+            ran = []
             for side in (sides if rep % 2 == 0 else sides[::-1]):
                 if (c.sampling and not getattr(side, "samples", True)) or (
                         c.variant and not getattr(side, "variants", False)):
                     continue
                 r = side.run(p, c.output_len, sampling=c.sampling, **({"variant": c.variant} if c.variant else {}))
                 times[(c, side.name)].append(r.seconds(c.kind))
-                got[side.name] = r.tokens
-            differ |= {(c, n) for n, tokens in got.items() if tokens != got["pddgw"]}
+                tokens[(c, side.name)].append(r.tokens)
+                ran.append(side.name)
             progress(f"repeat {rep + 1}/{repeats} {c.label}: "
-                     + ", ".join(f"{n} {times[(c, n)][-1] * 1e3:.0f} ms" for n in got))
-    return {key: statistics.median(t) for key, t in times.items()}, differ
+                     + ", ".join(f"{n} {times[(c, n)][-1] * 1e3:.0f} ms" for n in ran))
+    return {key: statistics.median(t) for key, t in times.items()}, dict(tokens)

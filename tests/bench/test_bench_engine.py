@@ -99,6 +99,7 @@ def test_main_quick_json(capsys, monkeypatch):
         assert r["ratio"] == pytest.approx(r["pddgw_tok_s"] / r["transformers_tok_s"])
         assert r["vllm_tok_s"] is None and r["ratio_vllm"] is None
         assert r["vllm_tokens_match"] is None
+        assert r["equal_requests"] == (None if r["sampling"] != "greedy" else {"pddgw=transformers": r["batch"]})
         b = r["breakdown"]
         assert b["steps"] == (1 if r["kind"] == "prefill" else s.decode_output_len - 1)
         parts = sum(b[k] for k in ("scheduling_ms", "pack_ms", "attention_ms", "model_other_ms",
@@ -114,6 +115,10 @@ def test_main_quick_json(capsys, monkeypatch):
     assert "sampled: temperature 0.8, top_p 0.95, no top-k" in table
     assert NO_VLLM in table.splitlines()
     assert "sched/bookkeeping" in table and "/sampled" in table
+    equal = table.split("greedy requests with the same tokens to the end, of the batch, every repeat\n")[1]
+    assert [ln.split() for ln in equal.split("\n\n")[0].splitlines()[-4:]] == [
+        ["decode", "b=1", "1/1"], ["decode", "b=8", "8/8"], ["decode", "b=32", "32/32"],
+        ["prefill", f"b={s.prefill_batch}", f"{s.prefill_batch}/{s.prefill_batch}"]]
     assert "+penalties: repetition 1.1, presence 0.5, frequency 0.5" in table
 
 
@@ -218,6 +223,17 @@ def test_sides_that_only_decode_greedily_sit_out_the_sampled_cases(models):
     assert (sampled.tokens_match, sampled.vllm_tokens_match, sampled.vllm_tok_s, sampled.ratio_vllm) == (
         None, None, None, None)
     assert sampled.ratio_greedy == pytest.approx(sampled.pddgw_tok_s / greedy.pddgw_tok_s)
+    assert greedy.equal_requests == {"pddgw=transformers": 2, "pddgw=vllm": 2, "transformers=vllm": 2}
+    assert sampled.equal_requests is None
+
+
+def test_equal_requests_counts_a_request_equal_in_every_repeat_per_pair():
+    a, b, c = (1, 2), (1, 3), (4, 5)
+    outputs = {"vllm": [(a, b, c), (a, b, c)],            # two repeats of a batch of 3
+               "pddgw": [(a, b, c), (a, c, c)],          # request 1 differs in the second repeat
+               "transformers": [(a, c, b), (a, c, b)]}
+    assert bench.equal_requests(outputs) == {"pddgw=transformers": 1, "pddgw=vllm": 2, "transformers=vllm": 1}
+    assert bench.equal_requests({"pddgw": [(a,)]}) == {}
 
 
 def test_tokens_match_reports_a_difference(models):
@@ -231,6 +247,7 @@ def test_tokens_match_reports_a_difference(models):
     sides = (PddgwSide(ours, torch.float32), TransformersSide(flipped))
     (row,) = bench.measure(sides, [case], prompts, repeats=2, progress=lambda _m: None)
     assert row.tokens_match is False
+    assert row.equal_requests == {"pddgw=transformers": 0}
     assert row.measured_tokens == 4
     assert "NO" in bench.format_table(["case", "tokens_match"], [(row.case, row.tokens_match)])
 

@@ -67,7 +67,6 @@ def test_a_timer_run_early_by_the_clock_s_tick_delivers_its_frame():
     """A frame arriving between two ticks goes out on its timer's one call (re-arming for it
     until the clock reached it spun the loop: on this clock, for ever)."""
     async def main():
-        loop = asyncio.get_running_loop()
         got: list[str] = []
         pipe = ShapedPipe(ShapingConfig(gbps=8.0, latency_ms=10.4), got.append)
         calls = []
