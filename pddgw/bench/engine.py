@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -136,12 +137,10 @@ SIDES = ("pddgw", "transformers", "vllm")
 def equal_requests(outputs: dict[str, list[tuple[tuple[int, ...], ...]]]) -> dict[str, int]:
     """Output ids per side, one batch per repeat -> for each pair of sides ("pddgw=vllm"), how many
     of the batch's requests had the same ids to the end in every repeat."""
-    names = [n for n in SIDES if n in outputs]
     out = {}
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            runs = list(zip(outputs[a], outputs[b]))
-            out[f"{a}={b}"] = sum(all(x[r] == y[r] for x, y in runs) for r in range(len(runs[0][0])))
+    for a, b in itertools.combinations([n for n in SIDES if n in outputs], 2):
+        runs = list(zip(outputs[a], outputs[b]))
+        out[f"{a}={b}"] = sum(all(x[r] == y[r] for x, y in runs) for r in range(len(runs[0][0])))
     return out
 
 
@@ -208,7 +207,7 @@ def render(report: Report) -> str:
                           f"(greedy only); +penalties: repetition 1.1, presence 0.5, frequency 0.5; "
                           f"+json_schema: a JSON-schema mask; /sampled = pddgw tok/s over the plain "
                           f"sampled row's (pddgw only)")
-    pairs = [k for k in ("pddgw=transformers", "pddgw=vllm", "transformers=vllm")
+    pairs = [k for k in (f"{a}={b}" for a, b in itertools.combinations(SIDES, 2))
              if any(r.equal_requests and k in r.equal_requests for r in report.rows)]
     out += "\n\ngreedy requests with the same tokens to the end, of the batch, every repeat\n"
     out += format_table(["case", *pairs], [(r.case, *(f"{r.equal_requests[k]}/{r.batch}" for k in pairs))

@@ -447,8 +447,8 @@ class ShapedPipe:
         """Deliver, in order, every frame whose arrival is due (what `_run` does, without a task).
 
         A loop runs a timer up to its clock's resolution early (uvloop's clock ticks in
-        milliseconds): the frames due by `at` are due, as `_run`'s sleep has it; re-arming
-        for them instead spun the loop until the next tick, ~0.5 ms of a core per frame."""
+        milliseconds): the frames due by `at`, the instant it was set for, are due, as `_run`'s
+        sleep has it (re-arming for them would spin the loop until its clock ticks)."""
         self._timer = None
         loop, queue = self._loop, self._queue
         while queue and not self.closed:
