@@ -17,6 +17,11 @@ are left to compute, a prefill engine's next step is queued as its last ends (as
 its next queues at the last turn, behind every call waiting then: the relay and main decode
 step at least once in that many prefill steps, and no turn starves another.
 
+The GIL: between its kernels a step needs the GIL back from the event loop, and both cores
+wait for it; the interpreter makes the loop hand it over after `SWITCH_INTERVAL_S` (its
+default is 5 ms).  Measured (embedded `pddgw serve` under vLLM's client, six runs alternated):
+P's 512-token steps 139 instead of 146 ms on average, TTFT P99 ~5 % lower, tokens/s unchanged.
+
 Contract: a call runs to its end before the next starts (engines need no locks); a call's
 exception is its future's; the thread lives as long as the process (a daemon).
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import heapq
 import itertools
+import sys
 import threading
 from collections.abc import Callable
 from enum import IntEnum
@@ -76,12 +82,14 @@ class ComputeThread:
 
 _lock = threading.Lock()
 _shared: ComputeThread | None = None
+SWITCH_INTERVAL_S = 1e-4         # the GIL's hand-over once the compute thread runs (docstring)
 
 
 def shared() -> ComputeThread:
-    """The process's compute thread, started on first use."""
+    """The process's compute thread, started on first use (and the GIL's interval set then)."""
     global _shared
     with _lock:
         if _shared is None:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
             _shared = ComputeThread()
         return _shared

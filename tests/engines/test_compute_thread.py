@@ -5,6 +5,8 @@ process share it, and one-off engine work runs on a thread that ends."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -204,3 +206,12 @@ def test_a_prefill_engine_s_decodes_alone_do_not_run_back_to_back(tiny64, monkey
     assert len(asyncio.run(main())) == 4
     # Step 1 computes the 16-token prompt; steps 2-4 decode, each queued by the loop.
     assert queued_by == [threading.main_thread().name] * 4
+
+
+def test_the_shared_thread_has_the_loop_hand_over_the_gil_sooner():
+    """Once a process has its compute thread, another thread holding the GIL gives it up after
+    SWITCH_INTERVAL_S (0.1 ms), not the interpreter's 5 ms (the module docstring says why)."""
+    code = ("import sys; from pddgw.engines import compute_thread as c; before = sys.getswitchinterval(); "
+            "c.shared(); c.shared(); print(round(before * 1e6), round(sys.getswitchinterval() * 1e6))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["5000", "100"]                   # microseconds
