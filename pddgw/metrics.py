@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from pddgw.core.roles import PIPELINES, Pipeline
+from pddgw.core.roles import PIPELINES, ROLES, Pipeline
 
 if TYPE_CHECKING:
     from pddgw.engines.types import EngineStats
@@ -185,7 +185,7 @@ class RouterMetrics:
                                      "(reports after a response ended too).")
         self.front_door = FrontDoorMetrics(reg)
         # Children looked up once: `labels()` takes a lock and a dict lookup per call.
-        self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ("prefill", "rld", "md")}
+        self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ROLES}
         for mode in ("one-shot", "catch-up"):
             self.handoffs.labels(mode)
         self._by_role = {"rld": 0, "md": 0, "prefill": 0}

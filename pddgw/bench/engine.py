@@ -156,8 +156,11 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
     for c, p in zip(todo, prompts):
         ours, s = tps[(c, "pddgw")], c.sampling
 
-        def matched(name: str) -> bool | None:
-            return None if s is not None or (c, name) not in s_of else tokens[(c, name)] == tokens[(c, "pddgw")]  # noqa: B023
+        equal = None if s is not None else equal_requests({n: tokens[(c, n)] for n in SIDES if (c, n) in tokens})
+
+        def matched(name: str) -> bool | None:       # every request equal to pddgw's, every repeat
+            pair = f"pddgw={name}"
+            return None if equal is None or pair not in equal else equal[pair] == c.batch  # noqa: B023
 
         rows.append(Row(
             c.label, c.kind, c.batch, c.prompt_len, c.output_len, c.measured_tokens, s_of[(c, "pddgw")],
@@ -168,8 +171,7 @@ def measure(sides: Sequence, todo: Sequence[Case], prompts: Sequence[list[list[i
             ratio_sampled=None if c.variant is None else ratio(ours, plain.get(c.prompt_key)),
             vllm_s=s_of.get((c, "vllm")), vllm_tok_s=tps.get((c, "vllm")),
             ratio_vllm=ratio(ours, tps.get((c, "vllm"))), vllm_tokens_match=matched("vllm"),
-            equal_requests=None if s is not None else equal_requests({n: tokens[(c, n)] for n in SIDES
-                                                                      if (c, n) in tokens}),
+            equal_requests=equal,
             breakdown=ours_side.breakdown(p, c.output_len, c.kind, s, c.variant) if breakdown else None))
     return rows
 

@@ -90,21 +90,18 @@ class RequestDriver:
     async def run(self) -> None:
         for node in (self.rld, self.md):
             if node is not None:
-                self.readers[node.name] = self.fl.reader(node, self.role_of[node.name],
-                                                         self.router.spec.vocab_size)
-                self.streams[node.name].push(functools.partial(self.on_stream_message, node))
+                self._listen(node, self.role_of[node.name])
         if not self.p_relays:
             # P's stream of the request: its first token as sampled, and the loss of its link.  P's
             # PrefillDone only says P's transport took the bytes: a P lost after it still loses what
             # its wire had not delivered, so the stream stays until every decoder has its KV.  (A
             # relaying P's loss is its relay stream's.)
-            self.readers[self.p.name] = self.fl.reader(self.p, Role.PREFILL, self.router.spec.vocab_size)
             try:
                 self.streams[self.p.name] = self.p.link.stream(self.fl.rid, timeout=self.router.timeout)
             except LinkError as e:        # its link is closed already: P is lost
                 self.events.put_nowait(NodeFailed(self.p, str(e)))
             else:
-                self.streams[self.p.name].push(functools.partial(self.on_stream_message, self.p))
+                self._listen(self.p, Role.PREFILL)
         self.prefill_task = asyncio.create_task(self._prefill())
         self.tasks.append(self.prefill_task)
         try:
@@ -117,6 +114,11 @@ class RequestDriver:
                 await cancel_all(self.tasks + ([self.handoff] if self.handoff else []))
             elif self.handoff is not None:
                 await cancel_all([self.handoff])
+
+    def _listen(self, node: NodeHandle, role: Role) -> None:
+        """`node`'s stream of the request (in `streams`) pushes to `on_stream_message`, read as `role`'s."""
+        self.readers[node.name] = self.fl.reader(node, role, self.router.spec.vocab_size)
+        self.streams[node.name].push(functools.partial(self.on_stream_message, node))
 
     async def on_event(self, ev: Event) -> None:
         match ev:
