@@ -2,7 +2,7 @@
 
 `python -m pddgw.bench.serve [--model M] [--dtype bfloat16] [--pddgw-arg=ARG ...] [--vllm-arg=ARG ...]
     [--servers pddgw,vllm] [--vllm-python PATH] [--num-prompts 100] [--max-concurrency 16]
-    [--random-input-len 256] [--random-output-len 128] [--seed 1] [--json]`
+    [--random-input-len 256] [--random-output-len 128] [--seed 1] [--repeats 1] [--json]`
 
 M (default: pddgw's default model, SmolLM2) is exported once as a Hugging Face folder in
 --dtype (`pddgw export-model`): the client's tokenizer and the checkpoint `vllm serve`
@@ -11,7 +11,10 @@ loopback port: start-up is spawn to GET /health answering 200; then `vllm bench 
 runs unmodified against it (random dataset, openai-chat on /v1/chat/completions) and the
 row is read from its --save-result JSON: requests ok/failed, req/s, output tok/s, TTFT
 median and P99, TPOT median.  Ratios pddgw/vllm (output tok/s, TTFT P99, start-up) when
-both served every request.  Results: docs/results/benchmarks.md.
+both served every request.  --repeats N runs the servers in turn N times, each start a fresh
+process: a run's P99 is one wave of requests, which moves 10-40 % from run to run on a shared
+machine, so the ratios are given per run and as their median.
+Results: docs/results/benchmarks.md.
 
 vLLM's python: --vllm-python, else PDDGW_VLLM_PYTHON, else this python if it has vLLM; the
 client needs it, so without one the bench exits 2.  With --servers pddgw, or a `vllm serve`
@@ -33,9 +36,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from importlib.util import find_spec
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from pddgw.harness.launch import Processes
@@ -104,6 +108,7 @@ class Row:
     median_ttft_ms: float
     p99_ttft_ms: float
     median_tpot_ms: float
+    run: int = 1                   # which of --repeats
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,24 +126,40 @@ class Report:
     dtype: str
     workload: Workload
     rows: list[Row]
-    ratios: Ratios
+    ratios: Ratios                 # the median of `runs`' (a run's own when there is one)
     vllm: str                      # "vLLM 0.32.0 (PATH)" or why its row is absent
     notes: list[str]               # a server that died during its run, ...
+    runs: list[Ratios] = field(default_factory=list)   # each run's, in order
     benchmark: str = "serve"
 
 
-def row_from_result(server: str, startup_s: float, result: dict[str, Any]) -> Row:
+def row_from_result(server: str, startup_s: float, result: dict[str, Any], run: int = 1) -> Row:
     """A row from the JSON `vllm bench serve --save-result` wrote (KeyError names a missing key)."""
-    return Row(server, str(result["model_id"]), startup_s, *(result[k] for k in RESULT_KEYS))
+    return Row(server, str(result["model_id"]), startup_s, **{k: result[k] for k in RESULT_KEYS}, run=run)
 
 
 def ratios(rows: list[Row]) -> Ratios:
+    """One run's rows -> pddgw / vllm."""
     by = {r.server: r for r in rows if r.completed and not r.failed}
     ours, theirs = by.get("pddgw"), by.get("vllm")
     if ours is None or theirs is None:
         return Ratios(None, None, None)
     return Ratios(ratio(ours.output_throughput, theirs.output_throughput), ratio(ours.p99_ttft_ms, theirs.p99_ttft_ms),
                   ratio(ours.startup_s, theirs.startup_s))
+
+
+def run_ratios(rows: list[Row]) -> list[Ratios]:
+    """Each run's ratios, in run order."""
+    return [ratios([r for r in rows if r.run == run]) for run in sorted({r.run for r in rows})]
+
+
+def median_ratios(runs: list[Ratios]) -> Ratios:
+    """Each ratio's median over the runs; None where a run lacks it (a side that failed there)."""
+    def one(name: str) -> float | None:
+        values = [getattr(q, name) for q in runs]
+        return median(values) if values and None not in values else None
+
+    return Ratios(*(one(f.name) for f in fields(Ratios)))
 
 
 def vllm_python(given: str | None) -> str | None:
@@ -156,17 +177,24 @@ def render(report: Report) -> str:
             f"{w.random_output_len} out, {w.num_prompts} prompts, concurrency {w.max_concurrency}, seed {w.seed})\n"
             f"model: {report.model or 'pddgw default'}  dtype: {report.dtype}\n"
             f"vllm: {report.vllm}\n")
+    repeated = len(report.runs) > 1
     table = format_table(
-        ["server", "ok/failed", "req/s", "output tok/s", "TTFT median ms", "TTFT P99 ms", "TPOT median ms",
-         "start-up to /health s"],
-        [(r.server, f"{r.completed}/{r.failed}", r.request_throughput, r.output_throughput, r.median_ttft_ms,
-          r.p99_ttft_ms, r.median_tpot_ms, r.startup_s) for r in report.rows])
+        ["server", *(["run"] if repeated else []), "ok/failed", "req/s", "output tok/s", "TTFT median ms",
+         "TTFT P99 ms", "TPOT median ms", "start-up to /health s"],
+        [(r.server, *([r.run] if repeated else []), f"{r.completed}/{r.failed}", r.request_throughput,
+          r.output_throughput, r.median_ttft_ms, r.p99_ttft_ms, r.median_tpot_ms, r.startup_s)
+         for r in report.rows])
     out = head + table
     q = report.ratios
     if q.output_throughput is not None:
+        lines = [(f"run {i}", *_ratio_cells(r)) for i, r in enumerate(report.runs, 1)] if repeated else []
         out += "\n\n" + format_table(["pddgw/vllm", "output tok/s", "TTFT P99", "start-up"],
-                                     [("ratio", q.output_throughput, q.p99_ttft, q.startup)])
+                                     [*lines, ("median" if repeated else "ratio", *_ratio_cells(q))])
     return out + "".join(f"\n{n}" for n in report.notes)
+
+
+def _ratio_cells(q: Ratios) -> tuple[float | str, ...]:
+    return tuple("-" if v is None else v for v in (q.output_throughput, q.p99_ttft, q.startup))
 
 
 def _model_id(base: str) -> str:
@@ -199,9 +227,9 @@ def run_client(python: str, args: list[str], log: Path, timeout_s: float) -> Non
 
 
 def bench_server(name: str, procs: Processes, python: str, workload: Workload, tokenizer: str, d: Path,
-                 start_timeout_s: float, client_timeout_s: float, notes: list[str]) -> tuple[Row, str]:
-    """Start `procs`' one node, time it to /health, run the client, stop it -> (its row, its base URL's
-    /version or "")."""
+                 start_timeout_s: float, client_timeout_s: float, notes: list[str], run: int = 1) -> tuple[Row, str]:
+    """Start `procs`' one node, time it to /health, run the client, stop it -> (its row of run `run`,
+    its base URL's /version or "")."""
     node = next(iter(procs.nodes.values()))
     base = f"http://127.0.0.1:{node.port}"
     to_stderr(f"{name}: starting ...")
@@ -217,9 +245,9 @@ def bench_server(name: str, procs: Processes, python: str, workload: Workload, t
         result = d / f"{name}-result.json"
         run_client(python, workload.client_args(base, model_id, tokenizer, result), d / f"{name}-client.log",
                    client_timeout_s)
-        row = row_from_result(name, round(startup, 2), json.loads(result.read_text()))
+        row = row_from_result(name, round(startup, 2), json.loads(result.read_text()), run)
         if row.failed or not node.alive:
-            notes.append(f"{name}: {row.failed} of {workload.num_prompts} requests failed"
+            notes.append(f"{name} (run {run}): {row.failed} of {workload.num_prompts} requests failed"
                          + ("" if node.alive else f", the server exited (rc {node.returncode})")
                          + f"; first error in its log: {first_error(procs.log(node.name, None))}")
         to_stderr(f"{name}: {row.completed} completed, {row.failed} failed")
@@ -238,7 +266,8 @@ def vllm_env() -> dict[str, str]:
 
 def run_benchmark(model: str, dtype: str, servers: list[str], python: str, workload: Workload,
                   pddgw_args: list[str], vllm_args: list[str], start_timeout_s: float = 900.0,
-                  client_timeout_s: float = 3600.0) -> Report:
+                  client_timeout_s: float = 3600.0, repeats: int = 1) -> Report:
+    """`servers` in turn, `repeats` times (a vLLM that did not start is not tried again)."""
     rows: list[Row] = []
     notes: list[str] = []
     why = "not run (--servers has no vllm)"
@@ -251,30 +280,41 @@ def run_benchmark(model: str, dtype: str, servers: list[str], python: str, workl
                                 capture_output=True, text=True, timeout=900)
         if export.returncode != 0:
             raise DidNotStart(f"pddgw export-model failed: {first_error(export.stderr)}")
-        for name in servers:
-            procs, port = Processes(d), free_port()
-            if name == "pddgw":
-                procs.add("pddgw", ["serve", *(["--model", model] if model else []), "--dtype", dtype,
-                                    "--host", "127.0.0.1", "--port", str(port), *pddgw_args], port)
-            else:
-                # cwd d: `python -m` puts the cwd first on sys.path, and this checkout's folders must not
-                # shadow what vLLM imports.
-                procs.add("vllm", ["--model", str(hf), "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
-                                   *vllm_args], port, cwd=d,
-                          command=(python, "-m", "vllm.entrypoints.openai.api_server"), env=vllm_env())
+        gone: set[str] = set()              # a vLLM that did not start
+        for run, name in ((run, name) for run in range(1, repeats + 1) for name in servers):
+            if name in gone:
+                continue
+            procs = _server(name, d, model, dtype, hf, python, pddgw_args if name == "pddgw" else vllm_args)
             try:
                 row, version = bench_server(name, procs, python, workload, str(hf), d, start_timeout_s,
-                                            client_timeout_s, notes)
+                                            client_timeout_s, notes, run)
             except DidNotStart as e:
                 if name != "vllm":
                     raise
                 why = f"not available ({e})"
                 to_stderr(f"vllm: {why}")
+                gone.add(name)
                 continue
             rows.append(row)
             if name == "vllm":
                 why = f"vLLM {version} ({python})"
-    return Report(model, dtype, workload, rows, ratios(rows), why, notes)
+    runs = run_ratios(rows)
+    return Report(model, dtype, workload, rows, median_ratios(runs), why, notes, runs)
+
+
+def _server(name: str, d: Path, model: str, dtype: str, hf: Path, python: str, args: list[str]) -> Processes:
+    """`name`'s server on a free loopback port, not started."""
+    procs, port = Processes(d), free_port()
+    if name == "pddgw":
+        procs.add("pddgw", ["serve", *(["--model", model] if model else []), "--dtype", dtype,
+                            "--host", "127.0.0.1", "--port", str(port), *args], port)
+    else:
+        # cwd d: `python -m` puts the cwd first on sys.path, and this checkout's folders must not
+        # shadow what vLLM imports.
+        procs.add("vllm", ["--model", str(hf), "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
+                           *args], port, cwd=d,
+                  command=(python, "-m", "vllm.entrypoints.openai.api_server"), env=vllm_env())
+    return procs
 
 
 def main(argv: list[str] | None = None) -> Report:
@@ -291,12 +331,16 @@ def main(argv: list[str] | None = None) -> Report:
                     help="python of a vLLM venv (default: env PDDGW_VLLM_PYTHON, else this python if it has vLLM)")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to answer /health")
     ap.add_argument("--client-timeout", type=float, default=3600.0, help="seconds one client run may take")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the servers in turn this many times; ratios per run and their median")
     add_options(ap, Workload)
     add_output_args(ap)
     a = ap.parse_args(argv)
     servers = [s.strip() for s in a.servers.split(",") if s.strip()]
     if not servers or set(servers) - set(SERVERS) or len(set(servers)) != len(servers):
         ap.error(f"--servers {a.servers!r}: a comma-separated list of {', '.join(SERVERS)}, each once")
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats}: runs each server at least once (>= 1)")
     python = vllm_python(a.vllm_python)
     if python is None:
         ap.error("vLLM's benchmark client needs a vLLM environment: --vllm-python PATH or env PDDGW_VLLM_PYTHON")
@@ -306,7 +350,7 @@ def main(argv: list[str] | None = None) -> Report:
         ap.error(str(e))
     try:
         report = run_benchmark(a.model, a.dtype, servers, python, workload, a.pddgw_arg, a.vllm_arg,
-                               a.start_timeout, a.client_timeout)
+                               a.start_timeout, a.client_timeout, a.repeats)
     except DidNotStart as e:        # pddgw's model or server: nothing to compare
         ap.exit(1, f"{ap.prog}: error: {e}\n")
     emit(report, a.json, render(report))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from dataclasses import replace
 from io import StringIO
 from pathlib import Path
 
@@ -35,7 +37,8 @@ COLUMNS = ["server  ok/failed  req/s  output tok/s  TTFT median ms  TTFT P99 ms 
 
 
 def report(rows: list[Row], vllm: str, notes: list[str] | None = None) -> Report:
-    return Report("", "bfloat16", Workload(), rows, serve.ratios(rows), vllm, notes or [])
+    runs = serve.run_ratios(rows)
+    return Report("", "bfloat16", Workload(), rows, serve.median_ratios(runs), vllm, notes or [], runs)
 
 
 def test_a_row_is_read_from_the_result_json():
@@ -78,15 +81,16 @@ def test_the_json_holds_the_workload_rows_ratios_and_why():
     out = StringIO()
     emit(report([OURS, THEIRS], "vLLM 0.32.0 (/venv/bin/python)"), True, "", out)
     got = orjson.loads(out.getvalue())
-    assert sorted(got) == ["benchmark", "dtype", "model", "notes", "ratios", "rows", "vllm", "workload"]
+    assert sorted(got) == ["benchmark", "dtype", "model", "notes", "ratios", "rows", "runs", "vllm", "workload"]
     assert got["benchmark"] == "serve" and got["vllm"] == "vLLM 0.32.0 (/venv/bin/python)"
     assert got["workload"] == {"backend": "openai-chat", "endpoint": "/v1/chat/completions", "dataset_name": "random",
                                "random_input_len": 256, "random_output_len": 128, "num_prompts": 100,
                                "max_concurrency": 16, "seed": 1}
     assert got["rows"][0] == {"server": "pddgw", "model_id": "pddgw-tiny", "startup_s": 2.0, "completed": 100,
                               "failed": 0, "request_throughput": 4.0, "output_throughput": 500.0,
-                              "median_ttft_ms": 125.0, "p99_ttft_ms": 400.0, "median_tpot_ms": 25.0}
+                              "median_ttft_ms": 125.0, "p99_ttft_ms": 400.0, "median_tpot_ms": 25.0, "run": 1}
     assert got["ratios"] == {"output_throughput": 0.8, "p99_ttft": 1.25, "startup": 0.04}
+    assert got["runs"] == [got["ratios"]]
 
 
 def test_the_client_is_asked_for_p50_and_p99_and_a_named_result_file():
@@ -151,3 +155,83 @@ def test_a_model_that_does_not_export_is_one_line_and_exit_1(capsys):
     assert capsys.readouterr().err.splitlines()[-1] == (
         "python -m pddgw.bench.serve: error: pddgw export-model failed: error: --model: /nonexistent/model: "
         "no such directory (expected a Hugging Face model directory: config.json, *.safetensors, tokenizer.json)")
+
+
+def _run(k: int, p99: float, their_p99: float, tok_s: float = 500.0) -> list[Row]:
+    """Run k's two rows: pddgw at `p99` ms and `tok_s`, vLLM at `their_p99` and 625 tok/s."""
+    return [replace(OURS, p99_ttft_ms=p99, output_throughput=tok_s, run=k),
+            replace(THEIRS, p99_ttft_ms=their_p99, run=k)]
+
+
+def test_repeated_runs_pair_by_run_and_the_ratios_are_their_medians():
+    rows = _run(1, 400.0, 320.0) + _run(2, 300.0, 400.0, 750.0) + _run(3, 500.0, 400.0, 625.0)
+    runs = serve.run_ratios(rows)
+    assert runs == [Ratios(0.8, 1.25, 0.04), Ratios(1.2, 0.75, 0.04), Ratios(1.0, 1.25, 0.04)]
+    assert serve.median_ratios(runs) == Ratios(1.0, 1.25, 0.04)
+
+
+def test_a_run_without_both_sides_leaves_the_median_out():
+    rows = _run(1, 400.0, 320.0) + [replace(OURS, run=2)]
+    runs = serve.run_ratios(rows)
+    assert runs == [Ratios(0.8, 1.25, 0.04), Ratios(None, None, None)]
+    assert serve.median_ratios(runs) == Ratios(None, None, None)
+    assert serve.median_ratios([]) == Ratios(None, None, None)
+
+
+def test_the_table_of_repeated_runs_names_each_run_and_the_median():
+    text = serve.render(report(_run(1, 400.0, 320.0) + _run(2, 300.0, 400.0, 750.0), "vLLM 0.32.0 (/py)"))
+    cells = [line.split("  ") for line in text.splitlines()[3:]]
+    assert [[c.strip() for c in row if c.strip()] for row in cells] == [
+        ["server", "run", "ok/failed", "req/s", "output tok/s", "TTFT median ms", "TTFT P99 ms", "TPOT median ms",
+         "start-up to /health s"],
+        ["------", "---", "---------", "-----", "------------", "--------------", "-----------", "--------------",
+         "---------------------"],
+        ["pddgw", "1", "100/0", "4.00", "500.0", "125.0", "400.0", "25.0", "2.00"],
+        ["vllm", "1", "100/0", "5.00", "625.0", "100.0", "320.0", "20.0", "50.0"],
+        ["pddgw", "2", "100/0", "4.00", "750.0", "125.0", "300.0", "25.0", "2.00"],
+        ["vllm", "2", "100/0", "5.00", "625.0", "100.0", "400.0", "20.0", "50.0"],
+        [],
+        ["pddgw/vllm", "output tok/s", "TTFT P99", "start-up"],
+        ["----------", "------------", "--------", "--------"],
+        ["run 1", "0.80", "1.25", "0.04"],
+        ["run 2", "1.20", "0.75", "0.04"],
+        ["median", "1.00", "1.00", "0.04"]]
+
+
+def test_repeats_must_run_each_server_once_at_least(capsys):
+    with pytest.raises(SystemExit) as ei:
+        serve.main(["--repeats", "0"])
+    assert ei.value.code == 2
+    assert "--repeats 0: runs each server at least once (>= 1)" in capsys.readouterr().err
+
+
+def _fake_runs(monkeypatch, vllm_starts: bool) -> list[tuple[str, int]]:
+    """run_benchmark with the export and each server's run replaced: -> the (server, run) calls made."""
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(serve.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "", ""))
+
+    def bench_server(name, procs, python, workload, tokenizer, d, start_s, client_s, notes, run):
+        calls.append((name, run))
+        if name == "vllm" and not vllm_starts:
+            raise serve.DidNotStart("vllm serve did not start: RuntimeError: no CPU attention")
+        return replace(OURS if name == "pddgw" else THEIRS, run=run), "0.32.0" if name == "vllm" else ""
+
+    monkeypatch.setattr(serve, "bench_server", bench_server)
+    return calls
+
+
+def test_the_servers_take_turns_each_run(monkeypatch):
+    calls = _fake_runs(monkeypatch, vllm_starts=True)
+    got = serve.run_benchmark("", "bfloat16", ["pddgw", "vllm"], "/py", Workload(), [], [], repeats=2)
+    assert calls == [("pddgw", 1), ("vllm", 1), ("pddgw", 2), ("vllm", 2)]
+    assert [(r.server, r.run) for r in got.rows] == calls
+    assert got.runs == [Ratios(0.8, 1.25, 0.04)] * 2 and got.ratios == Ratios(0.8, 1.25, 0.04)
+    assert got.vllm == "vLLM 0.32.0 (/py)"
+
+
+def test_a_vllm_that_did_not_start_is_not_tried_again(monkeypatch):
+    calls = _fake_runs(monkeypatch, vllm_starts=False)
+    got = serve.run_benchmark("", "bfloat16", ["pddgw", "vllm"], "/py", Workload(), [], [], repeats=3)
+    assert calls == [("pddgw", 1), ("vllm", 1), ("pddgw", 2), ("pddgw", 3)]
+    assert got.vllm == "not available (vllm serve did not start: RuntimeError: no CPU attention)"
+    assert got.ratios == Ratios(None, None, None)
