@@ -206,9 +206,10 @@ class AsyncEngine:
         if not fut.cancelled() and fut.exception() is not None:
             log.error("engine_post_failed", engine=self.name, error=repr(fut.exception()))
 
-    def _submit(self, turn: Turn, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    def _submit(self, turn: Turn, fn: Callable[..., T], *args: Any,
+                behind: bool = False) -> concurrent.futures.Future[T]:
         if self._compute is not None:
-            return self._compute.submit(turn, fn, *args)
+            return self._compute.submit(turn, fn, *args, behind=behind)
         assert self._executor is not None
         return self._executor.submit(fn, *args)
 
@@ -358,8 +359,8 @@ class AsyncEngine:
     def _step_and_queue(self, streak: int) -> tuple[list[RequestOutput], concurrent.futures.Future | None]:
         """On the compute thread: one step, then the next queued at once while prompts are left to
         compute (`Engine.prompt_work`; a relaying P's decodes alone wait their turn as before): at
-        its own turn, before any lower turn's call can start, or every PREFILL_STREAK steps at the
-        last turn, behind every call waiting then (the relay and main decode step once)."""
+        its own turn, before any lower turn's call can start, or every PREFILL_STREAK steps behind
+        every call waiting then (the relay and main decode step once)."""
         if self._closed:
             return [], None
         outputs = self.engine.step()
@@ -367,7 +368,7 @@ class AsyncEngine:
             return outputs, None
         if streak < PREFILL_STREAK:
             return outputs, self._submit(self.turn, self._step_and_queue, streak + 1)
-        return outputs, self._submit(max(Turn), self._step_and_queue, 1)        # the last turn
+        return outputs, self._submit(self.turn, self._step_and_queue, 1, behind=True)
 
     def _hand_out(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs to their readers: a stream's queue each, a sink's all in one call."""

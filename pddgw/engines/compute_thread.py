@@ -14,8 +14,9 @@ imports and exports, aborts) first, then a prefill's step (a prompt waiting hold
 token), a relay's, a main decode's.  An engine has at most one step waiting.  While prompts
 are left to compute, a prefill engine's next step is queued as its last ends (async_engine.py,
 `PREFILL_STREAK`), so a burst of prompts is prefilled back to back; every PREFILL_STREAK steps
-its next queues at the last turn, behind every call waiting then: the relay and main decode
-step at least once in that many prefill steps, and no turn starves another.
+its next queues `behind` every call waiting then, and no call but a control call that arrives
+later goes before it: the relay and main decode step once in that many prefill steps, and no
+turn starves another (a relay whose next step went before it stepped as long as it had work).
 
 The GIL: between its kernels a step needs the GIL back from the event loop, and both cores
 wait for it; the interpreter makes the loop hand it over after `SWITCH_INTERVAL_S` (its
@@ -51,19 +52,27 @@ class Turn(IntEnum):
 
 
 class ComputeThread:
-    """A single worker thread running submitted calls by (turn, arrival)."""
+    """A single worker thread running submitted calls by (round, turn, arrival)."""
 
     def __init__(self, name: str = "pddgw-compute") -> None:
-        self._waiting: list[tuple[int, int, Callable[..., Any], tuple[Any, ...], concurrent.futures.Future]] = []
+        # (round, turn, arrival, ...): a call queued `behind` opens a round; control calls are in round 0.
+        self._waiting: list[tuple[int, int, int, Callable[..., Any], tuple[Any, ...], concurrent.futures.Future]] = []
         self._arrival = itertools.count()
+        self._round = 0
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, turn: Turn, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    def submit(self, turn: Turn, fn: Callable[..., T], *args: Any,
+               behind: bool = False) -> concurrent.futures.Future[T]:
+        """Run fn(*args) in its turn; `behind`: after every call waiting now whatever its turn (not a
+        control call), the calls arriving later then by turn as usual."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._cond:
-            heapq.heappush(self._waiting, (turn, next(self._arrival), fn, args, fut))
+            if behind:
+                self._round += 1
+            rnd = 0 if turn == Turn.CONTROL else self._round
+            heapq.heappush(self._waiting, (rnd, turn, next(self._arrival), fn, args, fut))
             self._cond.notify()
         return fut
 
@@ -72,7 +81,7 @@ class ComputeThread:
             with self._cond:
                 while not self._waiting:
                     self._cond.wait()
-                _, _, fn, args, fut = heapq.heappop(self._waiting)
+                _, _, _, fn, args, fut = heapq.heappop(self._waiting)
             if not fut.set_running_or_notify_cancel():
                 continue
             try:

@@ -40,6 +40,22 @@ def test_waiting_calls_run_by_turn_then_arrival_on_one_thread():
     assert threads == {"test-compute"}
 
 
+def test_a_call_queued_behind_runs_after_every_call_waiting_then_and_before_later_ones():
+    ct = ComputeThread(name="test-compute-behind")
+    gate = threading.Event()
+    order: list[str] = []
+    ct.submit(Turn.DECODE, gate.wait)
+    for turn, tag in ((Turn.DECODE, "md-1"), (Turn.RELAY, "rld-1")):
+        ct.submit(turn, order.append, tag)
+    behind = ct.submit(Turn.PREFILL, order.append, "p", behind=True)
+    later = [ct.submit(turn, order.append, tag) for turn, tag in ((Turn.RELAY, "rld-2"), (Turn.CONTROL, "import"),
+                                                                   (Turn.PREFILL, "p-2"), (Turn.DECODE, "md-2"))]
+    gate.set()
+    for f in (behind, *later):
+        f.result(timeout=30)
+    assert order == ["import", "rld-1", "md-1", "p", "p-2", "rld-2", "md-2"]
+
+
 def test_a_failing_call_fails_its_future_and_the_thread_goes_on():
     ct = ComputeThread(name="test-compute-2")
 
@@ -157,6 +173,36 @@ def test_a_prefill_engine_steps_back_to_back_and_yields_every_streak(tiny64, mon
     assert order == ["P1", "P2", "P3", "RLD", "MD", "P4", "import", "P5", "P6", "P7"]
 
 
+def test_a_relay_stepping_again_does_not_pass_the_streak_s_next_step(tiny64, monkeypatch):
+    """The relay queues its next step as its last ends (as its engine loop does): that step waits
+    for P's, which was queued behind the relay's first at the streak's end."""
+    monkeypatch.setattr(async_engine, "PREFILL_STREAK", 2)
+    order: list[str] = []
+    ct_box: list[ComputeThread] = []
+
+    def relay(n: int) -> None:
+        order.append(f"RLD{n}")
+        if n < 3:
+            ct_box[0].submit(Turn.RELAY, relay, n + 1)
+
+    def on_step(n: int) -> None:
+        order.append(f"P{n}")
+        if n == 1:
+            ct_box[0].submit(Turn.RELAY, relay, 1)
+
+    async def main() -> None:
+        aeng, ct = _prefill_engine(tiny64, 5, on_step, monkeypatch)
+        ct_box.append(ct)
+        aeng.start()
+        async for _ in aeng.generate(req("r", list(range(3, 3 + 5 * 16)), 1)):
+            pass
+        await aeng.stop()
+        await asyncio.wrap_future(ct.submit(Turn.DECODE, lambda: None))     # whatever was queued has run
+
+    asyncio.run(main())
+    assert order == ["P1", "P2", "RLD1", "P3", "P4", "RLD2", "P5", "RLD3"]
+
+
 def test_no_step_of_a_streak_runs_once_the_engine_is_stopped(tiny64, monkeypatch):
     closed_at_step: list[bool] = []
     box: list[AsyncEngine] = []
@@ -192,10 +238,10 @@ def test_a_prefill_engine_s_decodes_alone_do_not_run_back_to_back(tiny64, monkey
         aeng, ct = _prefill_engine(tiny64, 1, lambda n: None, monkeypatch)
         submit = ct.submit
 
-        def recording(turn, fn, *args):
+        def recording(turn, fn, *args, behind=False):
             if getattr(fn, "__name__", "") == "_step_and_queue":
                 queued_by.append(threading.current_thread().name)
-            return submit(turn, fn, *args)
+            return submit(turn, fn, *args, behind=behind)
 
         monkeypatch.setattr(ct, "submit", recording)
         aeng.start()
