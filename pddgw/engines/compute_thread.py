@@ -16,7 +16,8 @@ are left to compute, a prefill engine's next step is queued as its last ends (as
 `PREFILL_STREAK`), so a burst of prompts is prefilled back to back; every PREFILL_STREAK steps
 its next queues `behind` every call waiting then, and no call but a control call that arrives
 later goes before it: the relay and main decode step once in that many prefill steps, and no
-turn starves another (a relay whose next step went before it stepped as long as it had work).
+turn starves another (were the relay's next step to go first, the relay would step as long as
+it had work, the prefill waiting).
 
 The GIL: between its kernels a step needs the GIL back from the event loop, and both cores
 wait for it; the interpreter makes the loop hand it over after `SWITCH_INTERVAL_S` (its
