@@ -236,7 +236,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         preflight(cfg, nodes, _model_key(args), front_door=True)
         from pddgw.deploy import serve as deploy
 
-        main = deploy.run_embedded(cfg, args.host, args.port)
+        ready = asyncio.Event()
+        main = deploy.run_embedded(cfg, args.host, args.port, ready=ready)
     else:
         if not cfg.nodes:
             raise ConfigError(f"--role {args.role} needs a config with [[nodes]] (or use --role all)")
@@ -251,7 +252,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from pddgw.deploy import serve as deploy
 
         runner = deploy.run_router if me.role == "router" else deploy.run_worker
-        main = runner(cfg, me, args.host, args.port)
+        ready = asyncio.Event()
+        main = runner(cfg, me, args.host, args.port, ready=ready)
+    main = deploy.frozen_once_ready(main, ready)
     try:
         import uvloop
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import socket
 import ssl
 import subprocess
@@ -456,3 +457,70 @@ def test_one_default_model_for_serve_generate_and_export(cmd):
     args = cli.build_parser().parse_args([*cmd, "--config", str(ROOT / "config.local.toml")])
     assert cli._config_with_overrides(args).model.path == "" == load_config(str(ROOT / "config.local.toml")).model.path
     assert cli._model_key(args) == "model.path"
+
+
+async def _frozen(serving, ready: asyncio.Event, cancel_once_frozen: bool = False) -> int:
+    """deploy.frozen_once_ready(serving, ready) to its end (cancelled once the heap is frozen, if
+    asked) -> the objects frozen then; the test process's heap is unfrozen again after."""
+    from pddgw.deploy import serve as deploy
+
+    gc.unfreeze()
+    task = asyncio.ensure_future(deploy.frozen_once_ready(serving, ready))
+    try:
+        for _ in range(1000):
+            if task.done() or (cancel_once_frozen and gc.get_freeze_count()):
+                break
+            await asyncio.sleep(0)
+        if cancel_once_frozen:
+            task.cancel()
+        await task
+        return gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+
+
+async def test_the_start_up_heap_is_frozen_once_the_server_answers():
+    ready = asyncio.Event()
+    seen: list[int] = []
+
+    async def serving() -> None:
+        seen.append(gc.get_freeze_count())           # starting: nothing frozen yet
+        ready.set()
+        for _ in range(100):                          # serving goes on while the heap is frozen
+            await asyncio.sleep(0)
+            if gc.get_freeze_count():
+                break
+        seen.append(gc.get_freeze_count())
+
+    assert await _frozen(serving(), ready) > 1000
+    assert seen[0] == 0 and seen[1] > 1000          # this process's heap: tens of thousands of objects
+
+
+async def test_a_server_that_fails_before_answering_freezes_nothing():
+    async def serving() -> None:
+        raise OSError("cannot listen")
+
+    from pddgw.deploy import serve as deploy
+
+    gc.unfreeze()
+    try:
+        with pytest.raises(OSError, match="cannot listen"):
+            await deploy.frozen_once_ready(serving(), asyncio.Event())
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+
+
+async def test_cancelling_a_frozen_server_unwinds_it():
+    ready, unwound = asyncio.Event(), asyncio.Event()
+
+    async def serving() -> None:
+        ready.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            unwound.set()
+
+    with pytest.raises(asyncio.CancelledError):
+        await _frozen(serving(), ready, cancel_once_frozen=True)
+    assert unwound.is_set()

@@ -20,12 +20,13 @@ import atexit
 import contextlib
 import dataclasses
 import errno
+import gc
 import hmac
 import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, NoReturn
 
 import structlog
@@ -408,6 +409,29 @@ async def _serve_app(app: web.Application, host: str, port: int, cfg: Config, re
         _slow_step("http server", t)
         if t_stop is not None:
             log.info("exited", seconds=round(time.monotonic() - t_stop, 3))
+
+
+async def frozen_once_ready(serving: Coroutine[Any, Any, None], ready: asyncio.Event) -> None:
+    """Await `serving`; once it sets `ready`, the process's start-up heap (modules, weights'
+    wrappers, tokenizer, configs) is frozen, so the garbage collector no longer walks it: a full
+    collection of the embedded deployment's 205 K tracked objects held the GIL 49-78 ms, the event
+    loop and every engine step stalled meanwhile; ~0 ms once frozen (vLLM freezes its own too).
+    Cancelled, it cancels `serving` and waits for it to unwind."""
+    task = asyncio.ensure_future(serving)
+    up = asyncio.ensure_future(ready.wait())
+    try:
+        await asyncio.wait({task, up}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.is_set():
+            gc.collect()
+            gc.freeze()
+            log.info("startup_heap_frozen", objects=gc.get_freeze_count())
+        await task
+    finally:
+        up.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def exit_process(code: int = 0) -> NoReturn:
