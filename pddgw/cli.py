@@ -226,6 +226,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(cfg.log.level, json=args.log_json or cfg.log.json)   # the config's [log], now that it is read
     if args.api_key:
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_keys=tuple(args.api_key)))
+    ready = asyncio.Event()             # set once serving: then the start-up heap is frozen
     if args.role == "all":
         if args.node:
             raise ConfigError("--node names one node of a multi-node config; --role all runs them all")
@@ -236,7 +237,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         preflight(cfg, nodes, _model_key(args), front_door=True)
         from pddgw.deploy import serve as deploy
 
-        ready = asyncio.Event()
         main = deploy.run_embedded(cfg, args.host, args.port, ready=ready)
     else:
         if not cfg.nodes:
@@ -252,7 +252,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from pddgw.deploy import serve as deploy
 
         runner = deploy.run_router if me.role == "router" else deploy.run_worker
-        ready = asyncio.Event()
         main = runner(cfg, me, args.host, args.port, ready=ready)
     main = deploy.frozen_once_ready(main, ready)
     try:
