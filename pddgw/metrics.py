@@ -188,7 +188,7 @@ class RouterMetrics:
         self._role_tokens = {role: self.tokens_by_role.labels(role) for role in ROLES}
         for mode in ("one-shot", "catch-up"):
             self.handoffs.labels(mode)
-        self._by_role = {"rld": 0, "md": 0, "prefill": 0}
+        self._by_role: dict[str, int] = dict.fromkeys(ROLES, 0)
         if router is not None:
             reg.register(_Collector(self._router_state))
 
