@@ -38,6 +38,9 @@ HASH_LIMIT = 1 << 64               # prefix hashes are uint64
 MAX_TARGETS = 16
 
 
+MAX_BLOCK_TOKENS = 1 << 16         # a KV block's tokens (engines' block sizes are powers of two, far below)
+
+
 def _text(v: Any, name: str, limit: int = MAX_ID_CHARS, empty: bool = True) -> None:
     _check(type(v) is str, f"{name} must be a string")
     _check(len(v) <= limit, f"{name} longer than {limit} characters")

@@ -13,8 +13,9 @@ from typing import Literal
 from pddgw.core.errors import check as _check
 from pddgw.core.ids import TOKEN_ID_LIMIT
 from pddgw.core.sampling import SamplingParams
-from pddgw.messages.fields import (HASH_LIMIT, MAX_HASHES, MAX_ID_CHARS, MAX_TARGETS, MAX_TEXT_CHARS,
-                                   MAX_TOKEN_IDS, _bools, _flag, _int_tuple, _number, _sampling, _text, _uint)
+from pddgw.messages.fields import (HASH_LIMIT, MAX_BLOCK_TOKENS, MAX_HASHES, MAX_ID_CHARS, MAX_TARGETS,
+                                   MAX_TEXT_CHARS, MAX_TOKEN_IDS, _bools, _flag, _int_tuple, _number, _sampling,
+                                   _text, _uint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,9 @@ class Prefill:
     """Compute the prompt on P; stream its KV to `targets` from `starts` on (parallel).
 
     `holds[i]`: target i holds after the KV (KvDone.hold), else decodes at once.
+    `blocks[i]`: the KV block size (tokens) of target i's pool; P cuts its chunks at
+    those blocks too, so each chunk can land in a block of that pool as it is (empty:
+    P's own block size for every target).
     `first_to_router`: P also sends the first token to the router the moment it
     is sampled (a TokenItem at position 0, its Logprobs before it), before any
     target's KvDone, unless it ends the request (a stop token).
@@ -85,6 +89,7 @@ class Prefill:
     prompt: tuple[int, ...]
     holds: tuple[bool, ...] = ()
     first_to_router: bool = False
+    blocks: tuple[int, ...] = ()
     sampling: SamplingParams = field(kw_only=True)
     tag: Literal["prefill"] = "prefill"
 
@@ -103,6 +108,9 @@ class Prefill:
         _check(all(s <= len(self.prompt) for s in self.starts), "a start is past the prompt's end")
         _bools(self, "holds", self.holds, len(self.targets))
         _flag(self.first_to_router, "first_to_router")
+        _int_tuple(self, "blocks", self.blocks, MAX_TARGETS, MAX_BLOCK_TOKENS + 1)
+        _check(len(self.blocks) in (0, len(self.targets)), "blocks must have one entry per target")
+        _check(all(b > 0 and b & (b - 1) == 0 for b in self.blocks), "blocks must be powers of two")
 
 
 @dataclass(frozen=True, slots=True)

@@ -360,12 +360,13 @@ class WorkerNode:
         self._cancelled.pop(rid, None)          # a re-drive asks again
         targets = []
         holds = msg.holds or (False,) * len(msg.targets)
-        for name, start, hold in zip(msg.targets, msg.starts, holds):
+        blocks = msg.blocks or (0,) * len(msg.targets)
+        for name, start, hold, block in zip(msg.targets, msg.starts, holds, blocks):
             if name == self.name:
                 targets.append(self._local_target(rid, start))
                 continue
             link = await self.peer(name)
-            targets.append(self._target(rid, name, start, hold, link))
+            targets.append(self._target(rid, name, start, hold, link, block))
         if rid in self._cancelled:              # cancelled while dialing: nothing to compute
             await self._unpin(rid)
             raise RequestError(f"request {rid!r} was cancelled")
@@ -391,7 +392,7 @@ class WorkerNode:
                               tuple(t.sent_bytes for t in ts), tuple(t.error or "" for t in ts),
                               tuple(t.service_s for t in ts))
 
-    def _target(self, rid: str, name: str, start: int, hold: bool, link: Link) -> KVTarget:
+    def _target(self, rid: str, name: str, start: int, hold: bool, link: Link, block_size: int) -> KVTarget:
         seq = 0
 
         async def send(chunks: list[KVChunk]) -> float:
@@ -416,7 +417,7 @@ class WorkerNode:
                     await link.send(piece, priority=target.priority)
             await link.send(m.KvDone(rid, first_token, hold), priority=target.priority)
 
-        target = KVTarget(name, start, send, done)
+        target = KVTarget(name, start, send, done, block_size=block_size)
         return target
 
     def _local_target(self, rid: str, start: int) -> KVTarget:

@@ -15,8 +15,9 @@ Invariants:
     failure costs only that head start;
   * the KV stays pinned until every target is served; a failed target is
     reported and the others go on;
-  * chunks are cut at block boundaries and only whole blocks go out until
-    the prompt is complete;
+  * chunks are cut at block boundaries, P's and the target's (`block_size`:
+    each chunk then lands in a block of the receiver's pool as it is), and
+    only whole blocks go out until the prompt is complete;
   * `demote` turns what is left of a request's transfers into background
     traffic, frame by frame.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,6 +56,7 @@ class KVTarget:
     # All sent; the first output token and, if the request asked, its logprobs.
     done: Callable[[int, TokenLogprobs | None], Awaitable[None]]
     priority: Priority = Priority.FOREGROUND
+    block_size: int = 0                                # the KV block of the target's pool (0: P's)
     sent_bytes: int = 0
     service_s: float = 0.0
     error: str | None = None
@@ -101,8 +104,7 @@ class PrefillWorker:
         self.on_transfer = on_transfer
         self.engine = aeng.engine
         self.block_size = self.engine.kv_layout.block_size
-        self.tokens_per_chunk = tokens_per_chunk(self.engine.kv_layout.bytes_per_token(), self.block_size,
-                                                 chunk_bytes, in_place=not self.engine.virtual_kv)
+        self.chunk_bytes = chunk_bytes
         self.inflight: dict[str, list[KVTarget]] = {}
         # Prompt logprobs of requests that asked, until the router fetched them (its Cancel).
         self.scored = PromptScores()
@@ -191,7 +193,9 @@ class PrefillWorker:
     async def _send_all(self, rid: str, n: int, target: KVTarget, progress: _Progress) -> None:
         """Send [start_token, n) in chunks as the computed watermark passes them."""
         sent = target.start_token
-        bs = self.block_size
+        bs = math.lcm(self.block_size, target.block_size or self.block_size)
+        step = tokens_per_chunk(self.engine.kv_layout.bytes_per_token(), bs, self.chunk_bytes,
+                                in_place=not self.engine.virtual_kv)
 
         def sendable() -> int:
             """Computed tokens that may go out: whole blocks only until the prompt is complete."""
@@ -206,7 +210,6 @@ class PrefillWorker:
                 raise RequestError(f"request {rid!r} ended on P before tokens [{sent}, {n}) were computed")
             # Everything newly computed goes out as one batch of chunks, cut at multiples of
             # the chunk size (whole blocks when that is a block multiple).
-            step = self.tokens_per_chunk
             bounds = []
             a = sent
             while a < upto:

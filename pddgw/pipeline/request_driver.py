@@ -278,8 +278,10 @@ class RequestDriver:
         request queues and P's prefill backlog while it runs."""
         fl, p, r = self.fl, self.p, self.router
         early = r.cfg.policy.first_token_from_p and not self.p_relays      # a relaying P's relay emits it
+        block_of = {n.name: n.block_size for n in (p, self.rld, self.md) if n is not None}
         msg = m.Prefill(request_id=fl.rid, targets=tuple(self.starts), starts=tuple(self.starts.values()),
-                         prompt=fl.prompt, holds=self.holds, first_to_router=early, sampling=fl.sampling)
+                         prompt=fl.prompt, holds=self.holds, first_to_router=early,
+                         blocks=tuple(block_of[name] for name in self.starts), sampling=fl.sampling)
         wan = fl.ledger.take("wan", r, wan_backlog=sum((len(fl.prompt) - start) * r.kv_bytes_per_token
                                                        for name, start in self.starts.items()
                                                        if r.crosses_wan(p, name)))

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from net_samples import SPAN, every_message, kv_payload, same
 
 from pddgw import messages as m
+from pddgw.core.sampling import SamplingParams
 from pddgw.net import frames
 from pddgw.net.errors import FrameError, FrameTooLarge
 from pddgw.net.wsproto import ws_header_size
@@ -132,6 +133,18 @@ def test_size_limits():
         frames.decode(ctl, max_control=len(ctl) - 1)
 
 
+def _prefill(**fields) -> m.Prefill:
+    return m.Prefill(request_id="r", targets=("rld0", "md0"), starts=(0, 0), prompt=(1, 2, 3),
+                     sampling=SamplingParams(), **fields)
+
+
+def test_prefill_names_each_targets_block_size():
+    msg = _prefill(blocks=[16, 32])
+    assert msg.blocks == (16, 32)
+    assert frames.decode(frames.encode_bytes(msg)).msg == msg
+    assert _prefill().blocks == ()
+
+
 @pytest.mark.parametrize("build, match", [
     (lambda: m.TokenBatch(()), "between 1 and 4096"),
     (lambda: m.TokenBatch(tuple(m.TokenItem("r", 0, ()) for _ in range(m.MAX_BATCH_ITEMS + 1))),
@@ -148,6 +161,10 @@ def test_size_limits():
     (lambda: m.Error("r", ""), "code must not be empty"),
     (lambda: m.KVSpan("r", 0, 1, 0, 1, "float32", (1, 2, 1, 1)), "shape must be"),
     (lambda: m.Hello("n", "l", 0, 17, "0" * 64), "stripes out of range"),
+    (lambda: _prefill(blocks=(16,)), "blocks must have one entry per target"),
+    (lambda: _prefill(blocks=(16, 24)), "blocks must be powers of two"),
+    (lambda: _prefill(blocks=(0, 16)), "blocks must be powers of two"),
+    (lambda: _prefill(blocks=(16, 1 << 17)), "out of range"),
 ])
 def test_messages_validate_on_construction(build, match):
     with pytest.raises(ValueError, match=match):

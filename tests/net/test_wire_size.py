@@ -29,7 +29,7 @@ def pipeline_messages() -> list[m.Message]:
                   supersedes=("old-1",)),
         m.Opened("r1", 4096),
         m.Prefill(**_SAMPLING, request_id="r1", targets=("rld-0", "md-1"), starts=(0, 32),
-                   prompt=tuple(range(10, 75)), holds=(False, True)),
+                   prompt=tuple(range(10, 75)), holds=(False, True), blocks=(16, 32)),
         m.PrefillDone("r1", 17, 1024, (1 << 33, 5), ("", "boom"), (1.5, 0.25)),
         m.HandOff("r1", "md-0", "catch-up", 8, 256, 4, 31.25, True),
         m.HandedOff("r1", 900),

@@ -448,3 +448,30 @@ async def test_a_full_md_batch_makes_imported_requests_wait_their_turn(deploy, p
         assert r.token_ids == reference(p, 60, temperature=0.8, seed=3)
         r.assert_positions_once_in_order()
         assert r.timeline["pipeline"] == pipeline
+
+
+@pytest.mark.parametrize("pipeline, decoder, blocks", [("P-MD", "md0", 128), ("P-RLD-MD", "rld0", 144)])
+async def test_kv_is_cut_at_each_decoders_blocks_and_lands_in_its_pool(aiohttp_client, pipeline, decoder, blocks):
+    """MD's blocks are twice P's (the default topology): P cuts MD's chunks at MD's blocks, as
+    RLD's at RLD's, so every whole block lands in the decoder's pool as it arrives; only the
+    prompt's partial tail is copied.  (MD's KV in P-RLD-MD may be cancelled on the slow WAN
+    once RLD has finished the request: not counted.)"""
+    cfg = make_cfg(pipeline=pipeline)
+    # One P block (16 tokens) a chunk, where the chunk size alone decides.
+    cfg = dataclasses.replace(cfg, net=dataclasses.replace(cfg.net, kv_frame_bytes=16 * BYTES_PER_TOKEN))
+    emb = Embedded(cfg)
+    side = await emb.start()
+    try:
+        assert [n.engine.block_size for n in emb.cfg.nodes if n.engine] == [16, 16, 32]
+        client = await aiohttp_client(build_app(side.door))
+        ws = await client.ws_connect("/v1/responses")
+        prompt = prompt_of(150)
+        r = await chat(ws, prompt_token_ids=prompt, max_output_tokens=4, temperature=0)
+        assert (r.token_ids, r.timeline["pipeline"]) == (reference(prompt, 4), pipeline)
+        await ws.close()
+        engine = emb.workers[decoder].engine
+        assert (engine.kv_bytes_landed, engine.kv_bytes_copied) == (blocks * BYTES_PER_TOKEN,
+                                                                    (150 - blocks) * BYTES_PER_TOKEN)
+    finally:
+        await side.router.drain()
+        await emb.stop()

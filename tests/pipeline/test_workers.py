@@ -171,6 +171,36 @@ def test_p_md_only_missing_blocks_cross(model):
     asyncio.run(main())
 
 
+def test_p_cuts_each_targets_chunks_at_its_own_blocks(model):
+    """A target whose blocks are twice P's gets chunks of its blocks, whole ones only until the
+    prompt is complete, whatever P's steps computed (48 tokens a step); P's own size by default."""
+    cfg = EngineConfig(num_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=48)
+    p_eng = TorchEngine(model, model.spec, cfg, torch.float64)
+    # One P block a chunk: the chunk size alone would cut every target's at 16 tokens.
+    p = PrefillWorker(AsyncEngine(p_eng, "p"), chunk_bytes=16 * p_eng.kv_layout.bytes_per_token())
+    cut: dict[str, list[tuple[int, int]]] = {"rld": [], "md": []}
+
+    def target(name, block_size):
+        async def send(chunks):
+            cut[name] += [(c.token_start, c.token_end) for c in chunks]
+            return 0.0
+
+        async def done(first, lp):
+            pass
+
+        return KVTarget(name, 0, send, done, block_size=block_size)
+
+    async def main():
+        await p.prefill("r", tuple(range(40, 190)), SamplingParams(max_tokens=4),
+                        [target("rld", 0), target("md", 32)])
+        await p.aeng.stop()
+
+    asyncio.run(main())
+    assert cut["rld"] == [(a, min(a + 16, 150)) for a in range(0, 150, 16)]
+    assert cut["md"] == [(0, 32), (32, 64), (64, 96), (96, 128), (128, 150)]
+    assert p_eng.stats().used_blocks == 0
+
+
 @pytest.mark.parametrize("stop_first", [False, True])
 def test_p_tells_the_first_token_before_any_target_has_its_kv(model, stop_first):
     """`on_first` gets the first token (and its logprobs) as P samples it, before any target's
