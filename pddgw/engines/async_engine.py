@@ -38,7 +38,8 @@ T = TypeVar("T")
 _IDLE_POLL_S = 0.005
 
 # A prefill engine on the compute thread queues its next step as its last ends, ahead of the
-# relay's and main decode's steps; after this many in a row, behind the steps waiting then.
+# relay's and main decode's steps; after this many in a row, behind the steps waiting then
+# (one more first when it would compute every prompt token left: a burst ends without waiting).
 PREFILL_STREAK = 8
 
 
@@ -366,7 +367,7 @@ class AsyncEngine:
         outputs = self.engine.step()
         if self._closed or not self.engine.prompt_work():
             return outputs, None
-        if streak < PREFILL_STREAK:
+        if streak < PREFILL_STREAK or (streak == PREFILL_STREAK and self.engine.prompt_ends_next_step()):
             return outputs, self._submit(self.turn, self._step_and_queue, streak + 1)
         return outputs, self._submit(self.turn, self._step_and_queue, 1, behind=True)
 

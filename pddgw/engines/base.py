@@ -59,6 +59,11 @@ class Engine(ABC):
         it has any work."""
         return self.has_work()
 
+    def prompt_ends_next_step(self) -> bool:
+        """Whether the next step would compute every prompt token left: a prefill streak due to
+        yield takes that one step first (async_engine.py, `PREFILL_STREAK`).  This default: no."""
+        return False
+
     def held_last_step(self) -> bool:
         """Whether the last `step` sampled tokens it holds back for a later output
         (`EngineRequest.output_interval`): a step that returned nothing still advanced, and the

@@ -14,10 +14,10 @@ imports and exports, aborts) first, then a prefill's step (a prompt waiting hold
 token), a relay's, a main decode's.  An engine has at most one step waiting.  While prompts
 are left to compute, a prefill engine's next step is queued as its last ends (async_engine.py,
 `PREFILL_STREAK`), so a burst of prompts is prefilled back to back; every PREFILL_STREAK steps
-its next queues `behind` every call waiting then, and no call but a control call that arrives
-later goes before it: the relay and main decode step once in that many prefill steps, and no
-turn starves another (were the relay's next step to go first, the relay would step as long as
-it had work, the prefill waiting).
+(one more when that one computes every prompt token left) its next queues `behind` every call
+waiting then, and no call but a control call that arrives later goes before it: the relay and
+main decode step once in that many prefill steps, and no turn starves another (were the relay's
+next step to go first, the relay would step as long as it had work, the prefill waiting).
 
 The GIL: between its kernels a step needs the GIL back from the event loop, and both cores
 wait for it; the interpreter makes the loop hand it over after `SWITCH_INTERVAL_S` (its

@@ -78,6 +78,12 @@ def _exporter(data: Any) -> object | None:
 _NOT_SAMPLED = (None, None)
 
 
+def _prompt_waits(s: Sequence) -> bool:
+    """Whether a step still has to take `s` in for its prompt (computed or imported)."""
+    return s.status in (SeqStatus.WAITING, SeqStatus.READY) or (
+        s.status == SeqStatus.RUNNING and s.num_computed < s.num_prompt)
+
+
 class PagedEngine(TrackedEngine):
     _RETAINED = SeqStatus.RETAINED
     _EXTENDABLE = frozenset({SeqStatus.WAITING, SeqStatus.IMPORTING, SeqStatus.READY, SeqStatus.RUNNING})
@@ -245,8 +251,12 @@ class PagedEngine(TrackedEngine):
         return bool(self._events) or self.scheduler.has_work()
 
     def prompt_work(self) -> bool:
-        return any(s.status in (SeqStatus.WAITING, SeqStatus.READY)
-                   or (s.status == SeqStatus.RUNNING and s.num_computed < s.num_prompt) for s in self.seqs.values())
+        return any(map(_prompt_waits, self.seqs.values()))
+
+    def prompt_ends_next_step(self) -> bool:
+        left = [s.num_prompt - s.num_computed for s in self.seqs.values() if _prompt_waits(s)]
+        sched = self.scheduler
+        return len(left) <= sched.max_num_seqs and sum(left) <= sched.max_num_batched_tokens
 
     # ---- contract: prefix cache -----------------------------------------------
     def match_prefix(self, block_hashes: Seq[int], pin_key: str | None = None) -> int:

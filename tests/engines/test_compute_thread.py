@@ -191,16 +191,63 @@ def test_a_relay_stepping_again_does_not_pass_the_streak_s_next_step(tiny64, mon
             ct_box[0].submit(Turn.RELAY, relay, 1)
 
     async def main() -> None:
-        aeng, ct = _prefill_engine(tiny64, 5, on_step, monkeypatch)
+        aeng, ct = _prefill_engine(tiny64, 7, on_step, monkeypatch)
         ct_box.append(ct)
         aeng.start()
-        async for _ in aeng.generate(req("r", list(range(3, 3 + 5 * 16)), 1)):
+        async for _ in aeng.generate(req("r", list(range(3, 3 + 7 * 16)), 1)):
             pass
         await aeng.stop()
         await asyncio.wrap_future(ct.submit(Turn.DECODE, lambda: None))     # whatever was queued has run
 
     asyncio.run(main())
-    assert order == ["P1", "P2", "RLD1", "P3", "P4", "RLD2", "P5", "RLD3"]
+    # P7, the burst's last step, goes before RLD3 (the next test).
+    assert order == ["P1", "P2", "RLD1", "P3", "P4", "RLD2", "P5", "P6", "P7", "RLD3"]
+
+
+def test_a_paged_engine_tells_when_its_next_step_ends_every_prompt(tiny64):
+    """Prompt tokens left within the step's token budget (16) and its sequences (4)."""
+    engine = make_engine(tiny64, max_num_batched_tokens=16, max_num_seqs=4, num_blocks=64)
+    engine.add_request(req("a", list(range(3, 3 + 24)), 1))
+    assert (engine.prompt_work(), engine.prompt_ends_next_step()) == (True, False)
+    engine.step()                                        # 16 of 24 computed
+    assert (engine.prompt_work(), engine.prompt_ends_next_step()) == (True, True)
+    for i in range(3):
+        engine.add_request(req(f"b{i}", [5, 6], 1))      # 8 + 3 x 2 tokens, 4 sequences
+    assert engine.prompt_ends_next_step()
+    engine.add_request(req("c", [7, 8], 1))              # a 5th sequence
+    assert not engine.prompt_ends_next_step()
+    while engine.has_work():
+        engine.step()
+    assert (engine.prompt_work(), engine.prompt_ends_next_step()) == (False, True)
+
+
+@pytest.mark.parametrize("steps, order", [
+    (4, ["P1", "P2", "P3", "P4", "RLD"]),            # the 4th computes every prompt token left
+    (5, ["P1", "P2", "P3", "RLD", "P4", "P5"]),
+])
+def test_a_streak_due_to_yield_first_takes_the_step_that_ends_its_prompts(tiny64, monkeypatch, steps, order):
+    """The relay waits one step more rather than the burst's last prompts waiting for it; a
+    step more only: the streak yields as before where two are left."""
+    monkeypatch.setattr(async_engine, "PREFILL_STREAK", 3)
+    seen: list[str] = []
+    ct_box: list[ComputeThread] = []
+
+    def on_step(n: int) -> None:
+        seen.append(f"P{n}")
+        if n == 1:
+            ct_box[0].submit(Turn.RELAY, seen.append, "RLD")
+
+    async def main() -> None:
+        aeng, ct = _prefill_engine(tiny64, steps, on_step, monkeypatch)
+        ct_box.append(ct)
+        aeng.start()
+        async for _ in aeng.generate(req("r", list(range(3, 3 + steps * 16)), 1)):
+            pass
+        await aeng.stop()
+        await asyncio.wrap_future(ct.submit(Turn.DECODE, lambda: None))     # whatever was queued has run
+
+    asyncio.run(main())
+    assert seen == order
 
 
 def test_no_step_of_a_streak_runs_once_the_engine_is_stopped(tiny64, monkeypatch):
