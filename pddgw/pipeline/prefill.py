@@ -193,9 +193,9 @@ class PrefillWorker:
     async def _send_all(self, rid: str, n: int, target: KVTarget, progress: _Progress) -> None:
         """Send [start_token, n) in chunks as the computed watermark passes them."""
         sent = target.start_token
-        bs = math.lcm(self.block_size, target.block_size or self.block_size)
-        step = tokens_per_chunk(self.engine.kv_layout.bytes_per_token(), bs, self.chunk_bytes,
-                                in_place=not self.engine.virtual_kv)
+        real = not self.engine.virtual_kv       # virtual KV lands nowhere: P's blocks alone
+        bs = math.lcm(self.block_size, target.block_size or self.block_size) if real else self.block_size
+        step = tokens_per_chunk(self.engine.kv_layout.bytes_per_token(), bs, self.chunk_bytes, in_place=real)
 
         def sendable() -> int:
             """Computed tokens that may go out: whole blocks only until the prompt is complete."""
