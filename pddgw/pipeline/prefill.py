@@ -16,8 +16,9 @@ Invariants:
   * the KV stays pinned until every target is served; a failed target is
     reported and the others go on;
   * chunks are cut at block boundaries, P's and the target's (`block_size`:
-    each chunk then lands in a block of the receiver's pool as it is), and
-    only whole blocks go out until the prompt is complete;
+    each chunk then lands in a block of the receiver's pool as it is;
+    virtual KV at P's alone), and only whole blocks go out until the prompt
+    is complete;
   * `demote` turns what is left of a request's transfers into background
     traffic, frame by frame.
 """
