@@ -12,6 +12,7 @@ from pddgw.engines.base import create_engine
 from pddgw.sim.costmodel_engine import CostModelEngine
 from pddgw.engines.sampler import position_uniform
 from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError, SamplingParams
+from pddgw.pipeline.prefill import KVTarget, PrefillWorker
 from pddgw.sim import profiles
 from pddgw.sim.clock import run_virtual
 from pddgw.sim.roofline import Parallel, SeqWork, max_kv_tokens, step_cost
@@ -251,3 +252,30 @@ def test_steady_decode_steps_match_the_general_step_exactly():
     finished = {o.request_id: o.reason for _, outs, *_ in general for o in outs if o.done}
     assert len(finished) == 14 and finished["r5"] == "stop"
     assert sorted(set(finished.values())) == ["length", "stop"]
+
+
+def test_virtual_kv_goes_out_as_p_computes_it_whatever_the_targets_blocks():
+    """Virtual KV lands in no pool: a target's larger blocks do not hold P's chunks back (P
+    steps of 48 tokens, chunks of 16, a target of 32-token blocks)."""
+    eng = CostModelEngine(L70, H100, EngineConfig(
+        implementation="costmodel", block_size=16, num_blocks=64, max_num_batched_tokens=48, max_num_seqs=8,
+        costmodel=CostModelConfig(hardware="H100-SXM", tensor_parallel=8)))
+    batches: list[list[tuple[int, int]]] = []
+
+    async def send(chunks: list[KVChunk]) -> float:
+        assert all(c.virtual for c in chunks)
+        batches.append([(c.token_start, c.token_end) for c in chunks])
+        return 0.0
+
+    async def done(first, lp) -> None:
+        pass
+
+    async def main() -> None:
+        p = PrefillWorker(AsyncEngine(eng, "p"), chunk_bytes=16 * eng.kv_layout.bytes_per_token())
+        await p.prefill("r", tuple(range(1000, 1150)), SamplingParams(max_tokens=4),
+                        [KVTarget("md", 0, send, done, block_size=32)])
+        await p.aeng.stop()
+
+    run_virtual(main())
+    assert batches == [[(0, 16), (16, 32), (32, 48)], [(48, 64), (64, 80), (80, 96)],
+                       [(96, 112), (112, 128), (128, 144)], [(144, 150)]]
