@@ -360,8 +360,9 @@ class AsyncEngine:
     def _step_and_queue(self, streak: int) -> tuple[list[RequestOutput], concurrent.futures.Future | None]:
         """On the compute thread: one step, then the next queued at once while prompts are left to
         compute (`Engine.prompt_work`; a relaying P's decodes alone wait their turn as before): at
-        its own turn, before any lower turn's call can start, or every PREFILL_STREAK steps behind
-        every call waiting then (the relay and main decode step once)."""
+        its own turn, before any lower turn's call can start, or every PREFILL_STREAK steps (one
+        more when that one ends every prompt left, `Engine.prompt_ends_next_step`) behind every
+        call waiting then (the relay and main decode step once)."""
         if self._closed:
             return [], None
         outputs = self.engine.step()
