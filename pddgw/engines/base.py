@@ -133,6 +133,18 @@ class Engine(ABC):
                   layer_start: int = 0, layer_end: int | None = None) -> KVChunk:
         """KV of a token range of a (running or retained) request, layout independent."""
 
+    def export_kv_into(self, request_id: str, token_start: int, token_end: int, into: memoryview) -> KVChunk:
+        """`export_kv` of every layer written into `into`, which becomes the chunk's payload.
+
+        `into`: a writable byte view of exactly the chunk's payload size (the
+        receiver's memory, from `Link.kv_buffer`); ValueError for any other.
+        Here: exported, then copied; an engine that can gathers straight into it.
+        """
+        chunk = self.export_kv(request_id, token_start, token_end)
+        check_export_buffer(into, chunk.span)
+        into[:] = memoryview(chunk.payload).cast("B")
+        return KVChunk(chunk.span, into)
+
     @abstractmethod
     def import_kv(self, chunk: KVChunk) -> None:
         """Write a chunk into an importing request's blocks (any dtype, any source block size).
@@ -354,6 +366,13 @@ def check_kv_span(span: KVSpan, layout: KVLayout, num_prompt: int) -> None:
     if not 0 <= span.token_start < span.token_end <= num_prompt:
         raise RequestError(f"request {rid!r}: tokens [{span.token_start}, {span.token_end}) "
                            f"outside the prompt [0, {num_prompt})")
+
+
+def check_export_buffer(into: memoryview, span: KVSpan) -> None:
+    """ValueError unless `into` can take the payload of `span` (`Engine.export_kv_into`)."""
+    if into.readonly or not into.c_contiguous or into.format != "B" or into.nbytes != span.payload_nbytes:
+        raise ValueError(f"export of request {span.request_id!r}: needs a writable contiguous byte view of "
+                         f"{span.payload_nbytes} bytes, got {into.nbytes} (readonly={into.readonly})")
 
 
 # `engine.implementation` -> the module whose import registers it (`register_engine`).  A plug-in

@@ -75,16 +75,20 @@ class KVPool:
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
     def read(self, block_ids: Sequence[int], start: int, end: int, layer_start: int,
-             layer_end: int) -> torch.Tensor:
-        """KV of token positions [start, end) -> [layers, 2, n, kv_heads, head_dim], contiguous (a copy)."""
+             layer_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """KV of token positions [start, end) -> [layers, 2, n, kv_heads, head_dim], contiguous (a copy).
+
+        `out`: a contiguous tensor of that shape and the pool's dtype, on any device, to copy into.
+        """
         if self.data is not None:
             runs = self._runs(block_ids, start, end)
-            if len(runs) == 1:
+            if len(runs) == 1 and out is None:
                 b, o0, o1, _ = runs[0]
                 return self.data[b, layer_start:layer_end, :, o0:o1].clone(memory_format=torch.contiguous_format)
-            k0 = self.caches[0][0]
-            out = torch.empty((layer_end - layer_start, 2, end - start, *k0.shape[2:]), dtype=self.dtype,
-                              device=self.device)
+            if out is None:
+                k0 = self.caches[0][0]
+                out = torch.empty((layer_end - layer_start, 2, end - start, *k0.shape[2:]), dtype=self.dtype,
+                                  device=self.device)
             for b, o0, o1, pos in runs:
                 out[:, :, pos - start : pos - start + o1 - o0] = self.data[b, layer_start:layer_end, :, o0:o1]
             return out
@@ -94,7 +98,8 @@ class KVPool:
             flat_k = k.view(-1, *k.shape[2:])                      # [num_blocks * bs, kvh, hd]
             flat_v = v.view(-1, *v.shape[2:])
             out_layers.append(torch.stack((flat_k[slots], flat_v[slots])))  # [2, n, kvh, hd]
-        return torch.stack(out_layers)
+        data = torch.stack(out_layers)
+        return data if out is None else out.copy_(data)
 
     def write(self, block_ids: Sequence[int], start: int, data: torch.Tensor, layer_start: int) -> None:
         """data [layers, 2, n, kv_heads, head_dim] (any float dtype) -> positions [start, start + n)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from pddgw.config import Config, ConfigError, EngineConfig
-from pddgw.engines.base import register_engine
+from pddgw.engines.base import check_export_buffer, register_engine
 from pddgw.engines.dtypes import model_dtype
 from pddgw.engines.grammar import Grammars
 from pddgw.engines.kv_pool import DTYPE_NAMES, DTYPES, KVPool, buffer_to_tensor, tensor_to_buffer
@@ -28,7 +28,7 @@ from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.step_inputs import IncrementalInputs, ListInputs
 from pddgw.engines.tokenizer import Tokenizer
-from pddgw.engines.types import LOGPROB_FLOOR, KVChunk, KVSpan, RequestError, SamplingParams, TokenLogprobs
+from pddgw.engines.types import LOGPROB_FLOOR, KVChunk, RequestError, SamplingParams, TokenLogprobs
 from pddgw.engines.weights import SharedModels, load_model
 from pddgw.kernels import get_ops
 
@@ -105,9 +105,18 @@ class TorchEngine(PagedEngine):
     def _export(self, seq: Sequence, token_start: int, token_end: int, layer_start: int,
                 layer_end: int) -> KVChunk:
         data = self.pool.read(seq.block_ids, token_start, token_end, layer_start, layer_end)  # [L, 2, n, kvh, hd]
-        span = KVSpan.of(seq.request_id, tokens=(token_start, token_end), layers=(layer_start, layer_end),
-                         num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self._layout.dtype)
-        return KVChunk(span, tensor_to_buffer(data))
+        return KVChunk(self._layout.span(seq.request_id, (token_start, token_end), (layer_start, layer_end)),
+                       tensor_to_buffer(data))
+
+    def export_kv_into(self, request_id: str, token_start: int, token_end: int, into: memoryview) -> KVChunk:
+        """Gathered from the pool straight into `into`: the one copy of an in-process transfer."""
+        seq = self._get(request_id)
+        layer_end = self._check_export(request_id, token_start, token_end, seq.num_computed, 0, None)
+        span = self._layout.span(seq.request_id, (token_start, token_end), (0, layer_end))
+        check_export_buffer(into, span)
+        self.pool.read(seq.block_ids, token_start, token_end, 0, layer_end,
+                       out=buffer_to_tensor(into, span.dtype, span.shape))          # [L, 2, n, kvh, hd]
+        return KVChunk(span, into)
 
     def _check_chunk_data(self, chunk: KVChunk) -> None:
         if chunk.virtual:

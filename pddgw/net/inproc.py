@@ -4,7 +4,10 @@ Same semantics as the WebSocket transport (typed messages validated at
 construction, requests, streams, back-pressure, KV sinks, shaping, close
 codes), without sockets: a frame is handed to the peer link object.  Payloads
 are copied once into the receiver's memory (its KV sink or a fresh buffer), so
-the sender may reuse its buffer when `send` returns, exactly as over a socket.
+the sender may reuse its buffer when `send` returns, exactly as over a socket;
+a payload the sender wrote into the receiver's sink (`kv_buffer`) is handed
+over as it is, not copied (nor snapshot on a shaped link: it is not the
+sender's to reuse).
 
 A `TokenBatch` crosses an unshaped link as one frame; a shaped one books each
 item at its own TokenItem's wire size, so the emulated timeline is that of a
@@ -14,6 +17,7 @@ frame per request whatever the sender batched.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 
 from pddgw.config import NetConfig, ShapingConfig
@@ -21,7 +25,7 @@ from pddgw.net import frames
 from pddgw import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed
 from pddgw.net.link import Handler, KvSink, LinkState, Priority, PriorityLike
-from pddgw.net.mux import LinkBase, sink_buffer, wait_until
+from pddgw.net.mux import LinkBase, sink_buffer, sink_view, wait_until
 from pddgw.net.shaping import MIN_SLEEP_S, ShapedPipe, Shaper
 from pddgw.net.wsproto import ws_header_size
 
@@ -49,11 +53,30 @@ class InProcLink(LinkBase):
         self._accepting.set()
         self._pipe = (ShapedPipe(shaping, self._deliver, shaper) if shaping is not None and shaping.enabled
                       else None)
+        # Our sink's views handed to the peer by `kv_buffer`, by id; an entry goes when its view dies.
+        self._handed: dict[int, weakref.ref[memoryview]] = {}
+
+    def kv_buffer(self, span: m.KVSpan) -> memoryview | None:
+        other = self._other
+        if (span.virtual or self._state != LinkState.OPEN or other is None
+                or other._state != LinkState.OPEN):
+            return None
+        view = sink_view(other._kv_sink, span, self.local)
+        if view is not None:
+            key, handed = id(view), other._handed
+            handed[key] = weakref.ref(view, lambda ref: handed.pop(key, None) if handed.get(key) is ref else None)
+        return view
+
+    def _is_handed(self, payload: object) -> bool:
+        """Whether `payload` is a view of our sink handed to the peer (`kv_buffer`)."""
+        ref = self._handed.get(id(payload))
+        return ref is not None and ref() is payload
 
     # -- outbound --------------------------------------------------------------
 
     def _prepare(self, msg: m.Message, corr: int, flags: int) -> _Item:
-        if self._pipe is not None and isinstance(msg, m.KVChunk):
+        if self._pipe is not None and isinstance(msg, m.KVChunk) and not (
+                self._other is not None and self._other._is_handed(msg.payload)):
             # Delivery is deferred: snapshot the payload so the caller may reuse it.
             msg = m.KVChunk(msg.span, bytes(memoryview(msg.payload).cast("B")), msg.seq, msg.last)
         n = wire_size(msg)
@@ -159,9 +182,13 @@ class InProcLink(LinkBase):
         msg, corr, flags, nbytes = item
         owned = 0
         if isinstance(msg, m.KVChunk):
-            dest, owned = sink_buffer(self._kv_sink, msg.span, self.peer)
-            dest[:] = memoryview(msg.payload).cast("B")
-            msg = m.KVChunk(msg.span, dest, msg.seq, msg.last)
+            if self._is_handed(msg.payload):
+                del self._handed[id(msg.payload)]        # in its place already: ours now
+                self.stats.kv_bytes_handed += msg.span.nbytes
+            else:
+                dest, owned = sink_buffer(self._kv_sink, msg.span, self.peer)
+                dest[:] = memoryview(msg.payload).cast("B")
+                msg = m.KVChunk(msg.span, dest, msg.seq, msg.last)
             self.stats.kv_bytes_received += msg.span.nbytes
         self.stats.frames_received += 1
         self.stats.bytes_received += nbytes

@@ -77,6 +77,7 @@ class LinkStats:
     frames_received: int = 0
     bytes_received: int = 0
     kv_bytes_received: int = 0
+    kv_bytes_handed: int = 0          # of those, written in place by the sender (`Link.kv_buffer`)
     reconnects: int = 0
     rtt_s: float = 0.0                # last heartbeat round trip (on the loop's clock)
     pongs: int = 0                    # heartbeat round trips measured
@@ -162,6 +163,17 @@ class Link(ABC):
         """Send `msg` (FOREGROUND) within the call if the transport takes it without waiting:
         exactly what `send` would do then.  False: nothing was sent (use `send`)."""
         return False
+
+    def kv_buffer(self, span: m.KVSpan) -> memoryview | None:
+        """Where the sender may write the payload of `span` before sending it, or None.
+
+        A writable byte view of exactly `span.nbytes` in the receiver's memory
+        (in-process: its KV sink, a block of its pool).  A KVChunk sent with
+        this very view as its payload is handed over, not copied; the view is
+        the receiver's from then on.  Dropped unsent, its memory goes back.
+        Transports that copy bytes anyway (sockets) have none.
+        """
+        return None
 
 
 class LinkStream:

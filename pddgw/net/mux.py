@@ -492,24 +492,34 @@ def _loop_ns(loop: asyncio.AbstractEventLoop) -> int:
 def sink_buffer(sink: KvSink | None, span: m.KVSpan, peer: str) -> tuple[memoryview, int]:
     """Destination of a KV payload -> (writable byte view, bytes the link owns).
 
-    A sink that fails or returns an unusable buffer is logged and replaced by a
-    link-owned bytearray: a bad sink must not take the link down.
+    Where the sink has none, a link-owned bytearray.
     """
     n = span.payload_nbytes
-    if n == 0:
-        return memoryview(bytearray(0)), 0
-    if sink is not None:
-        try:
-            buf = sink(span)
-            if buf is not None:
-                view = memoryview(buf)
-                if view.readonly or not view.c_contiguous or view.nbytes != n:
-                    raise ValueError(f"needs a writable contiguous buffer of {n} bytes, got {view.nbytes} "
-                                     f"(readonly={view.readonly})")
-                return view.cast("B"), 0
-        except Exception as e:
-            log.error("KV sink failed; using a link buffer", peer=peer, request_id=span.request_id, error=repr(e))
-    return memoryview(bytearray(n)), n
+    view = sink_view(sink, span, peer) if n else None
+    return (view, 0) if view is not None else (memoryview(bytearray(n)), n)
+
+
+def sink_view(sink: KvSink | None, span: m.KVSpan, peer: str) -> memoryview | None:
+    """The sink's memory for a payload of `span` as a writable byte view, or None.
+
+    A sink that fails or returns an unusable buffer is logged and counts as
+    none: a bad sink must not take the link down.
+    """
+    if sink is None:
+        return None
+    n = span.payload_nbytes
+    try:
+        buf = sink(span)
+        if buf is None:
+            return None
+        view = memoryview(buf)
+        if view.readonly or not view.c_contiguous or view.nbytes != n:
+            raise ValueError(f"needs a writable contiguous buffer of {n} bytes, got {view.nbytes} "
+                             f"(readonly={view.readonly})")
+        return view.cast("B")
+    except Exception as e:
+        log.error("KV sink failed; using a link buffer", peer=peer, request_id=span.request_id, error=repr(e))
+        return None
 
 
 async def wait_until(event: asyncio.Event, closed: asyncio.Event) -> bool:

@@ -417,7 +417,7 @@ class WorkerNode:
                     await link.send(piece, priority=target.priority)
             await link.send(m.KvDone(rid, first_token, hold), priority=target.priority)
 
-        target = KVTarget(name, start, send, done, block_size=block_size)
+        target = KVTarget(name, start, send, done, block_size=block_size, buffer=link.kv_buffer)
         return target
 
     def _local_target(self, rid: str, start: int) -> KVTarget:

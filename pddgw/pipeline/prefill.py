@@ -18,7 +18,8 @@ Invariants:
   * chunks are cut at block boundaries, P's and the target's (`block_size`:
     each chunk then lands in a block of the receiver's pool as it is;
     virtual KV at P's alone), and only whole blocks go out until the prompt
-    is complete;
+    is complete; where the target's link offers the receiver's memory
+    (`buffer`, in-process), P's export writes each chunk there, its one copy;
   * `demote` turns what is left of a request's transfers into background
     traffic, frame by frame.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
@@ -37,7 +39,7 @@ import structlog
 from pddgw.engines.async_engine import AsyncEngine, RequestStream
 from pddgw.core.sampling import SamplingParams
 from pddgw.core.tokens import TokenLogprobs
-from pddgw.engines.types import EngineRequest, KVChunk, RequestError
+from pddgw.engines.types import EngineRequest, KVChunk, KVSpan, RequestError
 from pddgw.net.link import Priority
 from pddgw.pipeline.prompt_scores import PromptScores
 
@@ -58,6 +60,9 @@ class KVTarget:
     done: Callable[[int, TokenLogprobs | None], Awaitable[None]]
     priority: Priority = Priority.FOREGROUND
     block_size: int = 0                                # the KV block of the target's pool (0: P's)
+    # Where a chunk's payload may be exported straight into, the receiver's memory
+    # (`Link.kv_buffer`; None: the link has none), asked on the loop before each export.
+    buffer: Callable[[KVSpan], memoryview | None] | None = None
     sent_bytes: int = 0
     service_s: float = 0.0
     error: str | None = None
@@ -217,15 +222,23 @@ class PrefillWorker:
                 b = min(upto, (a // step + 1) * step)
                 bounds.append((a, b))
                 a = b
-            chunks = await self.aeng.call(self._export, rid, bounds)
+            chunks = await self.aeng.call(self._export, rid, bounds, self._buffers(rid, bounds, target))
             target.service_s += await target.send(chunks)
             target.sent_bytes += sum(c.nbytes for c in chunks)
             sent = upto
 
+    def _buffers(self, rid: str, bounds: list[tuple[int, int]], target: KVTarget) -> list[memoryview | None]:
+        """On the loop: the receiver's memory for each chunk, where the target's link offers it."""
+        if target.buffer is None or self.engine.virtual_kv:
+            return []
+        return [target.buffer(self.engine.kv_layout.span(rid, (a, b))) for a, b in bounds]
 
-    def _export(self, rid: str, bounds: list[tuple[int, int]]) -> list[KVChunk]:
-        """Engine thread: the chunks of these token ranges of `rid`'s prompt, named `rid`."""
-        chunks = [self.engine.export_kv(rid + self.engine_suffix, a, b) for a, b in bounds]
+    def _export(self, rid: str, bounds: list[tuple[int, int]], into: list[memoryview | None]) -> list[KVChunk]:
+        """Engine thread: the chunks of these token ranges of `rid`'s prompt, named `rid`, each
+        written into its buffer where `into` has one."""
+        eid = rid + self.engine_suffix
+        chunks = [self.engine.export_kv(eid, a, b) if buf is None else self.engine.export_kv_into(eid, a, b, buf)
+                  for (a, b), buf in itertools.zip_longest(bounds, into)]
         if self.engine_suffix:
             chunks = [replace(c, span=replace(c.span, request_id=rid)) for c in chunks]
         return chunks

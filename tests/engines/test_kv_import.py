@@ -18,6 +18,7 @@ import torch
 
 from pddgw.core.tokens import TokenRun
 from pddgw.engines.async_engine import AsyncEngine
+from pddgw.engines.base import Engine
 from pddgw.engines.kv_pool import KVPool
 from pddgw.engines.paged import LeaseState
 from pddgw.engines.sequence import SeqStatus
@@ -91,6 +92,45 @@ def test_one_block_chunks_land_in_the_pool_and_decode_exactly(tiny64):
     d.append_tokens("r", (first,), final=True)
     assert [first] + run_to_end(d)["r"] == want
     d.check_integrity()
+
+
+def test_p_exports_straight_into_the_receivers_blocks(tiny64):
+    """`export_kv_into` the receiver's `import_buffer` (what P does in-process): each whole block
+    is gathered into the decoder's pool block, its one copy, and commits in place; the tail goes
+    through staging; the decode is exact.  Any range, any pool layout, the base class's way (export,
+    then copy) alike; a buffer of the wrong size or read-only is refused."""
+    p, first = _source(tiny64)
+    expected = make_engine(tiny64)
+    expected.add_request(EngineRequest("r", tuple(PROMPT), SP))
+    want = run_to_end(expected)["r"]
+    d = make_engine(tiny64)
+    _import(d)
+    for a, b in [(a, a + BS) for a in range(0, 96, BS)] + [(96, 100)]:
+        dest = d.import_buffer(p.kv_layout.span("r", (a, b)))
+        chunk = p.export_kv_into("r", a, b, dest)
+        assert chunk.payload is dest and chunk.span == p.export_kv("r", a, b).span
+        assert _is_pool(d, dest) == (b - a == BS) == d.accept_kv(chunk)
+        if b - a < BS:
+            d.import_kv(chunk)
+    assert (d.kv_bytes_landed, d.kv_bytes_copied) == (6 * 16384, 4 * 1024)
+    assert _finish_and_decode(d, first) == want
+
+    s = tiny64.spec
+    layer_major = make_engine(tiny64)
+    layer_major.pool = KVPool(s.num_layers, 128, BS, s.num_kv_heads, s.head_dim, torch.float64, "cpu",
+                              block_major=False)
+    layer_major.add_request(EngineRequest("r", tuple(PROMPT), SamplingParams(max_tokens=1), retain_kv=True))
+    run_to_end(layer_major)
+    for engine in (p, layer_major):
+        for export in (type(engine).export_kv_into, Engine.export_kv_into):
+            into = memoryview(bytearray(50 * 1024))                 # tokens [20, 70): four blocks
+            assert bytes(export(engine, "r", 20, 70, into).payload) == bytes(p.export_kv("r", 20, 70).payload)
+    with pytest.raises(ValueError, match="needs a writable contiguous byte view of 16384 bytes, got 1024"):
+        p.export_kv_into("r", 0, 16, memoryview(bytearray(1024)))
+    with pytest.raises(ValueError, match="readonly=True"):
+        p.export_kv_into("r", 0, 16, memoryview(bytes(16384)))
+    with pytest.raises(RequestError, match=r"tokens \[96, 120\) not in computed range \[0, 100\)"):
+        p.export_kv_into("r", 96, 120, memoryview(bytearray(24 * 1024)))
 
 
 def test_a_layer_major_pool_stages_and_copies_the_same_kv(tiny64):

@@ -12,7 +12,7 @@ from net_samples import every_message, kv_payload, same
 from pddgw.config import NetConfig, ShapingConfig
 from pddgw import messages as m
 from pddgw.net.errors import CloseCode, LinkClosed, LinkTimeout, RemoteError
-from pddgw.net.inproc import InProcNetwork
+from pddgw.net.inproc import InProcLink, InProcNetwork
 from pddgw.net.link import Link, LinkState
 from pddgw.net.ws import WsServer, connect
 
@@ -297,6 +297,32 @@ async def test_striped_bulk_keeps_order_and_content(make_pair):
     assert [x.seq for x in got] == list(range(48))
     assert all(bytes(x.payload) == bytes(c.payload) for x, c in zip(got, chunks))
     assert p.client.stats.kv_bytes_sent == p.server.stats.kv_bytes_received == 48 * 65536
+
+
+@pytest.mark.parametrize("shaping", ["", "emu"])
+async def test_kv_written_into_the_receivers_buffer_is_handed_over(make_pair, shaping):
+    """In-process, `kv_buffer` is the receiver's sink memory: a chunk sent with that view as its
+    payload arrives as the very view, copied nowhere (a shaped wire does not snapshot it); one
+    with any other payload is copied into the sink as before.  A socket copies anyway: none."""
+    cfg = cfg_for(links=(ShapingConfig(name="emu", gbps=10.0, latency_ms=1.0),))
+    p = await make_pair(cfg, shaping=shaping)
+    span = lambda i: m.KVSpan("hand", 0, 1, i * 16, (i + 1) * 16, "float16", (1, 2, 16, 8, 128))  # 64 KiB
+    buf = p.client.kv_buffer(span(0))
+    if not isinstance(p.client, InProcLink):
+        assert buf is None
+        return
+    assert p.speer.sink_off == span(0).nbytes            # the receiver's sink gave it, at once
+    assert p.client.kv_buffer(m.KVSpan("v", 0, 1, 0, 16, "float16", (1, 2, 16, 8, 128), True)) is None
+    buf[:] = kv_payload(span(0), salt=1)
+    other = kv_payload(span(1), salt=2)
+    async with p.server.stream("hand", timeout=5) as st:
+        await p.client.send_all([m.KVChunk(span(0), buf, 0), m.KVChunk(span(1), other, 1, True)])
+        got = [x async for x in st]
+    assert got[0].payload is buf
+    assert got[1].payload is not other and bytes(got[1].payload) == bytes(other)
+    assert p.speer.sink_off == 2 * span(0).nbytes        # the second payload's sink buffer
+    assert bytes(p.speer.sink_memory[:span(0).nbytes]) == bytes(kv_payload(span(0), salt=1))
+    assert (p.server.stats.kv_bytes_received, p.server.stats.kv_bytes_handed) == (2 * 65536, 65536)
 
 
 async def test_back_pressure_blocks_the_sender_and_loses_nothing(make_pair):

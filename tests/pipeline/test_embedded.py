@@ -454,8 +454,9 @@ async def test_a_full_md_batch_makes_imported_requests_wait_their_turn(deploy, p
 async def test_kv_is_cut_at_each_decoders_blocks_and_lands_in_its_pool(aiohttp_client, pipeline, decoder, blocks):
     """MD's blocks are twice P's (the default topology): P cuts MD's chunks at MD's blocks, as
     RLD's at RLD's, so every whole block lands in the decoder's pool as it arrives; only the
-    prompt's partial tail is copied.  (MD's KV in P-RLD-MD may be cancelled on the slow WAN
-    once RLD has finished the request: not counted.)"""
+    prompt's partial tail is copied.  In-process, P's export writes each chunk into the
+    decoder's memory and the link hands it over.  (MD's KV in P-RLD-MD may be cancelled on the
+    slow WAN once RLD has finished the request: not counted.)"""
     cfg = make_cfg(pipeline=pipeline)
     # One P block (16 tokens) a chunk, where the chunk size alone decides.
     cfg = dataclasses.replace(cfg, net=dataclasses.replace(cfg.net, kv_frame_bytes=16 * BYTES_PER_TOKEN))
@@ -472,6 +473,8 @@ async def test_kv_is_cut_at_each_decoders_blocks_and_lands_in_its_pool(aiohttp_c
         engine = emb.workers[decoder].engine
         assert (engine.kv_bytes_landed, engine.kv_bytes_copied) == (blocks * BYTES_PER_TOKEN,
                                                                     (150 - blocks) * BYTES_PER_TOKEN)
+        inbound = [link.stats for link in emb.net.links if (link.local, link.peer) == (decoder, "p0")]
+        assert [(st.kv_bytes_received, st.kv_bytes_handed) for st in inbound] == [(150 * BYTES_PER_TOKEN,) * 2]
     finally:
         await side.router.drain()
         await emb.stop()
