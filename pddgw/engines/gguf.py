@@ -9,7 +9,9 @@ Contract (`read_gguf`, `load_gguf_weights`):
   * architecture `llama` with a byte-level BPE ("gpt2") vocabulary only; RoPE
     scaling, `rope_freqs` or a partial rotary dimension is a `WeightsError`
     naming the key;
-  * weights are dequantized with the `gguf` package to float32, then cast;
+  * the file is read by `gguf_file` (its docstring says why not `gguf`'s
+    reader); weights are dequantized with the `gguf` package to float32,
+    then cast;
     attn_q / attn_k rows are un-permuted from llama.cpp's interleaved RoPE to
     rotate-half, so the model is transformers' GGUF load, bit for bit in float32;
   * the tokenizer is built as transformers' GGUF `GPT2Tokenizer`: token ids
@@ -33,6 +35,7 @@ from pddgw.engines.chat_template import ChatTemplate
 from pddgw.engines.model_spec import ModelSpec, WeightsError, quote_names
 
 if TYPE_CHECKING:
+    from pddgw.engines.gguf_file import GgufFile
     from pddgw.engines.model import LlamaModel
     from pddgw.engines.tokenizer import HFTokenizer
 
@@ -97,15 +100,6 @@ class GGUFCheckpoint:
     chat_template: str | None
     add_bos: bool
     file_type: int = 0           # general.file_type: llama.cpp's LlamaFileType (0: all float32)
-
-
-def _fields(reader: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        out[name] = field.contents()
-    return out
 
 
 def _spec(path: Path, md: dict[str, Any], tensor_names: set[str]) -> ModelSpec:
@@ -203,7 +197,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
 @functools.lru_cache(maxsize=4)
 def _read_gguf(p: Path, _size: int, _mtime_ns: int) -> GGUFCheckpoint:
     reader = _reader(p)
-    md = _fields(reader)
+    md = reader.fields
     spec = _spec(p, md, {t.name for t in reader.tensors})
     kind = md.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -224,13 +218,13 @@ def _read_gguf(p: Path, _size: int, _mtime_ns: int) -> GGUFCheckpoint:
                           int(md.get("general.file_type", 0)))
 
 
-def _reader(p: Path) -> Any:
+def _reader(p: Path) -> GgufFile:
     try:
-        from gguf import GGUFReader
+        from pddgw.engines import gguf_file
     except ImportError:
         raise _error(f"{p}: reading GGUF files needs the gguf package (pip install gguf)") from None
     try:
-        return GGUFReader(str(p), "r")
+        return gguf_file.read(p)
     except (ValueError, OSError) as e:
         raise _error(f"{p}: not a readable GGUF file ({e})") from None
 
@@ -294,7 +288,7 @@ def load_gguf_weights(model: LlamaModel, path: str | Path) -> None:
             else:
                 arr = dequantize(t.data, t.tensor_type)
             w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))   # GGUF lists dims innermost first
+            shape = tuple(reversed(t.shape))                   # GGUF lists dims innermost first
             if tuple(view.shape) != shape or w.numel() != view.numel():
                 raise _error(f"{p}: tensor {t.name!r} has shape {shape}, the metadata implies "
                              f"{tuple(view.shape)}")
