@@ -97,10 +97,12 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_ITEMSIZE[self.dtype]
 
-    def span(self, request_id: str, tokens: tuple[int, int], layers: tuple[int, int] | None = None) -> KVSpan:
+    def span(self, request_id: str, tokens: tuple[int, int], layers: tuple[int, int] | None = None,
+             virtual: bool = False) -> KVSpan:
         """The span of these tokens (and layers; None: every layer) of a request's KV in this layout."""
         return KVSpan.of(request_id, tokens=tokens, layers=layers or (0, self.num_layers),
-                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype)  # type: ignore[arg-type]
+                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                         dtype=self.dtype, virtual=virtual)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

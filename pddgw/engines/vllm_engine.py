@@ -45,7 +45,7 @@ from pddgw.engines.kv_pool import DTYPES, buffer_to_tensor, tensor_to_buffer
 from pddgw.engines.model_spec import ModelSpec
 from pddgw.core.tokens import LOGPROB_FLOOR, TokenLogprobs
 from pddgw.engines.types import (DTYPE_ITEMSIZE, AddResult, CapacityError, EngineRequest, EngineStats, KVChunk,
-                                 KVLayout, KVSpan, RequestError, RequestOutput)
+                                 KVLayout, RequestError, RequestOutput)
 
 
 class ReqState(IntEnum):
@@ -589,8 +589,7 @@ class VllmEngine(TrackedEngine):
             parts = self._core.model_executor.collective_rpc(
                 read_kv, args=(list(block_ids), token_start, token_end, layer_start, layer_end))
             data = torch.cat([p for p in parts if p is not None], dim=3)   # [L, 2, n, kvh, hd]
-        span = KVSpan.of(request_id, tokens=(token_start, token_end), layers=(layer_start, layer_end),
-                         num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self._layout.dtype)
+        span = self._layout.span(request_id, (token_start, token_end), (layer_start, layer_end))
         return KVChunk(span, tensor_to_buffer(data.contiguous()))
 
     def import_kv(self, chunk: KVChunk) -> None:

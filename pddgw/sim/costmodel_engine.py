@@ -35,7 +35,7 @@ from pddgw.engines.scheduler import Chunk
 from pddgw.engines.sequence import Sequence
 from pddgw.engines.tokenizer import ByteTokenizer
 from pddgw.core.tokens import TokenLogprobs
-from pddgw.engines.types import MAX_LOGPROBS, KVChunk, KVSpan, RequestOutput
+from pddgw.engines.types import MAX_LOGPROBS, KVChunk, RequestOutput
 from pddgw.sim import profiles
 from pddgw.sim.roofline import Parallel, SeqWork, StepCost, decode_step_cost, max_kv_tokens, step_cost
 
@@ -236,10 +236,8 @@ class CostModelEngine(PagedEngine):
     # ---- KV: sized, never stored ---------------------------------------------------------
     def _export(self, seq: Sequence, token_start: int, token_end: int, layer_start: int,
                 layer_end: int) -> KVChunk:
-        span = KVSpan.of(seq.request_id, tokens=(token_start, token_end), layers=(layer_start, layer_end),
-                         num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self._layout.dtype,
-                         virtual=True)
-        return KVChunk(span, _NO_DATA)
+        return KVChunk(self._layout.span(seq.request_id, (token_start, token_end), (layer_start, layer_end),
+                                         virtual=True), _NO_DATA)
 
     def _import(self, seq: Sequence, chunk: KVChunk, start: int) -> None:
         """Nothing to write: the blocks stand for the KV once the chunk has arrived."""
