@@ -3,7 +3,8 @@
 `python -m pddgw.bench.prefill_ops [--quick] [--json] [--threads N]`
 
 Rows: RMSNorm over [T, hidden] (`cpu_pointwise.rms_norm` vs transformers' formula in torch),
-RoPE over q | k [T, H + KVH, D] (`cpu_pointwise.rope` vs `x * cos2 + roll(x) * sin2`), and the
+RoPE over q | k [T, H + KVH, D] (`cpu_pointwise.rope` vs `x * cos2 + roll(x) * sin2`), SiLU x up
+over the gate | up projection [T, 2 I] (`cpu_pointwise.silu_mul` vs `F.silu(gate).mul_(up)`), the
 causal attention of whole prompts (`cpu_ops.extend_attention`, the AMX prompt kernel, vs the
 torch reference: fused SDPA per prompt), at SmolLM2-135M's and Llama-3-8B's shapes.  The two
 sides alternate call by call; the median is kept.  `speedup` = torch / C time; `same bits`:
@@ -19,13 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pddgw.engines.model import rope_tables
 from pddgw.kernels import cpu_ops, cpu_pointwise, reference
 from pddgw.tables import add_output_args, alternating_medians_us, emit, format_table, ratio
 
-# (name, hidden, query heads, KV heads, head_dim)
-SHAPES = (("SmolLM2-135M", 576, 9, 3, 64), ("Llama-3-8B", 4096, 32, 8, 128))
+# (name, hidden, query heads, KV heads, head_dim, intermediate)
+SHAPES = (("SmolLM2-135M", 576, 9, 3, 64, 1536), ("Llama-3-8B", 4096, 32, 8, 128, 14336))
 PROMPTS = ((4, 256), (1, 2048))                   # (prompts, tokens each) of a step
 
 
@@ -105,13 +107,25 @@ def _rope(model: str, heads: int, d: int, t: int, calls: int) -> Row:
                   lambda: qk * cos2 + qk.roll(d // 2, -1) * sin2, calls)
 
 
+def _silu_mul(model: str, inter: int, t: int, calls: int) -> Row:
+    gate_up = torch.randn(t, 2 * inter, generator=torch.Generator().manual_seed(3)).bfloat16()
+
+    def torch_ops() -> torch.Tensor:
+        gate, up = gate_up.chunk(2, -1)
+        return F.silu(gate).mul_(up)
+
+    return _timed("silu x up", model, f"{t} x 2 x {inter}", lambda: cpu_pointwise.silu_mul(gate_up), torch_ops,
+                  calls)
+
+
 def run(*, quick: bool) -> Report:
     calls = 10 if quick else 50
     rows: list[Row] = []
-    for model, hidden, heads, kv_heads, d in SHAPES[:1] if quick else SHAPES:
+    for model, hidden, heads, kv_heads, d, inter in SHAPES[:1] if quick else SHAPES:
         for prompts, length in PROMPTS[:1] if quick else PROMPTS:
             rows += [_rms_norm(model, hidden, prompts * length, calls),
                      _rope(model, heads + kv_heads, d, prompts * length, calls),
+                     _silu_mul(model, inter, prompts * length, calls),
                      _attention(model, heads, kv_heads, d, prompts, length, calls)]
     return Report(threads=torch.get_num_threads(), rows=rows)
 

@@ -48,6 +48,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> SiLU(gate) * up [T, I]; one pass in C for bfloat16 on the CPU
+    (`cpu_pointwise.silu_mul`, the same bits)."""
+    if (fused := cpu_pointwise.silu_mul(gate_up)) is not None:
+        return fused
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] in float64, with Llama-3 scaling if given."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -321,8 +330,8 @@ class LlamaModel(nn.Module):
             o = attend(i, q, k, v)                               # [T, H, D]
             h = linear(o.reshape(T, s.q_size), L.o_w, L.o_b, L.o_pk, add=h)     # residual
             x = rms_norm(h, L.post_norm, s.rms_norm_eps)
-            gate, up = linear(x, L.gate_up_w, None, L.gate_up_pk).chunk(2, dim=-1)   # [T, I] each
-            h = linear(F.silu(gate).mul_(up), L.down_w, None, L.down_pk, add=h)
+            act = silu_mul(linear(x, L.gate_up_w, None, L.gate_up_pk))    # [T, 2I] -> [T, I]
+            h = linear(act, L.down_w, None, L.down_pk, add=h)
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

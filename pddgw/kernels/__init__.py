@@ -6,7 +6,7 @@ engine calls.  "auto" is Triton on CUDA, the CPU backend (`cpu_ops`: decode atte
 in C, bfloat16 prompt rows on AMX tiles) on the CPU where its kernel builds, and the
 torch reference elsewhere.  Triton is imported only when it is selected.  The CPU's
 bfloat16 GEMMs on AMX tiles are `cpu_linear` (the model packs its weights for them),
-its bfloat16 RMSNorm and RoPE passes `cpu_pointwise`; `cpu_build` builds the C kernels.
+its bfloat16 RMSNorm, RoPE and SiLU x up passes `cpu_pointwise`; `cpu_build` builds the C kernels.
 """
 
 from __future__ import annotations

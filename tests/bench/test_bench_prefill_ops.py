@@ -16,7 +16,7 @@ needs_kernels = pytest.mark.skipif(not cpu_pointwise.available() or cpu_ops._loa
 
 @needs_kernels
 def test_main_prints_the_table_and_json(monkeypatch, capsys):
-    monkeypatch.setattr(B, "SHAPES", (("tiny", 64, 4, 2, 32),))
+    monkeypatch.setattr(B, "SHAPES", (("tiny", 64, 4, 2, 32, 96),))
     monkeypatch.setattr(B, "PROMPTS", ((2, 40),))
     timed = []
 
@@ -28,12 +28,12 @@ def test_main_prints_the_table_and_json(monkeypatch, capsys):
     assert B.main(["--quick"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("bfloat16 prefill passes, C vs torch")
-    assert "80 x 64" in out and "80 x 6 x 32" in out and "2 x 40" in out
-    assert timed == [10, 10, 10]
+    assert "80 x 64" in out and "80 x 6 x 32" in out and "80 x 2 x 96" in out and "2 x 40" in out
+    assert timed == [10, 10, 10, 10]
     assert B.main(["--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [(r["op"], r["speedup"], r["same_bits"]) for r in rows] == [
-        ("rms_norm", 4.0, True), ("rope", 4.0, True), ("prompt attention", 4.0, False)]
+        ("rms_norm", 4.0, True), ("rope", 4.0, True), ("silu x up", 4.0, True), ("prompt attention", 4.0, False)]
     assert rows[0]["c_err"] is None
     # Attention: both sides within bfloat16's rounding of the float64 result.
-    assert 0 < rows[2]["c_err"] < 0.05 and 0 < rows[2]["torch_err"] < 0.05
+    assert 0 < rows[3]["c_err"] < 0.05 and 0 < rows[3]["torch_err"] < 0.05
