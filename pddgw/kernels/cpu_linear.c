@@ -76,7 +76,7 @@ static inline void store16(const float *acc, const uint16_t *bias, const uint16_
 
 /* One 32 x 32 output block's float32 sums, stashed from the accumulator tiles, and where they go. */
 typedef struct {
-    float acc[4][16 * 16];              /* rows 0.. x blocks 0, 1; rows 16.. x blocks 0, 1 */
+    float acc[4][16 * 16] __attribute__((aligned(64)));    /* rows 0.. x blocks 0, 1; rows 16.. x 0, 1 */
     const uint16_t *bias, *add;
     uint16_t *y;
     int64_t add_stride, y_stride;

@@ -33,6 +33,7 @@ log = structlog.get_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_pointwise.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_VECTOR = 8                    # torch sums a shorter row without vectors, in another order
 _SPLIT_ROW = 32768             # torch's grain size: a lone row this long may be summed by several threads
 
 
@@ -62,10 +63,11 @@ def available() -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x [T, N] bfloat16 (rows may be strided) normalized over N in float32, rounded, times weight
     [N] -> [T, N] bfloat16, the bits of `w * (xf * rsqrt(mean(xf^2) + eps)).to(bfloat16)`; None
-    where the kernel does not take the inputs (module docstring; and rows of 32768 values or more,
-    whose sum torch may split between threads)."""
+    where the kernel does not take the inputs (module docstring; and rows torch sums another way:
+    shorter than its 8-lane vector, or of 32768 values or more, which it may split between threads)."""
     if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],) or x.shape[1] >= _SPLIT_ROW):
+            or x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],)
+            or not _VECTOR <= x.shape[1] < _SPLIT_ROW):
         return None
     lib = _load()
     if lib is None:

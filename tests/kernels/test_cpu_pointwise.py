@@ -71,6 +71,8 @@ def test_rms_norm_declines_what_it_does_not_take():
     assert cpu_pointwise.rms_norm(x.t(), _rand(4, seed=2), 1e-6) is None          # columns strided
     assert cpu_pointwise.rms_norm(x, w[:32], 1e-6) is None                        # weight of another width
     assert cpu_pointwise.rms_norm(_rand(1, 32768, seed=3), _rand(32768, seed=4), 1e-6) is None   # split sums
+    assert cpu_pointwise.rms_norm(x[:, :7], w[:7], 1e-6) is None                  # summed without vectors
+    assert torch.equal(model.rms_norm(x[:, :7], w[:7], 1e-6), _hf_rms_norm(x[:, :7], w[:7], 1e-6))
 
 
 @needs_kernel
