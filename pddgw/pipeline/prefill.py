@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import math
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
@@ -228,17 +227,17 @@ class PrefillWorker:
             sent = upto
 
     def _buffers(self, rid: str, bounds: list[tuple[int, int]], target: KVTarget) -> list[memoryview | None]:
-        """On the loop: the receiver's memory for each chunk, where the target's link offers it."""
+        """On the loop: the receiver's memory for each chunk where the target's link offers it, else None."""
         if target.buffer is None or self.engine.virtual_kv:
-            return []
+            return [None] * len(bounds)
         return [target.buffer(self.engine.kv_layout.span(rid, (a, b))) for a, b in bounds]
 
     def _export(self, rid: str, bounds: list[tuple[int, int]], into: list[memoryview | None]) -> list[KVChunk]:
         """Engine thread: the chunks of these token ranges of `rid`'s prompt, named `rid`, each
-        written into its buffer where `into` has one."""
+        written into its buffer in `into` where it has one."""
         eid = rid + self.engine_suffix
         chunks = [self.engine.export_kv(eid, a, b) if buf is None else self.engine.export_kv_into(eid, a, b, buf)
-                  for (a, b), buf in itertools.zip_longest(bounds, into)]
+                  for (a, b), buf in zip(bounds, into, strict=True)]
         if self.engine_suffix:
             chunks = [replace(c, span=replace(c.span, request_id=rid)) for c in chunks]
         return chunks
